@@ -1,0 +1,121 @@
+"""The non-finite gradient guard: remember a NaN/Inf without a host sync per step.
+
+Calling ``.item()`` on a gradient norm every step stalls a GPU pipeline, so the
+guard keeps its "non-finite seen" flag as a tensor on the norm's own device and
+ORs into it with device ops. Only :meth:`NonFiniteGradGuard.tripped`, called
+once per checkpoint boundary, reads it back to the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Union
+
+import torch
+from torch import Tensor, nn
+
+ParametersArg = Union[Tensor, Iterable[Tensor]]
+
+
+class NonFiniteGradGuard:
+    """Accumulates whether any gradient norm was non-finite since the last reset.
+
+    Pass a module (or ``named_parameters()``) to get parameter names in the
+    error when the guard trips; otherwise parameters are named by position.
+    """
+
+    def __init__(self, named: nn.Module | Iterable[tuple[str, Tensor]] | None = None) -> None:
+        pairs = named.named_parameters() if isinstance(named, nn.Module) else (named or ())
+        self._names: dict[int, str] = {id(p): name for name, p in pairs}
+        self._flags: dict[torch.device, Tensor] = {}
+        self._host_flag = False
+        # per parameter group (ids, names): accumulated per-parameter non-finite flags
+        self._param_flags: dict[tuple[int, ...], tuple[list[str], Tensor]] = {}
+
+    def update(self, total_norm: Tensor | float) -> None:
+        """Record ``total_norm``; a tensor stays on its device (no host sync)."""
+        if not isinstance(total_norm, Tensor):
+            if not math.isfinite(float(total_norm)):
+                self._host_flag = True
+            return
+        bad = torch.isfinite(total_norm.detach()).logical_not().any()
+        flag = self._flags.get(bad.device)
+        self._flags[bad.device] = bad if flag is None else flag.logical_or(bad)
+
+    def clip_grad_norm_(
+        self, parameters: ParametersArg, max_norm: float, norm_type: float = 2.0
+    ) -> Tensor:
+        """Overflow-safe ``torch.nn.utils.clip_grad_norm_`` that also updates the guard.
+
+        Per-parameter norms are accumulated in float64 and combined after
+        scaling by their maximum, so finite gradients too large for a float32
+        sum of squares give a finite norm instead of a false alarm. Returns
+        the total norm in the gradients' dtype, like torch.
+        """
+        params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+        params = [p for p in params if p.grad is not None]
+        if not params:
+            return torch.tensor(0.0)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm_type = float(norm_type)
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, g in enumerate(grads):
+            groups.setdefault((g.device, g.dtype), []).append(i)
+        first_device = grads[0].device
+        per_group = []
+        for (device, _dtype), idx in groups.items():
+            norms = torch.stack(_tensor_norms([grads[i] for i in idx], norm_type))
+            self._record_params([params[i] for i in idx], norms)
+            per_group.append(norms.to(first_device))
+        total = _combine(torch.cat(per_group), norm_type)
+        self.update(total)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for (device, dtype), idx in groups.items():
+            torch._foreach_mul_([grads[i] for i in idx], coef.to(device=device, dtype=dtype))
+        return total.to(grads[0].dtype)
+
+    def _record_params(self, params: list[Tensor], norms: Tensor) -> None:
+        key = tuple(id(p) for p in params)
+        bad = torch.isfinite(norms).logical_not()
+        known = self._param_flags.get(key)
+        if known is None:
+            names = [
+                self._names.get(id(p), f"param[{i}]{tuple(p.shape)}") for i, p in enumerate(params)
+            ]
+            self._param_flags[key] = (names, bad)
+        else:
+            self._param_flags[key] = (known[0], known[1].logical_or(bad))
+
+    def tripped(self) -> bool:
+        """Whether a non-finite norm was seen since the last reset (one host sync)."""
+        return self._host_flag or any(bool(flag.item()) for flag in self._flags.values())
+
+    def nonfinite_parameters(self) -> list[str]:
+        """Names of parameters whose gradient norm was non-finite since the last reset."""
+        found: list[str] = []
+        for names, flags in self._param_flags.values():
+            found.extend(name for name, bad in zip(names, flags.tolist()) if bad)
+        return found
+
+    def reset(self) -> None:
+        self._flags.clear()
+        self._host_flag = False
+        self._param_flags.clear()
+
+
+def _tensor_norms(grads: list[Tensor], norm_type: float) -> list[Tensor]:
+    if grads[0].device.type != "mps":  # MPS has no float64
+        return list(torch._foreach_norm(grads, norm_type, dtype=torch.float64))
+    scale = torch.stack(torch._foreach_norm(grads, math.inf)).max().clamp(min=1e-30)
+    scaled = torch._foreach_div(grads, scale)
+    return [n * scale for n in torch._foreach_norm(scaled, norm_type)]
+
+
+def _combine(norms: Tensor, norm_type: float) -> Tensor:
+    """The norm of per-tensor norms, scaled by their maximum so the sum cannot overflow."""
+    if math.isinf(norm_type):
+        return norms.max()
+    scale = norms.max()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return safe * torch.linalg.vector_norm(norms / safe, norm_type)

@@ -1,0 +1,226 @@
+"""Operations on ledger rows and pointers.
+
+Every function takes an open session and never commits: the caller (the
+manager or reconcile) decides what one transaction contains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from . import models as m
+from .policies import Entry, Keep, Policy, TopK
+
+LIVE_STATES = (m.PENDING, m.COMMITTED, m.DELETING, m.LOST, m.CORRUPT)
+
+
+def latest_pointer(stream: str) -> str:
+    return f"latest:{stream}"
+
+
+def get_or_create_run(session: Session, root: str, save_dir: str, name: str) -> m.Run:
+    run = session.scalars(select(m.Run).where(m.Run.root == root)).one_or_none()
+    if run is None:
+        run = m.Run(name=name, root=root, save_dir=save_dir, created_at=m.utcnow())
+        session.add(run)
+        session.flush()
+    elif run.save_dir != save_dir:
+        run.save_dir = save_dir
+    return run
+
+
+def policy_from_row(row: m.Stream) -> Policy:
+    if row.kind == "topk":
+        assert row.k is not None and row.metric is not None
+        mode = "max" if row.mode == "max" else "min"
+        return TopK(k=row.k, metric=row.metric, mode=mode)
+    return Keep(last=row.keep_last, every=row.keep_every)
+
+
+def _write_policy(row: m.Stream, policy: Policy) -> None:
+    row.kind = policy.kind
+    row.keep_last = policy.last if isinstance(policy, Keep) else None
+    row.keep_every = policy.every if isinstance(policy, Keep) else None
+    row.k = policy.k if isinstance(policy, TopK) else None
+    row.metric = policy.metric if isinstance(policy, TopK) else None
+    row.mode = policy.mode if isinstance(policy, TopK) else None
+
+
+def sync_streams(
+    session: Session, run_id: int, requested: dict[str, Policy] | None, default: dict[str, Policy]
+) -> dict[str, Policy]:
+    """Store the requested policies; return every stream's policy.
+
+    Streams the caller does not name keep their stored policy (and their
+    checkpoints); a run with no stored streams gets ``default``.
+    """
+    rows = {r.name: r for r in session.scalars(select(m.Stream).where(m.Stream.run_id == run_id))}
+    wanted = requested if requested is not None else ({} if rows else default)
+    for name, policy in wanted.items():
+        row = rows.get(name)
+        if row is None:
+            row = rows[name] = m.Stream(run_id=run_id, name=name)
+            session.add(row)
+        _write_policy(row, policy)
+    session.flush()
+    return {name: policy_from_row(row) for name, row in sorted(rows.items())}
+
+
+def start_attempt(session: Session, run_id: int) -> m.Attempt:
+    """Close attempts a crash left running, then open this process's attempt."""
+    now = m.utcnow()
+    session.execute(
+        update(m.Attempt)
+        .where(m.Attempt.run_id == run_id, m.Attempt.end_state == "running")
+        .values(end_state="crashed", ended_at=now)
+    )
+    attempt = m.Attempt(
+        run_id=run_id,
+        started_at=now,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        end_state="running",
+    )
+    session.add(attempt)
+    session.flush()
+    return attempt
+
+
+def end_attempt(session: Session, attempt_id: int, state: str) -> None:
+    session.execute(
+        update(m.Attempt)
+        .where(m.Attempt.id == attempt_id)
+        .values(end_state=state, ended_at=m.utcnow())
+    )
+
+
+def add_event(
+    session: Session,
+    run_id: int,
+    attempt_id: int | None,
+    kind: str,
+    *,
+    checkpoint_id: int | None = None,
+    step: int | None = None,
+    detail: dict[str, Any] | None = None,
+) -> None:
+    session.add(
+        m.Event(
+            run_id=run_id,
+            attempt_id=attempt_id,
+            time=m.utcnow(),
+            kind=kind,
+            checkpoint_id=checkpoint_id,
+            step=step,
+            detail=json.dumps(detail, default=str) if detail else None,
+        )
+    )
+
+
+def rows_in_state(
+    session: Session, run_id: int, states: Iterable[str], stream: str | None = None
+) -> list[m.Checkpoint]:
+    query = select(m.Checkpoint).where(
+        m.Checkpoint.run_id == run_id, m.Checkpoint.state.in_(tuple(states))
+    )
+    if stream is not None:
+        query = query.where(m.Checkpoint.stream == stream)
+    return list(
+        session.scalars(query.order_by(m.Checkpoint.stream, m.Checkpoint.step, m.Checkpoint.id))
+    )
+
+
+def entries(rows: Sequence[m.Checkpoint]) -> list[Entry]:
+    return [Entry(id=r.id, step=r.step, metric=r.metric) for r in rows]
+
+
+def path_in_use(session: Session, run_id: int, path: str) -> bool:
+    """Whether a live row (anything not deleted or aborted) owns ``path``."""
+    found = session.scalar(
+        select(func.count())
+        .select_from(m.Checkpoint)
+        .where(
+            m.Checkpoint.run_id == run_id,
+            m.Checkpoint.path == path,
+            m.Checkpoint.state.in_(LIVE_STATES),
+        )
+    )
+    return bool(found)
+
+
+def set_state(session: Session, ids: Sequence[int], state: str, **values: Any) -> None:
+    if ids:
+        session.execute(
+            update(m.Checkpoint).where(m.Checkpoint.id.in_(ids)).values(state=state, **values)
+        )
+
+
+def set_latest(session: Session, run_id: int, stream: str, checkpoint_id: int | None) -> None:
+    name = latest_pointer(stream)
+    pointer = session.get(m.Pointer, (run_id, name))
+    if checkpoint_id is None:
+        if pointer is not None:
+            session.execute(
+                delete(m.Pointer).where(m.Pointer.run_id == run_id, m.Pointer.name == name)
+            )
+    elif pointer is None:
+        session.add(m.Pointer(run_id=run_id, name=name, checkpoint_id=checkpoint_id))
+    else:
+        pointer.checkpoint_id = checkpoint_id
+
+
+def newest_committed_id(session: Session, run_id: int, stream: str) -> int | None:
+    """The newest (most recently published) healthy checkpoint of a stream."""
+    return session.scalar(
+        select(func.max(m.Checkpoint.id)).where(
+            m.Checkpoint.run_id == run_id,
+            m.Checkpoint.stream == stream,
+            m.Checkpoint.state == m.COMMITTED,
+        )
+    )
+
+
+def latest_row(session: Session, run_id: int, stream: str) -> m.Checkpoint | None:
+    pointer = session.get(m.Pointer, (run_id, latest_pointer(stream)))
+    if pointer is None:
+        return None
+    row = session.get(m.Checkpoint, pointer.checkpoint_id)
+    return row if row is not None and row.state == m.COMMITTED else None
+
+
+def repoint_latest(session: Session, run_id: int, stream: str) -> tuple[int | None, int | None]:
+    """Point ``latest:<stream>`` at the newest healthy row; returns (old id, new id)."""
+    pointer = session.get(m.Pointer, (run_id, latest_pointer(stream)))
+    old = pointer.checkpoint_id if pointer is not None else None
+    new = newest_committed_id(session, run_id, stream)
+    if old != new:
+        set_latest(session, run_id, stream, new)
+    return old, new
+
+
+def insert_metrics(
+    session: Session, run_id: int, attempt_id: int, points: Sequence[tuple[int, str, float, float]]
+) -> None:
+    """Insert buffered (step, name, value, wall_time) points in one executemany."""
+    if points:
+        session.execute(
+            m.Metric.__table__.insert(),
+            [
+                {
+                    "run_id": run_id,
+                    "attempt_id": attempt_id,
+                    "step": s,
+                    "name": n,
+                    "value": v,
+                    "wall_time": t,
+                }
+                for s, n, v, t in points
+            ],
+        )

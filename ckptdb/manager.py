@@ -1,0 +1,613 @@
+"""CheckpointManager: the trainer-facing API and the publication protocol.
+
+A boundary (one :meth:`CheckpointManager.save`) runs these steps in order:
+
+1. **Preflight** — validate step, streams and metrics; check the guard once
+   (a trip records ``guard_tripped`` and raises, nothing written); decide
+   top-K admission, so a candidate that would not enter is never written.
+2. **Intent** — one transaction inserts a ``pending`` row per stream, with
+   its final and temporary path (a name no live row owns).
+3. **Write** — ``torch.save`` into the temporary file in the destination
+   directory, hashing and counting bytes as they stream out; ``fsync``.
+4. **Place** — ``os.replace`` onto the final name; ``fsync`` the directory.
+5. **Commit** — one transaction: rows become ``committed``, latest pointers
+   move, retention marks evicted rows ``deleting``, buffered metrics and
+   events are written. This is the single commit point.
+6. **Clean up** — unlink evicted files and mark them ``deleted``. A failure
+   here does not undo the commit: it is recorded (``cleanup_failed``),
+   warned about, and retried by the next reconcile.
+
+A failure in 2-5 rolls the boundary back: files written are removed, rows
+become ``aborted`` with the error, pointers and retention are untouched, and
+:class:`~ckptdb.errors.PublishError` names the phase and the path. A leftover
+that cannot be removed is attached to the error and stays ``pending`` so the
+next reconcile removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import numbers
+import os
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from sqlalchemy.exc import SQLAlchemyError
+
+from . import ledger
+from . import models as m
+from .db import Ledger, default_sqlite_url, migrate, open_ledger
+from .errors import (
+    ArgumentTypeError,
+    CheckpointNotFoundError,
+    CleanupFailure,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    InvalidMetricError,
+    LedgerError,
+    NonFiniteGradientError,
+    PublishError,
+    UnknownStreamError,
+)
+from .guard import NonFiniteGradGuard
+from .lock import WriterLock
+from .policies import Entry, Keep, Policy, TopK, validate_policies
+from .reconcile import Reconciler, ReconcileReport
+from .record import Checkpoint
+from .storage import (
+    FileInfo,
+    PhaseError,
+    checkpoint_name,
+    confine,
+    fsync_dir,
+    hash_open_file,
+    make_dir,
+    place,
+    remove,
+    temp_name,
+    write_payload,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STREAMS: dict[str, Policy] = {"model": Keep(last=5)}
+METRIC_FLUSH_THRESHOLD = 100_000
+
+
+class CleanupWarning(UserWarning):
+    """An evicted or leftover file could not be removed (the next reconcile retries)."""
+
+
+@dataclass
+class _Pending:
+    """One stream's share of a boundary between intent and commit."""
+
+    stream: str
+    payload: Any
+    row_id: int
+    final: Path
+    tmp: Path
+    metric: float | None
+    info: FileInfo | None = None
+
+
+def validate_step(step: object) -> int:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ArgumentTypeError(f"step must be a non-negative int, got {step!r}")
+    if step < 0:
+        raise InvalidArgumentError(f"step must be >= 0, got {step}")
+    return step
+
+
+def validate_metrics(metrics: object) -> dict[str, float]:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise ArgumentTypeError(f"metrics must be a dict name -> number, got {metrics!r}")
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise ArgumentTypeError(f"metric names must be non-empty str, got {name!r}")
+        out[name] = _real(name, value)
+    return out
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"metric {name!r} must be a real number, got {value!r}")
+    return float(value)
+
+
+class CheckpointManager:
+    """Publishes checkpoints transactionally and answers what is latest and best.
+
+    ``root`` is the run directory; the ledger defaults to
+    ``<root>/ckptdb.sqlite`` and checkpoint files to ``<root>/checkpoints``.
+    Opening takes the run's writer lock, migrates the ledger, starts an
+    attempt and reconciles the ledger with the disk.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        streams: dict[str, Policy] | None = None,
+        save_dir: str | os.PathLike[str] | None = None,
+        db_url: str | None = None,
+        guard: NonFiniteGradGuard | None = None,
+    ) -> None:
+        requested = validate_policies(streams) if streams is not None else None
+        if guard is not None and not isinstance(guard, NonFiniteGradGuard):
+            raise ArgumentTypeError(f"guard must be a NonFiniteGradGuard, got {guard!r}")
+        self.root = Path(root).resolve()
+        self.save_dir = Path(save_dir).resolve() if save_dir is not None else self.root / "checkpoints"
+        self.guard = guard
+        self._closed = True
+        self._metric_buffer: list[tuple[int, str, float, float]] = []
+        make_dir(self.root)
+        self._lock = WriterLock(self.root)
+        self._lock.acquire()
+        try:
+            self._db: Ledger = open_ledger(db_url or default_sqlite_url(self.root))
+            self._open(requested)
+        except BaseException:
+            self._release_after_failed_open()
+            raise
+        self._closed = False
+        self.last_reconcile: ReconcileReport = self.reconcile()
+
+    def _open(self, requested: dict[str, Policy] | None) -> None:
+        migrate(self._db.engine)
+        with self._db.transaction() as session:
+            run = ledger.get_or_create_run(
+                session, str(self.root), str(self.save_dir), name=self.root.name
+            )
+            self.run_id = run.id
+            self.policies = ledger.sync_streams(session, run.id, requested, DEFAULT_STREAMS)
+            self.attempt_id = ledger.start_attempt(session, run.id).id
+            ledger.add_event(session, run.id, self.attempt_id, "attempt_started")
+        self._resumed = False
+
+    def _release_after_failed_open(self) -> None:
+        db = getattr(self, "_db", None)
+        if db is not None:
+            db.dispose()
+        self._lock.release()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._close("closed" if exc_type is None else "failed")
+
+    def close(self) -> None:
+        """Flush buffered metrics, end the attempt and release the writer lock."""
+        self._close("closed")
+
+    def _close(self, end_state: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with self._db.transaction() as session:
+                flushed = self._flush_into(session)
+                ledger.end_attempt(session, self.attempt_id, end_state)
+            self._drop_flushed(flushed)
+        finally:
+            self._db.dispose()
+            self._lock.release()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LedgerError(f"the CheckpointManager for {self.root} is closed")
+
+    # ------------------------------------------------------------------- saving
+
+    def save(self, step: int, *, metrics: Mapping[str, float] | None = None,
+             **payloads: Any) -> dict[str, Checkpoint]:
+        """Publish one boundary: every payload (keyed by stream) commits, or none does.
+
+        Returns the committed checkpoints by stream; a top-K candidate that
+        would not enter its top-K is not written and is absent from the result.
+        """
+        self._check_open()
+        step = validate_step(step)
+        values = validate_metrics(metrics)
+        if not payloads:
+            raise InvalidArgumentError("save() needs at least one payload, e.g. save(step, model=sd)")
+        self._check_payload_streams(payloads, values)
+        now = time.time()
+        self._metric_buffer.extend((step, name, v, now) for name, v in values.items())
+        try:
+            self._check_guard(step)
+            return self._publish(step, values, payloads)
+        finally:
+            if self.guard is not None:
+                self.guard.reset()
+
+    def _check_payload_streams(self, payloads: Mapping[str, Any], values: dict[str, float]) -> None:
+        for stream in payloads:
+            policy = self.policies.get(stream)
+            if policy is None:
+                raise UnknownStreamError(
+                    f"no stream {stream!r} is configured (streams: {', '.join(self.policies)})"
+                )
+            if isinstance(policy, TopK):
+                value = values.get(policy.metric)
+                if value is None or not math.isfinite(value):
+                    raise InvalidMetricError(
+                        f"stream {stream!r} ranks by metric {policy.metric!r}, which must be a "
+                        f"finite number in save(metrics=...); got {value!r}"
+                    )
+
+    def _check_guard(self, step: int) -> None:
+        if self.guard is None or not self.guard.tripped():
+            return
+        params = self.guard.nonfinite_parameters()
+        with self._db.transaction() as session:
+            ledger.add_event(session, self.run_id, self.attempt_id, "guard_tripped", step=step,
+                             detail={"parameters": params} if params else None)
+        which = f" in {', '.join(params)}" if params else ""
+        raise NonFiniteGradientError(
+            f"non-finite gradient seen{which} since the last boundary; step {step} not published",
+            step=step, parameters=params,
+        )
+
+    def _publish(self, step: int, values: dict[str, float],
+                 payloads: Mapping[str, Any]) -> dict[str, Checkpoint]:
+        admitted = self._admitted(step, values, payloads)
+        if not admitted:
+            return {}
+        pending = self._record_intent(step, values, admitted)
+        try:
+            self._write_and_place(pending)
+            evicted = self._commit(step, pending)
+        except BaseException as exc:
+            self._roll_back(step, pending, exc)
+            raise  # _roll_back raises PublishError for ordinary errors
+        self._clean_up(step, evicted)
+        return self._records([p.row_id for p in pending])
+
+    def _admitted(self, step: int, values: dict[str, float],
+                  payloads: Mapping[str, Any]) -> dict[str, Any]:
+        admitted = dict(payloads)
+        topk = {s: p for s, p in self.policies.items() if s in payloads and isinstance(p, TopK)}
+        if not topk:
+            return admitted
+        with self._db.transaction() as session:
+            for stream, policy in topk.items():
+                members = ledger.entries(ledger.rows_in_state(session, self.run_id, [m.COMMITTED], stream))
+                candidate = Entry(id=-1, step=step, metric=values[policy.metric])
+                if not policy.admits(members, candidate):
+                    del admitted[stream]
+        return admitted
+
+    def _record_intent(self, step: int, values: dict[str, float],
+                       payloads: dict[str, Any]) -> list[_Pending]:
+        try:
+            for stream in payloads:
+                make_dir(self.save_dir / stream)
+            with self._db.transaction() as session:
+                return [self._intent_row(session, step, values, s, p) for s, p in payloads.items()]
+        except PhaseError as exc:
+            raise PublishError(f"step {step}: could not create {exc.path}: {exc.error}",
+                               phase="intent", step=step, path=exc.path) from exc.error
+        except SQLAlchemyError as exc:
+            raise PublishError(f"step {step}: could not record the intent in the ledger: {exc}",
+                               phase="intent", step=step) from exc
+
+    def _intent_row(self, session: Any, step: int, values: dict[str, float], stream: str,
+                    payload: Any) -> _Pending:
+        policy = self.policies[stream]
+        metric = values[policy.metric] if isinstance(policy, TopK) else None
+        row = m.Checkpoint(
+            run_id=self.run_id, stream=stream, step=step, attempt_id=self.attempt_id,
+            path="", state=m.PENDING, metric=metric,
+            metrics=json.dumps(values) if values else None, created_at=m.utcnow(),
+        )
+        session.add(row)
+        session.flush()
+        name = checkpoint_name(step)
+        rel = f"{stream}/{name}"
+        if ledger.path_in_use(session, self.run_id, rel) or os.path.lexists(self.save_dir / rel):
+            name = checkpoint_name(step, version=row.id)
+            rel = f"{stream}/{name}"
+        row.path = rel
+        row.tmp_path = f"{stream}/{temp_name(name, row.id)}"
+        return _Pending(stream, payload, row.id, self.save_dir / rel,
+                        self.save_dir / row.tmp_path, metric)
+
+    def _write_and_place(self, pending: list[_Pending]) -> None:
+        for p in pending:
+            p.info = write_payload(p.payload, p.tmp)
+        for p in pending:
+            place(p.tmp, p.final)
+        for directory in sorted({p.final.parent for p in pending}):
+            fsync_dir(directory)
+
+    def _commit(self, step: int, pending: list[_Pending]) -> list[m.Checkpoint]:
+        """The single commit point of a boundary; returns the rows it evicted."""
+        evicted: list[m.Checkpoint] = []
+        with self._db.transaction() as session:
+            now = m.utcnow()
+            for p in pending:
+                assert p.info is not None
+                ledger.set_state(session, [p.row_id], m.COMMITTED, size=p.info.size,
+                                 hash=p.info.hash, committed_at=now, tmp_path=None)
+                evicted.extend(self._apply_retention(session, p))
+                ledger.set_latest(session, self.run_id, p.stream, p.row_id)
+            flushed = self._flush_into(session)
+        self._drop_flushed(flushed)
+        return evicted
+
+    def _apply_retention(self, session: Any, p: _Pending) -> list[m.Checkpoint]:
+        rows = ledger.rows_in_state(session, self.run_id, [m.COMMITTED], p.stream)
+        others = [r for r in rows if r.id != p.row_id]
+        new = Entry(id=p.row_id, step=self._step_of(rows, p.row_id), metric=p.metric)
+        doomed = {e.id for e in self.policies[p.stream].evictions(ledger.entries(others), new)}
+        evicted = [r for r in others if r.id in doomed]
+        ledger.set_state(session, [r.id for r in evicted], m.DELETING)
+        return evicted
+
+    @staticmethod
+    def _step_of(rows: list[m.Checkpoint], row_id: int) -> int:
+        return next(r.step for r in rows if r.id == row_id)
+
+    def _roll_back(self, step: int, pending: list[_Pending], exc: BaseException) -> None:
+        failures: list[CleanupFailure] = []
+        left: set[int] = set()
+        for p in pending:
+            for path in (p.tmp, p.final):
+                try:
+                    remove(path)
+                except OSError as cleanup_exc:
+                    failures.append(CleanupFailure(path, cleanup_exc))
+                    left.add(p.row_id)
+        phase, path, cause = _describe(exc)
+        error_text = f"{phase} failed at {path}: {type(cause).__name__}: {cause}"
+        self._record_rollback(step, pending, left, error_text, failures, phase)
+        for failure in failures:
+            warnings.warn(f"ckptdb could not remove {failure}", CleanupWarning, stacklevel=4)
+        if not isinstance(exc, Exception):
+            return  # KeyboardInterrupt & co. propagate unchanged after the cleanup
+        stream = next((p.stream for p in pending if path in (p.tmp, p.final)), None)
+        raise PublishError(f"step {step} not published: {error_text}", phase=phase, step=step,
+                           path=path, stream=stream, cleanup_failures=failures) from cause
+
+    def _record_rollback(self, step: int, pending: list[_Pending], left: set[int], error: str,
+                         failures: list[CleanupFailure], phase: str) -> None:
+        """Mark rows aborted (or leave them pending for reconcile if files remain)."""
+        try:
+            with self._db.transaction() as session:
+                aborted = [p.row_id for p in pending if p.row_id not in left]
+                ledger.set_state(session, aborted, m.ABORTED, error=error)
+                for row_id in left:
+                    ledger.set_state(session, [row_id], m.PENDING, error=error)
+                ledger.add_event(session, self.run_id, self.attempt_id, "publish_failed",
+                                 step=step, detail={"phase": phase, "error": error})
+                for failure in failures:
+                    ledger.add_event(session, self.run_id, self.attempt_id, "cleanup_failed",
+                                     step=step, detail={"path": str(failure.path),
+                                                        "error": repr(failure.error)})
+        except SQLAlchemyError as db_exc:
+            # Rows stay pending; the next reconcile rolls them back.
+            failures.append(CleanupFailure(Path(str(self._db.engine.url)), db_exc))
+
+    def _clean_up(self, step: int, evicted: list[m.Checkpoint]) -> None:
+        removed: list[int] = []
+        failures: list[tuple[m.Checkpoint, Path, BaseException]] = []
+        for row in evicted:
+            path = self.save_dir / row.path
+            try:
+                remove(confine(self.save_dir, row.path))
+                removed.append(row.id)
+            except (OSError, InvalidArgumentError) as exc:
+                failures.append((row, path, exc))
+        try:
+            with self._db.transaction() as session:
+                ledger.set_state(session, removed, m.DELETED, deleted_at=m.utcnow())
+                for row, path, exc in failures:
+                    ledger.add_event(session, self.run_id, self.attempt_id, "cleanup_failed",
+                                     checkpoint_id=row.id, step=step,
+                                     detail={"path": str(path), "error": repr(exc)})
+        except SQLAlchemyError as db_exc:
+            warnings.warn(f"ckptdb could not record the cleanup of step {step}: {db_exc}; "
+                          "the next reconcile finishes it", CleanupWarning, stacklevel=3)
+        for _row, path, exc in failures:
+            warnings.warn(f"ckptdb could not remove evicted checkpoint {path}: {exc}; it stays "
+                          "'deleting' and the next reconcile retries", CleanupWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------ metrics
+
+    def log_metrics(self, step: int, values: Mapping[str, float]) -> None:
+        """Buffer metric values for ``step``; written with the next commit or on flush/close."""
+        self._check_open()
+        step = validate_step(step)
+        now = time.time()
+        self._metric_buffer.extend(
+            (step, name, v, now) for name, v in validate_metrics(values).items()
+        )
+        if len(self._metric_buffer) >= METRIC_FLUSH_THRESHOLD:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write buffered metrics now."""
+        self._check_open()
+        with self._db.transaction() as session:
+            flushed = self._flush_into(session)
+        self._drop_flushed(flushed)
+
+    def _flush_into(self, session: Any) -> int:
+        """Insert the buffer inside the caller's transaction; returns how many points.
+
+        The caller drops them from the buffer only after its transaction
+        commits, so a failed commit loses no metric.
+        """
+        points = self._metric_buffer
+        ledger.insert_metrics(session, self.run_id, self.attempt_id, points)
+        return len(points)
+
+    def _drop_flushed(self, count: int) -> None:
+        del self._metric_buffer[:count]
+
+    # ------------------------------------------------------------------ queries
+
+    def latest(self, stream: str = "model") -> Checkpoint | None:
+        """The newest committed checkpoint of ``stream`` (by publication, not by mtime)."""
+        self._check_stream(stream)
+        with self._db.transaction() as session:
+            row = ledger.latest_row(session, self.run_id, stream)
+            return Checkpoint.from_row(row, self.save_dir) if row is not None else None
+
+    def best(self, stream: str = "best") -> list[Checkpoint]:
+        """The members of a top-K stream, best first."""
+        policy = self._check_stream(stream)
+        if not isinstance(policy, TopK):
+            raise InvalidArgumentError(f"stream {stream!r} is not a TopK stream")
+        with self._db.transaction() as session:
+            rows = ledger.rows_in_state(session, self.run_id, [m.COMMITTED], stream)
+        by_id = {r.id: r for r in rows}
+        return [Checkpoint.from_row(by_id[e.id], self.save_dir)
+                for e in policy.ranked(ledger.entries(rows))]
+
+    def checkpoints(self, stream: str | None = None) -> list[Checkpoint]:
+        """Committed checkpoints, ordered by stream then step."""
+        if stream is not None:
+            self._check_stream(stream)
+        with self._db.transaction() as session:
+            rows = ledger.rows_in_state(session, self.run_id, [m.COMMITTED], stream)
+        return [Checkpoint.from_row(r, self.save_dir) for r in rows]
+
+    def _check_stream(self, stream: str) -> Policy:
+        self._check_open()
+        policy = self.policies.get(stream)
+        if policy is None:
+            raise UnknownStreamError(
+                f"no stream {stream!r} is configured (streams: {', '.join(self.policies)})"
+            )
+        return policy
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, which: str | int | Checkpoint | os.PathLike[str] = "latest", *,
+             stream: str | None = None, map_location: Any = "cpu",
+             weights_only: bool = True) -> Any:
+        """Load a committed checkpoint after verifying its size and hash.
+
+        ``which`` is ``"latest"``, ``"best"``, a step, a :class:`Checkpoint`
+        or a path. ``stream`` defaults to ``"best"`` for ``which="best"`` and
+        ``"model"`` otherwise. A mismatch marks the row ``corrupt``, moves the
+        latest pointer back to the newest healthy checkpoint and raises
+        :class:`CorruptCheckpointError` before anything is unpickled.
+        """
+        self._check_open()
+        target = self._resolve(which, stream)
+        with open(confine(self.save_dir, target.path.relative_to(self.save_dir)), "rb") as f:
+            problem = self._verify_open_file(f, target)
+            if problem is not None:
+                self._mark_corrupt(target, problem)
+                raise CorruptCheckpointError(f"{target.path}: {problem}; refusing to load it")
+            f.seek(0)
+            state = torch.load(f, map_location=map_location, weights_only=weights_only)
+        self._note_resume(target)
+        return state
+
+    def _resolve(self, which: object, stream: str | None) -> Checkpoint:
+        if isinstance(which, Checkpoint):
+            return self._committed_by_path(which.path)
+        if which == "latest":
+            found = self.latest(stream or "model")
+            if found is None:
+                raise CheckpointNotFoundError(f"stream {stream or 'model'!r} has no checkpoint yet")
+            return found
+        if which == "best":
+            best = self.best(stream or "best")
+            if not best:
+                raise CheckpointNotFoundError(f"stream {stream or 'best'!r} has no checkpoint yet")
+            return best[0]
+        if isinstance(which, int) and not isinstance(which, bool):
+            name = stream or "model"
+            for ckpt in self.checkpoints(name):
+                if ckpt.step == which:
+                    return ckpt
+            raise CheckpointNotFoundError(f"stream {name!r} has no committed checkpoint at step {which}")
+        if isinstance(which, (str, os.PathLike)):
+            return self._committed_by_path(Path(which))
+        raise ArgumentTypeError(
+            f"which must be 'latest', 'best', a step, a Checkpoint or a path; got {which!r}"
+        )
+
+    def _committed_by_path(self, path: Path) -> Checkpoint:
+        resolved = path.resolve() if path.is_absolute() else (Path.cwd() / path).resolve()
+        for ckpt in self.checkpoints():
+            if ckpt.path.resolve() == resolved:
+                return ckpt
+        raise CheckpointNotFoundError(f"{path} is not a committed checkpoint of run {self.root}")
+
+    @staticmethod
+    def _verify_open_file(f: Any, target: Checkpoint) -> str | None:
+        size = os.fstat(f.fileno()).st_size
+        if size != target.size:
+            return f"size {size} != recorded {target.size}"
+        actual = hash_open_file(f)
+        if actual.hash != target.hash:
+            return f"hash {actual.hash} != recorded {target.hash}"
+        return None
+
+    def _mark_corrupt(self, target: Checkpoint, problem: str) -> None:
+        with self._db.transaction() as session:
+            ledger.set_state(session, [target.id], m.CORRUPT, error=problem)
+            ledger.repoint_latest(session, self.run_id, target.stream)
+            ledger.add_event(session, self.run_id, self.attempt_id, "corrupt",
+                             checkpoint_id=target.id, step=target.step,
+                             detail={"path": str(target.path), "detail": problem})
+
+    def _note_resume(self, target: Checkpoint) -> None:
+        if self._resumed:
+            return
+        self._resumed = True
+        with self._db.transaction() as session:
+            attempt = session.get(m.Attempt, self.attempt_id)
+            if attempt is not None and attempt.resumed_from_id is None:
+                attempt.resumed_from_id = target.id
+            ledger.add_event(session, self.run_id, self.attempt_id, "resumed",
+                             checkpoint_id=target.id, step=target.step)
+
+    # ---------------------------------------------------------------- reconcile
+
+    def reconcile(self, *, verify: bool = False, dry_run: bool = False) -> ReconcileReport:
+        """Compare the ledger with the disk and repair (design section 4)."""
+        self._check_open()
+        reconciler = Reconciler(self._db, self.run_id, self.attempt_id, self.root, self.save_dir)
+        return reconciler.run(verify=verify, dry_run=dry_run)
+
+    def _records(self, ids: list[int]) -> dict[str, Checkpoint]:
+        with self._db.transaction() as session:
+            rows = [session.get(m.Checkpoint, i) for i in ids]
+        return {r.stream: Checkpoint.from_row(r, self.save_dir) for r in rows if r is not None}
+
+
+def _describe(exc: BaseException) -> tuple[str, Path | None, BaseException]:
+    """(phase, path, underlying error) of a failure inside a boundary."""
+    if isinstance(exc, PhaseError):
+        return exc.phase, exc.path, exc.error
+    if isinstance(exc, SQLAlchemyError):
+        return "commit", None, exc
+    return "write", None, exc

@@ -1,0 +1,185 @@
+"""The ledger's tables, as SQLAlchemy 2.x typed models.
+
+The schema is the public SQL contract of ckptdb (users query it with any SQL
+client), so columns are plain and named for people: ``checkpoints.stream`` is
+the stream's name, states and event kinds are lower-case words, and paths are
+stored relative to the run's save directory. Alembic revisions under
+``migrations/versions`` create exactly these tables; a test compares them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    DateTime,
+    Float,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# Publication states of a checkpoint row (design section 2).
+PENDING = "pending"
+COMMITTED = "committed"
+DELETING = "deleting"
+DELETED = "deleted"
+ABORTED = "aborted"
+LOST = "lost"
+CORRUPT = "corrupt"
+STATES = (PENDING, COMMITTED, DELETING, DELETED, ABORTED, LOST, CORRUPT)
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
+    """A timestamp stored as naive UTC (readable in SQLite) and read back aware."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> Any:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("ckptdb stores only timezone-aware timestamps")
+        return value.astimezone(dt.timezone.utc).replace(tzinfo=None)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        assert isinstance(value, dt.datetime)
+        return value.replace(tzinfo=dt.timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    root: Mapped[str] = mapped_column(Text, unique=True)
+    save_dir: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Attempt(Base):
+    __tablename__ = "attempts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    ended_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    # The checkpoint this attempt first loaded. A plain id, not a foreign key:
+    # attempts and checkpoints would otherwise reference each other.
+    resumed_from_id: Mapped[int | None] = mapped_column(Integer)
+    # running | closed | failed | crashed
+    end_state: Mapped[str] = mapped_column(String(16), default="running")
+
+
+class Stream(Base):
+    __tablename__ = "streams"
+    __table_args__ = (UniqueConstraint("run_id", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    name: Mapped[str] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(16))  # keep | topk
+    keep_last: Mapped[int | None] = mapped_column(Integer)
+    keep_every: Mapped[int | None] = mapped_column(Integer)
+    k: Mapped[int | None] = mapped_column(Integer)
+    metric: Mapped[str | None] = mapped_column(String(255))
+    mode: Mapped[str | None] = mapped_column(String(8))  # min | max
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        ForeignKeyConstraint(["run_id", "stream"], ["streams.run_id", "streams.name"]),
+        Index("ix_checkpoints_run_stream_state_step", "run_id", "stream", "state", "step"),
+        Index("ix_checkpoints_run_state", "run_id", "state"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    stream: Mapped[str] = mapped_column(String(64))
+    step: Mapped[int] = mapped_column(Integer)
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"), index=True)
+    path: Mapped[str] = mapped_column(Text)
+    tmp_path: Mapped[str | None] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16))
+    size: Mapped[int | None] = mapped_column(Integer)
+    hash: Mapped[str | None] = mapped_column(String(64))
+    metric: Mapped[float | None] = mapped_column(Float)
+    metrics: Mapped[str | None] = mapped_column(Text)  # JSON object of the boundary's metrics
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    committed_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    deleted_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class Pointer(Base):
+    __tablename__ = "pointers"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+
+
+class Metric(Base):
+    __tablename__ = "metrics"
+    __table_args__ = (
+        Index("ix_metrics_run_name_step", "run_id", "name", "step"),
+        Index("ix_metrics_run_name_value", "run_id", "name", "value"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"))
+    step: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(255))
+    value: Mapped[float] = mapped_column(Float)
+    wall_time: Mapped[float] = mapped_column(Float)  # seconds since the epoch
+
+
+class Event(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_kind", "run_id", "kind"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    attempt_id: Mapped[int | None] = mapped_column(ForeignKey("attempts.id"))
+    time: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    kind: Mapped[str] = mapped_column(String(32))
+    checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"))
+    step: Mapped[int | None] = mapped_column(Integer)
+    detail: Mapped[str | None] = mapped_column(Text)  # JSON
+
+
+# Views created by the migrations (see migrations/versions): the latest
+# checkpoint of every stream, and the ranked members of every top-K stream.
+VIEW_NAMES = ("latest_checkpoints", "best_checkpoints")

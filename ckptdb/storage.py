@@ -1,0 +1,200 @@
+"""Durable file work: write, place, remove, hash, and path confinement.
+
+Every function here does one step of the publication protocol and raises the
+OS error it met; the manager decides what that means for the ledger. No
+function deletes or moves anything outside the directory it is confined to,
+and symlinks are never followed out of it.
+
+Checkpoint files live in ``<save_dir>/<stream>/`` and are named
+``step-<step:09d>.pt`` (``step-<step:09d>.v<row id>.pt`` when that name is
+taken by a live checkpoint); a temporary file is
+``.step-<step:09d>.pt.tmp-<row id>`` in the same directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from .errors import InvalidArgumentError
+
+CHECKPOINT_NAME = re.compile(r"step-(\d+)(?:\.v(\d+))?\.pt")
+TEMP_NAME = re.compile(r"\.step-\d+(?:\.v\d+)?\.pt\.tmp-(\d+)")
+HASH_NAME = "xxh3_128"
+READ_CHUNK = 8 << 20
+
+
+def checkpoint_name(step: int, version: int | None = None) -> str:
+    return f"step-{step:09d}.pt" if version is None else f"step-{step:09d}.v{version}.pt"
+
+
+def temp_name(final_name: str, row_id: int) -> str:
+    return f".{final_name}.tmp-{row_id}"
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    size: int
+    hash: str
+
+
+class HashingWriter:
+    """A write-only file object that hashes and counts bytes as they stream out."""
+
+    def __init__(self, fileobj: Any) -> None:
+        self._file = fileobj
+        self._hash = xxhash.xxh3_128()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self._hash.update(view)
+        written: int = self._file.write(view)
+        self.size += view.nbytes
+        return written
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def info(self) -> FileInfo:
+        return FileInfo(self.size, self._hash.hexdigest())
+
+
+def write_payload(obj: Any, tmp: Path) -> FileInfo:
+    """``torch.save`` ``obj`` into a new file ``tmp`` and fsync it.
+
+    The file is created exclusively (a leftover is never overwritten).
+    ``torch.save`` is looked up at call time so users and tests can wrap it.
+    Raises :class:`PhaseError` naming ``write`` or ``fsync``.
+    """
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as exc:
+        raise PhaseError("write", tmp, exc) from exc
+    with os.fdopen(fd, "wb", buffering=0) as raw:
+        writer = HashingWriter(raw)
+        try:
+            torch.save(obj, writer)
+        except Exception as exc:
+            raise PhaseError("write", tmp, exc) from exc
+        try:
+            os.fsync(raw.fileno())
+        except OSError as exc:
+            raise PhaseError("fsync", tmp, exc) from exc
+    return writer.info()
+
+
+def place(tmp: Path, final: Path) -> None:
+    """Atomically move ``tmp`` onto ``final`` (never delete-then-rename)."""
+    try:
+        os.replace(tmp, final)
+    except OSError as exc:
+        raise PhaseError("replace", final, exc) from exc
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise PhaseError("fsync_dir", directory, exc) from exc
+
+
+def make_dir(directory: Path) -> None:
+    """Create ``directory`` (and parents) durably: each new entry's parent is fsynced."""
+    missing = []
+    current = directory
+    while not current.exists():
+        missing.append(current)
+        current = current.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise PhaseError("mkdir", path, exc) from exc
+        fsync_dir(path.parent)
+
+
+class PhaseError(Exception):
+    """An OS-level failure in one protocol phase, before the manager wraps it."""
+
+    def __init__(self, phase: str, path: Path, error: BaseException) -> None:
+        super().__init__(f"{phase} failed at {path}: {type(error).__name__}: {error}")
+        self.phase = phase
+        self.path = path
+        self.error = error
+
+
+def hash_file(path: Path) -> FileInfo:
+    with open(path, "rb", buffering=0) as f:
+        return hash_open_file(f)
+
+
+def hash_open_file(f: Any) -> FileInfo:
+    """Hash an open binary file from its current position to the end."""
+    digest = xxhash.xxh3_128()
+    buffer = bytearray(READ_CHUNK)
+    view = memoryview(buffer)
+    size = 0
+    while True:
+        n = f.readinto(buffer)
+        if not n:
+            break
+        digest.update(view[:n])
+        size += n
+    return FileInfo(size, digest.hexdigest())
+
+
+def confine(base: Path, relative: str | Path) -> Path:
+    """``base / relative``, refused if it escapes ``base`` (``..``, absolute, symlinked dirs).
+
+    The last component may itself be a symlink: removing or renaming it acts
+    on the link, never on its target, so that stays inside ``base`` too.
+    """
+    candidate = base / relative
+    parent = candidate.parent.resolve()
+    resolved_base = base.resolve()
+    if parent != resolved_base and resolved_base not in parent.parents:
+        raise InvalidArgumentError(f"{candidate} is outside {base}; refusing to touch it")
+    if candidate.name in ("", ".", ".."):
+        raise InvalidArgumentError(f"{candidate} does not name a file")
+    return parent / candidate.name
+
+
+def remove(path: Path) -> bool:
+    """Unlink ``path`` (a file or a link, never a link's target). False if it was absent."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def move_aside(path: Path, quarantine: Path) -> Path:
+    """Move ``path`` into ``quarantine`` under a free name; returns where it went."""
+    make_dir(quarantine)
+    target = quarantine / path.name
+    n = 1
+    while target.exists() or target.is_symlink():
+        target = quarantine / f"{path.name}.{n}"
+        n += 1
+    try:
+        os.replace(path, target)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        shutil.move(str(path), str(target))
+    fsync_dir(quarantine)
+    return target
