@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Union
 
 import torch
 from torch import Tensor, nn
 
-ParametersArg = Union[Tensor, Iterable[Tensor]]
+ParametersArg = Tensor | Iterable[Tensor]
 
 
 class NonFiniteGradGuard:
@@ -54,6 +53,7 @@ class NonFiniteGradGuard:
         the total norm in the gradients' dtype, like torch.
         """
         params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+        positions = {id(p): i for i, p in enumerate(params)}
         params = [p for p in params if p.grad is not None]
         if not params:
             return torch.tensor(0.0)
@@ -64,9 +64,9 @@ class NonFiniteGradGuard:
             groups.setdefault((g.device, g.dtype), []).append(i)
         first_device = grads[0].device
         per_group = []
-        for (device, _dtype), idx in groups.items():
+        for idx in groups.values():
             norms = torch.stack(_tensor_norms([grads[i] for i in idx], norm_type))
-            self._record_params([params[i] for i in idx], norms)
+            self._record_params([params[i] for i in idx], norms, positions)
             per_group.append(norms.to(first_device))
         total = _combine(torch.cat(per_group), norm_type)
         self.update(total)
@@ -75,13 +75,15 @@ class NonFiniteGradGuard:
             torch._foreach_mul_([grads[i] for i in idx], coef.to(device=device, dtype=dtype))
         return total.to(grads[0].dtype)
 
-    def _record_params(self, params: list[Tensor], norms: Tensor) -> None:
+    def _record_params(
+        self, params: list[Tensor], norms: Tensor, positions: dict[int, int]
+    ) -> None:
         key = tuple(id(p) for p in params)
         bad = torch.isfinite(norms).logical_not()
         known = self._param_flags.get(key)
         if known is None:
             names = [
-                self._names.get(id(p), f"param[{i}]{tuple(p.shape)}") for i, p in enumerate(params)
+                self._names.get(id(p), f"param[{positions[id(p)]}]{tuple(p.shape)}") for p in params
             ]
             self._param_flags[key] = (names, bad)
         else:
@@ -95,7 +97,7 @@ class NonFiniteGradGuard:
         """Names of parameters whose gradient norm was non-finite since the last reset."""
         found: list[str] = []
         for names, flags in self._param_flags.values():
-            found.extend(name for name, bad in zip(names, flags.tolist()) if bad)
+            found.extend(name for name, bad in zip(names, flags.tolist(), strict=True) if bad)
         return found
 
     def reset(self) -> None:
@@ -117,5 +119,8 @@ def _combine(norms: Tensor, norm_type: float) -> Tensor:
     if math.isinf(norm_type):
         return norms.max()
     scale = norms.max()
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return safe * torch.linalg.vector_norm(norms / safe, norm_type)
+    ok = (scale > 0) & torch.isfinite(scale)
+    safe = torch.where(ok, scale, torch.ones_like(scale))
+    # a non-finite (or zero) maximum is the answer itself, as in torch: inf stays inf
+    total: Tensor = torch.where(ok, safe * torch.linalg.vector_norm(norms / safe, norm_type), scale)
+    return total

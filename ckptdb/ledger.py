@@ -10,9 +10,10 @@ import json
 import os
 import socket
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from . import models as m
@@ -25,22 +26,46 @@ def latest_pointer(stream: str) -> str:
     return f"latest:{stream}"
 
 
-def get_or_create_run(session: Session, root: str, save_dir: str, name: str) -> m.Run:
+def find_run(session: Session, root: str, *, adopt_single: bool) -> m.Run | None:
+    """The run rooted at ``root``; with ``adopt_single``, the only run of the ledger.
+
+    A ledger file that lives in its run's root belongs to that run even after
+    the directory is moved or renamed; adopting it (instead of starting a new
+    run) keeps reconcile from quarantining every checkpoint it finds.
+    """
     run = session.scalars(select(m.Run).where(m.Run.root == root)).one_or_none()
+    if run is None and adopt_single:
+        runs = list(session.scalars(select(m.Run).limit(2)))
+        run = runs[0] if len(runs) == 1 else None
+    return run
+
+
+def rebased_save_dir(run: m.Run, root: Path) -> Path:
+    """The run's stored save dir, following the root if it was inside the root."""
+    stored, old_root = Path(run.save_dir), Path(run.root)
+    if stored == old_root or old_root in stored.parents:
+        return root / stored.relative_to(old_root)
+    return stored
+
+
+def open_run(session: Session, root: Path, save_dir: Path | None, *, adopt_single: bool) -> m.Run:
+    """Find or create the run; record where it lives now. ``save_dir`` None keeps the stored one."""
+    run = find_run(session, str(root), adopt_single=adopt_single)
     if run is None:
-        run = m.Run(name=name, root=root, save_dir=save_dir, created_at=m.utcnow())
+        target = save_dir or root / "checkpoints"
+        run = m.Run(name=root.name, root=str(root), save_dir=str(target), created_at=m.utcnow())
         session.add(run)
         session.flush()
-    elif run.save_dir != save_dir:
-        run.save_dir = save_dir
+        return run
+    target = save_dir or rebased_save_dir(run, root)
+    run.root, run.save_dir = str(root), str(target)
     return run
 
 
 def policy_from_row(row: m.Stream) -> Policy:
     if row.kind == "topk":
         assert row.k is not None and row.metric is not None
-        mode = "max" if row.mode == "max" else "min"
-        return TopK(k=row.k, metric=row.metric, mode=mode)
+        return TopK(k=row.k, metric=row.metric, mode="max" if row.mode == "max" else "min")
     return Keep(last=row.keep_last, every=row.keep_every)
 
 
@@ -73,7 +98,7 @@ def sync_streams(
     return {name: policy_from_row(row) for name, row in sorted(rows.items())}
 
 
-def start_attempt(session: Session, run_id: int) -> m.Attempt:
+def start_attempt(session: Session, run_id: int, kind: str = "train") -> m.Attempt:
     """Close attempts a crash left running, then open this process's attempt."""
     now = m.utcnow()
     session.execute(
@@ -87,6 +112,7 @@ def start_attempt(session: Session, run_id: int) -> m.Attempt:
         host=socket.gethostname(),
         pid=os.getpid(),
         end_state="running",
+        kind=kind,
     )
     session.add(attempt)
     session.flush()
@@ -208,17 +234,20 @@ def repoint_latest(session: Session, run_id: int, stream: str) -> tuple[int | No
 def insert_metrics(
     session: Session, run_id: int, attempt_id: int, points: Sequence[tuple[int, str, float, float]]
 ) -> None:
-    """Insert buffered (step, name, value, wall_time) points in one executemany."""
+    """Insert buffered (step, name, value, wall_time) points in one executemany.
+
+    NaN is stored as NULL (SQLite has no NaN); readers turn it back into NaN.
+    """
     if points:
         session.execute(
-            m.Metric.__table__.insert(),
+            insert(m.Metric),
             [
                 {
                     "run_id": run_id,
                     "attempt_id": attempt_id,
                     "step": s,
                     "name": n,
-                    "value": v,
+                    "value": None if v != v else v,
                     "wall_time": t,
                 }
                 for s, n, v, t in points

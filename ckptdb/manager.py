@@ -33,7 +33,7 @@ import numbers
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -60,6 +60,7 @@ from .errors import (
 from .guard import NonFiniteGradGuard
 from .lock import WriterLock
 from .policies import Entry, Keep, Policy, TopK, validate_policies
+from .queries import RunQueries
 from .reconcile import Reconciler, ReconcileReport
 from .record import Checkpoint
 from .storage import (
@@ -128,13 +129,18 @@ def _real(name: str, value: object) -> float:
     return float(value)
 
 
-class CheckpointManager:
+class CheckpointManager(RunQueries):
     """Publishes checkpoints transactionally and answers what is latest and best.
 
     ``root`` is the run directory; the ledger defaults to
     ``<root>/ckptdb.sqlite`` and checkpoint files to ``<root>/checkpoints``.
     Opening takes the run's writer lock, migrates the ledger, starts an
-    attempt and reconciles the ledger with the disk.
+    attempt and reconciles the ledger with the disk. ``maintenance=True`` is
+    for tools such as the ``ckptdb`` command: no reconcile at open (they run it
+    explicitly, maybe as a dry run) and the attempt is recorded as kind
+    ``maintenance``, so it does not count as a training restart.
+    Without ``save_dir`` an existing run keeps the save directory it was
+    created with (following the root if the run directory was moved).
     """
 
     def __init__(
@@ -145,12 +151,13 @@ class CheckpointManager:
         save_dir: str | os.PathLike[str] | None = None,
         db_url: str | None = None,
         guard: NonFiniteGradGuard | None = None,
+        maintenance: bool = False,
     ) -> None:
         requested = validate_policies(streams) if streams is not None else None
         if guard is not None and not isinstance(guard, NonFiniteGradGuard):
             raise ArgumentTypeError(f"guard must be a NonFiniteGradGuard, got {guard!r}")
         self.root = Path(root).resolve()
-        self.save_dir = Path(save_dir).resolve() if save_dir is not None else self.root / "checkpoints"
+        explicit_save_dir = Path(save_dir).resolve() if save_dir is not None else None
         self.guard = guard
         self._closed = True
         self._metric_buffer: list[tuple[int, str, float, float]] = []
@@ -159,22 +166,39 @@ class CheckpointManager:
         self._lock.acquire()
         try:
             self._db: Ledger = open_ledger(db_url or default_sqlite_url(self.root))
-            self._open(requested)
+            self._open(
+                requested,
+                explicit_save_dir,
+                adopt_single=db_url is None,
+                kind="maintenance" if maintenance else "train",
+            )
         except BaseException:
             self._release_after_failed_open()
             raise
         self._closed = False
-        self.last_reconcile: ReconcileReport = self.reconcile()
+        self.last_reconcile = ReconcileReport()
+        if not maintenance:
+            try:
+                self.last_reconcile = self.reconcile()
+            except BaseException:
+                self._close("failed")
+                raise
 
-    def _open(self, requested: dict[str, Policy] | None) -> None:
+    def _open(
+        self,
+        requested: dict[str, Policy] | None,
+        save_dir: Path | None,
+        *,
+        adopt_single: bool,
+        kind: str,
+    ) -> None:
         migrate(self._db.engine)
         with self._db.transaction() as session:
-            run = ledger.get_or_create_run(
-                session, str(self.root), str(self.save_dir), name=self.root.name
-            )
+            run = ledger.open_run(session, self.root, save_dir, adopt_single=adopt_single)
+            self.save_dir = Path(run.save_dir)
             self.run_id = run.id
             self.policies = ledger.sync_streams(session, run.id, requested, DEFAULT_STREAMS)
-            self.attempt_id = ledger.start_attempt(session, run.id).id
+            self.attempt_id = ledger.start_attempt(session, run.id, kind).id
             ledger.add_event(session, run.id, self.attempt_id, "attempt_started")
         self._resumed = False
 
@@ -220,8 +244,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------- saving
 
-    def save(self, step: int, *, metrics: Mapping[str, float] | None = None,
-             **payloads: Any) -> dict[str, Checkpoint]:
+    def save(
+        self, step: int, *, metrics: Mapping[str, float] | None = None, **payloads: Any
+    ) -> dict[str, Checkpoint]:
         """Publish one boundary: every payload (keyed by stream) commits, or none does.
 
         Returns the committed checkpoints by stream; a top-K candidate that
@@ -231,47 +256,68 @@ class CheckpointManager:
         step = validate_step(step)
         values = validate_metrics(metrics)
         if not payloads:
-            raise InvalidArgumentError("save() needs at least one payload, e.g. save(step, model=sd)")
+            raise InvalidArgumentError(
+                "save() needs at least one payload, e.g. save(step, model=sd)"
+            )
         self._check_payload_streams(payloads, values)
         now = time.time()
         self._metric_buffer.extend((step, name, v, now) for name, v in values.items())
         try:
             self._check_guard(step)
+            self._check_finite_metrics(payloads, values)
             return self._publish(step, values, payloads)
         finally:
             if self.guard is not None:
                 self.guard.reset()
 
     def _check_payload_streams(self, payloads: Mapping[str, Any], values: dict[str, float]) -> None:
+        """Bad input (checked before the guard, which a typo must not reset)."""
         for stream in payloads:
             policy = self.policies.get(stream)
             if policy is None:
                 raise UnknownStreamError(
                     f"no stream {stream!r} is configured (streams: {', '.join(self.policies)})"
                 )
-            if isinstance(policy, TopK):
-                value = values.get(policy.metric)
-                if value is None or not math.isfinite(value):
-                    raise InvalidMetricError(
-                        f"stream {stream!r} ranks by metric {policy.metric!r}, which must be a "
-                        f"finite number in save(metrics=...); got {value!r}"
-                    )
+            if isinstance(policy, TopK) and policy.metric not in values:
+                raise InvalidMetricError(
+                    f"stream {stream!r} ranks by metric {policy.metric!r}, which is missing "
+                    f"from save(metrics=...) (got {sorted(values)})"
+                )
+
+    def _check_finite_metrics(self, payloads: Mapping[str, Any], values: dict[str, float]) -> None:
+        """A non-finite ranking metric (checked after the guard: a tripped guard is the
+        root cause of a NaN validation loss, and the more useful error)."""
+        for stream in payloads:
+            policy = self.policies[stream]
+            if isinstance(policy, TopK) and not math.isfinite(values[policy.metric]):
+                raise InvalidMetricError(
+                    f"stream {stream!r} ranks by metric {policy.metric!r}, which must be "
+                    f"finite; got {values[policy.metric]!r}"
+                )
 
     def _check_guard(self, step: int) -> None:
         if self.guard is None or not self.guard.tripped():
             return
         params = self.guard.nonfinite_parameters()
         with self._db.transaction() as session:
-            ledger.add_event(session, self.run_id, self.attempt_id, "guard_tripped", step=step,
-                             detail={"parameters": params} if params else None)
+            ledger.add_event(
+                session,
+                self.run_id,
+                self.attempt_id,
+                "guard_tripped",
+                step=step,
+                detail={"parameters": params} if params else None,
+            )
         which = f" in {', '.join(params)}" if params else ""
         raise NonFiniteGradientError(
             f"non-finite gradient seen{which} since the last boundary; step {step} not published",
-            step=step, parameters=params,
+            step=step,
+            parameters=params,
         )
 
-    def _publish(self, step: int, values: dict[str, float],
-                 payloads: Mapping[str, Any]) -> dict[str, Checkpoint]:
+    def _publish(
+        self, step: int, values: dict[str, float], payloads: Mapping[str, Any]
+    ) -> dict[str, Checkpoint]:
         admitted = self._admitted(step, values, payloads)
         if not admitted:
             return {}
@@ -285,42 +331,60 @@ class CheckpointManager:
         self._clean_up(step, evicted)
         return self._records([p.row_id for p in pending])
 
-    def _admitted(self, step: int, values: dict[str, float],
-                  payloads: Mapping[str, Any]) -> dict[str, Any]:
+    def _admitted(
+        self, step: int, values: dict[str, float], payloads: Mapping[str, Any]
+    ) -> dict[str, Any]:
         admitted = dict(payloads)
         topk = {s: p for s, p in self.policies.items() if s in payloads and isinstance(p, TopK)}
         if not topk:
             return admitted
         with self._db.transaction() as session:
             for stream, policy in topk.items():
-                members = ledger.entries(ledger.rows_in_state(session, self.run_id, [m.COMMITTED], stream))
+                members = ledger.entries(
+                    ledger.rows_in_state(session, self.run_id, [m.COMMITTED], stream)
+                )
                 candidate = Entry(id=-1, step=step, metric=values[policy.metric])
                 if not policy.admits(members, candidate):
                     del admitted[stream]
         return admitted
 
-    def _record_intent(self, step: int, values: dict[str, float],
-                       payloads: dict[str, Any]) -> list[_Pending]:
+    def _record_intent(
+        self, step: int, values: dict[str, float], payloads: dict[str, Any]
+    ) -> list[_Pending]:
         try:
             for stream in payloads:
                 make_dir(self.save_dir / stream)
             with self._db.transaction() as session:
                 return [self._intent_row(session, step, values, s, p) for s, p in payloads.items()]
         except PhaseError as exc:
-            raise PublishError(f"step {step}: could not create {exc.path}: {exc.error}",
-                               phase="intent", step=step, path=exc.path) from exc.error
+            raise PublishError(
+                f"step {step}: could not create {exc.path}: {exc.error}",
+                phase="intent",
+                step=step,
+                path=exc.path,
+            ) from exc.error
         except SQLAlchemyError as exc:
-            raise PublishError(f"step {step}: could not record the intent in the ledger: {exc}",
-                               phase="intent", step=step) from exc
+            raise PublishError(
+                f"step {step}: could not record the intent in the ledger: {exc}",
+                phase="intent",
+                step=step,
+            ) from exc
 
-    def _intent_row(self, session: Any, step: int, values: dict[str, float], stream: str,
-                    payload: Any) -> _Pending:
+    def _intent_row(
+        self, session: Any, step: int, values: dict[str, float], stream: str, payload: Any
+    ) -> _Pending:
         policy = self.policies[stream]
         metric = values[policy.metric] if isinstance(policy, TopK) else None
         row = m.Checkpoint(
-            run_id=self.run_id, stream=stream, step=step, attempt_id=self.attempt_id,
-            path="", state=m.PENDING, metric=metric,
-            metrics=json.dumps(values) if values else None, created_at=m.utcnow(),
+            run_id=self.run_id,
+            stream=stream,
+            step=step,
+            attempt_id=self.attempt_id,
+            path="",
+            state=m.PENDING,
+            metric=metric,
+            metrics=json.dumps(values) if values else None,
+            created_at=m.utcnow(),
         )
         session.add(row)
         session.flush()
@@ -331,8 +395,9 @@ class CheckpointManager:
             rel = f"{stream}/{name}"
         row.path = rel
         row.tmp_path = f"{stream}/{temp_name(name, row.id)}"
-        return _Pending(stream, payload, row.id, self.save_dir / rel,
-                        self.save_dir / row.tmp_path, metric)
+        return _Pending(
+            stream, payload, row.id, self.save_dir / rel, self.save_dir / row.tmp_path, metric
+        )
 
     def _write_and_place(self, pending: list[_Pending]) -> None:
         for p in pending:
@@ -349,8 +414,15 @@ class CheckpointManager:
             now = m.utcnow()
             for p in pending:
                 assert p.info is not None
-                ledger.set_state(session, [p.row_id], m.COMMITTED, size=p.info.size,
-                                 hash=p.info.hash, committed_at=now, tmp_path=None)
+                ledger.set_state(
+                    session,
+                    [p.row_id],
+                    m.COMMITTED,
+                    size=p.info.size,
+                    hash=p.info.hash,
+                    committed_at=now,
+                    tmp_path=None,
+                )
                 evicted.extend(self._apply_retention(session, p))
                 ledger.set_latest(session, self.run_id, p.stream, p.row_id)
             flushed = self._flush_into(session)
@@ -374,11 +446,11 @@ class CheckpointManager:
         failures: list[CleanupFailure] = []
         left: set[int] = set()
         for p in pending:
-            for path in (p.tmp, p.final):
+            for leftover in (p.tmp, p.final):
                 try:
-                    remove(path)
+                    remove(leftover)
                 except OSError as cleanup_exc:
-                    failures.append(CleanupFailure(path, cleanup_exc))
+                    failures.append(CleanupFailure(leftover, cleanup_exc))
                     left.add(p.row_id)
         phase, path, cause = _describe(exc)
         error_text = f"{phase} failed at {path}: {type(cause).__name__}: {cause}"
@@ -388,11 +460,24 @@ class CheckpointManager:
         if not isinstance(exc, Exception):
             return  # KeyboardInterrupt & co. propagate unchanged after the cleanup
         stream = next((p.stream for p in pending if path in (p.tmp, p.final)), None)
-        raise PublishError(f"step {step} not published: {error_text}", phase=phase, step=step,
-                           path=path, stream=stream, cleanup_failures=failures) from cause
+        raise PublishError(
+            f"step {step} not published: {error_text}",
+            phase=phase,
+            step=step,
+            path=path,
+            stream=stream,
+            cleanup_failures=failures,
+        ) from cause
 
-    def _record_rollback(self, step: int, pending: list[_Pending], left: set[int], error: str,
-                         failures: list[CleanupFailure], phase: str) -> None:
+    def _record_rollback(
+        self,
+        step: int,
+        pending: list[_Pending],
+        left: set[int],
+        error: str,
+        failures: list[CleanupFailure],
+        phase: str,
+    ) -> None:
         """Mark rows aborted (or leave them pending for reconcile if files remain)."""
         try:
             with self._db.transaction() as session:
@@ -400,17 +485,47 @@ class CheckpointManager:
                 ledger.set_state(session, aborted, m.ABORTED, error=error)
                 for row_id in left:
                     ledger.set_state(session, [row_id], m.PENDING, error=error)
-                ledger.add_event(session, self.run_id, self.attempt_id, "publish_failed",
-                                 step=step, detail={"phase": phase, "error": error})
+                ledger.add_event(
+                    session,
+                    self.run_id,
+                    self.attempt_id,
+                    "publish_failed",
+                    step=step,
+                    detail={"phase": phase, "error": error},
+                )
                 for failure in failures:
-                    ledger.add_event(session, self.run_id, self.attempt_id, "cleanup_failed",
-                                     step=step, detail={"path": str(failure.path),
-                                                        "error": repr(failure.error)})
+                    ledger.add_event(
+                        session,
+                        self.run_id,
+                        self.attempt_id,
+                        "cleanup_failed",
+                        step=step,
+                        detail={"path": str(failure.path), "error": repr(failure.error)},
+                    )
         except SQLAlchemyError as db_exc:
             # Rows stay pending; the next reconcile rolls them back.
             failures.append(CleanupFailure(Path(str(self._db.engine.url)), db_exc))
 
-    def _clean_up(self, step: int, evicted: list[m.Checkpoint]) -> None:
+    def gc(self) -> list[Checkpoint]:
+        """Apply every stream's stored retention policy now (e.g. after lowering ``last``).
+
+        Same two steps as a boundary: one transaction marks the evicted rows
+        ``deleting`` (and moves a latest pointer off them), then the files go.
+        """
+        self._check_open()
+        evicted: list[m.Checkpoint] = []
+        with self._db.transaction() as session:
+            for stream, policy in self.policies.items():
+                rows = ledger.rows_in_state(session, self.run_id, [m.COMMITTED], stream)
+                doomed = {e.id for e in policy.window_evictions(ledger.entries(rows))}
+                chosen = [r for r in rows if r.id in doomed]
+                ledger.set_state(session, [r.id for r in chosen], m.DELETING)
+                ledger.repoint_latest(session, self.run_id, stream)
+                evicted.extend(chosen)
+        self._clean_up(None, evicted)
+        return [Checkpoint.from_row(r, self.save_dir) for r in evicted]
+
+    def _clean_up(self, step: int | None, evicted: list[m.Checkpoint]) -> None:
         removed: list[int] = []
         failures: list[tuple[m.Checkpoint, Path, BaseException]] = []
         for row in evicted:
@@ -418,21 +533,35 @@ class CheckpointManager:
             try:
                 remove(confine(self.save_dir, row.path))
                 removed.append(row.id)
-            except (OSError, InvalidArgumentError) as exc:
-                failures.append((row, path, exc))
+            except (OSError, InvalidArgumentError) as err:
+                failures.append((row, path, err))
         try:
             with self._db.transaction() as session:
                 ledger.set_state(session, removed, m.DELETED, deleted_at=m.utcnow())
-                for row, path, exc in failures:
-                    ledger.add_event(session, self.run_id, self.attempt_id, "cleanup_failed",
-                                     checkpoint_id=row.id, step=step,
-                                     detail={"path": str(path), "error": repr(exc)})
+                for row, path, error in failures:
+                    ledger.add_event(
+                        session,
+                        self.run_id,
+                        self.attempt_id,
+                        "cleanup_failed",
+                        checkpoint_id=row.id,
+                        step=step,
+                        detail={"path": str(path), "error": repr(error)},
+                    )
         except SQLAlchemyError as db_exc:
-            warnings.warn(f"ckptdb could not record the cleanup of step {step}: {db_exc}; "
-                          "the next reconcile finishes it", CleanupWarning, stacklevel=3)
-        for _row, path, exc in failures:
-            warnings.warn(f"ckptdb could not remove evicted checkpoint {path}: {exc}; it stays "
-                          "'deleting' and the next reconcile retries", CleanupWarning, stacklevel=3)
+            warnings.warn(
+                f"ckptdb could not record the cleanup of step {step}: {db_exc}; "
+                "the next reconcile finishes it",
+                CleanupWarning,
+                stacklevel=3,
+            )
+        for _row, path, error in failures:
+            warnings.warn(
+                f"ckptdb could not remove evicted checkpoint {path}: {error}; it stays "
+                "'deleting' and the next reconcile retries",
+                CleanupWarning,
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ metrics
 
@@ -467,48 +596,16 @@ class CheckpointManager:
     def _drop_flushed(self, count: int) -> None:
         del self._metric_buffer[:count]
 
-    # ------------------------------------------------------------------ queries
-
-    def latest(self, stream: str = "model") -> Checkpoint | None:
-        """The newest committed checkpoint of ``stream`` (by publication, not by mtime)."""
-        self._check_stream(stream)
-        with self._db.transaction() as session:
-            row = ledger.latest_row(session, self.run_id, stream)
-            return Checkpoint.from_row(row, self.save_dir) if row is not None else None
-
-    def best(self, stream: str = "best") -> list[Checkpoint]:
-        """The members of a top-K stream, best first."""
-        policy = self._check_stream(stream)
-        if not isinstance(policy, TopK):
-            raise InvalidArgumentError(f"stream {stream!r} is not a TopK stream")
-        with self._db.transaction() as session:
-            rows = ledger.rows_in_state(session, self.run_id, [m.COMMITTED], stream)
-        by_id = {r.id: r for r in rows}
-        return [Checkpoint.from_row(by_id[e.id], self.save_dir)
-                for e in policy.ranked(ledger.entries(rows))]
-
-    def checkpoints(self, stream: str | None = None) -> list[Checkpoint]:
-        """Committed checkpoints, ordered by stream then step."""
-        if stream is not None:
-            self._check_stream(stream)
-        with self._db.transaction() as session:
-            rows = ledger.rows_in_state(session, self.run_id, [m.COMMITTED], stream)
-        return [Checkpoint.from_row(r, self.save_dir) for r in rows]
-
-    def _check_stream(self, stream: str) -> Policy:
-        self._check_open()
-        policy = self.policies.get(stream)
-        if policy is None:
-            raise UnknownStreamError(
-                f"no stream {stream!r} is configured (streams: {', '.join(self.policies)})"
-            )
-        return policy
-
     # ------------------------------------------------------------------ loading
 
-    def load(self, which: str | int | Checkpoint | os.PathLike[str] = "latest", *,
-             stream: str | None = None, map_location: Any = "cpu",
-             weights_only: bool = True) -> Any:
+    def load(
+        self,
+        which: str | int | Checkpoint | os.PathLike[str] = "latest",
+        *,
+        stream: str | None = None,
+        map_location: Any = "cpu",
+        weights_only: bool = True,
+    ) -> Any:
         """Load a committed checkpoint after verifying its size and hash.
 
         ``which`` is ``"latest"``, ``"best"``, a step, a :class:`Checkpoint`
@@ -547,7 +644,9 @@ class CheckpointManager:
             for ckpt in self.checkpoints(name):
                 if ckpt.step == which:
                     return ckpt
-            raise CheckpointNotFoundError(f"stream {name!r} has no committed checkpoint at step {which}")
+            raise CheckpointNotFoundError(
+                f"stream {name!r} has no committed checkpoint at step {which}"
+            )
         if isinstance(which, (str, os.PathLike)):
             return self._committed_by_path(Path(which))
         raise ArgumentTypeError(
@@ -575,9 +674,15 @@ class CheckpointManager:
         with self._db.transaction() as session:
             ledger.set_state(session, [target.id], m.CORRUPT, error=problem)
             ledger.repoint_latest(session, self.run_id, target.stream)
-            ledger.add_event(session, self.run_id, self.attempt_id, "corrupt",
-                             checkpoint_id=target.id, step=target.step,
-                             detail={"path": str(target.path), "detail": problem})
+            ledger.add_event(
+                session,
+                self.run_id,
+                self.attempt_id,
+                "corrupt",
+                checkpoint_id=target.id,
+                step=target.step,
+                detail={"path": str(target.path), "detail": problem},
+            )
 
     def _note_resume(self, target: Checkpoint) -> None:
         if self._resumed:
@@ -587,16 +692,32 @@ class CheckpointManager:
             attempt = session.get(m.Attempt, self.attempt_id)
             if attempt is not None and attempt.resumed_from_id is None:
                 attempt.resumed_from_id = target.id
-            ledger.add_event(session, self.run_id, self.attempt_id, "resumed",
-                             checkpoint_id=target.id, step=target.step)
+            ledger.add_event(
+                session,
+                self.run_id,
+                self.attempt_id,
+                "resumed",
+                checkpoint_id=target.id,
+                step=target.step,
+            )
 
     # ---------------------------------------------------------------- reconcile
 
-    def reconcile(self, *, verify: bool = False, dry_run: bool = False) -> ReconcileReport:
-        """Compare the ledger with the disk and repair (design section 4)."""
+    def reconcile(
+        self,
+        *,
+        verify: bool = False,
+        dry_run: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> ReconcileReport:
+        """Compare the ledger with the disk and repair (design section 4).
+
+        ``verify`` re-hashes every committed file; ``dry_run`` only reports;
+        ``progress(done, total)`` follows the rows checked.
+        """
         self._check_open()
         reconciler = Reconciler(self._db, self.run_id, self.attempt_id, self.root, self.save_dir)
-        return reconciler.run(verify=verify, dry_run=dry_run)
+        return reconciler.run(verify=verify, dry_run=dry_run, progress=progress)
 
     def _records(self, ids: list[int]) -> dict[str, Checkpoint]:
         with self._db.transaction() as session:

@@ -99,6 +99,8 @@ class Attempt(Base):
     resumed_from_id: Mapped[int | None] = mapped_column(Integer)
     # running | closed | failed | crashed
     end_state: Mapped[str] = mapped_column(String(16), default="running")
+    # train (a training process) | maintenance (the ckptdb command: gc, reconcile)
+    kind: Mapped[str] = mapped_column(String(16), default="train")
 
 
 class Stream(Base):
@@ -162,7 +164,8 @@ class Metric(Base):
     attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"))
     step: Mapped[int] = mapped_column(Integer)
     name: Mapped[str] = mapped_column(String(255))
-    value: Mapped[float] = mapped_column(Float)
+    # NULL stands for NaN: SQLite cannot store NaN (a diverged loss is history too)
+    value: Mapped[float | None] = mapped_column(Float)
     wall_time: Mapped[float] = mapped_column(Float)  # seconds since the epoch
 
 
@@ -181,5 +184,7 @@ class Event(Base):
 
 
 # Views created by the migrations (see migrations/versions): the latest
-# checkpoint of every stream, and the ranked members of every top-K stream.
-VIEW_NAMES = ("latest_checkpoints", "best_checkpoints")
+# checkpoint of every stream, the ranked members of every top-K stream,
+# restarts per run, and per training attempt how far it got and how many
+# steps a crash lost (steps trained after its last committed checkpoint).
+VIEW_NAMES = ("latest_checkpoints", "best_checkpoints", "run_restarts", "attempt_summary")

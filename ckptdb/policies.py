@@ -13,7 +13,8 @@ import numbers
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from fractions import Fraction
+from typing import Any, Literal
 
 from .errors import ArgumentTypeError, InvalidArgumentError
 
@@ -65,8 +66,10 @@ class Keep:
             raise InvalidArgumentError(f"ratio must be in (0, 1], got {ratio}")
         _positive_int("num_steps", num_steps, allow_none=False)
         _positive_int("save_freq", save_freq, allow_none=False)
-        saves = math.ceil(num_steps / save_freq)
-        return cls(last=max(1, math.ceil(ratio * saves)))
+        saves = -(-num_steps // save_freq)
+        # exact arithmetic: 0.07 * 100 saves is 7, not the float 7.000000000000001
+        exact = ratio if isinstance(ratio, (int, Fraction)) else Fraction(repr(float(ratio)))
+        return cls(last=max(1, math.ceil(exact * saves)))
 
     def evictions(self, committed: Sequence[Entry], new: Entry) -> list[Entry]:
         superseded = [e for e in committed if e.step >= new.step and e.id != new.id]
@@ -130,7 +133,7 @@ class TopK:
         return sorted(members, key=self._key)
 
 
-Policy = Union[Keep, TopK]
+Policy = Keep | TopK
 
 
 def validate_stream_name(name: object) -> str:

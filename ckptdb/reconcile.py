@@ -13,6 +13,7 @@ import logging
 import os
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +35,8 @@ QUARANTINE_NAME = "ckptdb.quarantine"
 class Action:
     """One repair (or, in a dry run, one repair that would be made)."""
 
-    kind: str  # rolled_back | deleted | lost | corrupt | repointed | removed_temp | quarantined | failed
+    # rolled_back | deleted | lost | corrupt | repointed | removed_temp | quarantined | failed
+    kind: str
     path: str
     detail: str = ""
     checkpoint_id: int | None = None
@@ -79,7 +81,18 @@ class Reconciler:
         self.db, self.run_id, self.attempt_id = db, run_id, attempt_id
         self.root, self.save_dir = root, save_dir
 
-    def run(self, *, verify: bool = False, dry_run: bool = False) -> ReconcileReport:
+    def run(
+        self,
+        *,
+        verify: bool = False,
+        dry_run: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> ReconcileReport:
+        """Repair (or with ``dry_run`` only list) every disagreement.
+
+        ``progress(done, total)`` is called after each ledger row is checked
+        (``verify`` re-hashes every committed file, which can take a while).
+        """
         report = ReconcileReport(dry_run=dry_run)
         with self.db.transaction() as session:
             rows = ledger.rows_in_state(session, self.run_id, ledger.LIVE_STATES)
@@ -88,8 +101,10 @@ class Reconciler:
             )
         plan = _Plan()
         keep_paths: set[str] = set()
-        for row in rows:
+        for done, row in enumerate(rows, 1):
             self._check_row(row, plan, report, keep_paths, verify=verify, dry_run=dry_run)
+            if progress is not None:
+                progress(done, len(rows))
         self._scan(keep_paths, report, dry_run=dry_run)
         if not dry_run:
             self._apply(plan, report, streams)
@@ -207,7 +222,7 @@ class Reconciler:
         now = m.utcnow()
         with self.db.transaction() as session:
             for row_id, state in plan.state.items():
-                extra = {"deleted_at": now} if state == m.DELETED else {}
+                extra: dict[str, object] = {"deleted_at": now} if state == m.DELETED else {}
                 if row_id in plan.errors:
                     extra["error"] = plan.errors[row_id]
                 ledger.set_state(session, [row_id], state, **extra)

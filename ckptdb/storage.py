@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import xxhash
 
-from .errors import InvalidArgumentError
+from .errors import CkptDBError, InvalidArgumentError
 
 CHECKPOINT_NAME = re.compile(r"step-(\d+)(?:\.v(\d+))?\.pt")
 TEMP_NAME = re.compile(r"\.step-\d+(?:\.v\d+)?\.pt\.tmp-(\d+)")
@@ -82,7 +82,7 @@ def write_payload(obj: Any, tmp: Path) -> FileInfo:
     with os.fdopen(fd, "wb", buffering=0) as raw:
         writer = HashingWriter(raw)
         try:
-            torch.save(obj, writer)
+            torch.save(obj, writer)  # type: ignore[arg-type]  # a file-like writer
         except Exception as exc:
             raise PhaseError("write", tmp, exc) from exc
         try:
@@ -127,7 +127,7 @@ def make_dir(directory: Path) -> None:
         fsync_dir(path.parent)
 
 
-class PhaseError(Exception):
+class PhaseError(CkptDBError, OSError):
     """An OS-level failure in one protocol phase, before the manager wraps it."""
 
     def __init__(self, phase: str, path: Path, error: BaseException) -> None:

@@ -34,6 +34,31 @@ VIEWS = {
         JOIN streams s ON s.run_id = c.run_id AND s.name = c.stream
         WHERE s.kind = 'topk' AND c.state = 'committed'
     """,
+    "attempt_summary": """
+        SELECT a.run_id AS run_id, a.id AS attempt_id, a.started_at AS started_at,
+               a.ended_at AS ended_at, a.end_state AS end_state, a.host AS host, a.pid AS pid,
+               a.resumed_from_id AS resumed_from_id,
+               (SELECT MAX(mt.step) FROM metrics mt WHERE mt.attempt_id = a.id)
+                   AS last_logged_step,
+               (SELECT MAX(c.step) FROM checkpoints c
+                 WHERE c.attempt_id = a.id AND c.committed_at IS NOT NULL)
+                   AS last_committed_step,
+               CASE WHEN a.end_state = 'crashed' THEN
+                   (SELECT MAX(mt.step) FROM metrics mt WHERE mt.attempt_id = a.id)
+                   - COALESCE((SELECT MAX(c.step) FROM checkpoints c
+                                WHERE c.attempt_id = a.id AND c.committed_at IS NOT NULL), -1)
+               END AS steps_lost
+        FROM attempts a
+        WHERE a.kind = 'train'
+    """,
+    "run_restarts": """
+        SELECT r.id AS run_id, r.name AS run, r.root AS root,
+               COUNT(a.id) AS attempts,
+               CASE WHEN COUNT(a.id) > 0 THEN COUNT(a.id) - 1 ELSE 0 END AS restarts,
+               SUM(CASE WHEN a.end_state = 'crashed' THEN 1 ELSE 0 END) AS crashes
+        FROM runs r LEFT JOIN attempts a ON a.run_id = r.id AND a.kind = 'train'
+        GROUP BY r.id, r.name, r.root
+    """,
 }
 
 revision: str = "0001"
@@ -64,6 +89,7 @@ def upgrade() -> None:
         sa.Column("pid", sa.Integer(), nullable=False),
         sa.Column("resumed_from_id", sa.Integer(), nullable=True),
         sa.Column("end_state", sa.String(length=16), nullable=False),
+        sa.Column("kind", sa.String(length=16), nullable=False),
         sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_attempts_run_id_runs")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_attempts")),
     )
@@ -130,7 +156,7 @@ def upgrade() -> None:
         sa.Column("attempt_id", sa.Integer(), nullable=False),
         sa.Column("step", sa.Integer(), nullable=False),
         sa.Column("name", sa.String(length=255), nullable=False),
-        sa.Column("value", sa.Float(), nullable=False),
+        sa.Column("value", sa.Float(), nullable=True),
         sa.Column("wall_time", sa.Float(), nullable=False),
         sa.ForeignKeyConstraint(
             ["attempt_id"], ["attempts.id"], name=op.f("fk_metrics_attempt_id_attempts")
@@ -185,7 +211,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    for name in VIEWS:
+    for name in reversed(list(VIEWS)):
         op.execute(f"DROP VIEW {name}")
     op.drop_table("pointers")
     with op.batch_alter_table("events", schema=None) as batch_op:

@@ -1,0 +1,471 @@
+"""The ``ckptdb`` command: inspect, query and maintain runs.
+
+Read-only commands (status, list, latest, best, history, sql) open the ledger
+read-only and work while a trainer holds the run. Errors print one line on
+stderr and exit 1 (``--debug`` shows the traceback); usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import clifmt
+from .errors import CkptDBError, InvalidArgumentError
+from .policies import Keep, Policy, TopK
+from .reader import RunReader
+
+DB_URL = click.option(
+    "--db-url",
+    envvar="CKPTDB_DB_URL",
+    default=None,
+    metavar="URL",
+    help="Ledger URL (default: ROOT/ckptdb.sqlite). Env: CKPTDB_DB_URL.",
+)
+ROOT = click.argument("root", type=click.Path(file_okay=False, path_type=Path))
+JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
+
+
+class CkptDBGroup(click.Group):
+    """Turns ckptdb errors into one line on stderr and exit status 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except Exception as exc:
+            if ctx.params.get("debug"):
+                raise
+            kind = "error" if isinstance(exc, (CkptDBError, OSError)) else "unexpected error"
+            message = " ".join(str(exc).split()) or type(exc).__name__
+            raise click.ClickException(f"{kind}: {message}") from exc
+
+
+@click.group(cls=CkptDBGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+@click.version_option(package_name="ckptdb")
+def main(debug: bool) -> None:
+    """ckptdb: a transactional checkpoint ledger for PyTorch training.
+
+    \b
+    Example:
+      ckptdb demo runs/demo && ckptdb status runs/demo
+    """
+
+
+def describe_policy(policy: Policy) -> str:
+    if isinstance(policy, TopK):
+        return f"top-{policy.k} by {policy.metric} ({policy.mode})"
+    assert isinstance(policy, Keep)
+    text = "keep all" if policy.last is None else f"keep last {policy.last}"
+    return text + (f", every {policy.every}" if policy.every else "")
+
+
+def topk_stream(reader: RunReader, stream: str | None) -> str:
+    """The stream `best` reports: the one asked for, else 'best', else the only TopK one."""
+    if stream is not None:
+        return stream
+    topk = [name for name, p in reader.policies.items() if isinstance(p, TopK)]
+    if "best" in topk or len(topk) != 1:
+        return "best" if "best" in topk or not topk else _ambiguous(topk)
+    return topk[0]
+
+
+def _ambiguous(names: list[str]) -> str:
+    raise InvalidArgumentError(f"several top-K streams ({', '.join(names)}); pass --stream")
+
+
+@main.command()
+@ROOT
+@DB_URL
+@JSON
+def status(root: Path, db_url: str | None, as_json: bool) -> None:
+    """Summarize a run: streams, latest and best checkpoints, attempts, events.
+
+    \b
+    Example:
+      ckptdb status runs/exp1
+    """
+    with RunReader(root, db_url=db_url) as reader:
+        data = _status_data(reader)
+    if as_json:
+        click.echo(clifmt.to_json(data))
+        return
+    click.echo(click.style(f"run {data['run']}", bold=True) + f"  ({data['root']})")
+    click.echo(
+        "\n"
+        + clifmt.table(
+            ["stream", "policy", "latest step", "committed"],
+            [[s["name"], s["policy"], s["latest_step"], s["committed"]] for s in data["streams"]],
+        )
+    )
+    for name, members in data["best"].items():
+        click.echo(f"\ntop-K of {name}:")
+        click.echo(
+            clifmt.table(
+                ["rank", "step", "metric", "path"],
+                [[i, c["step"], c["metric"], c["path"]] for i, c in enumerate(members, 1)],
+            )
+        )
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(data["states"].items())) or "none"
+    click.echo(f"\ncheckpoints by state: {counts}")
+    ends = ", ".join(f"{a['id']}:{a['end_state']}" for a in data["attempts"])
+    click.echo(f"attempts: {len(data['attempts'])} ({ends})")
+    if data["events"]:
+        click.echo("\nlast events:")
+        click.echo(
+            clifmt.table(
+                ["time", "kind", "step", "detail"],
+                [[e["time"], e["kind"], e["step"], e["detail"]] for e in data["events"]],
+            )
+        )
+
+
+def _status_data(reader: RunReader) -> dict[str, Any]:
+    streams, best = [], {}
+    for name, policy in reader.policies.items():
+        latest = reader.latest(name)
+        streams.append(
+            {
+                "name": name,
+                "policy": describe_policy(policy),
+                "latest_step": latest.step if latest else None,
+                "latest_path": str(latest.path) if latest else None,
+                "committed": len(reader.checkpoints(name)),
+            }
+        )
+        if isinstance(policy, TopK):
+            best[name] = [clifmt.checkpoint_dict(c) for c in reader.best(name)]
+    return {
+        "run": reader.run_name,
+        "root": str(reader.root),
+        "streams": streams,
+        "best": best,
+        "states": reader.state_counts(),
+        "attempts": [
+            {
+                "id": a.id,
+                "started_at": clifmt.jsonable(a.started_at),
+                "end_state": a.end_state,
+                "kind": a.kind,
+                "host": a.host,
+                "pid": a.pid,
+            }
+            for a in reader.attempts()
+        ],
+        "events": [
+            {"time": clifmt.cell(e.time), "kind": e.kind, "step": e.step, "detail": e.detail}
+            for e in reader.events(8)
+        ],
+    }
+
+
+@main.command(name="list")
+@ROOT
+@click.option("--stream", default=None, help="Only this stream.")
+@click.option("--all", "all_states", is_flag=True, help="Every state, not only committed.")
+@DB_URL
+@JSON
+def list_(
+    root: Path, stream: str | None, all_states: bool, db_url: str | None, as_json: bool
+) -> None:
+    """List checkpoints (committed ones; every state with --all).
+
+    \b
+    Example:
+      ckptdb list runs/exp1 --stream model --all
+    """
+    from .models import STATES
+
+    with RunReader(root, db_url=db_url) as reader:
+        found = reader.checkpoints(stream, states=STATES if all_states else ("committed",))
+    if as_json:
+        click.echo(clifmt.to_json([clifmt.checkpoint_dict(c) for c in found]))
+    else:
+        click.echo(
+            clifmt.table(clifmt.CHECKPOINT_COLUMNS, [clifmt.checkpoint_row(c) for c in found])
+        )
+
+
+@main.command()
+@ROOT
+@click.option("--stream", default="model", show_default=True, help="Stream to look in.")
+@DB_URL
+def latest(root: Path, stream: str, db_url: str | None) -> None:
+    """Print the path of the latest committed checkpoint (for shell scripts).
+
+    \b
+    Example:
+      python train.py --resume "$(ckptdb latest runs/exp1)"
+    """
+    with RunReader(root, db_url=db_url) as reader:
+        found = reader.latest(stream)
+    if found is None:
+        raise click.ClickException(f"error: stream {stream!r} of {root} has no checkpoint yet")
+    click.echo(str(found.path))
+
+
+@main.command()
+@ROOT
+@click.option("--stream", default=None, help="Top-K stream (default: 'best' or the only one).")
+@DB_URL
+def best(root: Path, stream: str | None, db_url: str | None) -> None:
+    """Print the paths of the top-K checkpoints, best first.
+
+    \b
+    Example:
+      ckptdb best runs/exp1 | head -n 1
+    """
+    with RunReader(root, db_url=db_url) as reader:
+        name = topk_stream(reader, stream)
+        found = reader.best(name)
+    if not found:
+        raise click.ClickException(f"error: stream {name!r} of {root} has no checkpoint yet")
+    for ckpt in found:
+        click.echo(str(ckpt.path))
+
+
+@main.command()
+@ROOT
+@click.option("--metric", required=True, help="Metric name, as given to log_metrics/save.")
+@click.option(
+    "--plot",
+    "plot_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a PNG of the curve (needs the 'plot' extra).",
+)
+@DB_URL
+@JSON
+def history(
+    root: Path, metric: str, plot_file: Path | None, db_url: str | None, as_json: bool
+) -> None:
+    """Show a metric over steps, by attempt; optionally plot it with markers.
+
+    \b
+    Example:
+      ckptdb history runs/exp1 --metric loss --plot loss.png
+    """
+    with RunReader(root, db_url=db_url) as reader:
+        points = reader.metric_history(metric)
+        if not points:
+            known = ", ".join(reader.metric_names()) or "none logged"
+            raise InvalidArgumentError(f"no metric {metric!r} in {root} (metrics: {known})")
+        if plot_file is not None:
+            from .plot import plot_history
+
+            plot_history(reader, metric, points, plot_file)
+    if as_json:
+        click.echo(clifmt.to_json([{"step": s, "value": v, "attempt": a} for s, v, a in points]))
+    elif plot_file is not None:
+        click.echo(f"{len(points)} points of {metric} plotted to {plot_file}")
+    else:
+        click.echo(clifmt.table(["step", metric, "attempt"], points))
+
+
+@main.command()
+@ROOT
+@click.argument("statement")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "csv", "json"]),
+    default="table",
+    show_default=True,
+)
+@DB_URL
+def sql(root: Path, statement: str, fmt: str, db_url: str | None) -> None:
+    """Run a read-only SQL query over the ledger; writes are refused.
+
+    \b
+    Example:
+      ckptdb sql runs/exp1 "SELECT stream, step, rank, metric FROM best_checkpoints"
+    """
+    with RunReader(root, db_url=db_url) as reader:
+        headers, rows = reader.sql(statement)
+    if fmt == "json":
+        click.echo(clifmt.to_json([dict(zip(headers, r, strict=True)) for r in rows]))
+    elif fmt == "csv":
+        click.echo(clifmt.to_csv(headers, rows))
+    else:
+        click.echo(clifmt.table(headers, rows))
+
+
+def _writer(root: Path, db_url: str | None) -> Any:
+    from .manager import CheckpointManager
+
+    if not (root / "ckptdb.sqlite").exists() and db_url is None:
+        raise InvalidArgumentError(f"no ckptdb run at {root}")
+    return CheckpointManager(root, db_url=db_url, maintenance=True)
+
+
+@main.command()
+@ROOT
+@click.option("--dry-run", is_flag=True, help="Only report what would be repaired.")
+@click.option("--verify", is_flag=True, help="Re-hash every committed file.")
+@DB_URL
+@JSON
+def reconcile(root: Path, dry_run: bool, verify: bool, db_url: str | None, as_json: bool) -> None:
+    """Compare the ledger with the disk and repair; print the report.
+
+    \b
+    Example:
+      ckptdb reconcile runs/exp1 --verify
+    """
+    with _writer(root, db_url) as mgr:
+        report = _with_progress(
+            verify,
+            lambda progress: mgr.reconcile(verify=verify, dry_run=dry_run, progress=progress),
+        )
+    if as_json:
+        click.echo(
+            clifmt.to_json(
+                {
+                    "dry_run": report.dry_run,
+                    "counts": report.counts,
+                    "actions": [vars(a) for a in report.actions],
+                }
+            )
+        )
+    else:
+        click.echo(str(report))
+    if report.failures:
+        sys.exit(1)
+
+
+def _with_progress(show: bool, work: Callable[[Callable[[int, int], None] | None], Any]) -> Any:
+    if not show:
+        return work(None)
+    state: dict[str, Any] = {}
+
+    def progress(done: int, total: int) -> None:
+        if "bar" not in state:
+            state["bar"] = click.progressbar(length=total, label="verifying", file=sys.stderr)
+            state["bar"].__enter__()
+        state["bar"].update(1)
+
+    try:
+        return work(progress)
+    finally:
+        if "bar" in state:
+            state["bar"].__exit__(None, None, None)
+
+
+@main.command()
+@ROOT
+@DB_URL
+def gc(root: Path, db_url: str | None) -> None:
+    """Apply the stored retention policies now (e.g. after lowering keep-last).
+
+    \b
+    Example:
+      ckptdb gc runs/exp1
+    """
+    with _writer(root, db_url) as mgr:
+        evicted = mgr.gc()
+    for ckpt in evicted:
+        click.echo(f"evicted {ckpt.stream} step {ckpt.step}: {ckpt.path}")
+    click.echo(f"{len(evicted)} checkpoint(s) evicted")
+
+
+@main.group()
+def db() -> None:
+    """Show or run ledger migrations."""
+
+
+@db.command()
+@ROOT
+@DB_URL
+def upgrade(root: Path, db_url: str | None) -> None:
+    """Migrate the ledger to this ckptdb's schema (under the writer lock).
+
+    \b
+    Example:
+      ckptdb db upgrade runs/exp1
+    """
+    from .db import migrate, open_ledger
+    from .lock import WriterLock
+    from .reader import ledger_url
+
+    root = root.resolve()
+    ledger_url(root, db_url, readonly=True)  # refuses a directory that holds no run
+    url = ledger_url(root, db_url, readonly=False)
+    lock = WriterLock(root)
+    lock.acquire()
+    try:
+        ledger = open_ledger(url)
+        try:
+            migrate(ledger.engine)
+        finally:
+            ledger.dispose()
+    finally:
+        lock.release()
+    click.echo(f"{root}: ledger at schema {_current(root, db_url)}")
+
+
+@db.command()
+@ROOT
+@DB_URL
+def current(root: Path, db_url: str | None) -> None:
+    """Print the ledger's schema revision and this ckptdb's newest one.
+
+    \b
+    Example:
+      ckptdb db current runs/exp1
+    """
+    from alembic.script import ScriptDirectory
+
+    from .db import alembic_config
+
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    click.echo(f"ledger {_current(root.resolve(), db_url)}; newest known {head}")
+
+
+def _current(root: Path, db_url: str | None) -> str:
+    from alembic.runtime.migration import MigrationContext
+
+    from .db import open_ledger
+    from .reader import ledger_url
+
+    ledger = open_ledger(ledger_url(root, db_url, readonly=True), readonly=True)
+    try:
+        with ledger.engine.connect() as conn:
+            heads = MigrationContext.configure(conn).get_current_heads()
+    finally:
+        ledger.dispose()
+    return ", ".join(heads) or "none"
+
+
+@main.command()
+@click.argument(
+    "directory",
+    required=False,
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("runs/demo"),
+)
+@click.option("--steps", default=300, show_default=True, help="Training steps.")
+@click.option(
+    "--fresh/--keep",
+    default=True,
+    show_default=True,
+    help="Start from an empty directory (removes a previous demo run there).",
+)
+def demo(directory: Path, steps: int, fresh: bool) -> None:
+    """Train a small model with ckptdb: guard trip, crash, restart, report.
+
+    \b
+    Example:
+      ckptdb demo runs/demo
+    """
+    from .demo import run_demo
+
+    run_demo(directory, steps=steps, fresh=fresh)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

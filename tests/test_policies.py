@@ -1,0 +1,560 @@
+"""Retention (Keep), top-K (TopK) and stream-name rules, tested as pure functions.
+
+Expected values are derived by hand from the rules in issue 2 / DESIGN.md section 3,
+or by a brute-force reference written independently of ckptdb.policies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptdb import Keep, TopK
+from ckptdb.errors import ArgumentTypeError, CkptDBError, InvalidArgumentError
+from ckptdb.policies import Entry, validate_policies, validate_stream_name
+
+NEW_ID = 999
+
+
+def entries(*steps: int) -> list[Entry]:
+    """Committed entries at ``steps``; ids deliberately differ from steps."""
+    return [Entry(id=100 + s, step=s) for s in steps]
+
+
+def scored(*pairs: tuple[int, float]) -> list[Entry]:
+    return [Entry(id=100 + s, step=s, metric=v) for s, v in pairs]
+
+
+def steps_of(found: Sequence[Entry]) -> list[int]:
+    return sorted(e.step for e in found)
+
+
+def ids_of(found: Sequence[Entry]) -> list[int]:
+    return sorted(e.id for e in found)
+
+
+# --------------------------------------------------------------------------- Keep: window
+
+
+@pytest.mark.parametrize(
+    ("policy", "steps", "evicted"),
+    [
+        (Keep(last=3), [1, 2, 3, 4, 5], [1, 2]),
+        (Keep(last=3), [5, 1, 4, 2, 3], [1, 2]),  # input order does not matter
+        (Keep(last=1), [10, 20, 30], [10, 20]),
+        (Keep(last=5), [1, 2, 3], []),
+        (Keep(last=3), [1, 2, 3], []),
+        (Keep(last=3), [], []),
+        (Keep(last=None), list(range(50)), []),
+        (Keep(last=None, every=7), list(range(50)), []),
+        # steps divisible by `every` are kept forever, the rest leave the window
+        (Keep(last=2, every=2), [1, 2, 3, 4, 5, 6], [1, 3]),
+        (Keep(last=1, every=10), [10, 15, 20, 25], [15]),
+        (Keep(last=1, every=10), [0, 5, 10, 11], [5]),
+        (Keep(last=2, every=100), [100, 150, 200, 250, 300, 350], [150, 250]),
+        (Keep(last=1, every=1), [1, 2, 3], []),
+    ],
+)
+def test_keep_window_evictions(policy: Keep, steps: list[int], evicted: list[int]) -> None:
+    found = policy.window_evictions(entries(*steps))
+    assert steps_of(found) == evicted
+    assert len({e.id for e in found}) == len(found)  # no duplicates
+
+
+def test_keep_window_returns_the_entries_themselves() -> None:
+    committed = entries(1, 2, 3)
+    found = Keep(last=1).window_evictions(committed)
+    assert ids_of(found) == [101, 102]
+    assert all(any(e is c for c in committed) for e in found)
+
+
+# --------------------------------------------------------------------------- Keep: timeline
+
+
+@pytest.mark.parametrize(
+    ("policy", "committed", "new_step", "evicted"),
+    [
+        # plain forward progress: only the window evicts
+        (Keep(last=3), [1, 2, 3, 4, 5], 6, [1, 2, 3]),
+        (Keep(last=3), [1, 2], 3, []),
+        (Keep(last=1), [1], 2, [1]),
+        # going back in time: steps >= s are superseded
+        (Keep(last=3), [1, 2, 3, 4, 5], 3, [3, 4, 5]),
+        (Keep(last=3), [1, 2, 3, 4, 5], 0, [1, 2, 3, 4, 5]),
+        (Keep(last=5), [10, 20, 30], 15, [20, 30]),
+        (Keep(last=1), [10, 20], 15, [10, 20]),  # 20 superseded, 10 left the window
+        # re-saving the newest step replaces it
+        (Keep(last=3), [1, 2, 3], 3, [3]),
+        # last=None keeps everything except the abandoned timeline
+        (Keep(last=None), [1, 2, 3, 4, 5], 6, []),
+        (Keep(last=None), [1, 2, 3, 4, 5], 3, [3, 4, 5]),
+        # keep-every steps survive the window but not the timeline rule
+        (Keep(last=1, every=10), [10, 20, 30], 25, [30]),
+        (Keep(last=1, every=10), [10, 15, 20, 21], 22, [15, 21]),
+        (Keep(last=2, every=5), [5, 6, 7, 10, 11], 12, [6, 7]),
+    ],
+)
+def test_keep_evictions_timeline_rule(
+    policy: Keep, committed: list[int], new_step: int, evicted: list[int]
+) -> None:
+    new = Entry(id=NEW_ID, step=new_step)
+    found = policy.evictions(entries(*committed), new)
+    assert steps_of(found) == evicted
+    assert NEW_ID not in {e.id for e in found}
+    assert len({e.id for e in found}) == len(found)
+
+
+@pytest.mark.parametrize("last", [1, 2, 3])
+@pytest.mark.parametrize("new_step", [0, 1, 5, 9, 10, 11])
+def test_keep_window_never_evicts_the_new_entry(last: int, new_step: int) -> None:
+    committed = entries(*range(1, 11))
+    found = Keep(last=last).evictions(committed, Entry(id=NEW_ID, step=new_step))
+    survivors = {e.id for e in committed} - {e.id for e in found}
+    assert NEW_ID not in {e.id for e in found}
+    # the survivors are the newest last-1 steps strictly before new_step
+    expected = sorted(s for s in range(1, 11) if s < new_step)[-(last - 1) :] if last > 1 else []
+    assert sorted(i - 100 for i in survivors) == expected
+
+
+def test_keep_evictions_ignore_a_committed_row_that_is_the_new_one() -> None:
+    # the manager may hand the new row in `committed` too; it must never be evicted
+    new = Entry(id=NEW_ID, step=4)
+    found = Keep(last=2).evictions([*entries(1, 2, 3), new], new)
+    assert NEW_ID not in {e.id for e in found}
+    assert steps_of(found) == [1, 2]
+
+
+def keep_reference(policy: Keep, committed: list[Entry], new: Entry) -> set[int]:
+    """Brute force: what the rules in the issue say must go."""
+    alive = [e for e in committed if e.step < new.step] + [new]
+    by_step = sorted(alive, key=lambda e: e.step, reverse=True)
+    window = by_step if policy.last is None else by_step[: policy.last]
+    kept = {e.id for e in window}
+    if policy.every is not None:
+        kept |= {e.id for e in alive if e.step % policy.every == 0}
+    return {e.id for e in committed} - kept
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=st.lists(st.integers(0, 60), unique=True, max_size=15),
+    new_step=st.integers(0, 65),
+    last=st.one_of(st.none(), st.integers(1, 6)),
+    every=st.one_of(st.none(), st.integers(1, 12)),
+)
+def test_keep_evictions_match_brute_force(
+    steps: list[int], new_step: int, last: int | None, every: int | None
+) -> None:
+    policy = Keep(last=last, every=every)
+    committed = entries(*steps)
+    new = Entry(id=NEW_ID, step=new_step)
+    found = policy.evictions(committed, new)
+    assert len({e.id for e in found}) == len(found)
+    assert {e.id for e in found} == keep_reference(policy, committed, new)
+
+
+# --------------------------------------------------------------------------- Keep.from_ratio
+
+
+@pytest.mark.parametrize(
+    ("ratio", "num_steps", "save_freq", "expected"),
+    [
+        (0.5, 100, 10, 5),
+        (0.25, 100, 10, 3),  # ceil(2.5)
+        (1, 100, 10, 10),
+        (1.0, 95, 10, 10),  # ceil(9.5) saves
+        (0.5, 95, 10, 5),  # 10 saves -> 5
+        (0.5, 101, 10, 6),  # 11 saves -> ceil(5.5)
+        (0.01, 100, 10, 1),  # ceil(0.1)
+        (1e-9, 1000, 1, 1),  # at least one
+        (0.3, 7, 10, 1),  # fewer steps than save_freq: one save
+        (1, 1, 1, 1),
+        (0.5, 3, 1, 2),
+        (Fraction(1, 3), 30, 1, 10),
+        (0.2, 1000, 1, 200),
+    ],
+)
+def test_keep_from_ratio(ratio: float, num_steps: int, save_freq: int, expected: int) -> None:
+    policy = Keep.from_ratio(ratio, num_steps, save_freq)
+    assert isinstance(policy, Keep)
+    assert policy.last == expected
+    assert policy.every is None
+
+
+@pytest.mark.parametrize(
+    ("ratio", "num_steps", "save_freq", "expected"),
+    [
+        # decimal ratios whose float product lands just above an integer
+        (0.07, 1000, 10, 7),  # 7% of 100 saves
+        (0.55, 1000, 10, 55),  # 55% of 100 saves
+        (0.28, 250, 10, 7),  # 28% of 25 saves
+        (0.14, 500, 10, 7),  # 14% of 50 saves
+        # saves must be an exact integer ceiling, not a float division
+        (1, 2**53 + 1, 1, 2**53 + 1),
+        (1, 10**17 + 1, 10**17, 2),
+    ],
+)
+def test_keep_from_ratio_is_exact(
+    ratio: float, num_steps: int, save_freq: int, expected: int
+) -> None:
+    assert Keep.from_ratio(ratio, num_steps, save_freq).last == expected
+
+
+@pytest.mark.parametrize("save_freq", [1, 7, 10])
+def test_keep_from_ratio_matches_exact_arithmetic_for_every_percentage(save_freq: int) -> None:
+    """Every whole percentage of 1..120 saves, against exact rational arithmetic."""
+    wrong = []
+    for saves in range(1, 121):
+        num_steps = saves * save_freq
+        for percent in range(1, 101):
+            expected = max(1, math.ceil(Fraction(percent, 100) * saves))
+            got = Keep.from_ratio(percent / 100, num_steps, save_freq).last
+            if got != expected:
+                wrong.append((percent / 100, num_steps, save_freq, got, expected))
+    assert wrong == []
+
+
+@pytest.mark.parametrize(
+    "ratio", [0, 0.0, -0.5, -1, 1.0000001, 1.5, 2, float("nan"), float("inf"), float("-inf")]
+)
+def test_keep_from_ratio_rejects_ratio_outside_unit_interval(ratio: float) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        Keep.from_ratio(ratio, 100, 10)
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, CkptDBError)
+
+
+@pytest.mark.parametrize("ratio", ["0.5", None, 0.5j, [0.5]])
+def test_keep_from_ratio_rejects_non_real_ratio(ratio: object) -> None:
+    with pytest.raises(ArgumentTypeError) as info:
+        Keep.from_ratio(ratio, 100, 10)  # type: ignore[arg-type]
+    assert isinstance(info.value, TypeError)
+    assert isinstance(info.value, ValueError)
+
+
+def test_keep_from_ratio_rejects_bool_ratio() -> None:
+    with pytest.raises(InvalidArgumentError):
+        Keep.from_ratio(True, 100, 10)
+
+
+@pytest.mark.parametrize("which", ["num_steps", "save_freq"])
+@pytest.mark.parametrize("value", [0, -1, -100])
+def test_keep_from_ratio_rejects_counts_below_one(which: str, value: int) -> None:
+    kwargs = {"ratio": 0.5, "num_steps": 100, "save_freq": 10, which: value}
+    with pytest.raises(InvalidArgumentError) as info:
+        Keep.from_ratio(**kwargs)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("which", ["num_steps", "save_freq"])
+@pytest.mark.parametrize("value", [10.0, 2.5, "10", None, True])
+def test_keep_from_ratio_rejects_non_int_counts(which: str, value: object) -> None:
+    kwargs = {"ratio": 0.5, "num_steps": 100, "save_freq": 10, which: value}
+    with pytest.raises(ArgumentTypeError) as info:
+        Keep.from_ratio(**kwargs)  # type: ignore[arg-type]
+    assert isinstance(info.value, TypeError)
+
+
+# --------------------------------------------------------------------------- constructors
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Keep(last=-1),
+        lambda: Keep(last=0),
+        lambda: Keep(last=-100),
+        lambda: Keep(every=0),
+        lambda: Keep(every=-5),
+        lambda: Keep(last=None, every=0),
+        lambda: TopK(k=0, metric="loss"),
+        lambda: TopK(k=-1, metric="loss"),
+        lambda: TopK(k=1, metric=""),
+        lambda: TopK(k=1, metric=None),
+        lambda: TopK(k=1, metric=3),
+        lambda: TopK(k=1, metric="loss", mode="MIN"),
+        lambda: TopK(k=1, metric="loss", mode="mean"),
+        lambda: TopK(k=1, metric="loss", mode=""),
+        lambda: TopK(k=1, metric="loss", mode=None),
+    ],
+)
+def test_policy_constructor_rejects_bad_values(make) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidArgumentError) as info:
+        make()
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, CkptDBError)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Keep(last=True),
+        lambda: Keep(last=False),
+        lambda: Keep(last=1.0),
+        lambda: Keep(last="3"),
+        lambda: Keep(every=2.5),
+        lambda: Keep(every=True),
+        lambda: TopK(k=True, metric="loss"),
+        lambda: TopK(k=1.0, metric="loss"),
+        lambda: TopK(k=None, metric="loss"),
+        lambda: TopK(k="2", metric="loss"),
+    ],
+)
+def test_policy_constructor_rejects_bad_types(make) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ArgumentTypeError) as info:
+        make()
+    assert isinstance(info.value, TypeError)
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, InvalidArgumentError)
+
+
+def test_policy_defaults_and_valid_arguments() -> None:
+    assert (Keep().last, Keep().every) == (5, None)
+    assert Keep(last=None).last is None
+    assert (Keep(last=1, every=1).last, Keep(last=1, every=1).every) == (1, 1)
+    top = TopK(3, "val_loss")
+    assert (top.k, top.metric, top.mode) == (3, "val_loss", "min")
+    assert TopK(1, "acc", "max").mode == "max"
+
+
+def test_policies_are_immutable() -> None:
+    keep = Keep(last=2)
+    with pytest.raises(AttributeError):
+        keep.last = 0  # type: ignore[misc]
+    top = TopK(2, "loss")
+    with pytest.raises(AttributeError):
+        top.k = 0  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------- TopK
+
+
+@pytest.mark.parametrize(
+    ("policy", "members", "candidate", "admitted"),
+    [
+        # min: lower is better
+        (TopK(2, "loss"), [(10, 0.5), (20, 0.3)], (30, 0.4), True),
+        (TopK(2, "loss"), [(10, 0.5), (20, 0.3)], (30, 0.1), True),
+        (TopK(2, "loss"), [(10, 0.5), (20, 0.3)], (30, 0.6), False),
+        # a tie with the worst member: the earlier step wins
+        (TopK(2, "loss"), [(10, 0.5), (20, 0.3)], (30, 0.5), False),
+        (TopK(2, "loss"), [(10, 0.5), (20, 0.3)], (5, 0.5), True),
+        # max: higher is better
+        (TopK(2, "acc", "max"), [(10, 0.5), (20, 0.7)], (30, 0.6), True),
+        (TopK(2, "acc", "max"), [(10, 0.5), (20, 0.7)], (30, 0.9), True),
+        (TopK(2, "acc", "max"), [(10, 0.5), (20, 0.7)], (30, 0.4), False),
+        (TopK(2, "acc", "max"), [(10, 0.5), (20, 0.7)], (30, 0.5), False),
+        (TopK(2, "acc", "max"), [(10, 0.5), (20, 0.7)], (5, 0.5), True),
+        # fewer than k members: anything gets in
+        (TopK(3, "loss"), [(10, 0.1), (20, 0.2)], (30, 1e9), True),
+        (TopK(1, "loss"), [], (30, 1e9), True),
+        (TopK(3, "acc", "max"), [(10, 0.1)], (30, -1e9), True),
+        # re-saving a step already in the top-K replaces it, even with a worse metric
+        (TopK(2, "loss"), [(10, 0.1), (20, 0.2)], (10, 0.9), True),
+        (TopK(1, "loss"), [(10, 0.1)], (10, 0.9), True),
+        (TopK(2, "acc", "max"), [(10, 0.9), (20, 0.8)], (20, 0.1), True),
+    ],
+)
+def test_topk_admits(
+    policy: TopK,
+    members: list[tuple[int, float]],
+    candidate: tuple[int, float],
+    admitted: bool,
+) -> None:
+    step, value = candidate
+    assert policy.admits(scored(*members), Entry(id=-1, step=step, metric=value)) is admitted
+
+
+@pytest.mark.parametrize(
+    ("policy", "members", "new", "evicted"),
+    [
+        (TopK(2, "loss"), [(10, 0.5), (20, 0.3)], (30, 0.4), [10]),
+        (TopK(2, "loss"), [(10, 0.5), (20, 0.3)], (30, 0.1), [10]),
+        (TopK(2, "loss"), [(10, 0.5), (20, 0.3)], (5, 0.5), [10]),
+        (TopK(2, "acc", "max"), [(10, 0.5), (20, 0.7)], (30, 0.6), [10]),
+        (TopK(2, "acc", "max"), [(10, 0.5), (20, 0.7)], (5, 0.5), [10]),
+        (TopK(3, "loss"), [(10, 0.5), (20, 0.3)], (30, 0.9), []),
+        (TopK(1, "loss"), [(10, 0.5)], (20, 0.4), [10]),
+        # re-saving a member replaces that entry only
+        (TopK(2, "loss"), [(10, 0.1), (20, 0.2)], (10, 0.9), [10]),
+        (TopK(2, "loss"), [(10, 0.1), (20, 0.2)], (20, 0.05), [20]),
+        (TopK(3, "loss"), [(10, 0.1), (20, 0.2), (30, 0.3)], (20, 0.25), [20]),
+        # exempt from the timeline rule: older steps do not supersede newer ones
+        (TopK(3, "loss"), [(10, 0.1), (20, 0.2), (30, 0.3)], (5, 0.01), [30]),
+        (TopK(3, "loss"), [(10, 0.1), (20, 0.2)], (5, 0.9), []),
+        # more members than k (the policy was narrowed): trimmed to k
+        (TopK(1, "loss"), [(10, 0.3), (20, 0.2), (30, 0.4)], (40, 0.1), [10, 20, 30]),
+        (TopK(2, "loss"), [(10, 0.3), (20, 0.2), (30, 0.4)], (40, 0.25), [10, 30]),
+    ],
+)
+def test_topk_evictions(
+    policy: TopK,
+    members: list[tuple[int, float]],
+    new: tuple[int, float],
+    evicted: list[int],
+) -> None:
+    step, value = new
+    committed = scored(*members)
+    found = policy.evictions(committed, Entry(id=NEW_ID, step=step, metric=value))
+    assert ids_of(found) == sorted(100 + s for s in evicted)
+    assert NEW_ID not in {e.id for e in found}
+    survivors = len(committed) + 1 - len(found)
+    assert survivors <= policy.k
+
+
+@pytest.mark.parametrize(
+    ("policy", "members", "order"),
+    [
+        (TopK(5, "loss"), [(10, 0.5), (20, 0.1), (30, 0.3)], [20, 30, 10]),
+        (TopK(5, "acc", "max"), [(10, 0.5), (20, 0.1), (30, 0.3)], [10, 30, 20]),
+        # ties: earlier step first, in both modes
+        (TopK(5, "loss"), [(30, 0.2), (10, 0.2), (20, 0.2)], [10, 20, 30]),
+        (TopK(5, "acc", "max"), [(30, 0.2), (10, 0.2), (20, 0.2)], [10, 20, 30]),
+        (TopK(5, "loss"), [(30, -1.0), (10, 0.0), (20, -0.0)], [30, 10, 20]),
+        (TopK(5, "loss"), [], []),
+    ],
+)
+def test_topk_ranked_best_first(
+    policy: TopK, members: list[tuple[int, float]], order: list[int]
+) -> None:
+    assert [e.step for e in policy.ranked(scored(*members))] == order
+
+
+@pytest.mark.parametrize(
+    ("policy", "members", "evicted"),
+    [
+        (TopK(2, "loss"), [(10, 0.5), (20, 0.1), (30, 0.3)], [10]),
+        (TopK(2, "acc", "max"), [(10, 0.5), (20, 0.1), (30, 0.3)], [20]),
+        (TopK(1, "loss"), [(10, 0.2), (20, 0.2), (30, 0.2)], [20, 30]),
+        (TopK(5, "loss"), [(10, 0.5), (20, 0.1)], []),
+    ],
+)
+def test_topk_window_evictions(
+    policy: TopK, members: list[tuple[int, float]], evicted: list[int]
+) -> None:
+    assert steps_of(policy.window_evictions(scored(*members))) == evicted
+
+
+def topk_reference(policy: TopK, committed: list[Entry], new: Entry) -> set[int]:
+    """Brute force: survivors are the entries fewer than k others beat."""
+
+    def beats(a: Entry, b: Entry) -> bool:
+        assert a.metric is not None and b.metric is not None
+        better = a.metric < b.metric if policy.mode == "min" else a.metric > b.metric
+        return better or (a.metric == b.metric and a.step < b.step)
+
+    pool = [e for e in committed if e.step != new.step] + [new]
+    return {e.id for e in pool if sum(beats(o, e) for o in pool if o is not e) < policy.k}
+
+
+metrics = st.sampled_from([-1.0, -0.0, 0.0, 0.25, 0.5, 1.0, 2.5, 1e300, -1e300])
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    members=st.dictionaries(st.integers(0, 30), metrics, max_size=9),
+    new_step=st.integers(0, 32),
+    new_metric=metrics,
+    k=st.integers(1, 5),
+    mode=st.sampled_from(["min", "max"]),
+)
+def test_topk_matches_brute_force(
+    members: dict[int, float], new_step: int, new_metric: float, k: int, mode: str
+) -> None:
+    policy = TopK(k, "m", mode)  # type: ignore[arg-type]
+    committed = scored(*members.items())
+    new = Entry(id=NEW_ID, step=new_step, metric=new_metric)
+    survivors = topk_reference(policy, committed, new)
+
+    found = policy.evictions(committed, new)
+    evicted = {e.id for e in found}
+    assert len(evicted) == len(found)
+    # admitted exactly when the reference keeps the candidate (id -1, as before a write)
+    candidate = Entry(id=-1, step=new_step, metric=new_metric)
+    assert policy.admits(committed, candidate) is (NEW_ID in survivors)
+    if NEW_ID in survivors:  # the manager only commits an admitted candidate
+        assert evicted == {e.id for e in committed} - survivors
+        assert len(committed) + 1 - len(evicted) <= k
+        assert NEW_ID not in evicted
+
+
+# --------------------------------------------------------------------------- stream names
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["model", "ema", "best_ema", "a", "A-b_c.d", "0", "x" * 64, "v1.2", "ckptdb", "my.ckptdb.x"],
+)
+def test_valid_stream_names(name: str) -> None:
+    assert validate_stream_name(name) == name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        ".",
+        "..",
+        "a/b",
+        "/abs",
+        "model/",
+        "../escape",
+        "a\\b",
+        "x" * 65,
+        "ckptdb.",
+        "ckptdb.sqlite",
+        "ckptdb.lock",
+        "ckptdb.quarantine",
+        "with space",
+        "tab\tname",
+        "model\n",
+        "new\nline",
+        "a:b",
+        "a*b",
+        "nul\x00",
+        "modèle",
+        "模型",
+    ],
+)
+def test_invalid_stream_names(name: str) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        validate_stream_name(name)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("name", [None, 1, 1.5, b"model", Path("model"), ["model"]])
+def test_stream_name_must_be_str(name: object) -> None:
+    with pytest.raises(ArgumentTypeError) as info:
+        validate_stream_name(name)
+    assert isinstance(info.value, TypeError)
+
+
+def test_validate_policies_accepts_and_copies() -> None:
+    streams = {"model": Keep(last=2), "best": TopK(1, "loss")}
+    checked = validate_policies(streams)
+    assert checked == streams
+    assert checked is not streams
+
+
+@pytest.mark.parametrize(
+    "streams",
+    [
+        {},
+        None,
+        [("model", Keep())],
+        {"model": "keep"},
+        {"model": None},
+        {"a/b": Keep()},
+        {"ckptdb.x": Keep()},
+        {1: Keep()},
+    ],
+)
+def test_validate_policies_rejects(streams: object) -> None:
+    with pytest.raises(InvalidArgumentError):
+        validate_policies(streams)
