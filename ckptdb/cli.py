@@ -41,9 +41,10 @@ class CkptDBGroup(click.Group):
         except Exception as exc:
             if ctx.params.get("debug"):
                 raise
-            kind = "error" if isinstance(exc, (CkptDBError, OSError)) else "unexpected error"
             message = " ".join(str(exc).split()) or type(exc).__name__
-            raise click.ClickException(f"{kind}: {message}") from exc
+            if not isinstance(exc, (CkptDBError, OSError)):
+                message = f"unexpected {type(exc).__name__}: {message} (--debug for details)"
+            raise click.ClickException(message) from exc
 
 
 @click.group(cls=CkptDBGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -206,7 +207,7 @@ def latest(root: Path, stream: str, db_url: str | None) -> None:
     with RunReader(root, db_url=db_url) as reader:
         found = reader.latest(stream)
     if found is None:
-        raise click.ClickException(f"error: stream {stream!r} of {root} has no checkpoint yet")
+        raise click.ClickException(f"stream {stream!r} of {root} has no checkpoint yet")
     click.echo(str(found.path))
 
 
@@ -225,7 +226,7 @@ def best(root: Path, stream: str | None, db_url: str | None) -> None:
         name = topk_stream(reader, stream)
         found = reader.best(name)
     if not found:
-        raise click.ClickException(f"error: stream {name!r} of {root} has no checkpoint yet")
+        raise click.ClickException(f"stream {name!r} of {root} has no checkpoint yet")
     for ckpt in found:
         click.echo(str(ckpt.path))
 
@@ -354,6 +355,31 @@ def _with_progress(show: bool, work: Callable[[Callable[[int, int], None] | None
     finally:
         if "bar" in state:
             state["bar"].__exit__(None, None, None)
+
+
+@main.command()
+@ROOT
+@click.option(
+    "--load",
+    "load_files",
+    is_flag=True,
+    help="Also unpickle every committed file (weights_only=True).",
+)
+@DB_URL
+def check(root: Path, load_files: bool, db_url: str | None) -> None:
+    """Check the run's consistency invariants; exit 1 and one line per violation.
+
+    \b
+    Example:
+      ckptdb check runs/exp1 --load
+    """
+    with _writer(root, db_url) as mgr:
+        problems = mgr.check(load=load_files)
+    for problem in problems:
+        click.echo(problem)
+    if problems:
+        raise click.ClickException(f"{len(problems)} violation(s) in {root}")
+    click.echo(f"{root}: consistent")
 
 
 @main.command()

@@ -42,8 +42,9 @@ from typing import Any
 import torch
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import ledger
+from . import faults, ledger
 from . import models as m
+from .check import Checker
 from .db import Ledger, default_sqlite_url, migrate, open_ledger
 from .errors import (
     ArgumentTypeError,
@@ -322,6 +323,7 @@ class CheckpointManager(RunQueries):
         if not admitted:
             return {}
         pending = self._record_intent(step, values, admitted)
+        faults.point("after_intent")
         try:
             self._write_and_place(pending)
             evicted = self._commit(step, pending)
@@ -402,10 +404,13 @@ class CheckpointManager(RunQueries):
     def _write_and_place(self, pending: list[_Pending]) -> None:
         for p in pending:
             p.info = write_payload(p.payload, p.tmp)
+        faults.point("after_fsync")
         for p in pending:
             place(p.tmp, p.final)
+        faults.point("after_replace")
         for directory in sorted({p.final.parent for p in pending}):
             fsync_dir(directory)
+        faults.point("after_fsync_dir")
 
     def _commit(self, step: int, pending: list[_Pending]) -> list[m.Checkpoint]:
         """The single commit point of a boundary; returns the rows it evicted."""
@@ -426,7 +431,9 @@ class CheckpointManager(RunQueries):
                 evicted.extend(self._apply_retention(session, p))
                 ledger.set_latest(session, self.run_id, p.stream, p.row_id)
             flushed = self._flush_into(session)
+            faults.point("in_commit")
         self._drop_flushed(flushed)
+        faults.point("after_commit")
         return evicted
 
     def _apply_retention(self, session: Any, p: _Pending) -> list[m.Checkpoint]:
@@ -533,6 +540,7 @@ class CheckpointManager(RunQueries):
             try:
                 remove(confine(self.save_dir, row.path))
                 removed.append(row.id)
+                faults.point("mid_cleanup")
             except (OSError, InvalidArgumentError) as err:
                 failures.append((row, path, err))
         try:
@@ -718,6 +726,12 @@ class CheckpointManager(RunQueries):
         self._check_open()
         reconciler = Reconciler(self._db, self.run_id, self.attempt_id, self.root, self.save_dir)
         return reconciler.run(verify=verify, dry_run=dry_run, progress=progress)
+
+    def check(self, *, load: bool = False) -> list[str]:
+        """Violations of the run's consistency invariants, one line each (see ckptdb.check)."""
+        self._check_open()
+        checker = Checker(self._db, self.run_id, self.root, self.save_dir, self.policies)
+        return checker.run(load=load)
 
     def _records(self, ids: list[int]) -> dict[str, Checkpoint]:
         with self._db.transaction() as session:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from . import ledger
+from . import faults, ledger
 from . import models as m
 from .db import Ledger
 from .errors import InvalidArgumentError
@@ -106,6 +106,7 @@ class Reconciler:
             if progress is not None:
                 progress(done, len(rows))
         self._scan(keep_paths, report, dry_run=dry_run)
+        faults.point("mid_reconcile")
         if not dry_run:
             self._apply(plan, report, streams)
         else:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import xxhash
 
+from . import faults
 from .errors import CkptDBError, InvalidArgumentError
 
 CHECKPOINT_NAME = re.compile(r"step-(\d+)(?:\.v(\d+))?\.pt")
@@ -59,6 +60,7 @@ class HashingWriter:
         self._hash.update(view)
         written: int = self._file.write(view)
         self.size += view.nbytes
+        faults.point("mid_write")
         return written
 
     def flush(self) -> None:

@@ -1,0 +1,129 @@
+"""The consistency invariants of a run, checked (not repaired).
+
+After any crash and reopen, these must hold; the crash tests assert them and
+users run them as ``ckptdb check ROOT`` / ``mgr.check()``:
+
+1. every ``committed`` row's file exists, has the recorded size and hash,
+   and (with ``load=True``) loads with ``weights_only=True``;
+2. no temporary file remains, and no file in our naming lacks a row;
+3. each stream's latest pointer is its newest healthy committed checkpoint;
+4. each top-K stream holds at most K members, and no evicted checkpoint
+   ranks above a member (unless a re-save of its step replaced it);
+5. SQLite's ``PRAGMA integrity_check`` is ``ok``; a dry-run reconcile finds
+   nothing to do.
+
+(The invariant "every acknowledged save is still committed unless a later
+commit evicted it by policy" needs the list of acknowledgements, which only
+the caller has; the crash tests check it themselves.)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from sqlalchemy import text
+
+from . import ledger
+from . import models as m
+from .db import Ledger
+from .policies import Entry, Policy, TopK
+from .reconcile import Reconciler
+from .storage import CHECKPOINT_NAME, TEMP_NAME, confine, hash_file
+
+
+class Checker:
+    def __init__(
+        self, db: Ledger, run_id: int, root: Path, save_dir: Path, policies: dict[str, Policy]
+    ) -> None:
+        self.db, self.run_id, self.root, self.save_dir = db, run_id, root, save_dir
+        self.policies = policies
+
+    def run(self, *, load: bool = False) -> list[str]:
+        """Every violation, one line each; an empty list means consistent."""
+        with self.db.transaction() as session:
+            rows = ledger.rows_in_state(session, self.run_id, m.STATES)
+            pointers = {s: ledger.latest_row(session, self.run_id, s) for s in self.policies}
+            integrity = (
+                session.execute(text("PRAGMA integrity_check")).scalar()
+                if self.db.engine.dialect.name == "sqlite"
+                else "ok"
+            )
+        problems = [f"integrity_check: {integrity}"] if integrity != "ok" else []
+        committed = [r for r in rows if r.state == m.COMMITTED]
+        for row in committed:
+            problems.extend(self._check_file(row, load))
+        problems.extend(self._check_disk({r.path for r in rows if r.state in ledger.LIVE_STATES}))
+        for stream in self.policies:
+            problems.extend(self._check_latest(stream, committed, pointers[stream]))
+        for stream, policy in self.policies.items():
+            if isinstance(policy, TopK):
+                problems.extend(self._check_topk(stream, policy, rows))
+        report = Reconciler(self.db, self.run_id, None, self.root, self.save_dir).run(dry_run=True)
+        problems.extend(f"reconcile would act: {a}" for a in report.actions)
+        return problems
+
+    def _check_file(self, row: m.Checkpoint, load: bool) -> list[str]:
+        try:
+            path = confine(self.save_dir, row.path)
+            info = hash_file(path)
+        except (OSError, ValueError) as exc:
+            return [f"{row.path}: committed but unreadable: {exc}"]
+        if (info.size, info.hash) != (row.size, row.hash):
+            return [
+                f"{row.path}: size/hash {info.size}/{info.hash} != ledger {row.size}/{row.hash}"
+            ]
+        if load:
+            try:
+                torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:  # any unpickling failure is the finding itself
+                return [f"{row.path}: does not load with weights_only=True: {exc}"]
+        return []
+
+    def _check_disk(self, owned: set[str]) -> list[str]:
+        problems: list[str] = []
+        if not self.save_dir.is_dir():
+            return problems
+        for stream_dir in os.scandir(self.save_dir):
+            if stream_dir.is_symlink() or not stream_dir.is_dir():
+                continue
+            for entry in os.scandir(stream_dir.path):
+                rel = f"{stream_dir.name}/{entry.name}"
+                if entry.is_symlink() or rel in owned:
+                    continue
+                if TEMP_NAME.fullmatch(entry.name):
+                    problems.append(f"{rel}: temporary file left behind")
+                elif CHECKPOINT_NAME.fullmatch(entry.name):
+                    problems.append(f"{rel}: checkpoint file without a ledger row")
+        return problems
+
+    def _check_latest(
+        self, stream: str, committed: list[m.Checkpoint], pointer: m.Checkpoint | None
+    ) -> list[str]:
+        ids = [r.id for r in committed if r.stream == stream]
+        newest = max(ids, default=None)
+        actual = pointer.id if pointer is not None else None
+        if actual != newest:
+            return [f"latest:{stream} points to {actual}, newest healthy is {newest}"]
+        return []
+
+    def _check_topk(self, stream: str, policy: TopK, rows: list[m.Checkpoint]) -> list[str]:
+        mine = [r for r in rows if r.stream == stream and r.metric is not None]
+        members = [r for r in mine if r.state == m.COMMITTED]
+        if len(members) > policy.k:
+            return [f"{stream}: {len(members)} members, more than k={policy.k}"]
+        if len(members) < policy.k:
+            return []
+        worst = policy.ranked(ledger.entries(members))[-1]
+        published = [r for r in mine if r.committed_at is not None]
+        problems = []
+        for row in published:
+            replaced = any(r.step == row.step and r.id > row.id for r in published)
+            if row.state not in (m.DELETING, m.DELETED) or replaced:
+                continue
+            if policy.ranked([Entry(row.id, row.step, row.metric), worst])[0].id == row.id:
+                problems.append(
+                    f"{stream}: evicted step {row.step} ranks above member step {worst.step}"
+                )
+        return problems

@@ -1,0 +1,37 @@
+"""Named points in the publication protocol where tests inject crashes and faults.
+
+Production code calls :func:`point` at each phase boundary; it does nothing
+unless a hook is installed. The crash tests install a hook that ``os._exit``s
+on the n-th visit of one point, proving that a crash there leaves a run that
+reconciles to a consistent state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+POINTS = (
+    "after_intent",  # pending rows committed, nothing written yet
+    "mid_write",  # inside torch.save, part of the temporary file written
+    "after_fsync",  # every temporary file written and fsynced
+    "after_replace",  # final names in place, directory not yet fsynced
+    "after_fsync_dir",  # directories fsynced, commit not started
+    "in_commit",  # inside the commit transaction, before COMMIT
+    "after_commit",  # committed, evicted files not yet removed
+    "mid_cleanup",  # after the first evicted file was unlinked
+    "mid_reconcile",  # reconcile's file work done, ledger not yet updated
+)
+
+_hook: Callable[[str], None] | None = None
+
+
+def point(name: str) -> None:
+    if _hook is not None:
+        _hook(name)
+
+
+def set_hook(hook: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    """Install ``hook`` (None removes it); returns the previous one."""
+    global _hook
+    previous, _hook = _hook, hook
+    return previous
