@@ -150,13 +150,13 @@ class Reconciler:
     def _remove(
         self, row: m.Checkpoint, paths: list[str | None], report: ReconcileReport, dry_run: bool
     ) -> bool:
-        if dry_run:
-            return True
         for rel in paths:
             if rel is None:
                 continue
             try:
-                remove(confine(self.save_dir, rel))
+                target = confine(self.save_dir, rel)
+                if not dry_run:
+                    remove(target)
             except (OSError, InvalidArgumentError) as exc:
                 report.actions.append(Action("failed", rel, f"{type(exc).__name__}: {exc}", row.id))
                 return False

@@ -27,8 +27,9 @@ import xxhash
 from . import faults
 from .errors import CkptDBError, InvalidArgumentError
 
-CHECKPOINT_NAME = re.compile(r"step-(\d+)(?:\.v(\d+))?\.pt")
-TEMP_NAME = re.compile(r"\.step-\d+(?:\.v\d+)?\.pt\.tmp-(\d+)")
+# Our names always carry at least 9 step digits; a user's "step-1.pt" is not ours.
+CHECKPOINT_NAME = re.compile(r"step-(\d{9,})(?:\.v(\d+))?\.pt")
+TEMP_NAME = re.compile(r"\.step-\d{9,}(?:\.v\d+)?\.pt\.tmp-(\d+)")
 HASH_NAME = "xxh3_128"
 READ_CHUNK = 8 << 20
 
