@@ -107,12 +107,17 @@ class CheckpointNotFoundError(CkptDBError, LookupError):
     """No committed checkpoint matches the request."""
 
 
+class CheckpointLostError(CheckpointNotFoundError, FileNotFoundError):
+    """A committed checkpoint's file is gone (the row is marked ``lost``)."""
+
+
 class CorruptCheckpointError(CkptDBError, OSError):
     """A checkpoint file's size or hash differs from its ledger row."""
 
 
 __all__ = [
     "ArgumentTypeError",
+    "CheckpointLostError",
     "CheckpointNotFoundError",
     "CkptDBError",
     "CleanupFailure",

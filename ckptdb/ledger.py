@@ -17,6 +17,7 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from . import models as m
+from .errors import InvalidArgumentError
 from .policies import Entry, Keep, Policy, TopK
 
 LIVE_STATES = (m.PENDING, m.COMMITTED, m.DELETING, m.LOST, m.CORRUPT)
@@ -93,9 +94,32 @@ def sync_streams(
         if row is None:
             row = rows[name] = m.Stream(run_id=run_id, name=name)
             session.add(row)
+        elif isinstance(policy, TopK) and (row.kind != "topk" or row.metric != policy.metric):
+            _rerank(session, run_id, name, policy.metric)
         _write_policy(row, policy)
     session.flush()
     return {name: policy_from_row(row) for name, row in sorted(rows.items())}
+
+
+def _rerank(session: Session, run_id: int, stream: str, metric: str) -> None:
+    """A stream now ranks by ``metric``: take each checkpoint's value from its metrics.
+
+    Ranking old checkpoints by another metric's stored values would evict the
+    real best; a checkpoint saved without the new metric makes the change
+    impossible, and it is refused (use a new stream name instead).
+    """
+    for row in rows_in_state(session, run_id, (m.COMMITTED, m.DELETING), stream):
+        value = json.loads(row.metrics).get(metric) if row.metrics else None
+        if (
+            not isinstance(value, (int, float))
+            or value != value
+            or value in (float("inf"), float("-inf"))
+        ):
+            raise InvalidArgumentError(
+                f"stream {stream!r} cannot rank by {metric!r}: its checkpoint at step "
+                f"{row.step} was saved without a finite {metric!r}; use a new stream name"
+            )
+        row.metric = float(value)
 
 
 def start_attempt(session: Session, run_id: int, kind: str = "train") -> m.Attempt:

@@ -48,6 +48,7 @@ from .check import Checker
 from .db import Ledger, default_sqlite_url, migrate, open_ledger
 from .errors import (
     ArgumentTypeError,
+    CheckpointLostError,
     CheckpointNotFoundError,
     CleanupFailure,
     CorruptCheckpointError,
@@ -620,14 +621,23 @@ class CheckpointManager(RunQueries):
         or a path. ``stream`` defaults to ``"best"`` for ``which="best"`` and
         ``"model"`` otherwise. A mismatch marks the row ``corrupt``, moves the
         latest pointer back to the newest healthy checkpoint and raises
-        :class:`CorruptCheckpointError` before anything is unpickled.
+        :class:`CorruptCheckpointError` before anything is unpickled; a
+        vanished file is marked ``lost`` likewise (:class:`CheckpointLostError`).
         """
         self._check_open()
         target = self._resolve(which, stream)
-        with open(confine(self.save_dir, target.path.relative_to(self.save_dir)), "rb") as f:
+        path = confine(self.save_dir, target.path.relative_to(self.save_dir))
+        try:
+            f = open(path, "rb")  # noqa: SIM115 (closed by the with below)
+        except FileNotFoundError as exc:
+            self._mark_bad(target, m.LOST, "file missing")
+            raise CheckpointLostError(
+                f"{target.path} is gone; marked lost, latest falls back to the previous one"
+            ) from exc
+        with f:
             problem = self._verify_open_file(f, target)
             if problem is not None:
-                self._mark_corrupt(target, problem)
+                self._mark_bad(target, m.CORRUPT, problem)
                 raise CorruptCheckpointError(f"{target.path}: {problem}; refusing to load it")
             f.seek(0)
             state = torch.load(f, map_location=map_location, weights_only=weights_only)
@@ -678,15 +688,16 @@ class CheckpointManager(RunQueries):
             return f"hash {actual.hash} != recorded {target.hash}"
         return None
 
-    def _mark_corrupt(self, target: Checkpoint, problem: str) -> None:
+    def _mark_bad(self, target: Checkpoint, state: str, problem: str) -> None:
+        """Record a lost/corrupt file found at load time, as reconcile would."""
         with self._db.transaction() as session:
-            ledger.set_state(session, [target.id], m.CORRUPT, error=problem)
+            ledger.set_state(session, [target.id], state, error=problem)
             ledger.repoint_latest(session, self.run_id, target.stream)
             ledger.add_event(
                 session,
                 self.run_id,
                 self.attempt_id,
-                "corrupt",
+                state,
                 checkpoint_id=target.id,
                 step=target.step,
                 detail={"path": str(target.path), "detail": problem},
