@@ -401,7 +401,12 @@ def gc(root: Path, db_url: str | None) -> None:
 
 @main.group()
 def db() -> None:
-    """Show or run ledger migrations."""
+    """Show or run ledger migrations.
+
+    \b
+    Example:
+      ckptdb db current runs/exp1
+    """
 
 
 @db.command()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.resources
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,8 @@ def _configure_sqlite(engine: Engine, *, readonly: bool) -> None:
             cursor.execute("PRAGMA foreign_keys = ON")
             if readonly:
                 cursor.execute("PRAGMA query_only = ON")
+                # query_only does not cover ATTACH, which would create a file
+                dbapi_connection.set_authorizer(_deny_attach)
             else:
                 cursor.execute("PRAGMA journal_mode = WAL")
                 cursor.execute("PRAGMA synchronous = FULL")
@@ -71,6 +74,12 @@ def _configure_sqlite(engine: Engine, *, readonly: bool) -> None:
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Connection) -> None:
         connection.exec_driver_sql(begin)
+
+
+def _deny_attach(action: int, *_: object) -> int:
+    if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH):
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK
 
 
 def migrations_dir() -> Path:

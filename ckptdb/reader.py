@@ -96,7 +96,7 @@ class RunReader(RunQueries):
                 .where(m.Checkpoint.run_id == self.run_id)
                 .group_by(m.Checkpoint.state)
             )
-            return {state: count for state, count in result.tuples()}
+            return {state: count for state, count in result}
 
     def attempts(self) -> list[m.Attempt]:
         self._check_open()
@@ -125,9 +125,7 @@ class RunReader(RunQueries):
                 .where(m.Metric.run_id == self.run_id, m.Metric.name == name)
                 .order_by(m.Metric.step, m.Metric.attempt_id, m.Metric.id)
             )
-            return [
-                (s, math.nan if v is None else v, a) for s, v, a in session.execute(query).tuples()
-            ]
+            return [(s, math.nan if v is None else v, a) for s, v, a in session.execute(query)]
 
     def metric_names(self) -> list[str]:
         self._check_open()

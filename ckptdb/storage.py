@@ -87,12 +87,26 @@ def write_payload(obj: Any, tmp: Path) -> FileInfo:
         try:
             torch.save(obj, writer)  # type: ignore[arg-type]  # a file-like writer
         except Exception as exc:
-            raise PhaseError("write", tmp, exc) from exc
+            cause = _os_error_in_chain(exc) or exc
+            raise PhaseError("write", tmp, cause) from cause
         try:
             os.fsync(raw.fileno())
         except OSError as exc:
             raise PhaseError("fsync", tmp, exc) from exc
     return writer.info()
+
+
+def _os_error_in_chain(exc: BaseException) -> OSError | None:
+    """The OSError (ENOSPC, EIO...) behind ``exc``: torch's zip writer turns an
+    error raised by ``write()`` into a RuntimeError ("unexpected pos")."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def place(tmp: Path, final: Path) -> None:
