@@ -40,6 +40,7 @@ class Action:
     path: str
     detail: str = ""
     checkpoint_id: int | None = None
+    step: int | None = None
 
     def __str__(self) -> str:
         return f"{self.kind:<12} {self.path}" + (f"  ({self.detail})" if self.detail else "")
@@ -134,18 +135,22 @@ class Reconciler:
             if self._remove(row, [row.tmp_path, row.path], report, dry_run):
                 plan.state[row.id] = m.ABORTED
                 plan.errors[row.id] = row.error or "crashed before commit"
-                report.actions.append(Action("rolled_back", row.path, f"step {row.step}", row.id))
+                report.actions.append(
+                    Action("rolled_back", row.path, f"step {row.step}", row.id, row.step)
+                )
         elif row.state == m.DELETING:
             if self._remove(row, [row.path], report, dry_run):
                 plan.state[row.id] = m.DELETED
-                report.actions.append(Action("deleted", row.path, "evicted by policy", row.id))
+                report.actions.append(
+                    Action("deleted", row.path, "evicted by policy", row.id, row.step)
+                )
         elif row.state == m.COMMITTED:
             problem = self._inspect(row, verify)
             if problem is not None:
                 kind, detail = problem
                 plan.state[row.id] = kind
                 plan.errors[row.id] = detail
-                report.actions.append(Action(kind, row.path, detail, row.id))
+                report.actions.append(Action(kind, row.path, detail, row.id, row.step))
 
     def _remove(
         self, row: m.Checkpoint, paths: list[str | None], report: ReconcileReport, dry_run: bool
@@ -240,6 +245,7 @@ class Reconciler:
                     self.attempt_id,
                     action.kind,
                     checkpoint_id=action.checkpoint_id,
+                    step=action.step,
                     detail={"path": action.path, "detail": action.detail, "reconcile": True},
                 )
         for action in report.actions:

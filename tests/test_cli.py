@@ -751,7 +751,7 @@ def test_sql_view_attempt_summary_steps_lost(runner: CliRunner, root: Path) -> N
         mgr.log_metrics(5, {"loss": 0.1})
         restarted = mgr.attempt_id
     statement = (
-        "SELECT attempt_id, end_state, last_logged_step, last_committed_step, steps_lost "
+        "SELECT attempt_id, end_state, last_step_seen, last_committed_step, steps_lost "
         "FROM attempt_summary ORDER BY attempt_id"
     )
     data = json.loads(ok(invoke(runner, "sql", root, statement, "--format", "json")).stdout)
@@ -759,14 +759,14 @@ def test_sql_view_attempt_summary_steps_lost(runner: CliRunner, root: Path) -> N
         {
             "attempt_id": crashed,
             "end_state": "crashed",
-            "last_logged_step": 7,
+            "last_step_seen": 7,
             "last_committed_step": 4,
             "steps_lost": 3,
         },
         {
             "attempt_id": restarted,
             "end_state": "closed",
-            "last_logged_step": 5,
+            "last_step_seen": 5,
             "last_committed_step": None,
             "steps_lost": None,
         },

@@ -35,21 +35,26 @@ VIEWS = {
         WHERE s.kind = 'topk' AND c.state = 'committed'
     """,
     "attempt_summary": """
-        SELECT a.run_id AS run_id, a.id AS attempt_id, a.started_at AS started_at,
-               a.ended_at AS ended_at, a.end_state AS end_state, a.host AS host, a.pid AS pid,
-               a.resumed_from_id AS resumed_from_id,
-               (SELECT MAX(mt.step) FROM metrics mt WHERE mt.attempt_id = a.id)
-                   AS last_logged_step,
-               (SELECT MAX(c.step) FROM checkpoints c
-                 WHERE c.attempt_id = a.id AND c.committed_at IS NOT NULL)
-                   AS last_committed_step,
-               CASE WHEN a.end_state = 'crashed' THEN
-                   (SELECT MAX(mt.step) FROM metrics mt WHERE mt.attempt_id = a.id)
-                   - COALESCE((SELECT MAX(c.step) FROM checkpoints c
-                                WHERE c.attempt_id = a.id AND c.committed_at IS NOT NULL), -1)
+        SELECT t.*,
+               CASE WHEN t.end_state = 'crashed' THEN t.last_step_seen - COALESCE(
+                   t.last_committed_step,
+                   (SELECT c.step FROM checkpoints c WHERE c.id = t.resumed_from_id), -1)
                END AS steps_lost
-        FROM attempts a
-        WHERE a.kind = 'train'
+        FROM (
+            SELECT a.run_id AS run_id, a.id AS attempt_id, a.started_at AS started_at,
+                   a.ended_at AS ended_at, a.end_state AS end_state, a.host AS host,
+                   a.pid AS pid, a.resumed_from_id AS resumed_from_id,
+                   (SELECT MAX(seen.step) FROM (
+                        SELECT mt.step AS step FROM metrics mt WHERE mt.attempt_id = a.id
+                        UNION ALL
+                        SELECT c.step AS step FROM checkpoints c WHERE c.attempt_id = a.id
+                   ) AS seen) AS last_step_seen,
+                   (SELECT MAX(c.step) FROM checkpoints c
+                     WHERE c.attempt_id = a.id AND c.committed_at IS NOT NULL)
+                       AS last_committed_step
+            FROM attempts a
+            WHERE a.kind = 'train'
+        ) AS t
     """,
     "run_restarts": """
         SELECT r.id AS run_id, r.name AS run, r.root AS root,
