@@ -46,8 +46,13 @@ def main(root: str = "runs/example", steps: int = 200, every: int = 20) -> None:
                 with torch.no_grad():
                     val = nn.functional.mse_loss(model(x[64:]), y[64:]).item()
                 state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
-                saved = mgr.save(step, metrics={"val_loss": val}, model=state,
-                                 ema=ema.state_dict(), best=model.state_dict())
+                saved = mgr.save(
+                    step,
+                    metrics={"val_loss": val},
+                    model=state,
+                    ema=ema.state_dict(),
+                    best=model.state_dict(),
+                )
                 print(f"step {step}: val_loss {val:.4f} -> {', '.join(saved)}")
         print("latest:", mgr.latest("model").path)
         print("best:", [(c.step, round(c.metric or 0, 4)) for c in mgr.best("best")])
