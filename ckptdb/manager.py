@@ -26,6 +26,7 @@ next reconcile removes it.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import math
@@ -320,45 +321,43 @@ class CheckpointManager(RunQueries):
     def _publish(
         self, step: int, values: dict[str, float], payloads: Mapping[str, Any]
     ) -> dict[str, Checkpoint]:
-        admitted = self._admitted(step, values, payloads)
-        if not admitted:
-            return {}
-        pending = self._record_intent(step, values, admitted)
+        pending = self._record_intent(step, values, payloads)
+        if not pending:
+            return {}  # no top-K stream admitted the candidate: nothing to write
         faults.point("after_intent")
         try:
             self._write_and_place(pending)
-            evicted = self._commit(step, pending)
+            evicted, committed_at = self._commit(step, pending)
         except BaseException as exc:
             self._roll_back(step, pending, exc)
             raise  # _roll_back raises PublishError for ordinary errors
         self._clean_up(step, evicted)
-        return self._records([p.row_id for p in pending])
+        return {p.stream: self._record(p, step, values, committed_at) for p in pending}
 
     def _admitted(
-        self, step: int, values: dict[str, float], payloads: Mapping[str, Any]
+        self, session: Any, step: int, values: dict[str, float], payloads: Mapping[str, Any]
     ) -> dict[str, Any]:
+        """The payloads worth writing: top-K candidates that would not enter are dropped."""
         admitted = dict(payloads)
-        topk = {s: p for s, p in self.policies.items() if s in payloads and isinstance(p, TopK)}
-        if not topk:
-            return admitted
-        with self._db.transaction() as session:
-            for stream, policy in topk.items():
-                members = ledger.entries(
-                    ledger.rows_in_state(session, self.run_id, [m.COMMITTED], stream)
-                )
+        for stream in payloads:
+            policy = self.policies[stream]
+            if isinstance(policy, TopK):
+                rows = ledger.rows_in_state(session, self.run_id, [m.COMMITTED], stream)
                 candidate = Entry(id=-1, step=step, metric=values[policy.metric])
-                if not policy.admits(members, candidate):
+                if not policy.admits(ledger.entries(rows), candidate):
                     del admitted[stream]
         return admitted
 
     def _record_intent(
-        self, step: int, values: dict[str, float], payloads: dict[str, Any]
+        self, step: int, values: dict[str, float], payloads: Mapping[str, Any]
     ) -> list[_Pending]:
+        """One transaction: decide top-K admission, insert a pending row per admitted stream."""
         try:
-            for stream in payloads:
-                make_dir(self.save_dir / stream)
             with self._db.transaction() as session:
-                return [self._intent_row(session, step, values, s, p) for s, p in payloads.items()]
+                admitted = self._admitted(session, step, values, payloads)
+                for stream in admitted:
+                    make_dir(self.save_dir / stream)
+                return [self._intent_row(session, step, values, s, p) for s, p in admitted.items()]
         except PhaseError as exc:
             raise PublishError(
                 f"step {step}: could not create {exc.path}: {exc.error}",
@@ -413,11 +412,11 @@ class CheckpointManager(RunQueries):
             fsync_dir(directory)
         faults.point("after_fsync_dir")
 
-    def _commit(self, step: int, pending: list[_Pending]) -> list[m.Checkpoint]:
-        """The single commit point of a boundary; returns the rows it evicted."""
+    def _commit(self, step: int, pending: list[_Pending]) -> tuple[list[m.Checkpoint], dt.datetime]:
+        """The single commit point of a boundary; returns the rows it evicted and its time."""
         evicted: list[m.Checkpoint] = []
+        now = m.utcnow()
         with self._db.transaction() as session:
-            now = m.utcnow()
             for p in pending:
                 assert p.info is not None
                 ledger.set_state(
@@ -435,7 +434,25 @@ class CheckpointManager(RunQueries):
             faults.point("in_commit")
         self._drop_flushed(flushed)
         faults.point("after_commit")
-        return evicted
+        return evicted, now
+
+    def _record(
+        self, p: _Pending, step: int, values: dict[str, float], committed_at: dt.datetime
+    ) -> Checkpoint:
+        assert p.info is not None
+        return Checkpoint(
+            stream=p.stream,
+            step=step,
+            path=p.final,
+            size=p.info.size,
+            hash=p.info.hash,
+            metric=p.metric,
+            state=m.COMMITTED,
+            committed_at=committed_at,
+            id=p.row_id,
+            attempt_id=self.attempt_id,
+            metrics=dict(values),
+        )
 
     def _apply_retention(self, session: Any, p: _Pending) -> list[m.Checkpoint]:
         rows = ledger.rows_in_state(session, self.run_id, [m.COMMITTED], p.stream)
@@ -534,6 +551,8 @@ class CheckpointManager(RunQueries):
         return [Checkpoint.from_row(r, self.save_dir) for r in evicted]
 
     def _clean_up(self, step: int | None, evicted: list[m.Checkpoint]) -> None:
+        if not evicted:
+            return
         removed: list[int] = []
         failures: list[tuple[m.Checkpoint, Path, BaseException]] = []
         for row in evicted:
@@ -743,11 +762,6 @@ class CheckpointManager(RunQueries):
         self._check_open()
         checker = Checker(self._db, self.run_id, self.root, self.save_dir, self.policies)
         return checker.run(load=load)
-
-    def _records(self, ids: list[int]) -> dict[str, Checkpoint]:
-        with self._db.transaction() as session:
-            rows = [session.get(m.Checkpoint, i) for i in ids]
-        return {r.stream: Checkpoint.from_row(r, self.save_dir) for r in rows if r is not None}
 
 
 def _describe(exc: BaseException) -> tuple[str, Path | None, BaseException]:
