@@ -107,7 +107,11 @@ class NonFiniteGradGuard:
 
 
 def _tensor_norms(grads: list[Tensor], norm_type: float) -> list[Tensor]:
-    if grads[0].device.type != "mps":  # MPS has no float64
+    """Per-tensor norms accumulated in float64 (no overflow for float32/bf16/fp16)."""
+    device = grads[0].device.type
+    if device == "cpu":  # the per-tensor kernels beat the CPU foreach fallback by ~2x
+        return [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
+    if device != "mps":  # MPS has no float64
         return list(torch._foreach_norm(grads, norm_type, dtype=torch.float64))
     scale = torch.stack(torch._foreach_norm(grads, math.inf)).max().clamp(min=1e-30)
     scaled = torch._foreach_div(grads, scale)

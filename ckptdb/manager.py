@@ -41,6 +41,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
+from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import faults, ledger
@@ -678,12 +679,13 @@ class CheckpointManager(RunQueries):
             return best[0]
         if isinstance(which, int) and not isinstance(which, bool):
             name = stream or "model"
-            for ckpt in self.checkpoints(name):
-                if ckpt.step == which:
-                    return ckpt
-            raise CheckpointNotFoundError(
-                f"stream {name!r} has no committed checkpoint at step {which}"
-            )
+            self._check_stream(name)
+            found = self._find_committed(stream=name, step=which)
+            if found is None:
+                raise CheckpointNotFoundError(
+                    f"stream {name!r} has no committed checkpoint at step {which}"
+                )
+            return found
         if isinstance(which, (str, os.PathLike)):
             return self._committed_by_path(Path(which))
         raise ArgumentTypeError(
@@ -691,11 +693,23 @@ class CheckpointManager(RunQueries):
         )
 
     def _committed_by_path(self, path: Path) -> Checkpoint:
-        resolved = path.resolve() if path.is_absolute() else (Path.cwd() / path).resolve()
-        for ckpt in self.checkpoints():
-            if ckpt.path.resolve() == resolved:
-                return ckpt
-        raise CheckpointNotFoundError(f"{path} is not a committed checkpoint of run {self.root}")
+        resolved = (Path.cwd() / path).resolve()
+        save_dir = self.save_dir.resolve()
+        found = None
+        if resolved.is_relative_to(save_dir):
+            found = self._find_committed(path=resolved.relative_to(save_dir).as_posix())
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"{path} is not a committed checkpoint of run {self.root}"
+            )
+        return found
+
+    def _find_committed(self, **where: Any) -> Checkpoint | None:
+        """The newest committed row matching ``where`` (column=value), by an indexed query."""
+        with self._db.transaction() as session:
+            query = select(m.Checkpoint).filter_by(run_id=self.run_id, state=m.COMMITTED, **where)
+            row = session.scalars(query.order_by(m.Checkpoint.id.desc()).limit(1)).first()
+            return Checkpoint.from_row(row, self.save_dir) if row is not None else None
 
     @staticmethod
     def _verify_open_file(f: Any, target: Checkpoint) -> str | None:

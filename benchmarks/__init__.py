@@ -1,0 +1,1 @@
+"""ckptdb's benchmarks: ``python -m benchmarks`` (see README, "Performance")."""

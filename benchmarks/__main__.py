@@ -1,0 +1,98 @@
+"""Run the benchmark suite: ``python -m benchmarks [--quick] [--full] [--out FILE]``.
+
+Prints a markdown table and writes every figure (medians, ratios, notes,
+machine description) to a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import cases
+from .harness import Comparison, markdown
+
+# (publish sizes MB, repetitions, restart sizes, metric points, guard steps, load MB)
+PROFILES: dict[str, dict[str, Any]] = {
+    "quick": {
+        "publish_mb": [1],
+        "reps": 2,
+        "restart": [50, 100],
+        "points": 2_000,
+        "guard_steps": 5,
+        "load_mb": 1,
+    },
+    "default": {
+        "publish_mb": [10, 100],
+        "reps": 7,
+        "restart": [1_000, 10_000, 20_000],
+        "points": 1_000_000,
+        "guard_steps": 50,
+        "load_mb": 100,
+    },
+    "full": {
+        "publish_mb": [10, 100, 1024],
+        "reps": 7,
+        "restart": [1_000, 10_000, 20_000],
+        "points": 1_000_000,
+        "guard_steps": 50,
+        "load_mb": 100,
+    },
+}
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "date": dt.date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def run(profile: dict[str, Any], work: Path) -> list[Comparison]:
+    reps = profile["reps"]
+    results = [cases.publish(work / f"publish{mb}", mb, reps) for mb in profile["publish_mb"]]
+    results.append(cases.ledger_overhead(work / "overhead", max(reps, 30)))
+    results.append(cases.restart(work / "restart", profile["restart"], reps))
+    results.extend(cases.history(work / "history", profile["points"], min(reps, 3)))
+    results.append(cases.guard(reps, profile["guard_steps"]))
+    results.append(cases.load(work / "load", profile["load_mb"], reps))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    size.add_argument("--full", action="store_true", help="also publish 1 GB")
+    parser.add_argument("--out", type=Path, default=Path("benchmark-results.json"))
+    parser.add_argument("--work", type=Path, default=None, help="scratch directory")
+    args = parser.parse_args(argv)
+    profile = PROFILES["quick" if args.quick else "full" if args.full else "default"]
+    with tempfile.TemporaryDirectory(dir=args.work) as scratch:
+        results = run(profile, Path(scratch))
+    report = {"machine": machine(), "results": [r.as_dict() for r in results]}
+    args.out.write_text(json.dumps(report, indent=2, default=str))
+    print(markdown(results))
+    print()
+    for r in results:
+        for key, value in r.notes.items():
+            print(f"- {r.name}: {key}: {value}")
+    print(f"\nwritten to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

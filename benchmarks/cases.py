@@ -1,0 +1,360 @@
+"""The benchmark cases: each builds its contenders and returns a Comparison."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from sqlalchemy import event
+from torch import nn
+
+import ckptdb.storage
+from ckptdb import CheckpointManager, Keep, NonFiniteGradGuard, TopK
+from ckptdb.storage import checkpoint_name, hash_file
+
+from .harness import Comparison, compare
+
+
+def state_dict(megabytes: float) -> dict[str, torch.Tensor]:
+    """About ``megabytes`` of float32 tensors, in 8 parameters like a small model."""
+    per = max(1, int(megabytes * 2**20 / 4 / 8))
+    gen = torch.Generator().manual_seed(0)
+    return {f"layer{i}.weight": torch.randn(per, generator=gen) for i in range(8)}
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable_publish(obj: Any, final: Path) -> None:
+    """The hand-written baseline: temp file, fsync, os.replace, directory fsync."""
+    tmp = final.with_name(f".{final.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def publish(work: Path, megabytes: float, reps: int) -> Comparison:
+    """Case 1: publishing one state dict, ckptdb vs the tools users would pick."""
+    sd = state_dict(megabytes)
+    counter = itertools.count()
+    plain_dir, durable_dir, dcp_dir = (work / n for n in ("plain", "durable", "dcp"))
+    for d in (plain_dir, durable_dir, dcp_dir):
+        d.mkdir(parents=True)
+    mgr = CheckpointManager(work / "run", streams={"model": Keep(last=2)})
+
+    def plain() -> None:
+        torch.save(sd, plain_dir / f"{next(counter)}.pt")
+
+    def durable() -> None:
+        durable_publish(sd, durable_dir / f"{next(counter)}.pt")
+
+    def ckptdb_save() -> None:
+        mgr.save(next(counter), model=sd)
+
+    contenders = {
+        "durable publish": durable,
+        "torch.save (not durable)": plain,
+        "ckptdb save": ckptdb_save,
+    }
+    try:
+        import torch.distributed.checkpoint as dcp
+
+        contenders["torch.distributed.checkpoint.save"] = lambda: dcp.save(
+            sd, checkpoint_id=str(dcp_dir / str(next(counter)))
+        )
+    except ImportError:
+        pass
+    lightning = _lightning_io()
+    if lightning is not None:
+        contenders["Lightning TorchCheckpointIO"] = lambda: lightning.save_checkpoint(
+            sd, str(work / "lightning" / f"{next(counter)}.ckpt")
+        )
+    try:
+        result = compare(
+            f"publish {megabytes:g} MB", contenders, baseline="durable publish", reps=reps
+        )
+    finally:
+        mgr.close()
+        shutil.rmtree(work)
+    result.notes["target"] = "ckptdb save <= 1.05x durable publish"
+    return result
+
+
+def _lightning_io() -> Any:
+    try:
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+    except ImportError:
+        try:
+            from pytorch_lightning.plugins.io import TorchCheckpointIO
+        except ImportError:
+            return None
+    return TorchCheckpointIO()
+
+
+def ledger_overhead(work: Path, reps: int) -> Comparison:
+    """Case 2: what a boundary costs beyond its file work, and how many transactions."""
+    mgr = CheckpointManager(work, streams={"model": Keep(last=2), "best": TopK(2, "loss")})
+    begins = {"n": 0}
+    event.listen(mgr._db.engine, "begin", lambda conn: begins.__setitem__("n", begins["n"] + 1))
+    file_time = {"s": 0.0}
+    originals = {n: getattr(ckptdb.storage, n) for n in ("write_payload", "place", "fsync_dir")}
+
+    def timed(fn: Any) -> Any:
+        def wrapper(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                file_time["s"] += time.perf_counter() - start
+
+        return wrapper
+
+    import ckptdb.manager as manager_module
+
+    for name, fn in originals.items():
+        setattr(manager_module, name, timed(fn))
+    tiny = {"w": torch.ones(4)}
+    steps = itertools.count()
+    transactions: list[int] = []
+
+    def boundary() -> float:
+        file_time["s"], begins["n"] = 0.0, 0
+        start = time.perf_counter()
+        step = next(steps)
+        mgr.save(step, metrics={"loss": float(-step)}, model=tiny, best=tiny)
+        total = time.perf_counter() - start
+        transactions.append(begins["n"])
+        return total - file_time["s"]
+
+    def file_work() -> float:
+        return file_time["s"]
+
+    try:
+        result = compare(
+            "ledger overhead per boundary (2 streams, evicting)",
+            {"SQL + bookkeeping": boundary},
+            baseline="SQL + bookkeeping",
+            reps=reps,
+            warmup=5,
+        )
+    finally:
+        for name, fn in originals.items():
+            setattr(manager_module, name, fn)
+        mgr.close()
+    result.notes["transactions_per_boundary"] = max(transactions)
+    result.notes["target"] = "<= 3 short transactions, well under a millisecond of SQL"
+    return result
+
+
+def make_run(root: Path, count: int) -> None:
+    """A run with ``count`` committed checkpoints, built directly (small files)."""
+    with CheckpointManager(root, streams={"model": Keep(last=None)}) as mgr:
+        first = mgr.save(0, model={"w": torch.ones(2)})["model"]
+        run_id, attempt_id = mgr.run_id, mgr.attempt_id
+    data = first.path.read_bytes()
+    info = hash_file(first.path)
+    stream_dir = first.path.parent
+    rows = []
+    for step in range(1, count):
+        rel = f"model/{checkpoint_name(step)}"
+        (stream_dir / checkpoint_name(step)).write_bytes(data)
+        rows.append(
+            (
+                run_id,
+                "model",
+                step,
+                attempt_id,
+                rel,
+                "committed",
+                info.size,
+                info.hash,
+                "2026-01-01 00:00:00",
+                "2026-01-01 00:00:00",
+            )
+        )
+    con = sqlite3.connect(root / "ckptdb.sqlite")
+    with con:
+        con.executemany(
+            "INSERT INTO checkpoints (run_id, stream, step, attempt_id, path, state, size, hash,"
+            " created_at, committed_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            rows,
+        )
+        con.execute("UPDATE pointers SET checkpoint_id = (SELECT MAX(id) FROM checkpoints)")
+    con.close()
+
+
+def restart(work: Path, sizes: list[int], reps: int) -> Comparison:
+    """Case 3: opening a run (migrate + attempt + reconcile) with many checkpoints."""
+    for n in sizes:
+        make_run(work / str(n), n)
+
+    def opener(n: int) -> Any:
+        def open_close() -> float:
+            start = time.perf_counter()
+            mgr = CheckpointManager(work / str(n))
+            elapsed = time.perf_counter() - start
+            actions = len(mgr.last_reconcile.actions)
+            mgr.close()
+            if actions:
+                raise RuntimeError(f"reconcile acted on a consistent run: {actions} actions")
+            return elapsed
+
+        return open_close
+
+    try:
+        result = compare(
+            "restart: open + reconcile",
+            {f"{n} checkpoints": opener(n) for n in sizes},
+            baseline=f"{sizes[0]} checkpoints",
+            reps=reps,
+        )
+    finally:
+        shutil.rmtree(work)
+    med = result.medians()
+    if len(sizes) >= 2:
+        result.notes[f"ratio {sizes[-1]}/{sizes[-2]}"] = (
+            med[f"{sizes[-1]} checkpoints"] / med[f"{sizes[-2]} checkpoints"]
+        )
+    result.notes["target"] = "10k under a second; 20k/10k <= 2.2"
+    return result
+
+
+def history(work: Path, points: int, reps: int) -> list[Comparison]:
+    """Case 4: logging metric points every step, and asking for the best steps."""
+    mgr = CheckpointManager(work)
+    step_counter = itertools.count()
+
+    def log(per_call: int) -> Any:
+        names = [f"m{i}" for i in range(per_call)]
+
+        def run() -> float:
+            start = time.perf_counter()
+            for _ in range(points // per_call):
+                step = next(step_counter)
+                mgr.log_metrics(step, {n: step * 0.5 for n in names})
+            mgr.flush()
+            return time.perf_counter() - start
+
+        return run
+
+    logging = compare(
+        f"log_metrics: {points:,} points (incl. flush)",
+        {"1 point per call": log(1), "10 points per call": log(10)},
+        baseline="1 point per call",
+        reps=reps,
+        warmup=0,
+    )
+    med = logging.medians()
+    logging.notes["points_per_second"] = {k: points / v for k, v in med.items()}
+    logging.notes["target"] = ">= 300k points/s"
+    con = sqlite3.connect(f"file:{work / 'ckptdb.sqlite'}?mode=ro", uri=True)
+
+    def best5() -> None:
+        con.execute(
+            "SELECT step, value FROM metrics WHERE run_id = 1 AND name = 'm0' "
+            "ORDER BY value LIMIT 5"
+        ).fetchall()
+
+    try:
+        total = con.execute("SELECT COUNT(*) FROM metrics").fetchone()[0]
+        query = compare(
+            "best 5 steps of a metric",
+            {"indexed query": best5},
+            baseline="indexed query",
+            reps=max(reps, 20),
+            warmup=2,
+        )
+    finally:
+        con.close()
+        mgr.close()
+        shutil.rmtree(work)
+    query.notes["rows_in_metrics"] = total
+    query.notes["target"] = "<= 20 ms"
+    return [logging, query]
+
+
+def guard(reps: int, steps: int) -> Comparison:
+    """Case 5: a small MLP training step with the guard's clipping vs torch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    g = NonFiniteGradGuard(model)
+
+    def loop(clip: Any) -> Any:
+        def run() -> None:
+            for _ in range(steps):
+                loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                clip(model.parameters(), 1.0)
+                opt.step()
+            g.reset()
+
+        return run
+
+    result = compare(
+        f"training step with clipping ({steps} steps, small MLP, CPU)",
+        {
+            "torch.nn.utils.clip_grad_norm_": loop(torch.nn.utils.clip_grad_norm_),
+            "NonFiniteGradGuard.clip_grad_norm_": loop(g.clip_grad_norm_),
+        },
+        baseline="torch.nn.utils.clip_grad_norm_",
+        reps=reps,
+    )
+    result.notes["target"] = "<= 1.02x"
+    result.notes["cuda_sync_check"] = cuda_sync_check()
+    return result
+
+
+def cuda_sync_check() -> str:
+    """On a CUDA device, a step under set_sync_debug_mode('error') proves no host sync."""
+    if not torch.cuda.is_available():
+        return "skipped: no CUDA device"
+    model = nn.Linear(64, 64).cuda()
+    g = NonFiniteGradGuard(model)
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        g.clip_grad_norm_(model.parameters(), 1.0)
+        g.update(torch.tensor(1.0, device="cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return "ok: no host synchronization"
+
+
+def load(work: Path, megabytes: float, reps: int) -> Comparison:
+    """Case 6: mgr.load (size + hash verified) vs torch.load of the same file."""
+    mgr = CheckpointManager(work)
+    ckpt = mgr.save(0, model=state_dict(megabytes))["model"]
+    try:
+        result = compare(
+            f"load {megabytes:g} MB",
+            {
+                "torch.load": lambda: torch.load(ckpt.path, weights_only=True),
+                "ckptdb load (verified)": lambda: mgr.load(0),
+            },
+            baseline="torch.load",
+            reps=reps,
+        )
+    finally:
+        mgr.close()
+        shutil.rmtree(work)
+    result.notes["target"] = "<= 1.10x"
+    return result

@@ -1,0 +1,84 @@
+"""Side-by-side timing: interleaved rounds, warm-up, medians, ratios to a baseline.
+
+These machines are shared and noisy, so every comparison runs its
+contenders in the same process, alternating (A B C, B C A, C A B, ...) after a
+warm-up, and reports medians and the ratio of each median to the baseline's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# A contender runs once and returns the seconds that count (a float: it may
+# exclude its own setup); any other return value means the whole call is timed.
+Contender = Callable[[], Any]
+
+
+@dataclass
+class Comparison:
+    name: str
+    baseline: str
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def medians(self) -> dict[str, float]:
+        return {k: statistics.median(v) for k, v in self.samples.items()}
+
+    def ratios(self) -> dict[str, float]:
+        med = self.medians()
+        base = med[self.baseline]
+        return {k: (v / base if base else float("nan")) for k, v in med.items()}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "baseline": self.baseline,
+            "median_s": self.medians(),
+            "ratio_to_baseline": self.ratios(),
+            "repetitions": {k: len(v) for k, v in self.samples.items()},
+            "notes": self.notes,
+        }
+
+
+def run_once(contender: Contender) -> float:
+    start = time.perf_counter()
+    counted = contender()
+    elapsed = time.perf_counter() - start
+    return counted if isinstance(counted, float) else elapsed
+
+
+def compare(
+    name: str, contenders: dict[str, Contender], *, baseline: str, reps: int, warmup: int = 1
+) -> Comparison:
+    """Run every contender ``warmup + reps`` times, interleaved, rotating the order."""
+    result = Comparison(name, baseline, {k: [] for k in contenders})
+    order = list(contenders)
+    for round_ in range(warmup + reps):
+        shift = round_ % len(order)
+        for key in order[shift:] + order[:shift]:
+            elapsed = run_once(contenders[key])
+            if round_ >= warmup:
+                result.samples[key].append(elapsed)
+    return result
+
+
+def markdown(comparisons: list[Comparison]) -> str:
+    lines = ["| case | contender | median | ratio to baseline |", "| --- | --- | ---: | ---: |"]
+    for c in comparisons:
+        ratios = c.ratios()
+        for key, med in c.medians().items():
+            mark = " (baseline)" if key == c.baseline else ""
+            lines.append(f"| {c.name} | {key}{mark} | {_human(med)} | {ratios[key]:.2f} |")
+    return "\n".join(lines)
+
+
+def _human(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} µs"
