@@ -101,7 +101,9 @@ class TopK:
 
     def __post_init__(self) -> None:
         _positive_int("TopK(k=...)", self.k, allow_none=False)
-        if not isinstance(self.metric, str) or not self.metric:
+        if not isinstance(self.metric, str):
+            raise ArgumentTypeError(f"TopK(metric=...) must be a str, got {self.metric!r}")
+        if not self.metric:
             raise InvalidArgumentError(
                 f"TopK(metric=...) must be a non-empty str, got {self.metric!r}"
             )

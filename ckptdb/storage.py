@@ -141,7 +141,20 @@ def make_dir(directory: Path) -> None:
             path.mkdir(exist_ok=True)
         except OSError as exc:
             raise PhaseError("mkdir", path, exc) from exc
-        fsync_dir(path.parent)
+        try:
+            fsync_dir(path.parent)
+        except PhaseError as exc:
+            # A directory whose entry is not durable must not stay: a later call
+            # would find it and skip the fsync. Remove it (and the error says so).
+            _remove_created(path, exc)
+            raise
+
+
+def _remove_created(path: Path, failure: PhaseError) -> None:
+    try:
+        path.rmdir()
+    except OSError as cleanup_exc:
+        failure.cleanup_error = cleanup_exc
 
 
 class PhaseError(CkptDBError, OSError):
@@ -152,6 +165,13 @@ class PhaseError(CkptDBError, OSError):
         self.phase = phase
         self.path = path
         self.error = error
+        self.cleanup_error: OSError | None = None
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.cleanup_error is not None:
+            text += f" (and removing it failed: {self.cleanup_error})"
+        return text
 
 
 def hash_file(path: Path) -> FileInfo:
