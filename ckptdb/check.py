@@ -19,7 +19,6 @@ the caller has; the crash tests check it themselves.)
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -29,8 +28,8 @@ from . import ledger
 from . import models as m
 from .db import Ledger
 from .policies import Entry, Policy, TopK
-from .reconcile import Reconciler
-from .storage import CHECKPOINT_NAME, TEMP_NAME, confine, hash_file
+from .reconcile import Reconciler, files_in_our_naming
+from .storage import confine, hash_file
 
 
 class Checker:
@@ -78,24 +77,20 @@ class Checker:
             try:
                 torch.load(path, map_location="cpu", weights_only=True)
             except Exception as exc:  # any unpickling failure is the finding itself
-                return [f"{row.path}: does not load with weights_only=True: {exc}"]
+                reason = " ".join(str(exc).split())
+                return [f"{row.path}: does not load with weights_only=True: {reason}"]
         return []
 
     def _check_disk(self, owned: set[str]) -> list[str]:
-        problems: list[str] = []
-        if not self.save_dir.is_dir():
-            return problems
-        for stream_dir in os.scandir(self.save_dir):
-            if stream_dir.is_symlink() or not stream_dir.is_dir():
+        problems = []
+        for name, entry, kind in files_in_our_naming(self.save_dir):
+            rel = f"{name}/{entry.name}"
+            if rel in owned:
                 continue
-            for entry in os.scandir(stream_dir.path):
-                rel = f"{stream_dir.name}/{entry.name}"
-                if entry.is_symlink() or rel in owned:
-                    continue
-                if TEMP_NAME.fullmatch(entry.name):
-                    problems.append(f"{rel}: temporary file left behind")
-                elif CHECKPOINT_NAME.fullmatch(entry.name):
-                    problems.append(f"{rel}: checkpoint file without a ledger row")
+            if kind == "temp":
+                problems.append(f"{rel}: temporary file left behind")
+            else:
+                problems.append(f"{rel}: checkpoint file without a ledger row")
         return problems
 
     def _check_latest(
@@ -109,21 +104,35 @@ class Checker:
         return []
 
     def _check_topk(self, stream: str, policy: TopK, rows: list[m.Checkpoint]) -> list[str]:
+        """At most k members, and no member outranked by a checkpoint evicted while it was one.
+
+        Members only ever leave, so a member committed before a checkpoint's
+        eviction was a member then, and the eviction means it ranked below.
+        (Replaced re-saves of a step are exempt: the newer entry wins whatever
+        its metric. Rows still 'deleting' carry no eviction time and are skipped.)
+        """
         mine = [r for r in rows if r.stream == stream and r.metric is not None]
         members = [r for r in mine if r.state == m.COMMITTED]
         if len(members) > policy.k:
             return [f"{stream}: {len(members)} members, more than k={policy.k}"]
-        if len(members) < policy.k:
-            return []
-        worst = policy.ranked(ledger.entries(members))[-1]
         published = [r for r in mine if r.committed_at is not None]
-        problems = []
-        for row in published:
-            replaced = any(r.step == row.step and r.id > row.id for r in published)
-            if row.state not in (m.DELETING, m.DELETED) or replaced:
+        problems: list[str] = []
+        for gone in published:
+            replaced = any(r.step == gone.step and r.id > gone.id for r in published)
+            if gone.state != m.DELETED or gone.deleted_at is None or replaced:
                 continue
-            if policy.ranked([Entry(row.id, row.step, row.metric), worst])[0].id == row.id:
+            gone_entry = Entry(gone.id, gone.step, gone.metric)
+            outranked = [
+                Entry(member.id, member.step, member.metric)
+                for member in members
+                if member.committed_at is not None
+                and member.committed_at <= gone.deleted_at
+                and policy.ranked([gone_entry, Entry(member.id, member.step, member.metric)])[0]
+                is gone_entry
+            ]
+            if outranked:
+                worst = policy.ranked(outranked)[-1]
                 problems.append(
-                    f"{stream}: evicted step {row.step} ranks above member step {worst.step}"
+                    f"{stream}: evicted step {gone.step} ranks above member step {worst.step}"
                 )
         return problems

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import click
+from sqlalchemy.exc import SQLAlchemyError
 
 from . import clifmt
-from .errors import CkptDBError, InvalidArgumentError
+from .errors import CkptDBError, InvalidArgumentError, LedgerError
 from .policies import Keep, Policy, TopK
 from .reader import RunReader
 
@@ -24,7 +25,10 @@ DB_URL = click.option(
     envvar="CKPTDB_DB_URL",
     default=None,
     metavar="URL",
-    help="Ledger URL (default: ROOT/ckptdb.sqlite). Env: CKPTDB_DB_URL.",
+    help=(
+        "Ledger URL (default: ROOT/ckptdb.sqlite), e.g. postgresql+psycopg://user@host/db "
+        "for a ledger shared by many runs. Env: CKPTDB_DB_URL."
+    ),
 )
 ROOT = click.argument("root", type=click.Path(file_okay=False, path_type=Path))
 JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
@@ -298,10 +302,14 @@ def sql(root: Path, statement: str, fmt: str, db_url: str | None) -> None:
 
 
 def _writer(root: Path, db_url: str | None) -> Any:
+    from .db import default_sqlite_url, safe_url
     from .manager import CheckpointManager
+    from .reader import run_exists
 
-    if not (root / "ckptdb.sqlite").exists() and db_url is None:
-        raise InvalidArgumentError(f"no ckptdb run at {root}")
+    url = db_url or default_sqlite_url(root.resolve())
+    if not run_exists(root.resolve(), url):
+        where = f" in the ledger {safe_url(db_url)}" if db_url else ""
+        raise InvalidArgumentError(f"no ckptdb run at {root}{where}")
     return CheckpointManager(root, db_url=db_url, maintenance=True)
 
 
@@ -420,13 +428,15 @@ def upgrade(root: Path, db_url: str | None) -> None:
       ckptdb db upgrade runs/exp1
     """
     from .db import migrate, open_ledger
-    from .lock import WriterLock
+    from .lock import writer_lock
+    from .netfs import check_ledger_location
     from .reader import ledger_url
 
     root = root.resolve()
     ledger_url(root, db_url, readonly=True)  # refuses a directory that holds no run
     url = ledger_url(root, db_url, readonly=False)
-    lock = WriterLock(root)
+    check_ledger_location(url)
+    lock = writer_lock(root, url)
     lock.acquire()
     try:
         ledger = open_ledger(url)
@@ -467,6 +477,10 @@ def _current(root: Path, db_url: str | None) -> str:
     try:
         with ledger.engine.connect() as conn:
             heads = MigrationContext.configure(conn).get_current_heads()
+    except SQLAlchemyError as exc:
+        raise LedgerError(
+            f"cannot read the ledger of {root}: {getattr(exc, 'orig', None) or exc}"
+        ) from exc
     finally:
         ledger.dispose()
     return ", ".join(heads) or "none"

@@ -7,6 +7,13 @@ explicit ones (SQLAlchemy's documented recipe) so that every ``Session``
 transaction is a real ``BEGIN``...``COMMIT``: ``BEGIN IMMEDIATE`` for the
 writer, plain ``BEGIN`` (a consistent snapshot) for readers.
 
+PostgreSQL ledgers (``postgresql+psycopg://...``; a bare ``postgresql://``
+gets the psycopg driver) need no pragmas: the writer runs in ordinary
+transactions, readers in ``REPEATABLE READ, READ ONLY`` ones (one consistent
+snapshot per transaction, and a write is refused by the server itself).
+Migrations on PostgreSQL hold a database-wide advisory lock, so two first
+opens of an empty database cannot race.
+
 Sessions are scoped only by :meth:`Ledger.transaction`; helpers elsewhere take
 a session and never commit.
 """
@@ -14,6 +21,7 @@ a session and never commit.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.resources
 import sqlite3
 from collections.abc import Iterator
@@ -27,11 +35,23 @@ from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from .errors import LedgerError, SchemaVersionError
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
+POSTGRES_DRIVER = "postgresql+psycopg"
+
+
+def advisory_key(name: str) -> int:
+    """A stable signed 64-bit key for a PostgreSQL advisory lock named ``name``."""
+    digest = hashlib.blake2b(name.encode("utf-8", "surrogateescape"), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+# Held (per transaction) while migrations run on a PostgreSQL ledger.
+MIGRATION_LOCK_KEY = advisory_key("ckptdb:migrations")
 
 
 def default_sqlite_url(root: Path) -> str:
@@ -42,13 +62,59 @@ def readonly_sqlite_url(path: Path) -> str:
     return f"sqlite:///file:{path}?mode=ro&uri=true"
 
 
+def normalize_url(url: str) -> str:
+    """The URL ckptdb connects with: ``postgresql://`` / ``postgres://`` get psycopg (3)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return url  # reported by open_ledger
+    if parsed.drivername in ("postgresql", "postgres"):
+        return parsed.set(drivername=POSTGRES_DRIVER).render_as_string(hide_password=False)
+    return url
+
+
+def backend_name(url: str) -> str:
+    """``sqlite``, ``postgresql``, ... (empty for a URL that does not parse)."""
+    try:
+        return make_url(normalize_url(url)).get_backend_name()
+    except ArgumentError:
+        return ""
+
+
+def safe_url(url: str) -> str:
+    """The URL for messages: the password (if any) masked."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
+
+
 def create_ledger_engine(url: str, *, readonly: bool = False) -> Engine:
     """Create an engine for a ledger URL with ckptdb's connection settings."""
-    if make_url(url).get_backend_name() != "sqlite":
+    url = normalize_url(url)
+    backend = make_url(url).get_backend_name()
+    if backend == "postgresql":
+        engine = create_engine(url, pool_pre_ping=True)
+        if readonly:
+            _configure_postgres_reader(engine)
+        return engine
+    if backend != "sqlite":
         return create_engine(url, pool_pre_ping=True)
     engine = create_engine(url)
     _configure_sqlite(engine, readonly=readonly)
     return engine
+
+
+def _configure_postgres_reader(engine: Engine) -> None:
+    """Every reader transaction is one snapshot, and the server refuses writes in it.
+
+    Issued per transaction (not as a session default), so a statement cannot
+    switch it off for the statements that follow.
+    """
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        connection.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
 
 
 def _configure_sqlite(engine: Engine, *, readonly: bool) -> None:
@@ -113,11 +179,16 @@ def migrate(engine: Engine) -> None:
     """Bring the ledger to the newest schema; refuse one newer than this code.
 
     Runs in one transaction on the caller's engine (and so under the caller's
-    writer lock); an unknown revision is refused before anything is changed.
+    writer lock; on PostgreSQL also under a database-wide advisory lock, as
+    runs of one database share its schema); an unknown revision is refused
+    before anything is changed.
     """
     cfg = alembic_config()
     script = ScriptDirectory.from_config(cfg)
     with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Released at COMMIT; a second opener waits here, then finds the schema current.
+            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})")
         heads = MigrationContext.configure(conn).get_current_heads()
         _check_known(script, heads, engine.url.render_as_string(hide_password=True))
         if set(heads) == set(script.get_heads()):
@@ -126,12 +197,18 @@ def migrate(engine: Engine) -> None:
         command.upgrade(cfg, "head")
 
 
-def schema_is_current(engine: Engine) -> bool:
-    """True when the ledger is at this code's head; raises if it is newer."""
-    script = ScriptDirectory.from_config(alembic_config())
+def current_heads(engine: Engine) -> tuple[str, ...]:
+    """The ledger's schema revision(s); empty for a database ckptdb never migrated."""
     with engine.connect() as conn:
         heads = MigrationContext.configure(conn).get_current_heads()
         conn.rollback()
+    return heads
+
+
+def schema_is_current(engine: Engine) -> bool:
+    """True when the ledger is at this code's head; raises if it is newer."""
+    script = ScriptDirectory.from_config(alembic_config())
+    heads = current_heads(engine)
     _check_known(script, heads, engine.url.render_as_string(hide_password=True))
     return set(heads) == set(script.get_heads())
 
@@ -149,6 +226,17 @@ class Ledger:
         with self._sessions.begin() as session:
             yield session
 
+    def probe(self) -> None:
+        """Connect once, so an unreachable ledger is reported before anything else happens."""
+        try:
+            with self.engine.connect():
+                pass
+        except SQLAlchemyError as exc:
+            raise LedgerError(
+                f"cannot connect to the ledger {safe_url(str(self.engine.url))}: "
+                f"{' '.join(str(exc).split()[:12])}"
+            ) from exc
+
     def dispose(self) -> None:
         self.engine.dispose()
 
@@ -157,4 +245,7 @@ def open_ledger(url: str, *, readonly: bool = False) -> Ledger:
     try:
         return Ledger(create_ledger_engine(url, readonly=readonly))
     except Exception as exc:  # bad URL, missing driver
-        raise LedgerError(f"cannot open ledger {url!r}: {exc}") from exc
+        hint = ""
+        if isinstance(exc, ImportError) and backend_name(url) == "postgresql":
+            hint = " (install the driver: pip install 'ckptdb[postgres]')"
+        raise LedgerError(f"cannot open ledger {safe_url(url)!r}: {exc}{hint}") from exc

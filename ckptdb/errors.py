@@ -44,6 +44,18 @@ class LedgerLockedError(LedgerError):
         self.holder = holder or {}
 
 
+class WriterLockLostError(LedgerError):
+    """The connection holding a PostgreSQL run's writer lock was lost; reopen the run."""
+
+
+class NetworkFilesystemError(InvalidArgumentError):
+    """A SQLite ledger would live on a network filesystem, where its locking is unsafe."""
+
+
+class RunDirectoryError(CkptDBError, OSError):
+    """The run root cannot hold a run (a file, not writable, lock file unusable)."""
+
+
 class SchemaVersionError(LedgerError):
     """The ledger's schema is unknown to (newer than) this version of ckptdb."""
 
@@ -126,8 +138,11 @@ __all__ = [
     "InvalidMetricError",
     "LedgerError",
     "LedgerLockedError",
+    "NetworkFilesystemError",
     "NonFiniteGradientError",
     "PublishError",
+    "RunDirectoryError",
     "SchemaVersionError",
     "UnknownStreamError",
+    "WriterLockLostError",
 ]

@@ -1,52 +1,103 @@
-"""One writer per run: a file lock in the run root, and who holds it.
+"""One writer per run, and who holds it: a file lock or a PostgreSQL advisory lock.
 
-The lock itself is ``<root>/ckptdb.lock`` (``filelock``, released by the OS
-when the holder dies, so a crash never leaves a stale lock). The holder writes
-its pid and host to ``<root>/ckptdb.owner`` so a refused second writer can say
-who is in the way.
+Both implement :class:`RunLock`; :func:`writer_lock` picks one by ledger URL.
+
+- **SQLite** (and any ledger that is not PostgreSQL): ``<root>/ckptdb.lock``
+  (``filelock``, released by the OS when the holder dies, so a crash never
+  leaves a stale lock). The holder writes its pid and host to
+  ``<root>/ckptdb.owner`` so a refused second writer can say who is in the way.
+- **PostgreSQL**: a session-level advisory lock (``pg_try_advisory_lock``) on a
+  64-bit key derived from the run's resolved root, held by a dedicated
+  connection for the writer's lifetime. The server releases it when that
+  session ends (close, or the holder process dying), and a file lock on a
+  shared filesystem would not be reliable across nodes. The lock connection's
+  ``application_name`` is ``ckptdb pid=<pid> host=<host>``; a refused writer
+  reads it from ``pg_stat_activity`` joined with ``pg_locks``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
+from typing import Protocol
 
 from filelock import FileLock, Timeout
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.pool import NullPool
 
-from .errors import LedgerLockedError
+from .db import advisory_key, backend_name, normalize_url, safe_url
+from .errors import LedgerError, LedgerLockedError, RunDirectoryError, WriterLockLostError
 
 LOCK_NAME = "ckptdb.lock"
 OWNER_NAME = "ckptdb.owner"
+APPLICATION_NAME = re.compile(r"ckptdb pid=(\d+) host=(\S+)")
+# Server-side TCP keepalives for the lock session, so a holder whose host
+# vanishes (power loss, partition) frees the run within a few minutes.
+KEEPALIVES = {"tcp_keepalives_idle": 60, "tcp_keepalives_interval": 10, "tcp_keepalives_count": 6}
 
 
-class WriterLock:
+class RunLock(Protocol):
+    """The writer lock of one run."""
+
+    def acquire(self) -> None:
+        """Take the lock at once or raise :class:`LedgerLockedError` naming the holder."""
+
+    def verify(self) -> None:
+        """Raise :class:`WriterLockLostError` if the lock is no longer held."""
+
+    def release(self) -> None:
+        """Give the lock back (idempotent)."""
+
+
+def writer_lock(root: Path, url: str) -> RunLock:
+    """The lock that guards writers of the run rooted at ``root`` with ledger ``url``."""
+    if backend_name(url) == "postgresql":
+        return AdvisoryWriterLock(root, url)
+    return FileWriterLock(root)
+
+
+def _locked_error(root: Path, holder: dict[str, object], fallback: str) -> LedgerLockedError:
+    who = (
+        f"pid {holder.get('pid')} on host {holder.get('host')}"
+        if "pid" in holder and "host" in holder
+        else fallback
+    )
+    return LedgerLockedError(
+        f"run {root} is open for writing by {who}; only one writer per run "
+        "(readers such as `ckptdb status` need no lock)",
+        holder=holder,
+    )
+
+
+class FileWriterLock:
+    """``<root>/ckptdb.lock``, with the holder recorded in ``<root>/ckptdb.owner``."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self._lock = FileLock(str(root / LOCK_NAME), timeout=0, thread_local=False)
 
     def acquire(self) -> None:
-        """Take the lock at once or raise :class:`LedgerLockedError` naming the holder."""
         try:
             self._lock.acquire(timeout=0)
         except Timeout:
-            holder = self._read_owner()
-            who = (
-                f"pid {holder.get('pid')} on host {holder.get('host')}"
-                if holder
-                else "another process"
-            )
-            raise LedgerLockedError(
-                f"run {self.root} is open for writing by {who}; only one writer per run "
-                "(readers such as `ckptdb status` need no lock)",
-                holder=holder,
-            ) from None
+            raise _locked_error(self.root, self._read_owner(), "another process") from None
+        except OSError as exc:
+            raise RunDirectoryError(f"cannot lock the run {self.root}: {exc}") from exc
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
         tmp = self.root / f".{OWNER_NAME}.{os.getpid()}"
-        tmp.write_text(json.dumps(owner))
-        os.replace(tmp, self.root / OWNER_NAME)
+        try:
+            tmp.write_text(json.dumps(owner))
+            os.replace(tmp, self.root / OWNER_NAME)
+        except OSError as exc:
+            self._lock.release()
+            raise RunDirectoryError(f"cannot record the writer of {self.root}: {exc}") from exc
 
     def _read_owner(self) -> dict[str, object]:
         try:
@@ -55,6 +106,116 @@ class WriterLock:
             return {}
         return data if isinstance(data, dict) else {}
 
+    def verify(self) -> None:
+        """A file lock cannot be lost while the process lives."""
+
     def release(self) -> None:
         if self._lock.is_locked:
             self._lock.release()
+
+
+# The name the file lock had before there were two kinds.
+WriterLock = FileWriterLock
+
+_HOLDER_QUERY = text(
+    """
+    SELECT a.pid, a.application_name, host(a.client_addr) AS client_addr
+    FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+    WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND l.classid::bigint = :hi AND l.objid::bigint = :lo
+    """
+)
+
+
+class AdvisoryWriterLock:
+    """A session-level PostgreSQL advisory lock per run, on a dedicated connection."""
+
+    def __init__(self, root: Path, url: str) -> None:
+        self.root = root
+        self.url = normalize_url(url)
+        self.key = advisory_key(f"ckptdb:run:{root}")
+        self._engine: Engine | None = None
+        self._conn: Connection | None = None
+
+    def acquire(self) -> None:
+        name = f"ckptdb pid={os.getpid()} host={socket.gethostname()}"
+        try:
+            engine = create_engine(
+                self.url, poolclass=NullPool, connect_args={"application_name": name[:63]}
+            )
+        except ImportError as exc:
+            raise LedgerError(
+                f"cannot open ledger {safe_url(self.url)!r}: {exc} "
+                "(install the driver: pip install 'ckptdb[postgres]')"
+            ) from exc
+        try:
+            conn = engine.connect()
+        except SQLAlchemyError as exc:
+            engine.dispose()
+            raise LedgerError(f"cannot connect to the ledger {safe_url(self.url)}: {exc}") from exc
+        try:
+            self._try_lock(conn)
+        except BaseException:
+            conn.close()
+            engine.dispose()
+            raise
+        self._engine, self._conn = engine, conn
+
+    def _try_lock(self, conn: Connection) -> None:
+        try:
+            for setting, value in KEEPALIVES.items():  # ignored on a Unix socket
+                conn.exec_driver_sql(f"SET {setting} = {value}")
+            got = conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": self.key})
+            locked = bool(got.scalar())
+            holder = {} if locked else self._holder(conn)
+            conn.commit()  # the lock belongs to the session, not to this transaction
+        except SQLAlchemyError as exc:
+            raise LedgerError(
+                f"cannot take the writer lock of run {self.root} in {safe_url(self.url)}: {exc}"
+            ) from exc
+        if not locked:
+            raise _locked_error(self.root, holder, "another PostgreSQL session")
+
+    def _holder(self, conn: Connection) -> dict[str, object]:
+        hi, lo = (self.key >> 32) & 0xFFFFFFFF, self.key & 0xFFFFFFFF
+        row = conn.execute(_HOLDER_QUERY, {"hi": hi, "lo": lo}).first()
+        if row is None:  # released in the meantime
+            return {}
+        holder: dict[str, object] = {"backend_pid": row.pid}
+        if row.client_addr is not None:
+            holder["client_addr"] = row.client_addr
+        match = APPLICATION_NAME.match(row.application_name or "")
+        if match is not None:
+            holder["pid"], holder["host"] = int(match.group(1)), match.group(2)
+        return holder
+
+    def verify(self) -> None:
+        conn = self._conn
+        try:
+            if conn is None:
+                raise LedgerError("the writer lock is not held")
+            conn.exec_driver_sql("SELECT 1")
+            conn.commit()
+        except (SQLAlchemyError, LedgerError) as exc:
+            raise WriterLockLostError(
+                f"lost the writer lock of run {self.root} (its PostgreSQL session ended: "
+                f"{exc}); another writer may have taken the run over: close and reopen it"
+            ) from exc
+
+    def release(self) -> None:
+        conn, engine = self._conn, self._engine
+        self._conn = self._engine = None
+        if conn is None or engine is None:
+            return
+        try:
+            # Ending the session releases the lock anyway; unlocking first is just tidy.
+            with contextlib.suppress(SQLAlchemyError):
+                conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": self.key})
+                conn.commit()
+        finally:
+            conn.close()
+            engine.dispose()
+
+    def __repr__(self) -> str:
+        return f"AdvisoryWriterLock({self.root!s}, key={self.key})"

@@ -47,7 +47,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from . import faults, ledger
 from . import models as m
 from .check import Checker
-from .db import Ledger, default_sqlite_url, migrate, open_ledger
+from .db import Ledger, default_sqlite_url, migrate, normalize_url, open_ledger
 from .errors import (
     ArgumentTypeError,
     CheckpointLostError,
@@ -59,10 +59,12 @@ from .errors import (
     LedgerError,
     NonFiniteGradientError,
     PublishError,
+    RunDirectoryError,
     UnknownStreamError,
 )
 from .guard import NonFiniteGradGuard
-from .lock import WriterLock
+from .lock import RunLock, writer_lock
+from .netfs import check_ledger_location
 from .policies import Entry, Keep, Policy, TopK, validate_policies
 from .queries import RunQueries
 from .reconcile import Reconciler, ReconcileReport
@@ -145,6 +147,13 @@ class CheckpointManager(RunQueries):
     ``maintenance``, so it does not count as a training restart.
     Without ``save_dir`` an existing run keeps the save directory it was
     created with (following the root if the run directory was moved).
+
+    ``db_url`` puts the ledger elsewhere, e.g. ``postgresql+psycopg://user@host/db``:
+    many runs then share one database, each identified by its resolved root,
+    and the writer lock is a PostgreSQL advisory lock per run instead of
+    ``<root>/ckptdb.lock``. A SQLite ledger on a network filesystem (NFS, SMB,
+    Lustre...) is refused with :class:`~ckptdb.errors.NetworkFilesystemError`
+    unless ``allow_network_sqlite`` (or ``CKPTDB_ALLOW_NETWORK_SQLITE=1``).
     """
 
     def __init__(
@@ -156,6 +165,7 @@ class CheckpointManager(RunQueries):
         db_url: str | None = None,
         guard: NonFiniteGradGuard | None = None,
         maintenance: bool = False,
+        allow_network_sqlite: bool = False,
     ) -> None:
         requested = validate_policies(streams) if streams is not None else None
         if guard is not None and not isinstance(guard, NonFiniteGradGuard):
@@ -165,11 +175,19 @@ class CheckpointManager(RunQueries):
         self.guard = guard
         self._closed = True
         self._metric_buffer: list[tuple[int, str, float, float]] = []
-        make_dir(self.root)
-        self._lock = WriterLock(self.root)
-        self._lock.acquire()
+        url = normalize_url(db_url) if db_url else default_sqlite_url(self.root)
+        check_ledger_location(url, allow=allow_network_sqlite)
+        self._db: Ledger = open_ledger(url)  # a bad URL fails here, before anything is created
         try:
-            self._db: Ledger = open_ledger(db_url or default_sqlite_url(self.root))
+            if db_url is not None:
+                self._db.probe()  # an unreachable ledger fails before the root is created
+            self._prepare_root()
+            self._lock: RunLock = writer_lock(self.root, url)
+            self._lock.acquire()
+        except BaseException:
+            self._db.dispose()
+            raise
+        try:
             self._open(
                 requested,
                 explicit_save_dir,
@@ -196,6 +214,21 @@ class CheckpointManager(RunQueries):
         adopt_single: bool,
         kind: str,
     ) -> None:
+        try:
+            self._open_in_ledger(requested, save_dir, adopt_single=adopt_single, kind=kind)
+        except SQLAlchemyError as exc:
+            raise LedgerError(
+                f"cannot use the ledger of {self.root}: {' '.join(str(exc).split()[:12])}"
+            ) from exc
+
+    def _open_in_ledger(
+        self,
+        requested: dict[str, Policy] | None,
+        save_dir: Path | None,
+        *,
+        adopt_single: bool,
+        kind: str,
+    ) -> None:
         migrate(self._db.engine)
         with self._db.transaction() as session:
             run = ledger.open_run(session, self.root, save_dir, adopt_single=adopt_single)
@@ -206,10 +239,13 @@ class CheckpointManager(RunQueries):
             ledger.add_event(session, run.id, self.attempt_id, "attempt_started")
         self._resumed = False
 
+    def _prepare_root(self) -> None:
+        make_dir(self.root)
+        if not self.root.is_dir():
+            raise RunDirectoryError(f"the run root {self.root} is not a directory")
+
     def _release_after_failed_open(self) -> None:
-        db = getattr(self, "_db", None)
-        if db is not None:
-            db.dispose()
+        self._db.dispose()
         self._lock.release()
 
     # ----------------------------------------------------------------- lifecycle
@@ -325,13 +361,16 @@ class CheckpointManager(RunQueries):
         pending = self._record_intent(step, values, payloads)
         if not pending:
             return {}  # no top-K stream admitted the candidate: nothing to write
-        faults.point("after_intent")
         try:
+            faults.point("after_intent")
             self._write_and_place(pending)
-            evicted, committed_at = self._commit(step, pending)
+            evicted, committed_at, flushed = self._commit(step, pending)
         except BaseException as exc:
             self._roll_back(step, pending, exc)
             raise  # _roll_back raises PublishError for ordinary errors
+        # Committed: from here on nothing may roll the boundary back.
+        self._drop_flushed(flushed)
+        faults.point("after_commit")
         self._clean_up(step, evicted)
         return {p.stream: self._record(p, step, values, committed_at) for p in pending}
 
@@ -413,9 +452,16 @@ class CheckpointManager(RunQueries):
             fsync_dir(directory)
         faults.point("after_fsync_dir")
 
-    def _commit(self, step: int, pending: list[_Pending]) -> tuple[list[m.Checkpoint], dt.datetime]:
-        """The single commit point of a boundary; returns the rows it evicted and its time."""
+    def _commit(
+        self, step: int, pending: list[_Pending]
+    ) -> tuple[list[m.Checkpoint], dt.datetime, int]:
+        """The single commit point of a boundary.
+
+        Returns the rows it evicted, its time, and how many buffered metric
+        points it wrote (dropped from the buffer by the caller).
+        """
         evicted: list[m.Checkpoint] = []
+        self._lock.verify()  # a PostgreSQL lock session may have died with its connection
         now = m.utcnow()
         with self._db.transaction() as session:
             for p in pending:
@@ -433,9 +479,7 @@ class CheckpointManager(RunQueries):
                 ledger.set_latest(session, self.run_id, p.stream, p.row_id)
             flushed = self._flush_into(session)
             faults.point("in_commit")
-        self._drop_flushed(flushed)
-        faults.point("after_commit")
-        return evicted, now
+        return evicted, now, flushed
 
     def _record(
         self, p: _Pending, step: int, values: dict[str, float], committed_at: dt.datetime
@@ -782,6 +826,6 @@ def _describe(exc: BaseException) -> tuple[str, Path | None, BaseException]:
     """(phase, path, underlying error) of a failure inside a boundary."""
     if isinstance(exc, PhaseError):
         return exc.phase, exc.path, exc.error
-    if isinstance(exc, SQLAlchemyError):
+    if isinstance(exc, (SQLAlchemyError, LedgerError)):
         return "commit", None, exc
     return "write", None, exc

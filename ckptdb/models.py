@@ -13,6 +13,7 @@ import datetime as dt
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     DateTime,
     Float,
     ForeignKey,
@@ -134,7 +135,8 @@ class Checkpoint(Base):
     path: Mapped[str] = mapped_column(Text)
     tmp_path: Mapped[str | None] = mapped_column(Text)
     state: Mapped[str] = mapped_column(String(16))
-    size: Mapped[int | None] = mapped_column(Integer)
+    # 64-bit: checkpoints pass 2 GiB (SQLite's INTEGER already is 64-bit)
+    size: Mapped[int | None] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"))
     hash: Mapped[str | None] = mapped_column(String(64))
     metric: Mapped[float | None] = mapped_column(Float)
     metrics: Mapped[str | None] = mapped_column(Text)  # JSON object of the boundary's metrics

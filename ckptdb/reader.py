@@ -5,7 +5,8 @@ works while a trainer holds the run. SQLite ledgers are opened with
 ``mode=ro`` and ``PRAGMA query_only`` (a write is refused by SQLite itself, not
 by inspecting the statement), each query runs in one snapshot transaction,
 and only committed data is visible (WAL readers never see a transaction in
-progress).
+progress). PostgreSQL readers run every transaction as ``REPEATABLE READ,
+READ ONLY``: one snapshot of committed data, and the server refuses writes.
 """
 
 from __future__ import annotations
@@ -16,23 +17,51 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, inspect, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import ledger
 from . import models as m
-from .db import Ledger, open_ledger, readonly_sqlite_url, schema_is_current
+from .db import (
+    Ledger,
+    current_heads,
+    normalize_url,
+    open_ledger,
+    readonly_sqlite_url,
+    safe_url,
+    schema_is_current,
+)
 from .errors import InvalidArgumentError, LedgerError
+from .netfs import sqlite_path
 from .queries import RunQueries
 
 
 def ledger_url(root: Path, db_url: str | None, *, readonly: bool) -> str:
     if db_url:
-        return db_url
+        return normalize_url(db_url)
     path = root / "ckptdb.sqlite"
     if readonly and not path.exists():
         raise LedgerError(f"no ckptdb run at {root} (no {path.name})")
     return readonly_sqlite_url(path) if readonly else f"sqlite:///{path}"
+
+
+def run_exists(root: Path, db_url: str) -> bool:
+    """Whether the ledger at ``db_url`` records a run rooted at ``root``; creates nothing."""
+    url = normalize_url(db_url)
+    path = sqlite_path(url)
+    if path is not None and not path.exists():
+        return False
+    db = open_ledger(url, readonly=True)
+    try:
+        with db.engine.connect() as conn:
+            if not inspect(conn).has_table(m.Run.__tablename__):
+                return False
+            found = conn.execute(select(m.Run.id).where(m.Run.root == str(root))).first()
+            return found is not None
+    except SQLAlchemyError as exc:
+        raise LedgerError(f"cannot read the ledger {safe_url(url)}: {exc}") from exc
+    finally:
+        db.dispose()
 
 
 class RunReader(RunQueries):
@@ -50,9 +79,16 @@ class RunReader(RunQueries):
 
     def _load_run(self, *, adopt_single: bool) -> None:
         try:
-            current = schema_is_current(self._db.engine)
+            empty = not current_heads(self._db.engine)
+            current = not empty and schema_is_current(self._db.engine)
         except SQLAlchemyError as exc:
             raise LedgerError(f"cannot read the ledger of {self.root}: {exc}") from exc
+        if empty:
+            raise LedgerError(
+                f"no ckptdb run at {self.root}: the ledger "
+                f"{self._db.engine.url.render_as_string(hide_password=True)} "
+                "has no ckptdb schema yet (a CheckpointManager creates it)"
+            )
         if not current:
             raise LedgerError(
                 f"the ledger of {self.root} uses an older schema; "
@@ -138,7 +174,11 @@ class RunReader(RunQueries):
         self._check_open()
         try:
             with self._db.transaction() as session:
-                result = session.connection().exec_driver_sql(statement)
+                # no_parameters: the statement goes to the driver as is, so a literal
+                # '%' (LIKE 'latest:%') is not taken for a placeholder by psycopg
+                result = session.connection().exec_driver_sql(
+                    statement, execution_options={"no_parameters": True}
+                )
                 if not result.returns_rows:
                     raise InvalidArgumentError("the statement returned no rows (only queries run)")
                 return list(result.keys()), [tuple(row) for row in result.all()]

@@ -13,7 +13,7 @@ import logging
 import os
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +73,29 @@ class _Plan:
 
     state: dict[int, str] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
+
+
+def files_in_our_naming(save_dir: Path) -> Iterator[tuple[str, os.DirEntry[str], str]]:
+    """(stream dir, entry, "temp" | "checkpoint") for every regular file named like ours.
+
+    Only real directories with valid stream names are entered and only regular
+    files count: symlinks and anything else are never ours to touch.
+    """
+    if not save_dir.is_dir():
+        return
+    for stream_dir in sorted(os.scandir(save_dir), key=lambda e: e.name):
+        name = stream_dir.name
+        if stream_dir.is_symlink() or not stream_dir.is_dir():
+            continue
+        if not STREAM_NAME.fullmatch(name) or name.startswith("ckptdb."):
+            continue
+        for entry in sorted(os.scandir(stream_dir.path), key=lambda e: e.name):
+            if entry.is_symlink() or not entry.is_file():
+                continue
+            if TEMP_NAME.fullmatch(entry.name):
+                yield name, entry, "temp"
+            elif CHECKPOINT_NAME.fullmatch(entry.name):
+                yield name, entry, "checkpoint"
 
 
 class Reconciler:
@@ -184,31 +207,23 @@ class Reconciler:
         return None
 
     def _scan(self, keep: set[str], report: ReconcileReport, *, dry_run: bool) -> None:
-        if not self.save_dir.is_dir():
-            return
-        for stream_dir in sorted(os.scandir(self.save_dir), key=lambda e: e.name):
-            name = stream_dir.name
-            if stream_dir.is_symlink() or not stream_dir.is_dir():
+        for name, entry, kind in files_in_our_naming(self.save_dir):
+            rel = f"{name}/{entry.name}"
+            if rel in keep:
                 continue
-            if not STREAM_NAME.fullmatch(name) or name.startswith("ckptdb."):
-                continue
-            for entry in sorted(os.scandir(stream_dir.path), key=lambda e: e.name):
-                rel = f"{name}/{entry.name}"
-                if rel in keep or entry.is_symlink() or not entry.is_file():
-                    continue
-                if TEMP_NAME.fullmatch(entry.name):
-                    self._act(
-                        report, "removed_temp", rel, dry_run, lambda p=Path(entry.path): remove(p)
-                    )
-                elif CHECKPOINT_NAME.fullmatch(entry.name):
-                    quarantine = self.root / QUARANTINE_NAME / name
-                    self._act(
-                        report,
-                        "quarantined",
-                        rel,
-                        dry_run,
-                        lambda p=Path(entry.path), q=quarantine: move_aside(p, q),
-                    )
+            if kind == "temp":
+                self._act(
+                    report, "removed_temp", rel, dry_run, lambda p=Path(entry.path): remove(p)
+                )
+            else:
+                quarantine = self.root / QUARANTINE_NAME / name
+                self._act(
+                    report,
+                    "quarantined",
+                    rel,
+                    dry_run,
+                    lambda p=Path(entry.path), q=quarantine: move_aside(p, q),
+                )
 
     def _act(
         self, report: ReconcileReport, kind: str, rel: str, dry_run: bool, work: object

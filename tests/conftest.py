@@ -1,14 +1,26 @@
-"""Shared fixtures: a run directory, a manager factory, small state dicts, ledger peeks."""
+"""Shared fixtures: a run directory, a manager factory, small state dicts, ledger peeks.
+
+PostgreSQL: tests that need a server take its URL from ``CKPTDB_TEST_POSTGRES_URL``
+(``postgres_url``) and skip without it; each one gets a schema of its own
+(``pg_url``), dropped at teardown. ``backend`` runs a test on both ledgers. Such
+tests are marked ``postgres``, and with ``CI=true`` a skipped one is a failure:
+CI must not pass without having run them.
+"""
 
 from __future__ import annotations
 
+import os
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import pg_admin, pg_schema_url
 
 from ckptdb import CheckpointManager, Keep, TopK
+
+POSTGRES_URL_ENV = "CKPTDB_TEST_POSTGRES_URL"
 
 
 @pytest.fixture
@@ -34,3 +46,62 @@ def open_manager(root: Path) -> Iterator[Callable[..., CheckpointManager]]:
 @pytest.fixture
 def streams() -> dict[str, Any]:
     return {"model": Keep(last=3), "ema": Keep(last=2), "best": TopK(2, "val_loss")}
+
+
+# ----------------------------------------------------------------- PostgreSQL
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    """The test server's URL (a database the tests may create schemas in)."""
+    url = os.environ.get(POSTGRES_URL_ENV)
+    if not url:
+        pytest.skip(f"no PostgreSQL server: set {POSTGRES_URL_ENV}")
+    return url
+
+
+@pytest.fixture
+def pg_url(postgres_url: str) -> Iterator[str]:
+    """A ledger URL whose ``search_path`` is a fresh schema ``t_<random>``, dropped after."""
+    schema = f"t_{secrets.token_hex(6)}"
+    with pg_admin(postgres_url) as conn:
+        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
+    try:
+        yield pg_schema_url(postgres_url, schema)
+    finally:
+        with pg_admin(postgres_url) as conn:
+            conn.exec_driver_sql("SET lock_timeout = '20s'")
+            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def backend(request: pytest.FixtureRequest) -> str | None:
+    """The ``db_url`` to open runs with: None (the run's own SQLite file) or PostgreSQL."""
+    if request.param == "sqlite":
+        return None
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that needs the server ``postgres``."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        on_postgres = callspec is not None and callspec.params.get("backend") == "postgres"
+        if on_postgres or {"pg_url", "postgres_url"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.postgres)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """With ``CI=true``, a skipped ``postgres`` test fails: CI has the server."""
+    report = yield
+    if (
+        report.skipped
+        and os.environ.get("CI", "").lower() in ("true", "1")
+        and item.get_closest_marker("postgres") is not None
+    ):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"PostgreSQL test skipped under CI=true (CI has a server): {reason}"
+    return report

@@ -126,7 +126,8 @@ def upgrade() -> None:
         sa.Column("path", sa.Text(), nullable=False),
         sa.Column("tmp_path", sa.Text(), nullable=True),
         sa.Column("state", sa.String(length=16), nullable=False),
-        sa.Column("size", sa.Integer(), nullable=True),
+        # BIGINT on PostgreSQL (a checkpoint passes 2 GiB); INTEGER, already 64-bit, on SQLite
+        sa.Column("size", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=True),
         sa.Column("hash", sa.String(length=64), nullable=True),
         sa.Column("metric", sa.Float(), nullable=True),
         sa.Column("metrics", sa.Text(), nullable=True),
