@@ -17,6 +17,7 @@ import errno
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,10 @@ def write_payload(obj: Any, tmp: Path) -> FileInfo:
         try:
             torch.save(obj, writer)  # type: ignore[arg-type]  # a file-like writer
         except Exception as exc:
-            cause = _os_error_in_chain(exc) or exc
+            interrupt = _in_chain(exc, lambda e: not isinstance(e, Exception))
+            if interrupt is not None:
+                raise interrupt from None  # Ctrl-C stays Ctrl-C, not a write error
+            cause = _in_chain(exc, lambda e: isinstance(e, OSError)) or exc
             raise PhaseError("write", tmp, cause) from cause
         try:
             os.fsync(raw.fileno())
@@ -96,13 +100,13 @@ def write_payload(obj: Any, tmp: Path) -> FileInfo:
     return writer.info()
 
 
-def _os_error_in_chain(exc: BaseException) -> OSError | None:
-    """The OSError (ENOSPC, EIO...) behind ``exc``: torch's zip writer turns an
-    error raised by ``write()`` into a RuntimeError ("unexpected pos")."""
+def _in_chain(exc: BaseException, wanted: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first exception behind ``exc`` that is ``wanted``: torch's zip writer turns
+    anything raised by ``write()`` (ENOSPC, even KeyboardInterrupt) into a RuntimeError."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
-        if isinstance(current, OSError):
+        if wanted(current):
             return current
         seen.add(id(current))
         current = current.__cause__ or current.__context__
