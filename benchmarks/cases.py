@@ -54,7 +54,8 @@ def publish(work: Path, megabytes: float, reps: int) -> Comparison:
     plain_dir, durable_dir, dcp_dir = (work / n for n in ("plain", "durable", "dcp"))
     for d in (plain_dir, durable_dir, dcp_dir):
         d.mkdir(parents=True)
-    mgr = CheckpointManager(work / "run", streams={"model": Keep(last=2)})
+    # keep everything: the baselines delete nothing either (eviction is measured in case 2)
+    mgr = CheckpointManager(work / "run", streams={"model": Keep(last=None)})
 
     def plain() -> None:
         torch.save(sd, plain_dir / f"{next(counter)}.pt")

@@ -21,6 +21,7 @@ a session and never commit.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import importlib.resources
 import sqlite3
@@ -41,6 +42,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from .errors import LedgerError, SchemaVersionError
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
+_DURABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptdb_durable", default=True)
 POSTGRES_DRIVER = "postgresql+psycopg"
 
 
@@ -131,15 +133,27 @@ def _configure_sqlite(engine: Engine, *, readonly: bool) -> None:
                 dbapi_connection.set_authorizer(_deny_attach)
             else:
                 cursor.execute("PRAGMA journal_mode = WAL")
+                # metric batches update three B-trees; a larger page cache (allocated
+                # only as used) makes a 100k-point flush ~1.6x faster
+                cursor.execute("PRAGMA cache_size = -65536")
                 cursor.execute("PRAGMA synchronous = FULL")
         finally:
             cursor.close()
 
-    begin = "BEGIN" if readonly else "BEGIN IMMEDIATE"
+    if readonly:
+
+        @event.listens_for(engine, "begin")
+        def _on_read_begin(connection: Connection) -> None:
+            connection.exec_driver_sql("BEGIN")
+
+        return
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Connection) -> None:
-        connection.exec_driver_sql(begin)
+        # The safety level may only change between transactions (see Ledger.transaction).
+        level = "FULL" if _DURABLE.get() else "NORMAL"
+        connection.exec_driver_sql(f"PRAGMA synchronous = {level}")
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def _deny_attach(action: int, *_: object) -> int:
@@ -221,10 +235,23 @@ class Ledger:
         self._sessions = sessionmaker(engine, expire_on_commit=False)
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[Session]:
-        """A session whose work commits on success and rolls back on error."""
-        with self._sessions.begin() as session:
-            yield session
+    def transaction(self, *, durable: bool = True) -> Iterator[Session]:
+        """A session whose work commits on success and rolls back on error.
+
+        ``durable=False`` (SQLite: ``synchronous=NORMAL`` for this transaction)
+        skips the fsync of the commit: it survives a process crash but maybe
+        not a power loss. The protocol uses it only where losing the commit to
+        a power loss is harmless (the intent row: reconcile then finds a temp
+        file, or an unowned final file that it quarantines; the cleanup row:
+        reconcile finishes the delete). The boundary's commit is always durable,
+        and fsyncing the WAL also makes every earlier transaction durable.
+        """
+        token = _DURABLE.set(durable)
+        try:
+            with self._sessions.begin() as session:
+                yield session
+        finally:
+            _DURABLE.reset(token)
 
     def probe(self) -> None:
         """Connect once, so an unreachable ledger is reported before anything else happens."""

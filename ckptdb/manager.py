@@ -393,7 +393,7 @@ class CheckpointManager(RunQueries):
     ) -> list[_Pending]:
         """One transaction: decide top-K admission, insert a pending row per admitted stream."""
         try:
-            with self._db.transaction() as session:
+            with self._db.transaction(durable=False) as session:
                 admitted = self._admitted(session, step, values, payloads)
                 for stream in admitted:
                     make_dir(self.save_dir / stream)
@@ -609,7 +609,7 @@ class CheckpointManager(RunQueries):
             except (OSError, InvalidArgumentError) as err:
                 failures.append((row, path, err))
         try:
-            with self._db.transaction() as session:
+            with self._db.transaction(durable=False) as session:
                 ledger.set_state(session, removed, m.DELETED, deleted_at=m.utcnow())
                 for row, path, error in failures:
                     ledger.add_event(
@@ -641,11 +641,17 @@ class CheckpointManager(RunQueries):
     def log_metrics(self, step: int, values: Mapping[str, float]) -> None:
         """Buffer metric values for ``step``; written with the next commit or on flush/close."""
         self._check_open()
-        step = validate_step(step)
+        if type(step) is not int or step < 0:
+            step = validate_step(step)
         now = time.time()
-        self._metric_buffer.extend(
-            (step, name, v, now) for name, v in validate_metrics(values).items()
-        )
+        # Fast path for the common call (a dict of str -> float): no per-value ABC checks.
+        if type(values) is dict and all(
+            type(n) is str and n and type(v) is float for n, v in values.items()
+        ):
+            items = values.items()
+        else:
+            items = validate_metrics(values).items()
+        self._metric_buffer.extend([(step, name, v, now) for name, v in items])
         if len(self._metric_buffer) >= METRIC_FLUSH_THRESHOLD:
             self.flush()
 
@@ -703,8 +709,9 @@ class CheckpointManager(RunQueries):
             if problem is not None:
                 self._mark_bad(target, m.CORRUPT, problem)
                 raise CorruptCheckpointError(f"{target.path}: {problem}; refusing to load it")
-            f.seek(0)
-            state = torch.load(f, map_location=map_location, weights_only=weights_only)
+            # torch's own reader on the path is ~3x faster than through a Python
+            # file object; the file is ours, in the save dir, verified just now.
+            state = torch.load(path, map_location=map_location, weights_only=weights_only)
         self._note_resume(target)
         return state
 

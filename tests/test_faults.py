@@ -1049,44 +1049,6 @@ def test_quarantine_across_devices_falls_back_to_a_copy(
 # ---------------------------------------------------------------- faults during load
 
 
-class FaultyReader:
-    """The checkpoint file ``load`` opens; reads fail when due, in one stage only:
-    ``verify`` (the hashing pass) or ``unpickle`` (after the rewind, inside torch.load)."""
-
-    def __init__(self, raw: Any, inj: Injector, stage: str) -> None:
-        self._raw, self._inj, self._stage = raw, inj, stage
-        self._rewound = False
-
-    def _check(self) -> None:
-        in_stage = self._rewound == (self._stage == "unpickle")
-        if in_stage and self._inj.due():
-            raise self._inj.fire(os_error(errno.EIO))
-
-    def read(self, *args: Any) -> bytes:
-        self._check()
-        data: bytes = self._raw.read(*args)
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        self._check()
-        n: int = self._raw.readinto(buffer)
-        return n
-
-    def seek(self, *args: Any) -> int:
-        self._rewound = True
-        pos: int = self._raw.seek(*args)
-        return pos
-
-    def __enter__(self) -> FaultyReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._raw.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._raw, name)
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("stage", ["open", "verify", "unpickle"])
 def test_read_error_during_load(
@@ -1106,11 +1068,25 @@ def test_read_error_during_load(
         inside = Path(file).resolve().is_relative_to(save_dir)
         if inside and stage == "open" and inj.due():
             raise inj.fire(os_error(errno.EIO))
-        raw = builtins.open(file, *args, **kwargs)  # noqa: SIM115 (closed by load's with)
-        return FaultyReader(raw, inj, stage) if inside else raw
+        return builtins.open(file, *args, **kwargs)
 
-    # ckptdb.manager calls the builtin open; a module global shadows it for the test
+    def failing(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if inj.due():
+                raise inj.fire(os_error(errno.EIO))
+            return real(*args, **kwargs)
+
+        return call
+
+    # ckptdb.manager calls the builtin open; a module global shadows it for the test.
+    # The hashing pass (verify) and torch.load (unpickle) read the file themselves.
     monkeypatch.setattr(ckptdb.manager, "open", fake_open, raising=False)
+    if stage == "verify":
+        monkeypatch.setattr(
+            ckptdb.manager, "hash_open_file", failing(ckptdb.manager.hash_open_file)
+        )
+    elif stage == "unpickle":
+        monkeypatch.setattr(torch, "load", failing(torch.load))
     tries = 1 if mode == "transient" else PERSISTENT_TRIES
     for attempt in range(tries):
         with pytest.raises(OSError) as info:

@@ -681,3 +681,25 @@ def test_metrics_of_two_attempts_are_told_apart(root):
         "WHERE m.name = 'loss' AND m.step = 10 ORDER BY a.id",
     )
     assert found == [(ids[0], "closed", 1.0), (ids[1], "closed", 0.5)]
+
+
+def test_only_the_commit_transaction_pays_for_an_fsync(open_manager) -> None:
+    """synchronous=FULL for the boundary's commit; NORMAL for intent and cleanup,
+    whose loss to a power cut reconcile repairs (see Ledger.transaction)."""
+    from sqlalchemy import event
+
+    from ckptdb import Keep
+
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    mgr.save(1, model=state(1))
+    levels: list[int] = []
+
+    def record(connection) -> None:
+        levels.append(connection.exec_driver_sql("PRAGMA synchronous").scalar())
+
+    event.listen(mgr._db.engine, "begin", record)
+    try:
+        mgr.save(2, model=state(2))  # intent, commit (evicts step 1), cleanup
+    finally:
+        event.remove(mgr._db.engine, "begin", record)
+    assert levels == [1, 2, 1]  # NORMAL, FULL, NORMAL
