@@ -104,6 +104,7 @@ class Reconciler:
     ) -> None:
         self.db, self.run_id, self.attempt_id = db, run_id, attempt_id
         self.root, self.save_dir = root, save_dir
+        self._resolved: dict[Path, Path] = {}
 
     def run(
         self,
@@ -118,6 +119,7 @@ class Reconciler:
         (``verify`` re-hashes every committed file, which can take a while).
         """
         report = ReconcileReport(dry_run=dry_run)
+        self._resolved = {}  # directory resolutions are memoized for this pass only
         with self.db.transaction() as session:
             rows = ledger.rows_in_state(session, self.run_id, ledger.LIVE_STATES)
             streams = list(
@@ -182,7 +184,7 @@ class Reconciler:
             if rel is None:
                 continue
             try:
-                target = confine(self.save_dir, rel)
+                target = confine(self.save_dir, rel, self._resolved)
                 if not dry_run:
                     remove(target)
             except (OSError, InvalidArgumentError) as exc:
@@ -192,7 +194,7 @@ class Reconciler:
 
     def _inspect(self, row: m.Checkpoint, verify: bool) -> tuple[str, str] | None:
         try:
-            path = confine(self.save_dir, row.path)
+            path = confine(self.save_dir, row.path, self._resolved)
             size = os.stat(path).st_size
         except FileNotFoundError:
             return m.LOST, "file missing"

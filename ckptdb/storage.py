@@ -210,20 +210,30 @@ def hash_open_file(f: Any) -> FileInfo:
     return FileInfo(size, digest.hexdigest())
 
 
-def confine(base: Path, relative: str | Path) -> Path:
+def confine(base: Path, relative: str | Path, resolved: dict[Path, Path] | None = None) -> Path:
     """``base / relative``, refused if it escapes ``base`` (``..``, absolute, symlinked dirs).
 
     The last component may itself be a symlink: removing or renaming it acts
     on the link, never on its target, so that stays inside ``base`` too.
+    ``resolved`` memoizes directory resolutions for one pass over many rows
+    (a reconcile of 10k checkpoints resolves each stream directory once).
     """
     candidate = base / relative
-    parent = candidate.parent.resolve()
-    resolved_base = base.resolve()
+    cache = resolved if resolved is not None else {}
+    parent = _resolve(candidate.parent, cache)
+    resolved_base = _resolve(base, cache)
     if parent != resolved_base and resolved_base not in parent.parents:
         raise InvalidArgumentError(f"{candidate} is outside {base}; refusing to touch it")
     if candidate.name in ("", ".", ".."):
         raise InvalidArgumentError(f"{candidate} does not name a file")
     return parent / candidate.name
+
+
+def _resolve(path: Path, cache: dict[Path, Path]) -> Path:
+    found = cache.get(path)
+    if found is None:
+        found = cache[path] = path.resolve()
+    return found
 
 
 def remove(path: Path) -> bool:
