@@ -505,7 +505,8 @@ class CheckpointManager(RunQueries):
         new = Entry(id=p.row_id, step=self._step_of(rows, p.row_id), metric=p.metric)
         doomed = {e.id for e in self.policies[p.stream].evictions(ledger.entries(others), new)}
         evicted = [r for r in others if r.id in doomed]
-        ledger.set_state(session, [r.id for r in evicted], m.DELETING)
+        # deleted_at records the eviction (the file goes later, maybe at a reconcile)
+        ledger.set_state(session, [r.id for r in evicted], m.DELETING, deleted_at=m.utcnow())
         return evicted
 
     @staticmethod
@@ -589,7 +590,7 @@ class CheckpointManager(RunQueries):
                 rows = ledger.rows_in_state(session, self.run_id, [m.COMMITTED], stream)
                 doomed = {e.id for e in policy.window_evictions(ledger.entries(rows))}
                 chosen = [r for r in rows if r.id in doomed]
-                ledger.set_state(session, [r.id for r in chosen], m.DELETING)
+                ledger.set_state(session, [r.id for r in chosen], m.DELETING, deleted_at=m.utcnow())
                 ledger.repoint_latest(session, self.run_id, stream)
                 evicted.extend(chosen)
         self._clean_up(None, evicted)
@@ -610,7 +611,7 @@ class CheckpointManager(RunQueries):
                 failures.append((row, path, err))
         try:
             with self._db.transaction(durable=False) as session:
-                ledger.set_state(session, removed, m.DELETED, deleted_at=m.utcnow())
+                ledger.set_state(session, removed, m.DELETED)
                 for row, path, error in failures:
                     ledger.add_event(
                         session,

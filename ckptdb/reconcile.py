@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import func, literal, select
 
 from . import faults, ledger
 from . import models as m
@@ -245,7 +245,11 @@ class Reconciler:
         now = m.utcnow()
         with self.db.transaction() as session:
             for row_id, state in plan.state.items():
-                extra: dict[str, object] = {"deleted_at": now} if state == m.DELETED else {}
+                extra: dict[str, object] = {}
+                if state == m.DELETED:  # keep the eviction time a commit recorded
+                    extra["deleted_at"] = func.coalesce(
+                        m.Checkpoint.deleted_at, literal(now, type_=m.UTCDateTime())
+                    )
                 if row_id in plan.errors:
                     extra["error"] = plan.errors[row_id]
                 ledger.set_state(session, [row_id], state, **extra)

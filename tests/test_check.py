@@ -384,3 +384,32 @@ def test_cli_check_as_a_real_process(mgr: CheckpointManager) -> None:
     assert result.stdout.splitlines() == expected
     assert result.stderr.strip() == f"Error: {len(expected)} violation(s) in {mgr.root}"
     assert "Traceback" not in result.stderr
+
+
+def test_eviction_time_is_recorded_at_the_commit_not_at_the_late_unlink(
+    open_manager: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A top-K member evicted while its unlink fails, then a re-save of the winner with a
+    worse metric: the checker must compare against the eviction time, not the time the
+    file was finally removed (found by the model check)."""
+    import warnings
+
+    from ckptdb import CleanupWarning, TopK
+
+    mgr = open_manager(streams={"best": TopK(1, "val_loss")})
+    mgr.save(1, metrics={"val_loss": 5.0}, best=state(1.0))
+    real_unlink = os.unlink
+
+    def refuse(path: Any, *args: Any, **kwargs: Any) -> None:
+        raise PermissionError(13, "refused", str(path))
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CleanupWarning)
+        mgr.save(2, metrics={"val_loss": 3.0}, best=state(2.0))  # evicts step 1, unlink fails
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    evicted = rows(mgr.root, "SELECT state, deleted_at FROM checkpoints WHERE step = 1")
+    assert evicted[0][0] == "deleting" and evicted[0][1] is not None
+    mgr.save(2, metrics={"val_loss": 10.0}, best=state(3.0))  # replaces step 2, worse metric
+    assert [a.kind for a in mgr.reconcile().actions] == ["deleted"]
+    assert mgr.check() == []
