@@ -30,7 +30,7 @@ import click
 import torch
 from torch import nn
 
-from .errors import InvalidArgumentError, NonFiniteGradientError
+from .errors import CkptDBError, InvalidArgumentError, NonFiniteGradientError
 from .guard import NonFiniteGradGuard
 from .manager import CheckpointManager
 from .policies import Keep, TopK
@@ -181,7 +181,10 @@ def run_demo(directory: Path, *, steps: int = 300, fresh: bool = True) -> None:
         check=False,
     )
     if child.returncode != CRASH_EXIT:
-        raise RuntimeError(f"the demo's training process exited with {child.returncode}")
+        raise CkptDBError(
+            f"the demo's training process exited with {child.returncode}, "
+            f"not with the planned crash ({CRASH_EXIT}); its output is above"
+        )
     click.echo(
         f"\nthe training process died inside torch.save at step {crash_at} "
         f"(exit status {child.returncode}); restarting\n"

@@ -62,13 +62,14 @@ class SchemaVersionError(LedgerError):
 
 @dataclass(frozen=True)
 class CleanupFailure:
-    """A leftover that could not be removed after a failure, and why."""
+    """A leftover that could not be removed (or recorded) after a failure, and why."""
 
     path: Path
     error: BaseException
+    action: str = "remove"
 
     def __str__(self) -> str:
-        return f"{self.path}: {type(self.error).__name__}: {self.error}"
+        return f"{self.action} {self.path}: {type(self.error).__name__}: {self.error}"
 
 
 class PublishError(CkptDBError, RuntimeError):

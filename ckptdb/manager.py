@@ -527,7 +527,7 @@ class CheckpointManager(RunQueries):
         error_text = f"{phase} failed at {path}: {type(cause).__name__}: {cause}"
         self._record_rollback(step, pending, left, error_text, failures, phase)
         for failure in failures:
-            warnings.warn(f"ckptdb could not remove {failure}", CleanupWarning, stacklevel=4)
+            warnings.warn(f"ckptdb could not {failure}", CleanupWarning, stacklevel=4)
         if not isinstance(exc, Exception):
             return  # KeyboardInterrupt & co. propagate unchanged after the cleanup
         stream = next((p.stream for p in pending if path in (p.tmp, p.final)), None)
@@ -575,7 +575,13 @@ class CheckpointManager(RunQueries):
                     )
         except SQLAlchemyError as db_exc:
             # Rows stay pending; the next reconcile rolls them back.
-            failures.append(CleanupFailure(Path(str(self._db.engine.url)), db_exc))
+            failures.append(
+                CleanupFailure(
+                    Path(self._db.engine.url.database or str(self._db.engine.url)),
+                    db_exc,
+                    action="record the rollback (rows stay pending for reconcile) in",
+                )
+            )
 
     def gc(self) -> list[Checkpoint]:
         """Apply every stream's stored retention policy now (e.g. after lowering ``last``).
