@@ -9,6 +9,7 @@ from .manager import CheckpointManager, CleanupWarning
 from .policies import Keep, TopK
 from .reconcile import Action, ReconcileReport
 from .record import Checkpoint
+from .sharded import Sharded
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,7 @@ __all__ = [
     "Keep",
     "NonFiniteGradGuard",
     "ReconcileReport",
+    "Sharded",
     "TopK",
     "__version__",
 ]

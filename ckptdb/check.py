@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from sqlalchemy import text
 
 from . import ledger
@@ -29,7 +28,8 @@ from . import models as m
 from .db import Ledger
 from .policies import Entry, Policy, TopK
 from .reconcile import Reconciler, files_in_our_naming
-from .storage import confine, hash_file
+from .sharded import check_loadable
+from .storage import confine, hash_checkpoint
 
 
 class Checker:
@@ -66,7 +66,7 @@ class Checker:
     def _check_file(self, row: m.Checkpoint, load: bool) -> list[str]:
         try:
             path = confine(self.save_dir, row.path)
-            info = hash_file(path)
+            info = hash_checkpoint(path)
         except (OSError, ValueError) as exc:
             return [f"{row.path}: committed but unreadable: {exc}"]
         if (info.size, info.hash) != (row.size, row.hash):
@@ -75,7 +75,7 @@ class Checker:
             ]
         if load:
             try:
-                torch.load(path, map_location="cpu", weights_only=True)
+                check_loadable(path)
             except Exception as exc:  # any unpickling failure is the finding itself
                 reason = " ".join(str(exc).split())
                 return [f"{row.path}: does not load with weights_only=True: {reason}"]

@@ -128,10 +128,29 @@ class CorruptCheckpointError(CkptDBError, OSError):
     """A checkpoint file's size or hash differs from its ledger row."""
 
 
+class RankAgreementError(CkptDBError, RuntimeError):
+    """A collective among the ranks failed: a rank died, diverged or timed out.
+
+    Raised instead of hanging; the chief rolls back anything pending.
+    """
+
+
+class RankFailedError(CkptDBError, RuntimeError):
+    """A collective operation failed on some rank(s) with an error of their own.
+
+    ``ranks`` names them; on a failing rank the original error is ``__cause__``.
+    """
+
+
+class ChiefOnlyError(CkptDBError, RuntimeError):
+    """A ledger-maintenance call (reconcile, gc, check) made on a rank other than the chief."""
+
+
 __all__ = [
     "ArgumentTypeError",
     "CheckpointLostError",
     "CheckpointNotFoundError",
+    "ChiefOnlyError",
     "CkptDBError",
     "CleanupFailure",
     "CorruptCheckpointError",
@@ -142,6 +161,8 @@ __all__ = [
     "NetworkFilesystemError",
     "NonFiniteGradientError",
     "PublishError",
+    "RankAgreementError",
+    "RankFailedError",
     "RunDirectoryError",
     "SchemaVersionError",
     "UnknownStreamError",

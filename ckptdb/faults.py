@@ -21,6 +21,9 @@ POINTS = (
     "mid_cleanup",  # after the first evicted file was unlinked
     "mid_reconcile",  # reconcile's file work done, ledger not yet updated
 )
+# Visited only by sharded (torch.distributed.checkpoint) saves, so kept out of
+# the sweep over POINTS: inside DCP's write step, on every rank.
+SHARD_POINTS = ("mid_shard_write",)
 
 _hook: Callable[[str], None] | None = None
 

@@ -34,7 +34,7 @@ import numbers
 import os
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -43,15 +43,27 @@ from typing import Any
 import torch
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
+from torch.distributed.checkpoint.api import CheckpointException
 
 from . import faults, ledger
 from . import models as m
 from .check import Checker
 from .db import Ledger, default_sqlite_url, migrate, normalize_url, open_ledger
+from .distributed import (
+    RankError,
+    RankGroup,
+    capture,
+    first_error,
+    objection_of,
+    raise_agreed,
+    resolve_group,
+)
 from .errors import (
     ArgumentTypeError,
     CheckpointLostError,
     CheckpointNotFoundError,
+    ChiefOnlyError,
+    CkptDBError,
     CleanupFailure,
     CorruptCheckpointError,
     InvalidArgumentError,
@@ -59,6 +71,7 @@ from .errors import (
     LedgerError,
     NonFiniteGradientError,
     PublishError,
+    RankAgreementError,
     RunDirectoryError,
     UnknownStreamError,
 )
@@ -69,16 +82,20 @@ from .policies import Entry, Keep, Policy, TopK, validate_policies
 from .queries import RunQueries
 from .reconcile import Reconciler, ReconcileReport
 from .record import Checkpoint
+from .sharded import Sharded, load_sharded, write_sharded
 from .storage import (
     FileInfo,
     PhaseError,
     checkpoint_name,
+    checkpoint_size,
     confine,
     fsync_dir,
-    hash_open_file,
+    hash_checkpoint,
+    is_sharded,
     make_dir,
     place,
     remove,
+    seal_directory,
     temp_name,
     write_payload,
 )
@@ -104,6 +121,30 @@ class _Pending:
     tmp: Path
     metric: float | None
     info: FileInfo | None = None
+
+    @property
+    def sharded(self) -> bool:
+        return isinstance(self.payload, Sharded)
+
+
+@dataclass(frozen=True)
+class _RunInfo:
+    """What the chief shares with the other ranks when a distributed manager opens."""
+
+    save_dir: Path
+    policies: dict[str, Policy]
+    run_id: int
+    attempt_id: int
+    last_reconcile: ReconcileReport
+
+
+@dataclass(frozen=True)
+class _PlanItem:
+    """One admitted stream of a distributed boundary, as the chief recorded it."""
+
+    stream: str
+    tmp: str  # relative to save_dir
+    sharded: bool
 
 
 def validate_step(step: object) -> int:
@@ -166,15 +207,45 @@ class CheckpointManager(RunQueries):
         guard: NonFiniteGradGuard | None = None,
         maintenance: bool = False,
         allow_network_sqlite: bool = False,
+        process_group: Any = None,
     ) -> None:
-        requested = validate_policies(streams) if streams is not None else None
         if guard is not None and not isinstance(guard, NonFiniteGradGuard):
             raise ArgumentTypeError(f"guard must be a NonFiniteGradGuard, got {guard!r}")
         self.root = Path(root).resolve()
-        explicit_save_dir = Path(save_dir).resolve() if save_dir is not None else None
         self.guard = guard
         self._closed = True
         self._metric_buffer: list[tuple[int, str, float, float]] = []
+        self._group = resolve_group(process_group)
+        self.last_reconcile = ReconcileReport()
+
+        def open_as_writer() -> _RunInfo:
+            self._open_writer(streams, save_dir, db_url, maintenance, allow_network_sqlite)
+            return _RunInfo(
+                self.save_dir, self.policies, self.run_id, self.attempt_id, self.last_reconcile
+            )
+
+        if self._group is None:
+            open_as_writer()
+            return
+        # Collective: the chief opens (lock, migrate, reconcile) and shares the run;
+        # other ranks never touch the ledger. Their streams/save_dir/db_url are ignored.
+        info = self._group.shared_call("open", open_as_writer)
+        if not self._group.is_chief:
+            self.save_dir, self.policies = info.save_dir, info.policies
+            self.run_id, self.attempt_id = info.run_id, info.attempt_id
+            self.last_reconcile = info.last_reconcile
+            self._closed = False
+
+    def _open_writer(
+        self,
+        streams: dict[str, Policy] | None,
+        save_dir: str | os.PathLike[str] | None,
+        db_url: str | None,
+        maintenance: bool,
+        allow_network_sqlite: bool,
+    ) -> None:
+        requested = validate_policies(streams) if streams is not None else None
+        explicit_save_dir = Path(save_dir).resolve() if save_dir is not None else None
         url = normalize_url(db_url) if db_url else default_sqlite_url(self.root)
         check_ledger_location(url, allow=allow_network_sqlite)
         self._db: Ledger = open_ledger(url)  # a bad URL fails here, before anything is created
@@ -198,7 +269,6 @@ class CheckpointManager(RunQueries):
             self._release_after_failed_open()
             raise
         self._closed = False
-        self.last_reconcile = ReconcileReport()
         if not maintenance:
             try:
                 self.last_reconcile = self.reconcile()
@@ -266,9 +336,12 @@ class CheckpointManager(RunQueries):
         self._close("closed")
 
     def _close(self, end_state: str) -> None:
+        """Not collective: a rank failing on its own must still be able to close."""
         if self._closed:
             return
         self._closed = True
+        if not self._is_writer:
+            return
         try:
             with self._db.transaction() as session:
                 flushed = self._flush_into(session)
@@ -282,6 +355,44 @@ class CheckpointManager(RunQueries):
         if self._closed:
             raise LedgerError(f"the CheckpointManager for {self.root} is closed")
 
+    @property
+    def _is_writer(self) -> bool:
+        """Whether this process owns the ledger (single process, or the chief)."""
+        return self._group is None or self._group.is_chief
+
+    def _require_chief(self, what: str) -> None:
+        self._check_open()
+        if not self._is_writer:
+            raise ChiefOnlyError(
+                f"{what} works on the ledger, which only the chief (rank 0) opens; "
+                f"this is rank {self._group.rank if self._group else 0}"
+            )
+
+    # ------------------------------------------------------------------- reading
+
+    def latest(self, stream: str = "model") -> Checkpoint | None:
+        if self._group is None:
+            return super().latest(stream)
+        return self._group.shared_call(
+            "latest", lambda: super(CheckpointManager, self).latest(stream)
+        )
+
+    def best(self, stream: str = "best") -> list[Checkpoint]:
+        if self._group is None:
+            return super().best(stream)
+        return self._group.shared_call("best", lambda: super(CheckpointManager, self).best(stream))
+
+    def checkpoints(
+        self, stream: str | None = None, *, states: Iterable[str] = (m.COMMITTED,)
+    ) -> list[Checkpoint]:
+        if self._group is None:
+            return super().checkpoints(stream, states=states)
+        wanted = tuple(states)
+        return self._group.shared_call(
+            "checkpoints",
+            lambda: super(CheckpointManager, self).checkpoints(stream, states=wanted),
+        )
+
     # ------------------------------------------------------------------- saving
 
     def save(
@@ -291,8 +402,34 @@ class CheckpointManager(RunQueries):
 
         Returns the committed checkpoints by stream; a top-K candidate that
         would not enter its top-K is not written and is absent from the result.
+        A payload wrapped in :class:`~ckptdb.Sharded` is written with
+        ``torch.distributed.checkpoint`` as a directory (every rank its shards).
+        Under torch.distributed every rank calls ``save`` with the same step,
+        metrics and streams (see :mod:`ckptdb.distributed`).
         """
         self._check_open()
+        if self._group is not None:
+            return self._save_collective(self._group, step, metrics, payloads)
+        values = self._validate_boundary(step, metrics, payloads)
+        try:
+            trip = self._guard_verdict(step)
+            if trip is not None:
+                self._record_guard_trip(step, trip.parameters)
+                raise trip
+            self._check_finite_metrics(payloads, values)
+            return self._publish(step, values, payloads)
+        finally:
+            if self.guard is not None:
+                self.guard.reset()
+
+    def _validate_boundary(
+        self, step: object, metrics: object, payloads: Mapping[str, Any]
+    ) -> dict[str, float]:
+        """Bad input, checked before the guard (which a typo must not reset).
+
+        Metrics of a valid boundary are buffered even if it is then refused:
+        a NaN loss at a diverged step is history too.
+        """
         step = validate_step(step)
         values = validate_metrics(metrics)
         if not payloads:
@@ -300,15 +437,10 @@ class CheckpointManager(RunQueries):
                 "save() needs at least one payload, e.g. save(step, model=sd)"
             )
         self._check_payload_streams(payloads, values)
-        now = time.time()
-        self._metric_buffer.extend((step, name, v, now) for name, v in values.items())
-        try:
-            self._check_guard(step)
-            self._check_finite_metrics(payloads, values)
-            return self._publish(step, values, payloads)
-        finally:
-            if self.guard is not None:
-                self.guard.reset()
+        if self._group is None or self._group.is_chief:
+            now = time.time()
+            self._metric_buffer.extend((step, name, v, now) for name, v in values.items())
+        return values
 
     def _check_payload_streams(self, payloads: Mapping[str, Any], values: dict[str, float]) -> None:
         """Bad input (checked before the guard, which a typo must not reset)."""
@@ -335,10 +467,24 @@ class CheckpointManager(RunQueries):
                     f"finite; got {values[policy.metric]!r}"
                 )
 
-    def _check_guard(self, step: int) -> None:
+    def _guard_verdict(self, step: int) -> NonFiniteGradientError | None:
+        """This process's guard verdict for the boundary (one host sync), not yet recorded."""
         if self.guard is None or not self.guard.tripped():
-            return
+            return None
         params = self.guard.nonfinite_parameters()
+        which = f" in {', '.join(params)}" if params else ""
+        return NonFiniteGradientError(
+            f"non-finite gradient seen{which} since the last boundary; step {step} not published",
+            step=step,
+            parameters=params,
+        )
+
+    def _record_guard_trip(
+        self, step: int, params: list[str], ranks: list[int] | None = None
+    ) -> None:
+        detail: dict[str, object] = {"parameters": params} if params else {}
+        if ranks is not None:
+            detail["ranks"] = ranks
         with self._db.transaction() as session:
             ledger.add_event(
                 session,
@@ -346,14 +492,8 @@ class CheckpointManager(RunQueries):
                 self.attempt_id,
                 "guard_tripped",
                 step=step,
-                detail={"parameters": params} if params else None,
+                detail=detail or None,
             )
-        which = f" in {', '.join(params)}" if params else ""
-        raise NonFiniteGradientError(
-            f"non-finite gradient seen{which} since the last boundary; step {step} not published",
-            step=step,
-            parameters=params,
-        )
 
     def _publish(
         self, step: int, values: dict[str, float], payloads: Mapping[str, Any]
@@ -363,7 +503,8 @@ class CheckpointManager(RunQueries):
             return {}  # no top-K stream admitted the candidate: nothing to write
         try:
             faults.point("after_intent")
-            self._write_and_place(pending)
+            self._write_payloads(pending, None)
+            self._place(pending)
             evicted, committed_at, flushed = self._commit(step, pending)
         except BaseException as exc:
             self._roll_back(step, pending, exc)
@@ -373,6 +514,142 @@ class CheckpointManager(RunQueries):
         faults.point("after_commit")
         self._clean_up(step, evicted)
         return {p.stream: self._record(p, step, values, committed_at) for p in pending}
+
+    # ------------------------------------------------------- distributed saving
+
+    def _save_collective(
+        self, group: RankGroup, step: object, metrics: object, payloads: dict[str, Any]
+    ) -> dict[str, Checkpoint]:
+        """One boundary under torch.distributed: the fixed sequence in ckptdb.distributed."""
+        try:
+            values, local = self._preflight_here(step, metrics, payloads)
+            sharded = sorted(s for s, p in payloads.items() if isinstance(p, Sharded))
+            mine = capture(group.rank, local, "InvalidArgumentError") if local else None
+            objection = objection_of(
+                group.gather("preflight", (step, sorted(payloads), sharded, mine))
+            )
+            pending: list[_Pending] = []
+
+            def plan() -> list[_PlanItem] | RankError:
+                if objection is not None:
+                    self._record_objection(objection)
+                    return objection
+                pending.extend(self._record_intent(validate_step(step), values, payloads))
+                return [_PlanItem(p.stream, self._relative(p.tmp), p.sharded) for p in pending]
+
+            items = group.shared_call("plan", plan, fallback="PublishError")
+            if isinstance(items, RankError):
+                raise_agreed(items, local, group.rank)
+            if not items:
+                return {}  # no top-K stream admitted the candidate, on any rank
+            if group.is_chief:
+                return self._chief_boundary(group, validate_step(step), values, pending)
+            return self._follower_boundary(group, items, payloads)
+        finally:
+            if self.guard is not None:
+                self.guard.reset()
+
+    def _preflight_here(
+        self, step: object, metrics: object, payloads: Mapping[str, Any]
+    ) -> tuple[dict[str, float], CkptDBError | None]:
+        """This rank's preflight verdict (input, guard, finite ranking metric), not raised."""
+        try:
+            values = self._validate_boundary(step, metrics, payloads)
+        except CkptDBError as exc:
+            exc.stage = 0  # type: ignore[attr-defined]
+            return {}, exc
+        trip = self._guard_verdict(validate_step(step))
+        if trip is not None:
+            trip.stage = 1  # type: ignore[attr-defined]
+            return values, trip
+        try:
+            self._check_finite_metrics(payloads, values)
+        except CkptDBError as exc:
+            exc.stage = 2  # type: ignore[attr-defined]
+            return values, exc
+        return values, None
+
+    def _record_objection(self, objection: RankError) -> None:
+        if objection.kind == NonFiniteGradientError.__name__:
+            self._record_guard_trip(
+                objection.fields.get("step", -1),
+                list(objection.fields.get("parameters") or []),
+                ranks=list(objection.ranks),
+            )
+
+    def _relative(self, path: Path) -> str:
+        return path.relative_to(self.save_dir).as_posix()
+
+    def _chief_boundary(
+        self, group: RankGroup, step: int, values: dict[str, float], pending: list[_Pending]
+    ) -> dict[str, Checkpoint]:
+        try:
+            local = self._write_here(group, pending)
+            problem = first_error(group.gather("write", capture(0, local) if local else None))
+            if problem is not None:
+                raise_agreed(problem, local, 0)
+            self._place(pending)
+            evicted, committed_at, flushed = self._commit(step, pending)
+        except RankAgreementError as broken:  # the group is broken: roll back, share nothing
+            self._roll_back_quietly(step, pending, broken)
+            raise
+        except BaseException as exc:
+            try:
+                self._roll_back(step, pending, exc)
+            except PublishError as failed:
+                failed.ranks = list(getattr(exc, "ranks", None) or [0])  # type: ignore[attr-defined]
+                group.share("outcome", (None, capture(0, failed)))
+                raise
+            raise  # an interrupt: rolled back, and the other ranks time out
+        self._drop_flushed(flushed)
+        faults.point("after_commit")
+        records = {p.stream: self._record(p, step, values, committed_at) for p in pending}
+        group.share("outcome", (records, None))
+        self._clean_up(step, evicted)
+        return records
+
+    def _write_here(self, group: RankGroup, pending: list[_Pending]) -> BaseException | None:
+        """The chief's write phase; its error is returned for the ``write`` agreement.
+
+        Sharded payloads first, with every rank in DCP; nothing fallible runs
+        before them, so no rank waits in DCP for a chief that failed early.
+        """
+        try:
+            for p in pending:
+                if p.sharded:
+                    write_sharded(p.payload.state_dict, p.tmp, group.group)
+            faults.point("after_intent")
+            self._write_payloads(pending, group)
+        except (Exception, CheckpointException) as exc:
+            return exc
+        return None
+
+    def _follower_boundary(
+        self, group: RankGroup, items: list[_PlanItem], payloads: Mapping[str, Any]
+    ) -> dict[str, Checkpoint]:
+        local: BaseException | None = None
+        try:
+            for item in items:
+                if item.sharded:
+                    write_sharded(
+                        payloads[item.stream].state_dict, self.save_dir / item.tmp, group.group
+                    )
+        except (Exception, CheckpointException) as exc:
+            local = exc
+        group.gather("write", capture(group.rank, local) if local else None)
+        nothing: tuple[dict[str, Checkpoint] | None, RankError | None] = (None, None)
+        records, failure = group.share("outcome", nothing)
+        if failure is not None:
+            raise_agreed(failure, local, group.rank)
+        return records or {}
+
+    def _roll_back_quietly(self, step: int, pending: list[_Pending], exc: BaseException) -> None:
+        """Roll back for an error that must propagate as itself (the rollback's own
+        error, with any cleanup failure, is attached as ``exc.rollback``)."""
+        try:
+            self._roll_back(step, pending, exc)
+        except PublishError as failed:
+            exc.rollback = failed  # type: ignore[attr-defined]
 
     def _admitted(
         self, session: Any, step: int, values: dict[str, float], payloads: Mapping[str, Any]
@@ -430,21 +707,37 @@ class CheckpointManager(RunQueries):
         )
         session.add(row)
         session.flush()
-        name = checkpoint_name(step)
+        sharded = isinstance(payload, Sharded)
+        name = checkpoint_name(step, sharded=sharded)
         rel = f"{stream}/{name}"
         if ledger.path_in_use(session, self.run_id, rel) or os.path.lexists(self.save_dir / rel):
-            name = checkpoint_name(step, version=row.id)
+            name = checkpoint_name(step, version=row.id, sharded=sharded)
             rel = f"{stream}/{name}"
         row.path = rel
         row.tmp_path = f"{stream}/{temp_name(name, row.id)}"
+        if sharded:  # made here, before any rank enters the DCP collective
+            make_dir(self.save_dir / row.tmp_path)
         return _Pending(
             stream, payload, row.id, self.save_dir / rel, self.save_dir / row.tmp_path, metric
         )
 
-    def _write_and_place(self, pending: list[_Pending]) -> None:
-        for p in pending:
-            p.info = write_payload(p.payload, p.tmp)
+    def _write_payloads(self, pending: list[_Pending], group: RankGroup | None) -> None:
+        """Write every payload durably under its temporary name and record size and hash.
+
+        Sharded payloads come first: under torch.distributed every rank is in
+        the same DCP collective for them (the chief alone then writes plain
+        payloads, while the others wait at the ``write`` agreement).
+        """
+        for p in sorted(pending, key=lambda p: not p.sharded):
+            if p.sharded:
+                if group is None:  # under torch.distributed the ranks wrote it already
+                    write_sharded(p.payload.state_dict, p.tmp, None)
+                p.info = seal_directory(p.tmp)
+            else:
+                p.info = write_payload(p.payload, p.tmp)
         faults.point("after_fsync")
+
+    def _place(self, pending: list[_Pending]) -> None:
         for p in pending:
             place(p.tmp, p.final)
         faults.point("after_replace")
@@ -589,7 +882,7 @@ class CheckpointManager(RunQueries):
         Same two steps as a boundary: one transaction marks the evicted rows
         ``deleting`` (and moves a latest pointer off them), then the files go.
         """
-        self._check_open()
+        self._require_chief("gc()")
         evicted: list[m.Checkpoint] = []
         with self._db.transaction() as session:
             for stream, policy in self.policies.items():
@@ -646,7 +939,11 @@ class CheckpointManager(RunQueries):
     # ------------------------------------------------------------------ metrics
 
     def log_metrics(self, step: int, values: Mapping[str, float]) -> None:
-        """Buffer metric values for ``step``; written with the next commit or on flush/close."""
+        """Buffer metric values for ``step``; written with the next commit or on flush/close.
+
+        Under torch.distributed only the chief's metrics are recorded (as
+        with Lightning's rank-zero logging): other ranks validate and drop them.
+        """
         self._check_open()
         if type(step) is not int or step < 0:
             step = validate_step(step)
@@ -658,13 +955,17 @@ class CheckpointManager(RunQueries):
             items = values.items()
         else:
             items = validate_metrics(values).items()
+        if not self._is_writer:
+            return
         self._metric_buffer.extend([(step, name, v, now) for name, v in items])
         if len(self._metric_buffer) >= METRIC_FLUSH_THRESHOLD:
             self.flush()
 
     def flush(self) -> None:
-        """Write buffered metrics now."""
+        """Write buffered metrics now (nothing to do on a rank other than the chief)."""
         self._check_open()
+        if not self._is_writer:
+            return
         with self._db.transaction() as session:
             flushed = self._flush_into(session)
         self._drop_flushed(flushed)
@@ -691,6 +992,7 @@ class CheckpointManager(RunQueries):
         stream: str | None = None,
         map_location: Any = "cpu",
         weights_only: bool = True,
+        into: dict[str, Any] | None = None,
     ) -> Any:
         """Load a committed checkpoint after verifying its size and hash.
 
@@ -700,38 +1002,78 @@ class CheckpointManager(RunQueries):
         latest pointer back to the newest healthy checkpoint and raises
         :class:`CorruptCheckpointError` before anything is unpickled; a
         vanished file is marked ``lost`` likewise (:class:`CheckpointLostError`).
+        A sharded checkpoint loads in place into ``into`` (the caller's state
+        dict, with the shapes and sharding to fill), which is returned.
+        Under torch.distributed ``load`` is collective: the chief resolves
+        and verifies, every rank loads that checkpoint.
         """
         self._check_open()
+        if self._group is not None:
+            return self._load_collective(
+                self._group, which, stream, map_location, weights_only, into
+            )
+        target, path = self._verified(which, stream)
+        _check_into(target, into)
+        state = _read(target, path, map_location, weights_only, into, None)
+        self._note_resume(target)
+        return state
+
+    def _verified(self, which: object, stream: str | None) -> tuple[Checkpoint, Path]:
+        """The checkpoint ``which`` names, its size and hash checked (marked bad if not)."""
         target = self._resolve(which, stream)
         path = confine(self.save_dir, target.path.relative_to(self.save_dir))
         try:
-            f = open(path, "rb")  # noqa: SIM115 (closed by the with below)
+            problem = _verify(path, target)
         except FileNotFoundError as exc:
             self._mark_bad(target, m.LOST, "file missing")
             raise CheckpointLostError(
                 f"{target.path} is gone; marked lost, latest falls back to the previous one"
             ) from exc
-        with f:
-            problem = self._verify_open_file(f, target)
-            if problem is not None:
-                self._mark_bad(target, m.CORRUPT, problem)
-                raise CorruptCheckpointError(f"{target.path}: {problem}; refusing to load it")
-            # torch's own reader on the path is ~3x faster than through a Python
-            # file object; the file is ours, in the save dir, verified just now.
-            state = torch.load(path, map_location=map_location, weights_only=weights_only)
-        self._note_resume(target)
+        if problem is not None:
+            self._mark_bad(target, m.CORRUPT, problem)
+            raise CorruptCheckpointError(f"{target.path}: {problem}; refusing to load it")
+        return target, path
+
+    def _load_collective(
+        self,
+        group: RankGroup,
+        which: object,
+        stream: str | None,
+        map_location: Any,
+        weights_only: bool,
+        into: dict[str, Any] | None,
+    ) -> Any:
+        """Three collectives: ``resolve`` (the chief's verified target), ``ready``
+        (every rank can load it: a sharded load is itself collective, so no rank
+        may skip it) and ``loaded`` (every rank's outcome)."""
+        target = group.shared_call("resolve", lambda: self._verified(which, stream)[0])
+        problem: BaseException | None = None
+        try:
+            _check_into(target, into)
+        except InvalidArgumentError as exc:
+            problem = exc
+        group.agree("ready", problem, fallback="InvalidArgumentError")
+        state: Any = None
+        try:
+            path = confine(self.save_dir, target.path.relative_to(self.save_dir))
+            state = _read(target, path, map_location, weights_only, into, group)
+            if group.is_chief:
+                self._note_resume(target)
+        except (Exception, CheckpointException) as exc:
+            problem = exc
+        group.agree("loaded", problem, fallback="RankFailedError")
         return state
 
     def _resolve(self, which: object, stream: str | None) -> Checkpoint:
         if isinstance(which, Checkpoint):
             return self._committed_by_path(which.path)
         if which == "latest":
-            found = self.latest(stream or "model")
+            found = RunQueries.latest(self, stream or "model")
             if found is None:
                 raise CheckpointNotFoundError(f"stream {stream or 'model'!r} has no checkpoint yet")
             return found
         if which == "best":
-            best = self.best(stream or "best")
+            best = RunQueries.best(self, stream or "best")
             if not best:
                 raise CheckpointNotFoundError(f"stream {stream or 'best'!r} has no checkpoint yet")
             return best[0]
@@ -768,16 +1110,6 @@ class CheckpointManager(RunQueries):
             query = select(m.Checkpoint).filter_by(run_id=self.run_id, state=m.COMMITTED, **where)
             row = session.scalars(query.order_by(m.Checkpoint.id.desc()).limit(1)).first()
             return Checkpoint.from_row(row, self.save_dir) if row is not None else None
-
-    @staticmethod
-    def _verify_open_file(f: Any, target: Checkpoint) -> str | None:
-        size = os.fstat(f.fileno()).st_size
-        if size != target.size:
-            return f"size {size} != recorded {target.size}"
-        actual = hash_open_file(f)
-        if actual.hash != target.hash:
-            return f"hash {actual.hash} != recorded {target.hash}"
-        return None
 
     def _mark_bad(self, target: Checkpoint, state: str, problem: str) -> None:
         """Record a lost/corrupt file found at load time, as reconcile would."""
@@ -825,15 +1157,54 @@ class CheckpointManager(RunQueries):
         ``verify`` re-hashes every committed file; ``dry_run`` only reports;
         ``progress(done, total)`` follows the rows checked.
         """
-        self._check_open()
+        self._require_chief("reconcile()")
         reconciler = Reconciler(self._db, self.run_id, self.attempt_id, self.root, self.save_dir)
         return reconciler.run(verify=verify, dry_run=dry_run, progress=progress)
 
     def check(self, *, load: bool = False) -> list[str]:
         """Violations of the run's consistency invariants, one line each (see ckptdb.check)."""
-        self._check_open()
+        self._require_chief("check()")
         checker = Checker(self._db, self.run_id, self.root, self.save_dir, self.policies)
         return checker.run(load=load)
+
+
+def _verify(path: Path, target: Checkpoint) -> str | None:
+    """Why ``path`` does not match its ledger row, or None (FileNotFoundError if absent)."""
+    size = checkpoint_size(path)
+    if size != target.size:
+        return f"size {size} != recorded {target.size}"
+    actual = hash_checkpoint(path)
+    if actual.hash != target.hash:
+        return f"hash {actual.hash} != recorded {target.hash}"
+    return None
+
+
+def _check_into(target: Checkpoint, into: object) -> None:
+    if is_sharded(target.path):
+        if not isinstance(into, dict):
+            raise InvalidArgumentError(
+                f"{target.path} is a sharded checkpoint: pass into=<state dict> to load it in place"
+            )
+    elif into is not None:
+        raise InvalidArgumentError(
+            f"into= is for sharded checkpoints; {target.path} is a file, use the returned state"
+        )
+
+
+def _read(
+    target: Checkpoint,
+    path: Path,
+    map_location: Any,
+    weights_only: bool,
+    into: dict[str, Any] | None,
+    group: RankGroup | None,
+) -> Any:
+    if into is not None:
+        load_sharded(into, path, group.group if group is not None else None)
+        return into
+    # torch's own reader on the path is ~3x faster than through a Python file
+    # object; the file is ours, in the save dir, verified just now.
+    return torch.load(path, map_location=map_location, weights_only=weights_only)
 
 
 def _describe(exc: BaseException) -> tuple[str, Path | None, BaseException]:

@@ -24,7 +24,16 @@ from . import models as m
 from .db import Ledger
 from .errors import InvalidArgumentError
 from .policies import STREAM_NAME
-from .storage import CHECKPOINT_NAME, TEMP_NAME, confine, hash_file, move_aside, remove
+from .storage import (
+    CHECKPOINT_NAME,
+    SHARDED_SUFFIX,
+    TEMP_NAME,
+    checkpoint_size,
+    confine,
+    hash_checkpoint,
+    move_aside,
+    remove,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +85,11 @@ class _Plan:
 
 
 def files_in_our_naming(save_dir: Path) -> Iterator[tuple[str, os.DirEntry[str], str]]:
-    """(stream dir, entry, "temp" | "checkpoint") for every regular file named like ours.
+    """(stream dir, entry, "temp" | "checkpoint") for every checkpoint named like ours.
 
-    Only real directories with valid stream names are entered and only regular
-    files count: symlinks and anything else are never ours to touch.
+    Only real directories with valid stream names are entered. A ``.pt`` name
+    counts only as a regular file and a sharded ``.dcp`` name only as a real
+    directory: symlinks and anything else are never ours to touch.
     """
     if not save_dir.is_dir():
         return
@@ -90,12 +100,17 @@ def files_in_our_naming(save_dir: Path) -> Iterator[tuple[str, os.DirEntry[str],
         if not STREAM_NAME.fullmatch(name) or name.startswith("ckptdb."):
             continue
         for entry in sorted(os.scandir(stream_dir.path), key=lambda e: e.name):
-            if entry.is_symlink() or not entry.is_file():
+            if entry.is_symlink() or not _right_kind(entry):
                 continue
             if TEMP_NAME.fullmatch(entry.name):
                 yield name, entry, "temp"
             elif CHECKPOINT_NAME.fullmatch(entry.name):
                 yield name, entry, "checkpoint"
+
+
+def _right_kind(entry: os.DirEntry[str]) -> bool:
+    sharded = entry.name.endswith(SHARDED_SUFFIX) or f"{SHARDED_SUFFIX}.tmp-" in entry.name
+    return entry.is_dir(follow_symlinks=False) if sharded else entry.is_file(follow_symlinks=False)
 
 
 class Reconciler:
@@ -195,7 +210,7 @@ class Reconciler:
     def _inspect(self, row: m.Checkpoint, verify: bool) -> tuple[str, str] | None:
         try:
             path = confine(self.save_dir, row.path, self._resolved)
-            size = os.stat(path).st_size
+            size = checkpoint_size(path)
         except FileNotFoundError:
             return m.LOST, "file missing"
         except (OSError, InvalidArgumentError) as exc:
@@ -203,7 +218,7 @@ class Reconciler:
         if size != row.size:
             return m.CORRUPT, f"size {size} != recorded {row.size}"
         if verify:
-            actual = hash_file(path)
+            actual = hash_checkpoint(path)
             if actual.hash != row.hash:
                 return m.CORRUPT, f"hash {actual.hash} != recorded {row.hash}"
         return None

@@ -8,7 +8,10 @@ and symlinks are never followed out of it.
 Checkpoint files live in ``<save_dir>/<stream>/`` and are named
 ``step-<step:09d>.pt`` (``step-<step:09d>.v<row id>.pt`` when that name is
 taken by a live checkpoint); a temporary file is
-``.step-<step:09d>.pt.tmp-<row id>`` in the same directory.
+``.step-<step:09d>.pt.tmp-<row id>`` in the same directory. A sharded
+(``torch.distributed.checkpoint``) checkpoint is a directory named the same
+way with the suffix ``.dcp`` instead of ``.pt``; its size is the sum of its
+files' sizes and its hash covers every file's relative name, size and content.
 """
 
 from __future__ import annotations
@@ -30,14 +33,21 @@ from . import faults
 from .errors import CkptDBError, InvalidArgumentError
 
 # Our names always carry at least 9 step digits; a user's "step-1.pt" is not ours.
-CHECKPOINT_NAME = re.compile(r"step-(\d{9,})(?:\.v(\d+))?\.pt")
-TEMP_NAME = re.compile(r"\.step-\d{9,}(?:\.v\d+)?\.pt\.tmp-(\d+)")
+CHECKPOINT_NAME = re.compile(r"step-(\d{9,})(?:\.v(\d+))?\.(?:pt|dcp)")
+TEMP_NAME = re.compile(r"\.step-\d{9,}(?:\.v\d+)?\.(?:pt|dcp)\.tmp-(\d+)")
+SHARDED_SUFFIX = ".dcp"
 HASH_NAME = "xxh3_128"
 READ_CHUNK = 8 << 20
 
 
-def checkpoint_name(step: int, version: int | None = None) -> str:
-    return f"step-{step:09d}.pt" if version is None else f"step-{step:09d}.v{version}.pt"
+def checkpoint_name(step: int, version: int | None = None, *, sharded: bool = False) -> str:
+    suffix = SHARDED_SUFFIX if sharded else ".pt"
+    return f"step-{step:09d}{suffix}" if version is None else f"step-{step:09d}.v{version}{suffix}"
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether a checkpoint path (by our naming) is a sharded directory checkpoint."""
+    return str(path).endswith(SHARDED_SUFFIX)
 
 
 def temp_name(final_name: str, row_id: int) -> str:
@@ -179,6 +189,21 @@ class PhaseError(CkptDBError, OSError):
         return text
 
 
+def seal_directory(directory: Path) -> FileInfo:
+    """Make a written sharded checkpoint durable and measure it.
+
+    DCP fsyncs the files it writes (``sync_files``); the directory entries
+    are fsynced here. Raises :class:`PhaseError` naming ``fsync_dir`` or ``write``.
+    """
+    subdirs = [p for p in directory.rglob("*") if p.is_dir() and not p.is_symlink()]
+    for sub in [*subdirs, directory]:
+        fsync_dir(sub)
+    try:
+        return hash_checkpoint(directory)
+    except OSError as exc:
+        raise PhaseError("write", directory, exc) from exc
+
+
 def hash_file(path: Path) -> FileInfo:
     with open(path, "rb", buffering=0) as f:
         return hash_open_file(f)
@@ -237,12 +262,53 @@ def _resolve(path: Path, cache: dict[Path, Path]) -> Path:
 
 
 def remove(path: Path) -> bool:
-    """Unlink ``path`` (a file or a link, never a link's target). False if it was absent."""
+    """Unlink ``path`` (a file or a link, never a link's target). False if it was absent.
+
+    A real directory (a sharded checkpoint) is removed with its contents;
+    links inside it are unlinked, never followed.
+    """
     try:
-        os.unlink(path)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
     except FileNotFoundError:
         return False
     return True
+
+
+def tree_files(directory: Path) -> list[tuple[str, Path]]:
+    """(relative posix name, path) of every regular file under ``directory``, sorted.
+
+    A link or special file inside a checkpoint directory is not ours: refused.
+    """
+    found: list[tuple[str, Path]] = []
+    for path in directory.rglob("*"):
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            raise OSError(errno.EINVAL, "not a regular file in a checkpoint directory", str(path))
+        if path.is_file():
+            found.append((path.relative_to(directory).as_posix(), path))
+    return sorted(found)
+
+
+def checkpoint_size(path: Path) -> int:
+    """Bytes of a checkpoint: a file's size, or the sum over a sharded directory."""
+    if path.is_dir() and not path.is_symlink():
+        return sum(p.stat().st_size for _, p in tree_files(path))
+    return os.stat(path).st_size
+
+
+def hash_checkpoint(path: Path) -> FileInfo:
+    """Size and hash of a checkpoint file or sharded directory (see the module doc)."""
+    if not (path.is_dir() and not path.is_symlink()):
+        return hash_file(path)
+    digest = xxhash.xxh3_128()
+    total = 0
+    for name, file in tree_files(path):
+        info = hash_file(file)
+        digest.update(f"{name}\0{info.size}\0{info.hash}\n".encode())
+        total += info.size
+    return FileInfo(total, digest.hexdigest())
 
 
 def move_aside(path: Path, quarantine: Path) -> Path:

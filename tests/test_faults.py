@@ -1078,12 +1078,12 @@ def test_read_error_during_load(
 
         return call
 
-    # ckptdb.manager calls the builtin open; a module global shadows it for the test.
-    # The hashing pass (verify) and torch.load (unpickle) read the file themselves.
-    monkeypatch.setattr(ckptdb.manager, "open", fake_open, raising=False)
+    # ckptdb.storage opens the file for the hashing pass with the builtin open; a
+    # module global shadows it for the test. torch.load (unpickle) reads it itself.
+    monkeypatch.setattr(ckptdb.storage, "open", fake_open, raising=False)
     if stage == "verify":
         monkeypatch.setattr(
-            ckptdb.manager, "hash_open_file", failing(ckptdb.manager.hash_open_file)
+            ckptdb.manager, "hash_checkpoint", failing(ckptdb.manager.hash_checkpoint)
         )
     elif stage == "unpickle":
         monkeypatch.setattr(torch, "load", failing(torch.load))

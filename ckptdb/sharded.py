@@ -1,0 +1,87 @@
+"""Sharded payloads: ``torch.distributed.checkpoint`` (DCP) behind the ledger.
+
+A :class:`Sharded` payload is written by every rank into one temporary
+directory with DCP (each rank its own shard files, the coordinator the
+``.metadata``), then placed and committed by the chief like a file checkpoint.
+DCP runs its own collectives and its own agreement: an exception on any rank
+inside ``dcp.save``/``dcp.load`` is raised on every rank as a
+``CheckpointException``, which is why these calls are safe inside the fixed
+collective sequence of :mod:`ckptdb.distributed`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from . import faults
+from .errors import ArgumentTypeError
+from .storage import is_sharded
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """Marks a state dict to be saved with ``torch.distributed.checkpoint``.
+
+    ``mgr.save(step, model=ckptdb.Sharded(model.state_dict()))``: every rank
+    passes its own (possibly sharded, e.g. DTensor/FSDP) state dict and writes
+    its own shards; the boundary commits only when every rank's shards are
+    written. Load it back in place with ``mgr.load(..., into=state_dict)``.
+    """
+
+    state_dict: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.state_dict, dict):
+            raise ArgumentTypeError(
+                f"Sharded() takes a state dict (a dict), got {type(self.state_dict).__name__}"
+            )
+
+
+class _FaultPointWriter(FileSystemWriter):
+    """DCP's file writer with a fault point inside DCP's protected write step."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        faults.point("mid_shard_write")
+        return super().write_data(plan, planner)
+
+
+def write_sharded(state_dict: dict[str, Any], directory: Path, group: Any) -> None:
+    """Every rank writes its shards of ``state_dict`` into ``directory`` (fsynced)."""
+    writer = _FaultPointWriter(directory, sync_files=True)
+    dcp_save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
+
+
+def load_sharded(into: dict[str, Any], directory: Path, group: Any) -> None:
+    """Every rank loads its part of the checkpoint at ``directory`` into ``into``, in place."""
+    reader = FileSystemReader(directory)
+    dcp_load(into, storage_reader=reader, process_group=group, no_dist=group is None)
+
+
+def check_loadable(path: Path) -> None:
+    """Raise if a checkpoint cannot be read back (the checker's ``load=True``).
+
+    A file goes through ``torch.load(weights_only=True)``; a sharded directory
+    through its DCP metadata (loading its tensors needs the ranks' state dicts).
+    """
+    if is_sharded(path):
+        FileSystemReader(path).read_metadata()
+    else:
+        torch.load(path, map_location="cpu", weights_only=True)
+
+
+def default_group() -> Any:
+    """The default process group when torch.distributed is initialized, else None."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+__all__ = ["Sharded", "check_loadable", "load_sharded", "write_sharded"]
