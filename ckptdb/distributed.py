@@ -32,6 +32,7 @@ the same type even for exceptions that cannot be pickled.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,7 +82,7 @@ def capture(
         failures = getattr(exc, "cleanup_failures", None)
         if failures:
             own["cleanup_failures"] = [
-                (str(f.path), f"{type(f.error).__name__}: {f.error}", f.action) for f in failures
+                (str(f.path), type(f.error).__name__, str(f.error), f.action) for f in failures
             ]
         base = super(e.PublishError, exc).__str__() if isinstance(exc, e.PublishError) else str(exc)
         ranks = tuple(getattr(exc, "ranks", ()) or ranks)
@@ -96,15 +97,14 @@ def rebuild(chosen: RankError) -> e.CkptDBError:
         cls = e.PublishError
     ranks = chosen.ranks or (chosen.rank,)
     where = ", ".join(str(r) for r in ranks)
-    message = (
-        chosen.message if chosen.message.startswith("rank") else f"rank {where}: {chosen.message}"
-    )
+    # name the failing rank(s) unless the message already does
+    message = chosen.message if "rank " in chosen.message else f"rank {where}: {chosen.message}"
     f = chosen.fields
     exc: e.CkptDBError
     if cls is e.PublishError or issubclass(cls, e.PublishError):
         failures = [
-            e.CleanupFailure(Path(path), OSError(text), action)
-            for path, text, action in f.get("cleanup_failures", [])
+            e.CleanupFailure(Path(path), _os_error(kind, text), action)
+            for path, kind, text, action in f.get("cleanup_failures", [])
         ]
         exc = cls(
             message,
@@ -124,6 +124,14 @@ def rebuild(chosen: RankError) -> e.CkptDBError:
     return exc
 
 
+def _os_error(kind: str, text: str) -> BaseException:
+    """An error of the built-in type named ``kind`` (OSError subclasses), else RuntimeError."""
+    cls = getattr(builtins, kind, None)
+    if isinstance(cls, type) and issubclass(cls, OSError):
+        return cls(text)
+    return RuntimeError(f"{kind}: {text}")
+
+
 def first_error(found: Sequence[RankError | None]) -> RankError | None:
     """The error all ranks agree to raise, naming every failing rank.
 
@@ -139,8 +147,12 @@ def first_error(found: Sequence[RankError | None]) -> RankError | None:
     head = present[0]
     if len(present) == 1:
         return RankError(head.rank, head.kind, head.message, head.fields, ranks)
-    others = "; ".join(f"rank {x.rank}: {x.message}" for x in present[1:])
-    return RankError(head.rank, head.kind, f"{head.message} (also {others})", head.fields, ranks)
+    # ranks that report the same failure (DCP raises one rank's error on all) say it once
+    others = "; ".join(
+        f"rank {x.rank}: {x.message}" for x in present[1:] if x.message != head.message
+    )
+    message = f"{head.message} (also {others})" if others else head.message
+    return RankError(head.rank, head.kind, message, head.fields, ranks)
 
 
 def objection_of(
@@ -165,11 +177,8 @@ def objection_of(
 
 
 def raise_agreed(chosen: RankError, local: BaseException | None, rank: int) -> NoReturn:
-    """Raise the agreed error here: this rank's own exception when it is the one chosen."""
-    if local is not None and chosen.rank == rank and type(local).__name__ == chosen.kind:
-        if not hasattr(local, "ranks"):
-            local.ranks = list(chosen.ranks or (rank,))  # type: ignore[attr-defined]
-        raise local
+    """Raise the agreed error here: the same type and message on every rank, caused
+    by this rank's own failure (with its traceback) where it had one."""
     raise rebuild(chosen) from local
 
 

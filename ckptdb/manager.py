@@ -756,22 +756,27 @@ class CheckpointManager(RunQueries):
         evicted: list[m.Checkpoint] = []
         self._lock.verify()  # a PostgreSQL lock session may have died with its connection
         now = m.utcnow()
-        with self._db.transaction() as session:
-            for p in pending:
-                assert p.info is not None
-                ledger.set_state(
-                    session,
-                    [p.row_id],
-                    m.COMMITTED,
-                    size=p.info.size,
-                    hash=p.info.hash,
-                    committed_at=now,
-                    tmp_path=None,
-                )
-                evicted.extend(self._apply_retention(session, p))
-                ledger.set_latest(session, self.run_id, p.stream, p.row_id)
-            flushed = self._flush_into(session)
-            faults.point("in_commit")
+        try:
+            with self._db.transaction() as session:
+                for p in pending:
+                    assert p.info is not None
+                    ledger.set_state(
+                        session,
+                        [p.row_id],
+                        m.COMMITTED,
+                        size=p.info.size,
+                        hash=p.info.hash,
+                        committed_at=now,
+                        tmp_path=None,
+                    )
+                    evicted.extend(self._apply_retention(session, p))
+                    ledger.set_latest(session, self.run_id, p.stream, p.row_id)
+                flushed = self._flush_into(session)
+                faults.point("in_commit")
+        except (SQLAlchemyError, CkptDBError):
+            raise
+        except Exception as exc:  # whatever it is, it failed the commit phase
+            raise _CommitFailed(exc) from exc
         return evicted, now, flushed
 
     def _record(
@@ -817,7 +822,12 @@ class CheckpointManager(RunQueries):
                     failures.append(CleanupFailure(leftover, cleanup_exc))
                     left.add(p.row_id)
         phase, path, cause = _describe(exc)
-        error_text = f"{phase} failed at {path}: {type(cause).__name__}: {cause}"
+        where = f" at {path}" if path is not None else ""
+        if isinstance(cause, CkptDBError) and getattr(cause, "ranks", None):
+            what = str(cause)  # another rank's failure, already described
+        else:
+            what = f"{type(cause).__name__}: {cause}"
+        error_text = f"{phase} failed{where}: {what}"
         self._record_rollback(step, pending, left, error_text, failures, phase)
         for failure in failures:
             warnings.warn(f"ckptdb could not {failure}", CleanupWarning, stacklevel=4)
@@ -1207,8 +1217,18 @@ def _read(
     return torch.load(path, map_location=map_location, weights_only=weights_only)
 
 
+class _CommitFailed(Exception):
+    """Internal: marks an unexpected error raised inside the commit transaction."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _describe(exc: BaseException) -> tuple[str, Path | None, BaseException]:
     """(phase, path, underlying error) of a failure inside a boundary."""
+    if isinstance(exc, _CommitFailed):
+        return "commit", None, exc.error
     if isinstance(exc, PhaseError):
         return exc.phase, exc.path, exc.error
     if isinstance(exc, (SQLAlchemyError, LedgerError)):
