@@ -156,18 +156,19 @@ def first_error(found: Sequence[RankError | None]) -> RankError | None:
 
 
 def objection_of(
-    verdicts: Sequence[tuple[object, list[str], list[str], RankError | None]],
+    verdicts: Sequence[tuple[object, list[str], list[str], bool, RankError | None]],
 ) -> RankError | None:
-    """The preflight objection, if any, from every rank's (step, streams, sharded, error).
+    """The preflight objection, if any, from every rank's (step, streams, sharded,
+    blocking, error).
 
     Ranks must also agree on the step and on which streams they save (and
     which are sharded): a rank out of step is a bug that must not publish.
     """
-    chosen = first_error([v[3] for v in verdicts])
+    chosen = first_error([v[4] for v in verdicts])
     if chosen is not None:
         return chosen
     every = tuple(range(len(verdicts)))
-    for index, what in ((0, "step"), (1, "streams"), (2, "sharded streams")):
+    for index, what in ((0, "step"), (1, "streams"), (2, "sharded streams"), (3, "blocking")):
         seen = [v[index] for v in verdicts]
         if any(x != seen[0] for x in seen):
             listed = ", ".join(f"rank {r}: {x!r}" for r, x in enumerate(seen))

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from sqlalchemy import select
@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import faults, ledger
 from . import models as m
+from .asyncsave import BackgroundWriter, SaveHandle, Snapshotter, finished
 from .check import Checker
 from .db import Ledger, default_sqlite_url, migrate, normalize_url, open_ledger
 from .distributed import (
@@ -56,6 +57,7 @@ from .distributed import (
     first_error,
     objection_of,
     raise_agreed,
+    rebuild,
     resolve_group,
 )
 from .errors import (
@@ -215,6 +217,10 @@ class CheckpointManager(RunQueries):
         self.guard = guard
         self._closed = True
         self._metric_buffer: list[tuple[int, str, float, float]] = []
+        self._inflight: SaveHandle | None = None
+        self._inflight_streams: frozenset[str] = frozenset()
+        self._writer = BackgroundWriter()
+        self._snapshots = Snapshotter()
         self._group = resolve_group(process_group)
         self.last_reconcile = ReconcileReport()
 
@@ -336,12 +342,29 @@ class CheckpointManager(RunQueries):
         self._close("closed")
 
     def _close(self, end_state: str) -> None:
-        """Not collective: a rank failing on its own must still be able to close."""
+        """Not collective: a rank failing on its own must still be able to close.
+
+        A boundary in flight finishes first (commits or rolls back); its error,
+        if nobody fetched it, is raised once the manager is closed, unless the
+        manager is closing because of another exception (then it was logged).
+        """
         if self._closed:
             return
-        self._closed = True
-        if not self._is_writer:
-            return
+        handle = self._inflight
+        try:
+            self._wait_inflight()
+        finally:
+            self._closed = True
+            self._inflight = None
+            self._writer.shutdown()
+            if self._is_writer:
+                self._end_attempt(end_state)
+        error = handle.unfetched_error if handle is not None else None
+        if error is not None and end_state == "closed":
+            handle.mark_fetched()  # type: ignore[union-attr]
+            raise error
+
+    def _end_attempt(self, end_state: str) -> None:
         try:
             with self._db.transaction() as session:
                 flushed = self._flush_into(session)
@@ -395,9 +418,34 @@ class CheckpointManager(RunQueries):
 
     # ------------------------------------------------------------------- saving
 
+    @overload
     def save(
-        self, step: int, *, metrics: Mapping[str, float] | None = None, **payloads: Any
-    ) -> dict[str, Checkpoint]:
+        self,
+        step: int,
+        *,
+        metrics: Mapping[str, float] | None = ...,
+        blocking: Literal[True] = ...,
+        **payloads: Any,
+    ) -> dict[str, Checkpoint]: ...
+
+    @overload
+    def save(
+        self,
+        step: int,
+        *,
+        metrics: Mapping[str, float] | None = ...,
+        blocking: Literal[False],
+        **payloads: Any,
+    ) -> SaveHandle: ...
+
+    def save(
+        self,
+        step: int,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        blocking: bool = True,
+        **payloads: Any,
+    ) -> dict[str, Checkpoint] | SaveHandle:
         """Publish one boundary: every payload (keyed by stream) commits, or none does.
 
         Returns the committed checkpoints by stream; a top-K candidate that
@@ -406,10 +454,18 @@ class CheckpointManager(RunQueries):
         ``torch.distributed.checkpoint`` as a directory (every rank its shards).
         Under torch.distributed every rank calls ``save`` with the same step,
         metrics and streams (see :mod:`ckptdb.distributed`).
+
+        ``blocking=False`` returns a :class:`~ckptdb.asyncsave.SaveHandle` once
+        the payload is copied to host memory; the write and the commit finish
+        in the background (see :mod:`ckptdb.asyncsave`). This call first waits
+        for the previous boundary, and raises its error if nobody fetched it.
         """
         self._check_open()
+        if not isinstance(blocking, bool):
+            raise ArgumentTypeError(f"blocking must be True or False, got {blocking!r}")
+        self._await_previous()
         if self._group is not None:
-            return self._save_collective(self._group, step, metrics, payloads)
+            return self._save_collective(self._group, step, metrics, payloads, blocking)
         values = self._validate_boundary(step, metrics, payloads)
         try:
             trip = self._guard_verdict(step)
@@ -417,6 +473,8 @@ class CheckpointManager(RunQueries):
                 self._record_guard_trip(step, trip.parameters)
                 raise trip
             self._check_finite_metrics(payloads, values)
+            if not blocking:
+                return self._publish_async(step, values, payloads)
             return self._publish(step, values, payloads)
         finally:
             if self.guard is not None:
@@ -501,11 +559,22 @@ class CheckpointManager(RunQueries):
         pending = self._record_intent(step, values, payloads)
         if not pending:
             return {}  # no top-K stream admitted the candidate: nothing to write
+        return self._complete(step, values, pending, None)
+
+    def _complete(
+        self,
+        step: int,
+        values: dict[str, float],
+        pending: list[_Pending],
+        metric_limit: int | None,
+    ) -> dict[str, Checkpoint]:
+        """Write, place, commit, clean up: everything after the intent (maybe in the
+        background, where ``metric_limit`` bounds the buffered metrics it commits)."""
         try:
             faults.point("after_intent")
             self._write_payloads(pending, None)
             self._place(pending)
-            evicted, committed_at, flushed = self._commit(step, pending)
+            evicted, committed_at, flushed = self._commit(step, pending, metric_limit)
         except BaseException as exc:
             self._roll_back(step, pending, exc)
             raise  # _roll_back raises PublishError for ordinary errors
@@ -515,19 +584,67 @@ class CheckpointManager(RunQueries):
         self._clean_up(step, evicted)
         return {p.stream: self._record(p, step, values, committed_at) for p in pending}
 
+    # ------------------------------------------------------ asynchronous saving
+
+    def _publish_async(
+        self, step: int, values: dict[str, float], payloads: Mapping[str, Any]
+    ) -> SaveHandle:
+        """Intent now, snapshot now, the rest on the background worker (see ckptdb.asyncsave)."""
+        pending = self._record_intent(step, values, payloads)
+        if not pending:
+            return finished(step, {})
+        self._snapshot(step, pending)
+        limit = len(self._metric_buffer)  # this boundary's metrics; later ones wait for a flush
+        handle = self._writer.submit(step, lambda: self._complete(step, values, pending, limit))
+        self._inflight, self._inflight_streams = handle, frozenset(p.stream for p in pending)
+        return handle
+
+    def _snapshot(self, step: int, pending: list[_Pending]) -> None:
+        """Replace each payload by its host copy; a failure rolls the boundary back."""
+        try:
+            for p in pending:
+                p.payload = self._snapshots.snapshot(p.stream, p.payload)
+        except Exception as exc:
+            self._roll_back(step, pending, _PhaseFailure("snapshot", exc))
+            raise  # unreachable: _roll_back raised PublishError
+        except BaseException as exc:
+            self._roll_back(step, pending, exc)  # Ctrl-C stays Ctrl-C, after the rollback
+            raise
+
+    def _await_previous(self) -> None:
+        """Wait for the boundary in flight; raise its error if nobody fetched it."""
+        handle = self._inflight
+        if handle is None:
+            return
+        handle.wait()
+        self._inflight = None
+        error = handle.unfetched_error
+        if error is not None:
+            handle.mark_fetched()
+            raise error
+
+    def _wait_inflight(self) -> None:
+        """Wait for the boundary in flight (its error stays with its handle)."""
+        if self._inflight is not None:
+            self._inflight.wait()
+
     # ------------------------------------------------------- distributed saving
 
     def _save_collective(
-        self, group: RankGroup, step: object, metrics: object, payloads: dict[str, Any]
-    ) -> dict[str, Checkpoint]:
+        self,
+        group: RankGroup,
+        step: object,
+        metrics: object,
+        payloads: dict[str, Any],
+        blocking: bool,
+    ) -> dict[str, Checkpoint] | SaveHandle:
         """One boundary under torch.distributed: the fixed sequence in ckptdb.distributed."""
         try:
             values, local = self._preflight_here(step, metrics, payloads)
             sharded = sorted(s for s, p in payloads.items() if isinstance(p, Sharded))
             mine = capture(group.rank, local, "InvalidArgumentError") if local else None
-            objection = objection_of(
-                group.gather("preflight", (step, sorted(payloads), sharded, mine))
-            )
+            verdict = (step, sorted(payloads), sharded, blocking, mine)
+            objection = objection_of(group.gather("preflight", verdict))
             pending: list[_Pending] = []
 
             def plan() -> list[_PlanItem] | RankError:
@@ -540,14 +657,63 @@ class CheckpointManager(RunQueries):
             items = group.shared_call("plan", plan, fallback="PublishError")
             if isinstance(items, RankError):
                 raise_agreed(items, local, group.rank)
+            step = validate_step(step)
+            if not blocking:
+                return self._launch_collective(group, step, values, pending, items, payloads)
             if not items:
                 return {}  # no top-K stream admitted the candidate, on any rank
             if group.is_chief:
-                return self._chief_boundary(group, validate_step(step), values, pending)
+                return self._chief_boundary(group, step, values, pending)
             return self._follower_boundary(group, items, payloads)
         finally:
             if self.guard is not None:
                 self.guard.reset()
+
+    def _launch_collective(
+        self,
+        group: RankGroup,
+        step: int,
+        values: dict[str, float],
+        pending: list[_Pending],
+        items: list[_PlanItem],
+        payloads: Mapping[str, Any],
+    ) -> SaveHandle:
+        """An asynchronous distributed boundary: snapshot now (and agree on it), then
+        ``write`` and ``outcome`` on the dedicated group, in the background."""
+        if not items:
+            return finished(step, {})
+        local: BaseException | None = None
+        mine: dict[str, Any] = {}
+        try:
+            if group.is_chief:
+                for p in pending:
+                    p.payload = self._snapshots.snapshot(p.stream, p.payload)
+            else:
+                for item in items:
+                    if item.sharded:
+                        mine[item.stream] = self._snapshots.snapshot(
+                            item.stream, payloads[item.stream]
+                        )
+        except Exception as exc:
+            local = exc
+        problem = first_error(
+            group.gather("snapshot", capture(group.rank, local) if local else None)
+        )
+        if problem is not None:
+            if group.is_chief:
+                self._roll_back_quietly(step, pending, _PhaseFailure("snapshot", rebuild(problem)))
+            raise_agreed(problem, local, group.rank)
+        background = self._writer.rank_group(group)
+        limit = len(self._metric_buffer)
+
+        def work() -> dict[str, Checkpoint]:
+            if background.is_chief:
+                return self._chief_boundary(background, step, values, pending, limit)
+            return self._follower_boundary(background, items, mine)
+
+        handle = self._writer.submit(step, work)
+        self._inflight, self._inflight_streams = handle, frozenset(i.stream for i in items)
+        return handle
 
     def _preflight_here(
         self, step: object, metrics: object, payloads: Mapping[str, Any]
@@ -581,7 +747,12 @@ class CheckpointManager(RunQueries):
         return path.relative_to(self.save_dir).as_posix()
 
     def _chief_boundary(
-        self, group: RankGroup, step: int, values: dict[str, float], pending: list[_Pending]
+        self,
+        group: RankGroup,
+        step: int,
+        values: dict[str, float],
+        pending: list[_Pending],
+        metric_limit: int | None = None,
     ) -> dict[str, Checkpoint]:
         try:
             local = self._write_here(group, pending)
@@ -589,7 +760,7 @@ class CheckpointManager(RunQueries):
             if problem is not None:
                 raise_agreed(problem, local, 0)
             self._place(pending)
-            evicted, committed_at, flushed = self._commit(step, pending)
+            evicted, committed_at, flushed = self._commit(step, pending, metric_limit)
         except RankAgreementError as broken:  # the group is broken: roll back, share nothing
             self._roll_back_quietly(step, pending, broken)
             raise
@@ -746,7 +917,7 @@ class CheckpointManager(RunQueries):
         faults.point("after_fsync_dir")
 
     def _commit(
-        self, step: int, pending: list[_Pending]
+        self, step: int, pending: list[_Pending], metric_limit: int | None = None
     ) -> tuple[list[m.Checkpoint], dt.datetime, int]:
         """The single commit point of a boundary.
 
@@ -771,12 +942,12 @@ class CheckpointManager(RunQueries):
                     )
                     evicted.extend(self._apply_retention(session, p))
                     ledger.set_latest(session, self.run_id, p.stream, p.row_id)
-                flushed = self._flush_into(session)
+                flushed = self._flush_into(session, metric_limit)
                 faults.point("in_commit")
         except (SQLAlchemyError, CkptDBError):
             raise
         except Exception as exc:  # whatever it is, it failed the commit phase
-            raise _CommitFailed(exc) from exc
+            raise _PhaseFailure("commit", exc) from exc
         return evicted, now, flushed
 
     def _record(
@@ -893,6 +1064,7 @@ class CheckpointManager(RunQueries):
         ``deleting`` (and moves a latest pointer off them), then the files go.
         """
         self._require_chief("gc()")
+        self._wait_inflight()  # its pending rows are not a crash
         evicted: list[m.Checkpoint] = []
         with self._db.transaction() as session:
             for stream, policy in self.policies.items():
@@ -972,21 +1144,26 @@ class CheckpointManager(RunQueries):
             self.flush()
 
     def flush(self) -> None:
-        """Write buffered metrics now (nothing to do on a rank other than the chief)."""
+        """Write buffered metrics now (nothing to do on a rank other than the chief).
+
+        Waits for a boundary in flight, whose commit writes the metrics
+        buffered before it (never twice).
+        """
         self._check_open()
         if not self._is_writer:
             return
+        self._wait_inflight()
         with self._db.transaction() as session:
             flushed = self._flush_into(session)
         self._drop_flushed(flushed)
 
-    def _flush_into(self, session: Any) -> int:
+    def _flush_into(self, session: Any, limit: int | None = None) -> int:
         """Insert the buffer inside the caller's transaction; returns how many points.
 
         The caller drops them from the buffer only after its transaction
         commits, so a failed commit loses no metric.
         """
-        points = self._metric_buffer
+        points = self._metric_buffer if limit is None else self._metric_buffer[:limit]
         ledger.insert_metrics(session, self.run_id, self.attempt_id, points)
         return len(points)
 
@@ -1018,6 +1195,8 @@ class CheckpointManager(RunQueries):
         and verifies, every rank loads that checkpoint.
         """
         self._check_open()
+        if self._inflight is not None and self._inflight_writes(which, stream):
+            self._wait_inflight()
         if self._group is not None:
             return self._load_collective(
                 self._group, which, stream, map_location, weights_only, into
@@ -1027,6 +1206,19 @@ class CheckpointManager(RunQueries):
         state = _read(target, path, map_location, weights_only, into, None)
         self._note_resume(target)
         return state
+
+    def _inflight_writes(self, which: object, stream: str | None) -> bool:
+        """Whether the boundary in flight writes the stream that ``load`` asks for."""
+        if isinstance(which, Checkpoint):
+            wanted: str | None = which.stream
+        elif which == "best":
+            wanted = stream or "best"
+        elif which == "latest" or isinstance(which, int):
+            wanted = stream or "model"
+        else:
+            wanted = None  # a path: it may be the one being written
+        streams = self._inflight_streams
+        return wanted is None or wanted in streams
 
     def _verified(self, which: object, stream: str | None) -> tuple[Checkpoint, Path]:
         """The checkpoint ``which`` names, its size and hash checked (marked bad if not)."""
@@ -1168,12 +1360,14 @@ class CheckpointManager(RunQueries):
         ``progress(done, total)`` follows the rows checked.
         """
         self._require_chief("reconcile()")
+        self._wait_inflight()  # its pending rows are not a crash
         reconciler = Reconciler(self._db, self.run_id, self.attempt_id, self.root, self.save_dir)
         return reconciler.run(verify=verify, dry_run=dry_run, progress=progress)
 
     def check(self, *, load: bool = False) -> list[str]:
         """Violations of the run's consistency invariants, one line each (see ckptdb.check)."""
         self._require_chief("check()")
+        self._wait_inflight()  # its pending rows are not a crash
         checker = Checker(self._db, self.run_id, self.root, self.save_dir, self.policies)
         return checker.run(load=load)
 
@@ -1217,18 +1411,19 @@ def _read(
     return torch.load(path, map_location=map_location, weights_only=weights_only)
 
 
-class _CommitFailed(Exception):
-    """Internal: marks an unexpected error raised inside the commit transaction."""
+class _PhaseFailure(Exception):
+    """Internal: an unexpected error in a phase that has no file path (commit, snapshot)."""
 
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, phase: str, error: BaseException) -> None:
         super().__init__(str(error))
+        self.phase = phase
         self.error = error
 
 
 def _describe(exc: BaseException) -> tuple[str, Path | None, BaseException]:
     """(phase, path, underlying error) of a failure inside a boundary."""
-    if isinstance(exc, _CommitFailed):
-        return "commit", None, exc.error
+    if isinstance(exc, _PhaseFailure):
+        return exc.phase, None, exc.error
     if isinstance(exc, PhaseError):
         return exc.phase, exc.path, exc.error
     if isinstance(exc, (SQLAlchemyError, LedgerError)):

@@ -11,6 +11,9 @@ collective sequence of :mod:`ckptdb.distributed`.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,13 +59,25 @@ class _FaultPointWriter(FileSystemWriter):
 def write_sharded(state_dict: dict[str, Any], directory: Path, group: Any) -> None:
     """Every rank writes its shards of ``state_dict`` into ``directory`` (fsynced)."""
     writer = _FaultPointWriter(directory, sync_files=True)
-    dcp_save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
+    with _single_process_is_intended(group):
+        dcp_save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
 
 
 def load_sharded(into: dict[str, Any], directory: Path, group: Any) -> None:
     """Every rank loads its part of the checkpoint at ``directory`` into ``into``, in place."""
     reader = FileSystemReader(directory)
-    dcp_load(into, storage_reader=reader, process_group=group, no_dist=group is None)
+    with _single_process_is_intended(group):
+        dcp_load(into, storage_reader=reader, process_group=group, no_dist=group is None)
+
+
+@contextlib.contextmanager
+def _single_process_is_intended(group: Any) -> Iterator[None]:
+    """DCP warns that it "assumes" a single process without torch.distributed; here
+    that is the manager's decision (no process group), not a guess."""
+    with warnings.catch_warnings():
+        if group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def check_loadable(path: Path) -> None:

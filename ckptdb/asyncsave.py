@@ -1,0 +1,256 @@
+"""Asynchronous publication: the snapshot, the handle and the background worker.
+
+``save(..., blocking=False)`` decides everything that gives a boundary its
+meaning at call time (input, guard, top-K admission, the ``pending`` rows),
+copies the payload to host memory, and hands writing, fsync, placement and
+the commit to one background thread per manager. At most one boundary is in
+flight: the next ``save`` (and ``close``, ``flush``, a ``load`` of a stream
+being written) waits for it first, so the snapshot buffers of boundary N are
+free again when boundary N+1 is snapshotted and are reused instead of
+allocated (peak extra host memory: about one copy of the payload).
+
+Under torch.distributed the background work of a boundary needs collectives
+(DCP for sharded payloads, then the ``write`` and ``outcome`` agreements).
+They run in the background thread on a **dedicated gloo process group**,
+created collectively at the first asynchronous save, never on the training
+group: collectives of two threads on one group would interleave in an order
+that differs between ranks, and deadlock. Because every rank runs the same
+boundaries in the same order and at most one is in flight, the dedicated
+group sees the same sequence on every rank. The commit thus happens as soon
+as every rank's write is done, not at the next boundary, and ``result()`` and
+``done()`` are local calls.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import datetime as dt
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .distributed import RankGroup
+from .record import Checkpoint
+from .sharded import Sharded
+
+log = logging.getLogger(__name__)
+
+
+class SaveHandle:
+    """The outcome of one asynchronous boundary, like a ``concurrent.futures.Future``.
+
+    ``result()`` waits and returns the committed checkpoints by stream (the
+    same dict a blocking ``save`` returns) or raises the boundary's error.
+    An error nobody fetched with ``result()``/``exception()`` is raised by
+    the manager's next ``save`` or ``close`` instead; it is logged when it
+    happens either way.
+    """
+
+    def __init__(self, step: int, future: concurrent.futures.Future[dict[str, Checkpoint]]) -> None:
+        self.step = step
+        self._future = future
+        self._fetched = False
+
+    def done(self) -> bool:
+        """Whether the boundary has committed or failed (never blocks)."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> dict[str, Checkpoint]:
+        """Wait for the commit; the committed checkpoints by stream, or the error."""
+        self._fetched = True
+        return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait; the boundary's error, or None if it committed."""
+        self._fetched = True
+        return self._future.exception(timeout)
+
+    @property
+    def unfetched_error(self) -> BaseException | None:
+        """The error of a finished boundary that nobody has fetched yet."""
+        if not self._future.done() or self._fetched:
+            return None
+        return self._future.exception()
+
+    def mark_fetched(self) -> None:
+        self._fetched = True
+
+    def wait(self) -> None:
+        """Wait for the boundary to finish, without fetching its outcome."""
+        concurrent.futures.wait([self._future])
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"<SaveHandle step={self.step} {state}>"
+
+
+def finished(step: int, records: dict[str, Checkpoint]) -> SaveHandle:
+    """A handle for a boundary that finished at call time (nothing was admitted)."""
+    future: concurrent.futures.Future[dict[str, Checkpoint]] = concurrent.futures.Future()
+    future.set_result(records)
+    return SaveHandle(step, future)
+
+
+class BackgroundWriter:
+    """One worker thread per manager, and (distributed) its dedicated process group."""
+
+    def __init__(self) -> None:
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.group: RankGroup | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, step: int, work: Callable[[], dict[str, Checkpoint]]) -> SaveHandle:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="ckptdb-writer"
+            )
+        future = self._executor.submit(_logged(step, work))
+        return SaveHandle(step, future)
+
+    def rank_group(self, main: RankGroup) -> RankGroup:
+        """The dedicated gloo group for background collectives, with the ranks of
+        ``main``; created collectively (by those ranks only) on first use."""
+        if self.group is None:
+            self.group = RankGroup(
+                dist.new_group(
+                    ranks=dist.get_process_group_ranks(main.group),
+                    backend="gloo",
+                    timeout=group_timeout(main.group),
+                    use_local_synchronization=True,
+                )
+            )
+        return self.group
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self.group is not None:
+            dist.destroy_process_group(self.group.group)
+            self.group = None
+
+
+def _logged(
+    step: int, work: Callable[[], dict[str, Checkpoint]]
+) -> Callable[[], dict[str, Checkpoint]]:
+    def run() -> dict[str, Checkpoint]:
+        try:
+            return work()
+        except BaseException as exc:
+            log.error("ckptdb: asynchronous save of step %d failed: %s", step, exc)
+            raise
+
+    return run
+
+
+def group_timeout(group: Any) -> dt.timedelta | None:
+    """The collective timeout the user gave ``group`` (None: torch's default).
+
+    torch has no public getter; the backend's options carry it for gloo and NCCL.
+    """
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+        timeout = backend.options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, dt.timedelta) else None
+
+
+class Snapshotter:
+    """Copies payloads to host memory, reusing the previous boundary's buffers.
+
+    A buffer is keyed by stream and position in the payload and reused when
+    shape and dtype match. CUDA tensors go to pinned buffers with
+    non-blocking copies and one synchronization at the end; CPU tensors are
+    copied too, since the optimizer updates them in place. Tensors that alias
+    the same memory (tied weights) stay one tensor in the snapshot.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+
+    def snapshot(self, stream: str, payload: Any) -> Any:
+        copier = _Copy(self._buffers, stream)
+        if isinstance(payload, Sharded):
+            copied: Any = Sharded(copier.copy("", payload.state_dict))
+        else:
+            copied = copier.copy("", payload)
+        for device in copier.devices:
+            torch.cuda.current_stream(device).synchronize()
+        return copied
+
+
+_IMMUTABLE = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+_AliasKey = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+class _Copy:
+    """One snapshot pass over one payload."""
+
+    def __init__(self, buffers: dict[tuple[str, str], torch.Tensor], stream: str) -> None:
+        self.buffers, self.stream = buffers, stream
+        self.aliases: dict[_AliasKey, Any] = {}
+        self.devices: set[torch.device] = set()
+
+    def copy(self, where: str, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(where, obj)
+        if isinstance(obj, dict):
+            out = {k: self.copy(f"{where}/{k}", v) for k, v in obj.items()}
+            return out if type(obj) is dict else type(obj)(out)
+        if isinstance(obj, list):
+            return [self.copy(f"{where}/{i}", v) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self.copy(f"{where}/{i}", v) for i, v in enumerate(obj))
+        if obj is None or isinstance(obj, _IMMUTABLE):
+            return obj
+        return copy.deepcopy(obj)  # anything else may be mutated after the call too
+
+    def tensor(self, where: str, t: torch.Tensor) -> Any:
+        local = _local(t)
+        storage = local.untyped_storage().data_ptr()
+        shape, stride = tuple(local.shape), tuple(local.stride())
+        key: _AliasKey = (storage, int(local.storage_offset()), shape, stride, local.dtype)
+        if key in self.aliases and local.numel() > 0:
+            return self.aliases[key]
+        buf = self.buffers.get((self.stream, where))
+        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+            buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
+            self.buffers[(self.stream, where)] = buf
+        buf.copy_(local.detach(), non_blocking=local.is_cuda)
+        if local.is_cuda:
+            self.devices.add(local.device)
+        copied = _rewrap(t, buf)
+        self.aliases[key] = copied
+        return copied
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local data of a DTensor, or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _rewrap(original: torch.Tensor, host: torch.Tensor) -> Any:
+    """A DTensor again around the host copy of its local shard (same mesh and placements)."""
+    if not callable(getattr(original, "to_local", None)):
+        return host
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(original, DTensor)
+    return DTensor.from_local(
+        host,
+        original.device_mesh,
+        original.placements,
+        run_check=False,
+        shape=original.shape,
+        stride=original.stride(),
+    )
+
+
+__all__ = ["BackgroundWriter", "SaveHandle", "Snapshotter", "finished"]
