@@ -14,6 +14,7 @@ import errno
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -590,3 +591,171 @@ def test_torchrun_example_resumes_every_rank_exactly(tmp_path: Path) -> None:
     assert len(restarts) == 3 and restarts[0] == (None,) and restarts[1][0] is not None
     resumed_step = rows(resumed, "SELECT step FROM checkpoints WHERE id = ?", restarts[1][0])
     assert resumed_step == [(39,)]
+
+
+# ---------------------------------------------------- asynchronous boundaries
+
+
+def bg_log(mgr: CheckpointManager) -> list[str]:
+    group = mgr._writer.group
+    return list(group.log) if group is not None else []
+
+
+def _async_happy(rank: int, world: int, root: str) -> dict[str, Any]:
+    streams = {"model": Keep(last=2), "best": TopK(1, "loss"), "mine": Keep(last=2)}
+    with manager(root, streams=streams) as mgr:
+        w = torch.zeros(6)
+        handles = []
+        for step in range(1, 9):
+            w += 1
+            handles.append(
+                mgr.save(
+                    step,
+                    metrics={"loss": 1.0 / step},
+                    blocking=False,
+                    model={"w": w},
+                    best={"w": w},
+                    mine=Sharded({f"r{rank}": w + rank}),
+                )
+            )
+            w.mul_(-1)  # in place, right after the call: must not reach the checkpoint
+        results = [h.result() for h in handles]
+        into = {f"r{rank}": torch.zeros(6)}
+        mgr.load(stream="mine", into=into)
+        return {
+            "results": results,
+            "model": mgr.load()["w"],
+            "mine": into[f"r{rank}"],
+            "log": log_of(mgr),
+            "bg": bg_log(mgr),
+        }
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_async_boundaries_commit_the_snapshot_on_every_rank(tmp_path: Path, world: int) -> None:
+    root = tmp_path / "run"
+    outcomes = run_ranks(_async_happy, world, tmp_path, str(root))
+    for o in outcomes:
+        assert o.error is None, o.trace
+    # the value each boundary saw at call time, replayed by hand
+    w, seen = torch.zeros(6), []
+    for _ in range(8):
+        w += 1
+        seen.append(w.clone())
+        w.mul_(-1)
+    for rank, o in enumerate(outcomes):
+        v = o.value
+        # loss falls at every step, so the top-1 stream admits every candidate
+        assert [sorted(r) for r in v["results"]] == [["best", "mine", "model"]] * 8
+        assert v["results"] == outcomes[0].value["results"]  # every rank, the same records
+        assert torch.equal(v["model"], seen[-1])
+        assert torch.equal(v["mine"], seen[-1] + rank)
+    same_logs(outcomes)
+    for o in outcomes:
+        # the training group carries the call-time collectives only; the write and
+        # commit agreements ran on the dedicated group, in the background
+        assert o.value["log"][1:25] == ["preflight", "plan", "snapshot"] * 8
+        assert o.value["bg"] == ["write", "outcome"] * 8
+    assert len({tuple(o.value["bg"]) for o in outcomes}) == 1
+
+
+def _async_overlaps_training(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The chief's background write is held until the training loop has run
+    collectives of its own on the training group: they must not wait for it."""
+    release = threading.Event()
+    if rank == 0:
+        real = ckptdb.manager.write_payload
+
+        def held(obj: Any, tmp: Path) -> Any:
+            assert release.wait(COLLECTIVE_WAIT), "never released"
+            return real(obj, tmp)
+
+        ckptdb.manager.write_payload = held  # type: ignore[assignment]
+    with manager(root, streams={"model": Keep(last=2)}) as mgr:
+        handle = mgr.save(1, blocking=False, model=sd(1))
+        done_early = handle.done()
+        total = torch.tensor([float(rank)])
+        for _ in range(5):  # "training" on the same group while the save is in flight
+            dist.all_reduce(total)
+        release.set()
+        records = handle.result()
+        return {"done_early": done_early, "total": total.item(), "step": records["model"].step}
+
+
+COLLECTIVE_WAIT = 30.0
+
+
+def test_async_write_in_flight_does_not_block_training_collectives(tmp_path: Path) -> None:
+    outcomes = run_ranks(_async_overlaps_training, 3, tmp_path, str(tmp_path / "run"))
+    totals = []
+    for o in outcomes:
+        assert o.error is None, o.trace
+        assert o.value["done_early"] is False
+        assert o.value["step"] == 1
+        totals.append(o.value["total"])
+    expected = float(sum(range(3)))
+    for _ in range(4):
+        expected *= 3
+    assert totals == [expected] * 3
+
+
+def _async_failures(rank: int, world: int, root: str, fetch: bool) -> dict[str, Any]:
+    with manager(root) as mgr:
+        mgr.save(1, metrics={"loss": 1.0}, model=sd(1), best=sd(1))
+
+        def fail(name: str) -> None:
+            if name == "mid_shard_write" and rank == world - 1:
+                raise OSError(errno.EIO, "Input/output error (injected)")
+
+        faults.set_hook(fail)
+        try:
+            handle = mgr.save(2, blocking=False, model=Sharded(sd(2, rank)), ema=sd(2))
+            first = attempt(mgr, handle.result) if fetch else {"error": None}
+            handle.wait()  # finished (without fetching its outcome) before the hook goes
+        finally:
+            faults.set_hook(None)
+        # unfetched: the next save raises it (on every rank) and does not run
+        nxt = attempt(mgr, lambda: mgr.save(3, metrics={"loss": 0.3}, model=sd(3), best=sd(3)))
+        after = mgr.save(4, metrics={"loss": 0.2}, model=sd(4), best=sd(4))
+        return {"first": first, "next": nxt, "after": sorted(after), "log": log_of(mgr)}
+
+
+@pytest.mark.parametrize("fetch", [True, False], ids=["fetched", "unfetched"])
+def test_async_failure_on_one_rank_reaches_every_rank(tmp_path: Path, fetch: bool) -> None:
+    root = tmp_path / "run"
+    outcomes = run_ranks(_async_failures, 3, tmp_path, str(root), fetch)
+    for o in outcomes:
+        assert o.error is None, o.trace
+    reports = [o.value["first"] if fetch else o.value["next"] for o in outcomes]
+    for r in reports:
+        assert r["error"] == "PublishError", r
+        assert r["ranks"] == [2] and "Input/output error (injected)" in r["message"]
+    for o in outcomes:
+        if fetch:
+            assert o.value["next"]["error"] is None  # fetched: the next save just works
+        assert o.value["after"] == ["best", "model"]
+    same_logs(outcomes)
+    states = ledger_states(root)
+    assert sorted(st for _, st, step in states if step == 2) == ["aborted", "aborted"]
+    assert [st for _, st, step in states if step == 3] == (["committed"] * 2 if fetch else [])
+    assert not any("000000002" in f for f in files(root / "checkpoints"))
+
+
+def _async_guard(rank: int, world: int, root: str) -> dict[str, Any]:
+    guard = NonFiniteGradGuard()
+    with manager(root, guard=guard) as mgr:
+        if rank == 1:
+            guard.update(torch.tensor(float("inf")))
+        result = attempt(mgr, lambda: mgr.save(1, blocking=False, model=sd(1)))
+        result["inflight"] = mgr._inflight is not None
+        return result
+
+
+def test_async_guard_trip_on_one_rank_raises_at_call_time_everywhere(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    outcomes = run_ranks(_async_guard, 3, tmp_path, str(root))
+    for r in agreed_error(outcomes, "NonFiniteGradientError"):
+        assert r["ranks"] == [1]
+        assert r["inflight"] is False  # nothing went to the background
+        assert r["log"][-2:] == ["preflight", "plan"]
+    assert rows(root, "SELECT COUNT(*) FROM checkpoints") == [(0,)]
