@@ -69,6 +69,7 @@ def run(profile: dict[str, Any], work: Path) -> list[Comparison]:
     results.extend(cases.history(work / "history", profile["points"], min(reps, 3)))
     results.append(cases.guard(reps, profile["guard_steps"]))
     results.append(cases.load(work / "load", profile["load_mb"], reps))
+    results.append(cases.async_save(work / "async", profile["load_mb"], reps))
     return results
 
 

@@ -87,6 +87,7 @@ from .record import Checkpoint
 from .sharded import Sharded, load_sharded, write_sharded
 from .storage import (
     FileInfo,
+    ForeignEntryError,
     PhaseError,
     checkpoint_name,
     checkpoint_size,
@@ -1374,7 +1375,10 @@ class CheckpointManager(RunQueries):
 
 def _verify(path: Path, target: Checkpoint) -> str | None:
     """Why ``path`` does not match its ledger row, or None (FileNotFoundError if absent)."""
-    size = checkpoint_size(path)
+    try:
+        size = checkpoint_size(path)
+    except ForeignEntryError as exc:
+        return str(exc)
     if size != target.size:
         return f"size {size} != recorded {target.size}"
     actual = hash_checkpoint(path)

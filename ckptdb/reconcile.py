@@ -28,6 +28,7 @@ from .storage import (
     CHECKPOINT_NAME,
     SHARDED_SUFFIX,
     TEMP_NAME,
+    ForeignEntryError,
     checkpoint_size,
     confine,
     hash_checkpoint,
@@ -213,6 +214,8 @@ class Reconciler:
             size = checkpoint_size(path)
         except FileNotFoundError:
             return m.LOST, "file missing"
+        except ForeignEntryError as exc:
+            return m.CORRUPT, str(exc)
         except (OSError, InvalidArgumentError) as exc:
             return m.LOST, f"unreadable: {exc}"
         if size != row.size:

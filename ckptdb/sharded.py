@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from . import faults
 from .errors import ArgumentTypeError
-from .storage import is_sharded
+from .storage import PhaseError, is_sharded
 
 
 @dataclass(frozen=True)
@@ -57,17 +58,44 @@ class _FaultPointWriter(FileSystemWriter):
 
 
 def write_sharded(state_dict: dict[str, Any], directory: Path, group: Any) -> None:
-    """Every rank writes its shards of ``state_dict`` into ``directory`` (fsynced)."""
+    """Every rank writes its shards of ``state_dict`` into ``directory`` (fsynced).
+
+    Under torch.distributed a failure on any rank raises DCP's
+    ``CheckpointException`` (a BaseException naming the failing ranks) on
+    every rank; in a single process it becomes ``PhaseError("write")``.
+    """
     writer = _FaultPointWriter(directory, sync_files=True)
-    with _single_process_is_intended(group):
-        dcp_save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
+    try:
+        with _single_process_is_intended(group):
+            dcp_save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
+    except CheckpointException as exc:
+        if group is not None:
+            raise
+        raise PhaseError("write", directory, _only_failure(exc)) from exc
 
 
 def load_sharded(into: dict[str, Any], directory: Path, group: Any) -> None:
-    """Every rank loads its part of the checkpoint at ``directory`` into ``into``, in place."""
+    """Every rank loads its part of the checkpoint at ``directory`` into ``into``, in place.
+
+    In a single process DCP's wrapper is removed: the caller gets the error
+    itself (a shape mismatch, say), as ``torch.load`` would raise it.
+    """
     reader = FileSystemReader(directory)
-    with _single_process_is_intended(group):
-        dcp_load(into, storage_reader=reader, process_group=group, no_dist=group is None)
+    try:
+        with _single_process_is_intended(group):
+            dcp_load(into, storage_reader=reader, process_group=group, no_dist=group is None)
+    except CheckpointException as exc:
+        if group is not None:
+            raise
+        raise _only_failure(exc) from exc
+
+
+def _only_failure(exc: CheckpointException) -> BaseException:
+    """The one rank's error inside a single-process ``CheckpointException``."""
+    failures = list(exc.failures.values())
+    if len(failures) == 1 and isinstance(failures[0][0], BaseException):
+        return failures[0][0]
+    return RuntimeError(str(exc))
 
 
 @contextlib.contextmanager

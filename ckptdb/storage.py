@@ -277,15 +277,22 @@ def remove(path: Path) -> bool:
     return True
 
 
+class ForeignEntryError(OSError):
+    """A link or special file inside a checkpoint directory: it was not written by us."""
+
+
 def tree_files(directory: Path) -> list[tuple[str, Path]]:
     """(relative posix name, path) of every regular file under ``directory``, sorted.
 
-    A link or special file inside a checkpoint directory is not ours: refused.
+    A link or special file inside a checkpoint directory is not ours: refused
+    (never followed), and the checkpoint counts as corrupt.
     """
     found: list[tuple[str, Path]] = []
     for path in directory.rglob("*"):
         if path.is_symlink() or not (path.is_file() or path.is_dir()):
-            raise OSError(errno.EINVAL, "not a regular file in a checkpoint directory", str(path))
+            raise ForeignEntryError(
+                errno.EINVAL, "a link or special file in a checkpoint directory", str(path)
+            )
         if path.is_file():
             found.append((path.relative_to(directory).as_posix(), path))
     return sorted(found)
