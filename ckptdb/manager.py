@@ -30,7 +30,6 @@ import datetime as dt
 import json
 import logging
 import math
-import numbers
 import os
 import time
 import warnings
@@ -40,61 +39,51 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, overload
 
-import torch
-from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
-from torch.distributed.checkpoint.api import CheckpointException
 
 from . import faults, ledger
 from . import models as m
 from .asyncsave import BackgroundWriter, SaveHandle, Snapshotter, finished
+from .boundary import (
+    Pending,
+    PhaseFailure,
+    describe,
+    validate_metrics,
+    validate_step,
+)
 from .check import Checker
+from .collective import CollectiveMixin
 from .db import Ledger, default_sqlite_url, migrate, normalize_url, open_ledger
 from .distributed import (
-    RankError,
     RankGroup,
-    capture,
-    first_error,
-    objection_of,
-    raise_agreed,
-    rebuild,
     resolve_group,
 )
 from .errors import (
     ArgumentTypeError,
-    CheckpointLostError,
-    CheckpointNotFoundError,
     ChiefOnlyError,
     CkptDBError,
     CleanupFailure,
-    CorruptCheckpointError,
     InvalidArgumentError,
     InvalidMetricError,
     LedgerError,
     NonFiniteGradientError,
     PublishError,
-    RankAgreementError,
     RunDirectoryError,
     UnknownStreamError,
 )
 from .guard import NonFiniteGradGuard
+from .loading import LoadingMixin
 from .lock import RunLock, writer_lock
 from .netfs import check_ledger_location
 from .policies import Entry, Keep, Policy, TopK, validate_policies
-from .queries import RunQueries
 from .reconcile import Reconciler, ReconcileReport
 from .record import Checkpoint
-from .sharded import Sharded, load_sharded, write_sharded
+from .sharded import Sharded, write_sharded
 from .storage import (
-    FileInfo,
-    ForeignEntryError,
     PhaseError,
     checkpoint_name,
-    checkpoint_size,
     confine,
     fsync_dir,
-    hash_checkpoint,
-    is_sharded,
     make_dir,
     place,
     remove,
@@ -113,23 +102,6 @@ class CleanupWarning(UserWarning):
     """An evicted or leftover file could not be removed (the next reconcile retries)."""
 
 
-@dataclass
-class _Pending:
-    """One stream's share of a boundary between intent and commit."""
-
-    stream: str
-    payload: Any
-    row_id: int
-    final: Path
-    tmp: Path
-    metric: float | None
-    info: FileInfo | None = None
-
-    @property
-    def sharded(self) -> bool:
-        return isinstance(self.payload, Sharded)
-
-
 @dataclass(frozen=True)
 class _RunInfo:
     """What the chief shares with the other ranks when a distributed manager opens."""
@@ -141,45 +113,7 @@ class _RunInfo:
     last_reconcile: ReconcileReport
 
 
-@dataclass(frozen=True)
-class _PlanItem:
-    """One admitted stream of a distributed boundary, as the chief recorded it."""
-
-    stream: str
-    tmp: str  # relative to save_dir
-    sharded: bool
-
-
-def validate_step(step: object) -> int:
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise ArgumentTypeError(f"step must be a non-negative int, got {step!r}")
-    if step < 0:
-        raise InvalidArgumentError(f"step must be >= 0, got {step}")
-    return step
-
-
-def validate_metrics(metrics: object) -> dict[str, float]:
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, Mapping):
-        raise ArgumentTypeError(f"metrics must be a dict name -> number, got {metrics!r}")
-    out: dict[str, float] = {}
-    for name, value in metrics.items():
-        if not isinstance(name, str) or not name:
-            raise ArgumentTypeError(f"metric names must be non-empty str, got {name!r}")
-        out[name] = _real(name, value)
-    return out
-
-
-def _real(name: str, value: object) -> float:
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-        return float(value.item())
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ArgumentTypeError(f"metric {name!r} must be a real number, got {value!r}")
-    return float(value)
-
-
-class CheckpointManager(RunQueries):
+class CheckpointManager(CollectiveMixin, LoadingMixin):
     """Publishes checkpoints transactionally and answers what is latest and best.
 
     ``root`` is the run directory; the ledger defaults to
@@ -566,7 +500,7 @@ class CheckpointManager(RunQueries):
         self,
         step: int,
         values: dict[str, float],
-        pending: list[_Pending],
+        pending: list[Pending],
         metric_limit: int | None,
     ) -> dict[str, Checkpoint]:
         """Write, place, commit, clean up: everything after the intent (maybe in the
@@ -600,13 +534,13 @@ class CheckpointManager(RunQueries):
         self._inflight, self._inflight_streams = handle, frozenset(p.stream for p in pending)
         return handle
 
-    def _snapshot(self, step: int, pending: list[_Pending]) -> None:
+    def _snapshot(self, step: int, pending: list[Pending]) -> None:
         """Replace each payload by its host copy; a failure rolls the boundary back."""
         try:
             for p in pending:
                 p.payload = self._snapshots.snapshot(p.stream, p.payload)
         except Exception as exc:
-            self._roll_back(step, pending, _PhaseFailure("snapshot", exc))
+            self._roll_back(step, pending, PhaseFailure("snapshot", exc))
             raise  # unreachable: _roll_back raised PublishError
         except BaseException as exc:
             self._roll_back(step, pending, exc)  # Ctrl-C stays Ctrl-C, after the rollback
@@ -629,200 +563,6 @@ class CheckpointManager(RunQueries):
         if self._inflight is not None:
             self._inflight.wait()
 
-    # ------------------------------------------------------- distributed saving
-
-    def _save_collective(
-        self,
-        group: RankGroup,
-        step: object,
-        metrics: object,
-        payloads: dict[str, Any],
-        blocking: bool,
-    ) -> dict[str, Checkpoint] | SaveHandle:
-        """One boundary under torch.distributed: the fixed sequence in ckptdb.distributed."""
-        try:
-            values, local = self._preflight_here(step, metrics, payloads)
-            sharded = sorted(s for s, p in payloads.items() if isinstance(p, Sharded))
-            mine = capture(group.rank, local, "InvalidArgumentError") if local else None
-            verdict = (step, sorted(payloads), sharded, blocking, mine)
-            objection = objection_of(group.gather("preflight", verdict))
-            pending: list[_Pending] = []
-
-            def plan() -> list[_PlanItem] | RankError:
-                if objection is not None:
-                    self._record_objection(objection)
-                    return objection
-                pending.extend(self._record_intent(validate_step(step), values, payloads))
-                return [_PlanItem(p.stream, self._relative(p.tmp), p.sharded) for p in pending]
-
-            items = group.shared_call("plan", plan, fallback="PublishError")
-            if isinstance(items, RankError):
-                raise_agreed(items, local, group.rank)
-            step = validate_step(step)
-            if not blocking:
-                return self._launch_collective(group, step, values, pending, items, payloads)
-            if not items:
-                return {}  # no top-K stream admitted the candidate, on any rank
-            if group.is_chief:
-                return self._chief_boundary(group, step, values, pending)
-            return self._follower_boundary(group, items, payloads)
-        finally:
-            if self.guard is not None:
-                self.guard.reset()
-
-    def _launch_collective(
-        self,
-        group: RankGroup,
-        step: int,
-        values: dict[str, float],
-        pending: list[_Pending],
-        items: list[_PlanItem],
-        payloads: Mapping[str, Any],
-    ) -> SaveHandle:
-        """An asynchronous distributed boundary: snapshot now (and agree on it), then
-        ``write`` and ``outcome`` on the dedicated group, in the background."""
-        if not items:
-            return finished(step, {})
-        local: BaseException | None = None
-        mine: dict[str, Any] = {}
-        try:
-            if group.is_chief:
-                for p in pending:
-                    p.payload = self._snapshots.snapshot(p.stream, p.payload)
-            else:
-                for item in items:
-                    if item.sharded:
-                        mine[item.stream] = self._snapshots.snapshot(
-                            item.stream, payloads[item.stream]
-                        )
-        except Exception as exc:
-            local = exc
-        problem = first_error(
-            group.gather("snapshot", capture(group.rank, local) if local else None)
-        )
-        if problem is not None:
-            if group.is_chief:
-                self._roll_back_quietly(step, pending, _PhaseFailure("snapshot", rebuild(problem)))
-            raise_agreed(problem, local, group.rank)
-        background = self._writer.rank_group(group)
-        limit = len(self._metric_buffer)
-
-        def work() -> dict[str, Checkpoint]:
-            if background.is_chief:
-                return self._chief_boundary(background, step, values, pending, limit)
-            return self._follower_boundary(background, items, mine)
-
-        handle = self._writer.submit(step, work)
-        self._inflight, self._inflight_streams = handle, frozenset(i.stream for i in items)
-        return handle
-
-    def _preflight_here(
-        self, step: object, metrics: object, payloads: Mapping[str, Any]
-    ) -> tuple[dict[str, float], CkptDBError | None]:
-        """This rank's preflight verdict (input, guard, finite ranking metric), not raised."""
-        try:
-            values = self._validate_boundary(step, metrics, payloads)
-        except CkptDBError as exc:
-            exc.stage = 0  # type: ignore[attr-defined]
-            return {}, exc
-        trip = self._guard_verdict(validate_step(step))
-        if trip is not None:
-            trip.stage = 1  # type: ignore[attr-defined]
-            return values, trip
-        try:
-            self._check_finite_metrics(payloads, values)
-        except CkptDBError as exc:
-            exc.stage = 2  # type: ignore[attr-defined]
-            return values, exc
-        return values, None
-
-    def _record_objection(self, objection: RankError) -> None:
-        if objection.kind == NonFiniteGradientError.__name__:
-            self._record_guard_trip(
-                objection.fields.get("step", -1),
-                list(objection.fields.get("parameters") or []),
-                ranks=list(objection.ranks),
-            )
-
-    def _relative(self, path: Path) -> str:
-        return path.relative_to(self.save_dir).as_posix()
-
-    def _chief_boundary(
-        self,
-        group: RankGroup,
-        step: int,
-        values: dict[str, float],
-        pending: list[_Pending],
-        metric_limit: int | None = None,
-    ) -> dict[str, Checkpoint]:
-        try:
-            local = self._write_here(group, pending)
-            problem = first_error(group.gather("write", capture(0, local) if local else None))
-            if problem is not None:
-                raise_agreed(problem, local, 0)
-            self._place(pending)
-            evicted, committed_at, flushed = self._commit(step, pending, metric_limit)
-        except RankAgreementError as broken:  # the group is broken: roll back, share nothing
-            self._roll_back_quietly(step, pending, broken)
-            raise
-        except BaseException as exc:
-            try:
-                self._roll_back(step, pending, exc)
-            except PublishError as failed:
-                failed.ranks = list(getattr(exc, "ranks", None) or [0])  # type: ignore[attr-defined]
-                group.share("outcome", (None, capture(0, failed)))
-                raise
-            raise  # an interrupt: rolled back, and the other ranks time out
-        self._drop_flushed(flushed)
-        faults.point("after_commit")
-        records = {p.stream: self._record(p, step, values, committed_at) for p in pending}
-        group.share("outcome", (records, None))
-        self._clean_up(step, evicted)
-        return records
-
-    def _write_here(self, group: RankGroup, pending: list[_Pending]) -> BaseException | None:
-        """The chief's write phase; its error is returned for the ``write`` agreement.
-
-        Sharded payloads first, with every rank in DCP; nothing fallible runs
-        before them, so no rank waits in DCP for a chief that failed early.
-        """
-        try:
-            for p in pending:
-                if p.sharded:
-                    write_sharded(p.payload.state_dict, p.tmp, group.group)
-            faults.point("after_intent")
-            self._write_payloads(pending, group)
-        except (Exception, CheckpointException) as exc:
-            return exc
-        return None
-
-    def _follower_boundary(
-        self, group: RankGroup, items: list[_PlanItem], payloads: Mapping[str, Any]
-    ) -> dict[str, Checkpoint]:
-        local: BaseException | None = None
-        try:
-            for item in items:
-                if item.sharded:
-                    write_sharded(
-                        payloads[item.stream].state_dict, self.save_dir / item.tmp, group.group
-                    )
-        except (Exception, CheckpointException) as exc:
-            local = exc
-        group.gather("write", capture(group.rank, local) if local else None)
-        nothing: tuple[dict[str, Checkpoint] | None, RankError | None] = (None, None)
-        records, failure = group.share("outcome", nothing)
-        if failure is not None:
-            raise_agreed(failure, local, group.rank)
-        return records or {}
-
-    def _roll_back_quietly(self, step: int, pending: list[_Pending], exc: BaseException) -> None:
-        """Roll back for an error that must propagate as itself (the rollback's own
-        error, with any cleanup failure, is attached as ``exc.rollback``)."""
-        try:
-            self._roll_back(step, pending, exc)
-        except PublishError as failed:
-            exc.rollback = failed  # type: ignore[attr-defined]
-
     def _admitted(
         self, session: Any, step: int, values: dict[str, float], payloads: Mapping[str, Any]
     ) -> dict[str, Any]:
@@ -839,7 +579,7 @@ class CheckpointManager(RunQueries):
 
     def _record_intent(
         self, step: int, values: dict[str, float], payloads: Mapping[str, Any]
-    ) -> list[_Pending]:
+    ) -> list[Pending]:
         """One transaction: decide top-K admission, insert a pending row per admitted stream."""
         try:
             with self._db.transaction(durable=False) as session:
@@ -863,7 +603,7 @@ class CheckpointManager(RunQueries):
 
     def _intent_row(
         self, session: Any, step: int, values: dict[str, float], stream: str, payload: Any
-    ) -> _Pending:
+    ) -> Pending:
         policy = self.policies[stream]
         metric = values[policy.metric] if isinstance(policy, TopK) else None
         row = m.Checkpoint(
@@ -889,11 +629,11 @@ class CheckpointManager(RunQueries):
         row.tmp_path = f"{stream}/{temp_name(name, row.id)}"
         if sharded:  # made here, before any rank enters the DCP collective
             make_dir(self.save_dir / row.tmp_path)
-        return _Pending(
+        return Pending(
             stream, payload, row.id, self.save_dir / rel, self.save_dir / row.tmp_path, metric
         )
 
-    def _write_payloads(self, pending: list[_Pending], group: RankGroup | None) -> None:
+    def _write_payloads(self, pending: list[Pending], group: RankGroup | None) -> None:
         """Write every payload durably under its temporary name and record size and hash.
 
         Sharded payloads come first: under torch.distributed every rank is in
@@ -909,7 +649,7 @@ class CheckpointManager(RunQueries):
                 p.info = write_payload(p.payload, p.tmp)
         faults.point("after_fsync")
 
-    def _place(self, pending: list[_Pending]) -> None:
+    def _place(self, pending: list[Pending]) -> None:
         for p in pending:
             place(p.tmp, p.final)
         faults.point("after_replace")
@@ -918,7 +658,7 @@ class CheckpointManager(RunQueries):
         faults.point("after_fsync_dir")
 
     def _commit(
-        self, step: int, pending: list[_Pending], metric_limit: int | None = None
+        self, step: int, pending: list[Pending], metric_limit: int | None = None
     ) -> tuple[list[m.Checkpoint], dt.datetime, int]:
         """The single commit point of a boundary.
 
@@ -948,11 +688,11 @@ class CheckpointManager(RunQueries):
         except (SQLAlchemyError, CkptDBError):
             raise
         except Exception as exc:  # whatever it is, it failed the commit phase
-            raise _PhaseFailure("commit", exc) from exc
+            raise PhaseFailure("commit", exc) from exc
         return evicted, now, flushed
 
     def _record(
-        self, p: _Pending, step: int, values: dict[str, float], committed_at: dt.datetime
+        self, p: Pending, step: int, values: dict[str, float], committed_at: dt.datetime
     ) -> Checkpoint:
         assert p.info is not None
         return Checkpoint(
@@ -969,7 +709,7 @@ class CheckpointManager(RunQueries):
             metrics=dict(values),
         )
 
-    def _apply_retention(self, session: Any, p: _Pending) -> list[m.Checkpoint]:
+    def _apply_retention(self, session: Any, p: Pending) -> list[m.Checkpoint]:
         rows = ledger.rows_in_state(session, self.run_id, [m.COMMITTED], p.stream)
         others = [r for r in rows if r.id != p.row_id]
         new = Entry(id=p.row_id, step=self._step_of(rows, p.row_id), metric=p.metric)
@@ -983,7 +723,7 @@ class CheckpointManager(RunQueries):
     def _step_of(rows: list[m.Checkpoint], row_id: int) -> int:
         return next(r.step for r in rows if r.id == row_id)
 
-    def _roll_back(self, step: int, pending: list[_Pending], exc: BaseException) -> None:
+    def _roll_back(self, step: int, pending: list[Pending], exc: BaseException) -> None:
         failures: list[CleanupFailure] = []
         left: set[int] = set()
         for p in pending:
@@ -993,7 +733,7 @@ class CheckpointManager(RunQueries):
                 except OSError as cleanup_exc:
                     failures.append(CleanupFailure(leftover, cleanup_exc))
                     left.add(p.row_id)
-        phase, path, cause = _describe(exc)
+        phase, path, cause = describe(exc)
         where = f" at {path}" if path is not None else ""
         if isinstance(cause, CkptDBError) and getattr(cause, "ranks", None):
             what = str(cause)  # another rank's failure, already described
@@ -1018,7 +758,7 @@ class CheckpointManager(RunQueries):
     def _record_rollback(
         self,
         step: int,
-        pending: list[_Pending],
+        pending: list[Pending],
         left: set[int],
         error: str,
         failures: list[CleanupFailure],
@@ -1171,181 +911,6 @@ class CheckpointManager(RunQueries):
     def _drop_flushed(self, count: int) -> None:
         del self._metric_buffer[:count]
 
-    # ------------------------------------------------------------------ loading
-
-    def load(
-        self,
-        which: str | int | Checkpoint | os.PathLike[str] = "latest",
-        *,
-        stream: str | None = None,
-        map_location: Any = "cpu",
-        weights_only: bool = True,
-        into: dict[str, Any] | None = None,
-    ) -> Any:
-        """Load a committed checkpoint after verifying its size and hash.
-
-        ``which`` is ``"latest"``, ``"best"``, a step, a :class:`Checkpoint`
-        or a path. ``stream`` defaults to ``"best"`` for ``which="best"`` and
-        ``"model"`` otherwise. A mismatch marks the row ``corrupt``, moves the
-        latest pointer back to the newest healthy checkpoint and raises
-        :class:`CorruptCheckpointError` before anything is unpickled; a
-        vanished file is marked ``lost`` likewise (:class:`CheckpointLostError`).
-        A sharded checkpoint loads in place into ``into`` (the caller's state
-        dict, with the shapes and sharding to fill), which is returned.
-        Under torch.distributed ``load`` is collective: the chief resolves
-        and verifies, every rank loads that checkpoint.
-        """
-        self._check_open()
-        if self._inflight is not None and self._inflight_writes(which, stream):
-            self._wait_inflight()
-        if self._group is not None:
-            return self._load_collective(
-                self._group, which, stream, map_location, weights_only, into
-            )
-        target, path = self._verified(which, stream)
-        _check_into(target, into)
-        state = _read(target, path, map_location, weights_only, into, None)
-        self._note_resume(target)
-        return state
-
-    def _inflight_writes(self, which: object, stream: str | None) -> bool:
-        """Whether the boundary in flight writes the stream that ``load`` asks for."""
-        if isinstance(which, Checkpoint):
-            wanted: str | None = which.stream
-        elif which == "best":
-            wanted = stream or "best"
-        elif which == "latest" or isinstance(which, int):
-            wanted = stream or "model"
-        else:
-            wanted = None  # a path: it may be the one being written
-        streams = self._inflight_streams
-        return wanted is None or wanted in streams
-
-    def _verified(self, which: object, stream: str | None) -> tuple[Checkpoint, Path]:
-        """The checkpoint ``which`` names, its size and hash checked (marked bad if not)."""
-        target = self._resolve(which, stream)
-        path = confine(self.save_dir, target.path.relative_to(self.save_dir))
-        try:
-            problem = _verify(path, target)
-        except FileNotFoundError as exc:
-            self._mark_bad(target, m.LOST, "file missing")
-            raise CheckpointLostError(
-                f"{target.path} is gone; marked lost, latest falls back to the previous one"
-            ) from exc
-        if problem is not None:
-            self._mark_bad(target, m.CORRUPT, problem)
-            raise CorruptCheckpointError(f"{target.path}: {problem}; refusing to load it")
-        return target, path
-
-    def _load_collective(
-        self,
-        group: RankGroup,
-        which: object,
-        stream: str | None,
-        map_location: Any,
-        weights_only: bool,
-        into: dict[str, Any] | None,
-    ) -> Any:
-        """Three collectives: ``resolve`` (the chief's verified target), ``ready``
-        (every rank can load it: a sharded load is itself collective, so no rank
-        may skip it) and ``loaded`` (every rank's outcome)."""
-        target = group.shared_call("resolve", lambda: self._verified(which, stream)[0])
-        problem: BaseException | None = None
-        try:
-            _check_into(target, into)
-        except InvalidArgumentError as exc:
-            problem = exc
-        group.agree("ready", problem, fallback="InvalidArgumentError")
-        state: Any = None
-        try:
-            path = confine(self.save_dir, target.path.relative_to(self.save_dir))
-            state = _read(target, path, map_location, weights_only, into, group)
-            if group.is_chief:
-                self._note_resume(target)
-        except (Exception, CheckpointException) as exc:
-            problem = exc
-        group.agree("loaded", problem, fallback="RankFailedError")
-        return state
-
-    def _resolve(self, which: object, stream: str | None) -> Checkpoint:
-        if isinstance(which, Checkpoint):
-            return self._committed_by_path(which.path)
-        if which == "latest":
-            found = RunQueries.latest(self, stream or "model")
-            if found is None:
-                raise CheckpointNotFoundError(f"stream {stream or 'model'!r} has no checkpoint yet")
-            return found
-        if which == "best":
-            best = RunQueries.best(self, stream or "best")
-            if not best:
-                raise CheckpointNotFoundError(f"stream {stream or 'best'!r} has no checkpoint yet")
-            return best[0]
-        if isinstance(which, int) and not isinstance(which, bool):
-            name = stream or "model"
-            self._check_stream(name)
-            found = self._find_committed(stream=name, step=which)
-            if found is None:
-                raise CheckpointNotFoundError(
-                    f"stream {name!r} has no committed checkpoint at step {which}"
-                )
-            return found
-        if isinstance(which, (str, os.PathLike)):
-            return self._committed_by_path(Path(which))
-        raise ArgumentTypeError(
-            f"which must be 'latest', 'best', a step, a Checkpoint or a path; got {which!r}"
-        )
-
-    def _committed_by_path(self, path: Path) -> Checkpoint:
-        resolved = (Path.cwd() / path).resolve()
-        save_dir = self.save_dir.resolve()
-        found = None
-        if resolved.is_relative_to(save_dir):
-            found = self._find_committed(path=resolved.relative_to(save_dir).as_posix())
-        if found is None:
-            raise CheckpointNotFoundError(
-                f"{path} is not a committed checkpoint of run {self.root}"
-            )
-        return found
-
-    def _find_committed(self, **where: Any) -> Checkpoint | None:
-        """The newest committed row matching ``where`` (column=value), by an indexed query."""
-        with self._db.transaction() as session:
-            query = select(m.Checkpoint).filter_by(run_id=self.run_id, state=m.COMMITTED, **where)
-            row = session.scalars(query.order_by(m.Checkpoint.id.desc()).limit(1)).first()
-            return Checkpoint.from_row(row, self.save_dir) if row is not None else None
-
-    def _mark_bad(self, target: Checkpoint, state: str, problem: str) -> None:
-        """Record a lost/corrupt file found at load time, as reconcile would."""
-        with self._db.transaction() as session:
-            ledger.set_state(session, [target.id], state, error=problem)
-            ledger.repoint_latest(session, self.run_id, target.stream)
-            ledger.add_event(
-                session,
-                self.run_id,
-                self.attempt_id,
-                state,
-                checkpoint_id=target.id,
-                step=target.step,
-                detail={"path": str(target.path), "detail": problem},
-            )
-
-    def _note_resume(self, target: Checkpoint) -> None:
-        if self._resumed:
-            return
-        self._resumed = True
-        with self._db.transaction() as session:
-            attempt = session.get(m.Attempt, self.attempt_id)
-            if attempt is not None and attempt.resumed_from_id is None:
-                attempt.resumed_from_id = target.id
-            ledger.add_event(
-                session,
-                self.run_id,
-                self.attempt_id,
-                "resumed",
-                checkpoint_id=target.id,
-                step=target.step,
-            )
-
     # ---------------------------------------------------------------- reconcile
 
     def reconcile(
@@ -1371,65 +936,3 @@ class CheckpointManager(RunQueries):
         self._wait_inflight()  # its pending rows are not a crash
         checker = Checker(self._db, self.run_id, self.root, self.save_dir, self.policies)
         return checker.run(load=load)
-
-
-def _verify(path: Path, target: Checkpoint) -> str | None:
-    """Why ``path`` does not match its ledger row, or None (FileNotFoundError if absent)."""
-    try:
-        size = checkpoint_size(path)
-    except ForeignEntryError as exc:
-        return str(exc)
-    if size != target.size:
-        return f"size {size} != recorded {target.size}"
-    actual = hash_checkpoint(path)
-    if actual.hash != target.hash:
-        return f"hash {actual.hash} != recorded {target.hash}"
-    return None
-
-
-def _check_into(target: Checkpoint, into: object) -> None:
-    if is_sharded(target.path):
-        if not isinstance(into, dict):
-            raise InvalidArgumentError(
-                f"{target.path} is a sharded checkpoint: pass into=<state dict> to load it in place"
-            )
-    elif into is not None:
-        raise InvalidArgumentError(
-            f"into= is for sharded checkpoints; {target.path} is a file, use the returned state"
-        )
-
-
-def _read(
-    target: Checkpoint,
-    path: Path,
-    map_location: Any,
-    weights_only: bool,
-    into: dict[str, Any] | None,
-    group: RankGroup | None,
-) -> Any:
-    if into is not None:
-        load_sharded(into, path, group.group if group is not None else None)
-        return into
-    # torch's own reader on the path is ~3x faster than through a Python file
-    # object; the file is ours, in the save dir, verified just now.
-    return torch.load(path, map_location=map_location, weights_only=weights_only)
-
-
-class _PhaseFailure(Exception):
-    """Internal: an unexpected error in a phase that has no file path (commit, snapshot)."""
-
-    def __init__(self, phase: str, error: BaseException) -> None:
-        super().__init__(str(error))
-        self.phase = phase
-        self.error = error
-
-
-def _describe(exc: BaseException) -> tuple[str, Path | None, BaseException]:
-    """(phase, path, underlying error) of a failure inside a boundary."""
-    if isinstance(exc, _PhaseFailure):
-        return exc.phase, None, exc.error
-    if isinstance(exc, PhaseError):
-        return exc.phase, exc.path, exc.error
-    if isinstance(exc, (SQLAlchemyError, LedgerError)):
-        return "commit", None, exc
-    return "write", None, exc

@@ -46,6 +46,7 @@ from helpers import files, rows, state
 
 import ckptdb.db
 import ckptdb.ledger
+import ckptdb.loading
 import ckptdb.manager
 import ckptdb.storage
 from ckptdb import CheckpointManager, CleanupWarning, Keep, faults
@@ -1083,7 +1084,7 @@ def test_read_error_during_load(
     monkeypatch.setattr(ckptdb.storage, "open", fake_open, raising=False)
     if stage == "verify":
         monkeypatch.setattr(
-            ckptdb.manager, "hash_checkpoint", failing(ckptdb.manager.hash_checkpoint)
+            ckptdb.loading, "hash_checkpoint", failing(ckptdb.loading.hash_checkpoint)
         )
     elif stage == "unpickle":
         monkeypatch.setattr(torch, "load", failing(torch.load))
