@@ -22,6 +22,11 @@ become ``aborted`` with the error, pointers and retention are untouched, and
 :class:`~ckptdb.errors.PublishError` names the phase and the path. A leftover
 that cannot be removed is attached to the error and stays ``pending`` so the
 next reconcile removes it.
+
+``save(blocking=False)`` runs 1-2 and a snapshot at call time and 3-6 in the
+background (:mod:`ckptdb.asyncsave`); under torch.distributed the same steps
+run inside a fixed sequence of collectives (:mod:`ckptdb.distributed`,
+:mod:`ckptdb.collective`); ``load`` lives in :mod:`ckptdb.loading`.
 """
 
 from __future__ import annotations
