@@ -386,11 +386,14 @@ def async_save(work: Path, megabytes: float, reps: int) -> Comparison:
     plain_dir.mkdir(parents=True)
     mgr = CheckpointManager(work / "run", streams={"model": Keep(last=2)})
 
+    rss: list[int] = []
+
     def blocked_by_async() -> float:
         start = time.perf_counter()
         handle = mgr.save(next(counter), blocking=False, model=sd)
         blocked = time.perf_counter() - start
         handle.result()
+        rss.append(_rss_bytes())
         return blocked
 
     contenders = {
@@ -409,4 +412,16 @@ def async_save(work: Path, megabytes: float, reps: int) -> Comparison:
         mgr.close()
         shutil.rmtree(work)
     result.notes["target"] = "time blocked well under 1x torch.save (a host memcpy)"
+    # the snapshot buffers are reused: resident memory must not grow per boundary
+    result.notes["rss_growth_after_first_async_mb"] = round((rss[-1] - rss[0]) / 2**20, 1)
+    result.notes["payload_mb"] = megabytes
     return result
+
+
+def _rss_bytes() -> int:
+    """This process's resident set size (Linux), 0 where /proc is not there."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
