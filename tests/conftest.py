@@ -5,6 +5,11 @@ PostgreSQL: tests that need a server take its URL from ``CKPTDB_TEST_POSTGRES_UR
 (``pg_url``), dropped at teardown. ``backend`` runs a test on both ledgers. Such
 tests are marked ``postgres``, and with ``CI=true`` a skipped one is a failure:
 CI must not pass without having run them.
+
+``open_manager`` and ``db`` (plain SQL on the run's ledger) use the ledger that
+``db_url`` names: None, the run's own SQLite file. A test module whose tests run
+on both ledgers overrides ``db_url`` with one that returns ``backend`` (a test
+there can still narrow ``backend`` with ``parametrize(..., indirect=["backend"])``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import pg_admin, pg_schema_url
+from helpers import LedgerClient, pg_admin, pg_schema_url
 
 from ckptdb import CheckpointManager, Keep, TopK
 
@@ -29,11 +34,22 @@ def root(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def open_manager(root: Path) -> Iterator[Callable[..., CheckpointManager]]:
-    """Open managers on ``root`` (or another directory); all are closed at teardown."""
+def db_url() -> str | None:
+    """The ledger of the runs a test opens: None, each run's own SQLite file.
+
+    Overridden (``return backend``) by the modules whose tests run on both ledgers.
+    """
+    return None
+
+
+@pytest.fixture
+def open_manager(root: Path, db_url: str | None) -> Iterator[Callable[..., CheckpointManager]]:
+    """Open managers on ``root`` (or another directory) with ``db_url``; all are
+    closed at teardown (before a PostgreSQL test schema is dropped)."""
     opened: list[CheckpointManager] = []
 
     def factory(path: Path | None = None, **kwargs: Any) -> CheckpointManager:
+        kwargs.setdefault("db_url", db_url)
         mgr = CheckpointManager(path or root, **kwargs)
         opened.append(mgr)
         return mgr
@@ -41,6 +57,14 @@ def open_manager(root: Path) -> Iterator[Callable[..., CheckpointManager]]:
     yield factory
     for mgr in opened:
         mgr.close()
+
+
+@pytest.fixture
+def db(root: Path, db_url: str | None) -> Iterator[LedgerClient]:
+    """Plain SQL on the ledger of the run at ``root``, whichever ``db_url`` it has."""
+    client = LedgerClient(root, db_url)
+    yield client
+    client.close()
 
 
 @pytest.fixture

@@ -12,6 +12,9 @@ The parent then feeds the ack file and the ledger to :class:`Reference`, a
 plain-Python model of the stream policies, and :func:`verify` reopens the run
 (reconcile), runs the invariant checker and compares the committed rows with
 what the reference says must be committed (invariant 5 and more).
+
+The ledger is the run's SQLite file, or the PostgreSQL database of
+``ChildSpec.db_url`` (the same URL for the child and for the parent's checks).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers import LedgerClient, await_sessions_gone, child_app_name
 
 from ckptdb import CheckpointManager, Keep, TopK, faults
 from ckptdb.policies import Policy
@@ -104,7 +108,8 @@ class ChildSpec:
     hook is armed (0: armed before the manager opens, so the reconcile at open
     counts). ``maintenance``: open without reconcile (to stack the damage of two
     crashes). ``reconcile_every``: after every R boundaries, drop a stray
-    temporary file and call ``reconcile()``."""
+    temporary file and call ``reconcile()``. ``db_url``: the ledger (None: the
+    run's own SQLite file)."""
 
     root: str
     ack: str
@@ -115,6 +120,7 @@ class ChildSpec:
     arm_after: int = 0
     maintenance: bool = False
     reconcile_every: int = 0
+    db_url: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -161,7 +167,9 @@ def run_child(spec: ChildSpec, die: Callable[[], None] = exit_at_point) -> int:
     previous = faults.set_hook(hook if spec.crash_point else None)
     fd = os.open(spec.ack, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        with CheckpointManager(spec.root, streams=policies(), maintenance=spec.maintenance) as mgr:
+        with CheckpointManager(
+            spec.root, streams=policies(), maintenance=spec.maintenance, db_url=spec.db_url
+        ) as mgr:
             _record(fd, {"opened": os.getpid()})
             for done, b in enumerate(spec.boundaries):
                 if done == spec.arm_after:
@@ -214,6 +222,7 @@ def fork_child(spec: ChildSpec) -> int:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         sys.stdout = sys.stderr = log
+        os.environ["PGAPPNAME"] = child_app_name(os.getpid())  # see await_sessions_gone
         torch.set_num_threads(1)  # the parent's intra-op pool does not survive fork
         code = run_child(spec)
     except BaseException:
@@ -240,7 +249,11 @@ def wait_child(pid: int, timeout: float) -> int:
 
 
 def run_forked(spec: ChildSpec, timeout: float = 60) -> int:
-    return wait_child(fork_child(spec), timeout)
+    """Run ``spec`` in a forked child; its exit status, once its sessions are gone."""
+    pid = fork_child(spec)
+    code = wait_child(pid, timeout)
+    await_sessions_gone(spec.db_url, pid)
+    return code
 
 
 def run_subprocess(spec: ChildSpec, timeout: float = 120) -> int:
@@ -248,19 +261,26 @@ def run_subprocess(spec: ChildSpec, timeout: float = 120) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), *filter(None, [env.get("PYTHONPATH")])])
     code = "import sys, crashlib; sys.exit(crashlib.main(sys.argv[1]))"
-    with open(spec.log, "a") as log:
-        result = subprocess.run(
+    with (
+        open(spec.log, "a") as log,
+        subprocess.Popen(
             [sys.executable, "-c", code, spec.to_json()],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
-            timeout=timeout,
-            check=False,
-        )
-    return result.returncode
+        ) as child,
+    ):
+        try:
+            returncode = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            raise
+    await_sessions_gone(spec.db_url, child.pid)
+    return returncode
 
 
 def main(spec_json: str) -> int:
+    os.environ["PGAPPNAME"] = child_app_name(os.getpid())  # see await_sessions_gone
     torch.set_num_threads(1)
     return run_child(ChildSpec.from_json(spec_json))
 
@@ -305,16 +325,26 @@ class Row:
     was_committed: bool
 
 
-def ledger_rows(root: Path) -> list[Row]:
-    """Every checkpoint row, read with plain sqlite3 (no reconcile, no lock)."""
+ROWS_QUERY = "SELECT id, stream, step, state, path, committed_at IS NOT NULL FROM checkpoints"
+
+
+def ledger_rows(root: Path, db_url: str | None = None) -> list[Row]:
+    """Every checkpoint row, read with plain SQL (no reconcile, no lock)."""
+    if db_url is not None:
+        client = LedgerClient(root, db_url)
+        try:
+            if client.rows("SELECT to_regclass('checkpoints') IS NULL") == [(True,)]:
+                return []  # killed before the first migration committed
+            found = client.rows(ROWS_QUERY)
+        finally:
+            client.close()
+        return [Row(i, s, st, state, p, bool(c)) for i, s, st, state, p, c in found]
     db = root / "ckptdb.sqlite"
     if not db.exists():
         return []
     con = sqlite3.connect(db)
     try:
-        found = con.execute(
-            "SELECT id, stream, step, state, path, committed_at IS NOT NULL FROM checkpoints"
-        ).fetchall()
+        found = con.execute(ROWS_QUERY).fetchall()
     except sqlite3.OperationalError as exc:
         if "no such table" in str(exc):
             return []  # killed before the first migration committed
@@ -521,14 +551,15 @@ class Verified:
     reconcile_counts: dict[str, int]
 
 
-def verify(root: Path, ref: Reference) -> Verified:
+def verify(root: Path, ref: Reference, db_url: str | None = None) -> Verified:
     """Reopen (reconcile) and check every invariant; the reference must have absorbed
-    the dead child's ack file already."""
+    the dead child's ack file already. (``PRAGMA integrity_check`` on SQLite only: a
+    PostgreSQL server keeps its own files consistent across a client's death.)"""
     problems: list[str] = []
-    with CheckpointManager(root, streams=policies()) as mgr:
+    with CheckpointManager(root, streams=policies(), db_url=db_url) as mgr:
         counts = mgr.last_reconcile.counts
         problems += [f"check: {p}" for p in mgr.check(load=True)]
-        rows = ledger_rows(root)
+        rows = ledger_rows(root, db_url)
         problems += ref.compare(rows)
         problems += ref.check_contents(mgr.save_dir, rows)
         odd = sorted({r.state for r in rows} - HEALTHY_STATES)
@@ -536,21 +567,22 @@ def verify(root: Path, ref: Reference) -> Verified:
             problems.append(f"rows left in states {odd} after reconcile")
         again = mgr.reconcile()
         problems += [f"second reconcile acted: {a}" for a in again.actions]
-    status = integrity(root)
-    if status != "ok":
-        problems.append(f"PRAGMA integrity_check: {status}")
+    if db_url is None:
+        status = integrity(root)
+        if status != "ok":
+            problems.append(f"PRAGMA integrity_check: {status}")
     return Verified(problems, counts)
 
 
-def save_once_more(root: Path, ref: Reference, b: Boundary) -> list[str]:
+def save_once_more(root: Path, ref: Reference, b: Boundary, db_url: str | None = None) -> list[str]:
     """A further save after the crash succeeds and leaves a consistent run."""
-    with CheckpointManager(root, streams=policies()) as mgr:
+    with CheckpointManager(root, streams=policies(), db_url=db_url) as mgr:
         out = mgr.save(
             b.step, metrics={"val_loss": b.val_loss}, **{s: payload(b, s) for s in STREAM_CODE}
         )
         problems = ref.commit(b, {s: c.id for s, c in out.items()}, acked=True)
         problems += [f"check after the further save: {p}" for p in mgr.check(load=True)]
-        rows = ledger_rows(root)
+        rows = ledger_rows(root, db_url)
         problems += ref.compare(rows)
         problems += ref.check_contents(mgr.save_dir, rows)
     return problems

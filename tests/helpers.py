@@ -6,13 +6,14 @@ import contextlib
 import json
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.pool import NullPool
 
 
@@ -27,6 +28,137 @@ def rows(root: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
         return con.execute(sql, args).fetchall()
     finally:
         con.close()
+
+
+class LedgerClient:
+    """Plain SQL on one run's ledger, SQLite or PostgreSQL, as any SQL client would.
+
+    ``db_url`` is what the run was opened with: None for its own
+    ``<root>/ckptdb.sqlite`` (read with :mod:`sqlite3`, as :func:`rows` does),
+    or a PostgreSQL URL (one autocommit connection, opened at first use: every
+    statement sees what is committed; :meth:`close` it before the schema goes).
+    Statements use ``?`` placeholders on both; a literal ``%`` needs no escaping.
+    """
+
+    def __init__(self, root: Path, db_url: str | None = None) -> None:
+        self.root = root
+        self.db_url = db_url
+        self._engine: Engine | None = None
+        self._conn: Connection | None = None
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.db_url is None
+
+    def rows(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+        if self.db_url is None:
+            return rows(self.root, sql, *args)
+        return [tuple(r) for r in self._pg().exec_driver_sql(*_pyformat(sql, args))]
+
+    def execute(self, sql: str, *args: Any) -> None:
+        """Change the ledger behind ckptdb's back (and commit), as an operator could."""
+        if self.db_url is None:
+            con = sqlite3.connect(self.root / "ckptdb.sqlite")
+            try:
+                with con:
+                    con.execute(sql, args)
+            finally:
+                con.close()
+        else:
+            self._pg().exec_driver_sql(*_pyformat(sql, args))
+
+    def tables(self) -> list[str]:
+        """The ledger's tables (alembic's included), sorted."""
+        if self.db_url is None:
+            query = "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name"
+        else:
+            query = (
+                "SELECT table_name FROM information_schema.tables "
+                "WHERE table_schema = current_schema() AND table_type = 'BASE TABLE' "
+                "ORDER BY table_name"
+            )
+        return [name for (name,) in self.rows(query)]
+
+    def _pg(self) -> Connection:
+        if self._conn is None:
+            assert self.db_url is not None
+            engine = create_engine(self.db_url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+            self._engine, self._conn = engine, engine.connect()
+        return self._conn
+
+    def close(self) -> None:
+        conn, engine = self._conn, self._engine
+        self._conn = self._engine = None
+        if conn is not None:
+            conn.close()
+        if engine is not None:
+            engine.dispose()
+
+
+def _pyformat(sql: str, args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...] | None]:
+    """``?`` placeholders as psycopg's ``%s`` (a statement without arguments is left as is)."""
+    if not args:
+        return sql, None
+    return sql.replace("%", "%%").replace("?", "%s"), args
+
+
+_ParameterSet = type(pytest.param())
+
+
+def on_both_backends(
+    cases: Iterable[Any], *, postgres: Callable[[Any], bool], ids: Callable[[Any], str] = str
+) -> list[Any]:
+    """``(backend, *case)`` for ``parametrize(("backend", ...), ..., indirect=["backend"])``.
+
+    Every case runs on SQLite; on PostgreSQL only those ``postgres(case)`` picks
+    (for a ``pytest.param`` case: ``postgres(its id)``). For cases that differ in
+    what the ledger never sees (a file name, a path, an argument refused before
+    any ledger work), where one or two represent them there.
+    """
+    out = []
+    for backend in ("sqlite", "postgres"):
+        for case in cases:
+            if isinstance(case, _ParameterSet):
+                values, name, marks, key = tuple(case.values), str(case.id), case.marks, case.id
+            else:
+                values, name, marks, key = (case,), ids(case), (), case
+            if backend == "sqlite" or postgres(key):
+                out.append(pytest.param(backend, *values, id=f"{backend}-{name}", marks=marks))
+    return out
+
+
+def child_app_name(pid: int) -> str:
+    """The ``application_name`` of a test child's PostgreSQL sessions (set as
+    ``PGAPPNAME`` by the child itself) but its writer lock's: ckptdb names that one
+    ``ckptdb pid=<pid> host=<host>``."""
+    return f"ckptdb-test pid={pid}"
+
+
+def await_sessions_gone(db_url: str | None, pid: int, timeout: float = 30) -> None:
+    """Wait until the server has ended every PostgreSQL session of dead process ``pid``.
+
+    The server ends the session of a client that died when it reads the closed
+    socket: at once, or nearly, but not in step with the client's death. Until
+    then the run's advisory lock may still be held (a reopen is refused), and a
+    COMMIT the client sent just before dying may still be in progress (the ledger
+    read now would not be the one a reopen sees). Sessions are told apart by
+    ``application_name``: ckptdb's for the lock, :func:`child_app_name` for the
+    rest. Nothing to wait for on SQLite (``db_url`` None).
+    """
+    if db_url is None:
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        with pg_admin(db_url) as conn:
+            left = conn.exec_driver_sql(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND (application_name LIKE %s OR application_name = %s)",
+                (f"ckptdb pid={pid} %", child_app_name(pid)),
+            ).scalar()
+        if not left:
+            return
+        assert time.monotonic() < deadline, f"the sessions of dead process {pid} never ended"
+        time.sleep(0.01)
 
 
 def files(directory: Path) -> list[str]:

@@ -5,6 +5,13 @@ protocol must survive (each raising ``PublishError`` with its phase and leaving
 the ledger and the disk as they were), cleanup failures before and after the
 commit, the non-finite guard, top-K admission, the timeline rule, retention,
 input validation and buffered metrics.
+
+Every test that opens a run does so on both ledgers: the run's SQLite file and a
+PostgreSQL schema of its own (``db_url`` below follows ``backend``; see conftest).
+The ledger is read with plain SQL through the ``db`` fixture. Cases that differ in
+what the ledger never sees (an argument refused before any ledger work, the
+stream a file fault hits) run on PostgreSQL for a representative few:
+``on_both_backends``.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import pytest
 import sqlalchemy.exc
 import torch
 import xxhash
-from helpers import files, rows, state
+from helpers import LedgerClient, files, on_both_backends, state
 
 import ckptdb.ledger
 import ckptdb.storage
@@ -47,23 +54,23 @@ BOUNDARY = ("model", "ema", "best")  # payload order of a full boundary below
 # --------------------------------------------------------------------- helpers
 
 
-def committed(root: Path) -> list[tuple[Any, ...]]:
-    return rows(root, COMMITTED_SQL)
+@pytest.fixture
+def db_url(backend: str | None) -> str | None:
+    """Runs opened here (``open_manager``, ``db``) use both ledgers in turn."""
+    return backend
 
 
-def pointers(root: Path) -> dict[str, int]:
-    return dict(rows(root, "SELECT name, checkpoint_id FROM pointers"))
+def committed(db: LedgerClient) -> list[tuple[Any, ...]]:
+    return db.rows(COMMITTED_SQL)
 
 
-def ledger_dump(root: Path) -> dict[str, list[tuple[Any, ...]]]:
+def pointers(db: LedgerClient) -> dict[str, int]:
+    return dict(db.rows("SELECT name, checkpoint_id FROM pointers"))
+
+
+def ledger_dump(db: LedgerClient) -> dict[str, list[tuple[Any, ...]]]:
     """Every row of every table, for "nothing changed" comparisons."""
-    tables = [
-        name
-        for (name,) in rows(
-            root, "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name"
-        )
-    ]
-    return {t: sorted(rows(root, f'SELECT * FROM "{t}"'), key=repr) for t in tables}
+    return {t: sorted(db.rows(f'SELECT * FROM "{t}"'), key=repr) for t in db.tables()}
 
 
 def digest(path: Path) -> str:
@@ -79,12 +86,12 @@ def temp_files(directory: Path) -> list[str]:
     return [name for name in files(directory) if Path(name).name.startswith(".")]
 
 
-def events(root: Path, kind: str) -> list[tuple[Any, ...]]:
-    return rows(root, "SELECT step, checkpoint_id, detail FROM events WHERE kind = ?", kind)
+def events(db: LedgerClient, kind: str) -> list[tuple[Any, ...]]:
+    return db.rows("SELECT step, checkpoint_id, detail FROM events WHERE kind = ?", kind)
 
 
-def max_checkpoint_id(root: Path) -> int:
-    return rows(root, "SELECT COALESCE(MAX(id), 0) FROM checkpoints")[0][0]
+def max_checkpoint_id(db: LedgerClient) -> int:
+    return db.rows("SELECT COALESCE(MAX(id), 0) FROM checkpoints")[0][0]
 
 
 def boundary(value: float) -> dict[str, Any]:
@@ -113,12 +120,12 @@ def spy_save(
 
 
 @pytest.fixture
-def warm(open_manager: Opener, streams: dict[str, Any], root: Path) -> CheckpointManager:
+def warm(open_manager: Opener, streams: dict[str, Any], db: LedgerClient) -> CheckpointManager:
     """A manager with two committed boundaries (steps 10 and 20) on model, ema and best."""
     mgr = open_manager(streams=streams)
     mgr.save(10, metrics={"val_loss": 1.0}, **boundary(1.0))
     mgr.save(20, metrics={"val_loss": 2.0}, **boundary(2.0))
-    assert len(committed(root)) == 6
+    assert len(committed(db)) == 6
     return mgr
 
 
@@ -127,7 +134,12 @@ def warm(open_manager: Opener, streams: dict[str, Any], root: Path) -> Checkpoin
 
 @pytest.mark.parametrize("custom_save_dir", [False, True])
 def test_save_publishes_every_stream(
-    open_manager: Opener, streams: dict[str, Any], root: Path, tmp_path: Path, custom_save_dir: bool
+    open_manager: Opener,
+    streams: dict[str, Any],
+    root: Path,
+    db: LedgerClient,
+    tmp_path: Path,
+    custom_save_dir: bool,
 ) -> None:
     save_dir = tmp_path / "elsewhere" / "ckpts" if custom_save_dir else None
     mgr = open_manager(streams=streams, save_dir=save_dir)
@@ -153,9 +165,9 @@ def test_save_publishes_every_stream(
         assert result["model"].metric is None
 
         ids = {s: c.id for s, c in result.items()}
-        assert pointers(root) == {f"latest:{s}": i for s, i in ids.items()}
-        in_ledger = rows(
-            root, "SELECT stream, state, path, size, hash FROM checkpoints WHERE step = ?", step
+        assert pointers(db) == {f"latest:{s}": i for s, i in ids.items()}
+        in_ledger = db.rows(
+            "SELECT stream, state, path, size, hash FROM checkpoints WHERE step = ?", step
         )
         assert sorted(in_ledger) == sorted(
             (s, "committed", f"{s}/{c.path.name}", c.size, c.hash) for s, c in result.items()
@@ -170,6 +182,8 @@ def test_save_publishes_every_stream(
     # besides the checkpoints, only the library's own files are in the root
     outside = [n for n in files(root) if not (root / n).resolve().is_relative_to(expected_dir)]
     assert all(name.startswith("ckptdb.") for name in outside), outside
+    if not db.is_sqlite:  # no ledger file, no lock file: nothing at all
+        assert outside == []
 
 
 def test_loaded_checkpoint_round_trips(warm: CheckpointManager) -> None:
@@ -181,7 +195,7 @@ def test_loaded_checkpoint_round_trips(warm: CheckpointManager) -> None:
 
 
 def test_protocol_phases_happen_in_order(
-    open_manager: Opener, root: Path, monkeypatch: pytest.MonkeyPatch
+    open_manager: Opener, db: LedgerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     mgr = open_manager(streams={"model": Keep(last=1), "ema": Keep(last=1)})
     old = mgr.save(10, model=state(1.0), ema=state(1.5))
@@ -196,7 +210,7 @@ def test_protocol_phases_happen_in_order(
         stream = stream_of[id(obj)]
         directory = save_dir / stream
         # the intent rows of the whole boundary are already committed as pending
-        seen = rows(root, "SELECT stream, state, path FROM checkpoints WHERE step = 20")
+        seen = db.rows("SELECT stream, state, path FROM checkpoints WHERE step = 20")
         assert sorted(seen) == [
             ("ema", "pending", "ema/step-000000020.pt"),
             ("model", "pending", "model/step-000000020.pt"),
@@ -204,7 +218,7 @@ def test_protocol_phases_happen_in_order(
         tmps = [name for name in os.listdir(directory) if name.startswith(".")]
         assert len(tmps) == 1, tmps  # the temp file is in the destination directory
         assert not (directory / "step-000000020.pt").exists()  # final name not there yet
-        assert pointers(root)[f"latest:{stream}"] == old[stream].id
+        assert pointers(db)[f"latest:{stream}"] == old[stream].id
         trace.append(("save", os.stat(directory / tmps[0]).st_ino))
 
     spy_save(monkeypatch, on_save)
@@ -232,11 +246,11 @@ def test_protocol_phases_happen_in_order(
             trace.append(("unlink", p))
             observed_unlinks.append(p)
             # the commit that evicted it is durable before the file goes
-            (row_state,) = rows(root, "SELECT state FROM checkpoints WHERE id = ?", old_paths[p])[0]
+            (row_state,) = db.rows("SELECT state FROM checkpoints WHERE id = ?", old_paths[p])[0]
             assert row_state == "deleting"
             stream = p.parent.name
-            latest = pointers(root)[f"latest:{stream}"]
-            assert rows(root, "SELECT step, state FROM checkpoints WHERE id = ?", latest) == [
+            latest = pointers(db)[f"latest:{stream}"]
+            assert db.rows("SELECT step, state FROM checkpoints WHERE id = ?", latest) == [
                 (20, "committed")
             ]
         real_unlink(path, *args, **kwargs)
@@ -265,7 +279,7 @@ def test_protocol_phases_happen_in_order(
         if kind == "unlink":
             assert i > last_commit
     assert {p.exists() for p in old_paths} == {False}
-    assert rows(root, "SELECT state FROM checkpoints WHERE id IN (?, ?)", *old_paths.values()) == [
+    assert db.rows("SELECT state FROM checkpoints WHERE id IN (?, ?)", *old_paths.values()) == [
         ("deleted",),
         ("deleted",),
     ]
@@ -425,21 +439,29 @@ def db_locked(statement: str) -> sqlalchemy.exc.OperationalError:
     )
 
 
-# (kind, nth): the fault hits the first or the second stream's work (the commit
-# writes metrics once, so that fault has only one place to hit)
+def fault_places(backend: str, kind: str) -> tuple[int, ...]:
+    """Whose work the fault hits: the first or the second stream's (the commit writes
+    metrics once, so that fault has only one place to hit). On PostgreSQL only the
+    last place: which stream it hits is file work, and what the ledger does (every
+    stream's row aborted) is the same."""
+    places = (0,) if kind == "commit_after_metrics" else (0, 1)
+    return places if backend == "sqlite" else places[-1:]
+
+
 FAULT_CASES = [
-    pytest.param(kind, nth, id=f"{kind}-{'first' if nth == 0 else 'second'}")
+    pytest.param(backend, kind, nth, id=f"{backend}-{kind}-{('first', 'second')[nth]}")
+    for backend in ("sqlite", "postgres")
     for kind in FAULTS
-    for nth in (0, 1)
-    if not (kind == "commit_after_metrics" and nth == 1)
+    for nth in fault_places(backend, kind)
 ]
 
 
 @pytest.mark.parametrize("resave", [False, True], ids=["new-step", "resaved-step"])
-@pytest.mark.parametrize(("kind", "nth"), FAULT_CASES)
+@pytest.mark.parametrize(("backend", "kind", "nth"), FAULT_CASES, indirect=["backend"])
 def test_fault_before_commit_leaves_everything_as_before(
     warm: CheckpointManager,
     root: Path,
+    db: LedgerClient,
     monkeypatch: pytest.MonkeyPatch,
     kind: str,
     resave: bool,
@@ -448,11 +470,11 @@ def test_fault_before_commit_leaves_everything_as_before(
     mgr = warm
     save_dir = mgr.save_dir
     step = 20 if resave else 30
-    committed_before = committed(root)
-    pointers_before = pointers(root)
+    committed_before = committed(db)
+    pointers_before = pointers(db)
     disk_before = disk(save_dir)
     best_before = mgr.best("best")
-    first_new_id = max_checkpoint_id(root) + 1
+    first_new_id = max_checkpoint_id(db) + 1
     fault = Fault(kind, nth)
     fault.install(monkeypatch)
 
@@ -467,16 +489,15 @@ def test_fault_before_commit_leaves_everything_as_before(
     assert err.cleanup_failures == []
 
     # the ledger's visible state is exactly as before the boundary
-    assert committed(root) == committed_before
-    assert pointers(root) == pointers_before
+    assert committed(db) == committed_before
+    assert pointers(db) == pointers_before
     assert mgr.best("best") == best_before
     # no temp or final file of the failed boundary is left; old files intact
     assert disk(save_dir) == disk_before
     assert temp_files(save_dir) == []
 
     # the boundary's rows are aborted, with the error recorded
-    attempted = rows(
-        root,
+    attempted = db.rows(
         "SELECT stream, step, state, path, error FROM checkpoints WHERE id >= ? ORDER BY id",
         first_new_id,
     )
@@ -484,7 +505,7 @@ def test_fault_before_commit_leaves_everything_as_before(
     for stream_name, row_step, row_state, _path, error in attempted:
         assert (row_step, row_state) == (step, "aborted"), stream_name
         assert error and fault.message in error, (stream_name, error)
-    failed = events(root, "publish_failed")
+    failed = events(db, "publish_failed")
     assert [e[0] for e in failed] == [step]
     assert PHASE[kind] in failed[0][2]
 
@@ -506,16 +527,16 @@ def test_fault_before_commit_leaves_everything_as_before(
     result = mgr.save(step, metrics={"val_loss": 0.5}, **boundary(5.0))
     assert set(result) == set(BOUNDARY)
     assert {c.state for c in result.values()} == {"committed"}
-    assert pointers(root) == {f"latest:{s}": c.id for s, c in result.items()}
+    assert pointers(db) == {f"latest:{s}": c.id for s, c in result.items()}
     assert temp_files(save_dir) == []
 
 
 @pytest.mark.parametrize("failing", [1, 2], ids=["second-payload", "third-payload"])
 def test_boundary_is_atomic_across_streams(
-    warm: CheckpointManager, root: Path, monkeypatch: pytest.MonkeyPatch, failing: int
+    warm: CheckpointManager, db: LedgerClient, monkeypatch: pytest.MonkeyPatch, failing: int
 ) -> None:
     """The 2nd (or 3rd) payload fails to serialize: the earlier streams do not commit."""
-    before = committed(root), pointers(root), disk(warm.save_dir), warm.best("best")
+    before = committed(db), pointers(db), disk(warm.save_dir), warm.best("best")
     payloads = boundary(7.0)
     failing_obj = payloads[BOUNDARY[failing]]
 
@@ -530,17 +551,17 @@ def test_boundary_is_atomic_across_streams(
     assert info.value.phase == "write"
     assert isinstance(info.value.__cause__, ValueError)
     assert len(calls) == failing + 1  # the earlier streams really were written
-    assert (committed(root), pointers(root), disk(warm.save_dir), warm.best("best")) == before
-    states = rows(root, "SELECT state, error FROM checkpoints WHERE step = 30")
+    assert (committed(db), pointers(db), disk(warm.save_dir), warm.best("best")) == before
+    states = db.rows("SELECT state, error FROM checkpoints WHERE step = 30")
     assert len(states) == 3
     assert all(s == "aborted" and "cannot pickle this" in (e or "") for s, e in states)
-    assert [e[0] for e in events(root, "publish_failed")] == [30]
+    assert [e[0] for e in events(db, "publish_failed")] == [30]
 
 
 def test_interrupt_during_write_rolls_back_and_propagates(
-    warm: CheckpointManager, root: Path, monkeypatch: pytest.MonkeyPatch
+    warm: CheckpointManager, db: LedgerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    before = committed(root), pointers(root), disk(warm.save_dir)
+    before = committed(db), pointers(db), disk(warm.save_dir)
 
     def hook(_obj: Any, _f: Any) -> None:
         raise KeyboardInterrupt
@@ -548,14 +569,12 @@ def test_interrupt_during_write_rolls_back_and_propagates(
     spy_save(monkeypatch, hook)
     with pytest.raises(KeyboardInterrupt):
         warm.save(30, metrics={"val_loss": 0.1}, **boundary(3.0))
-    assert (committed(root), pointers(root), disk(warm.save_dir)) == before
-    assert {s for (s,) in rows(root, "SELECT state FROM checkpoints WHERE step = 30")} == {
-        "aborted"
-    }
+    assert (committed(db), pointers(db), disk(warm.save_dir)) == before
+    assert {s for (s,) in db.rows("SELECT state FROM checkpoints WHERE step = 30")} == {"aborted"}
 
 
 def test_fsync_error_is_never_retried_into_success(
-    open_manager: Opener, root: Path, monkeypatch: pytest.MonkeyPatch
+    open_manager: Opener, db: LedgerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     mgr = open_manager()
     mgr.save(1, model=state(1.0))
@@ -574,7 +593,7 @@ def test_fsync_error_is_never_retried_into_success(
         mgr.save(2, model=state(2.0))
     assert info.value.phase == "fsync"
     assert len(file_fsyncs) == 1
-    assert [s for (s,) in rows(root, "SELECT step FROM checkpoints WHERE state='committed'")] == [1]
+    assert [s for (s,) in db.rows("SELECT step FROM checkpoints WHERE state='committed'")] == [1]
     assert files(mgr.save_dir) == ["model/step-000000001.pt"]
 
 
@@ -604,11 +623,11 @@ def test_rollback_never_removes_a_file_it_did_not_write(
 
 
 def test_rollback_cleanup_failure_is_attached_and_left_for_reconcile(
-    open_manager: Opener, streams: dict[str, Any], root: Path, monkeypatch: pytest.MonkeyPatch
+    open_manager: Opener, streams: dict[str, Any], db: LedgerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     mgr = open_manager(streams=streams)
     mgr.save(10, metrics={"val_loss": 1.0}, **boundary(1.0))
-    before = committed(root), pointers(root)
+    before = committed(db), pointers(db)
     real_unlink = os.unlink
     refused: list[Path] = []
 
@@ -640,24 +659,24 @@ def test_rollback_cleanup_failure_is_attached_and_left_for_reconcile(
     assert str(leftover) in str(err)
     assert any(str(leftover) in str(w.message) for w in warned)
     # recorded for the next reconcile: the row stays pending, nothing became visible
-    assert rows(root, "SELECT stream, state FROM checkpoints WHERE step = 20") == [
+    assert db.rows("SELECT stream, state FROM checkpoints WHERE step = 20") == [
         ("model", "pending")
     ]
-    assert (committed(root), pointers(root)) == before
-    assert any(str(leftover) in (d or "") for _s, _c, d in events(root, "cleanup_failed"))
+    assert (committed(db), pointers(db)) == before
+    assert any(str(leftover) in (d or "") for _s, _c, d in events(db, "cleanup_failed"))
 
     monkeypatch.undo()
     mgr.close()
     mgr2 = open_manager(streams=streams)  # reconcile runs at open
     assert not leftover.exists()
-    assert rows(root, "SELECT state FROM checkpoints WHERE step = 20") == [("aborted",)]
+    assert db.rows("SELECT state FROM checkpoints WHERE step = 20") == [("aborted",)]
     assert temp_files(mgr2.save_dir) == []
-    assert (committed(root), pointers(root)) == before
+    assert (committed(db), pointers(db)) == before
     assert mgr2.save(20, model=state(2.0))["model"].state == "committed"
 
 
 def test_post_commit_cleanup_failure_does_not_fail_the_save(
-    open_manager: Opener, root: Path, monkeypatch: pytest.MonkeyPatch
+    open_manager: Opener, db: LedgerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     mgr = open_manager(streams={"model": Keep(last=1)})
     old = mgr.save(10, model=state(1.0))["model"]
@@ -676,10 +695,10 @@ def test_post_commit_cleanup_failure_does_not_fail_the_save(
     assert new.state == "committed" and new.step == 20
     assert any(str(old.path) in str(w.message) for w in warned)
     assert mgr.latest("model") == new
-    assert pointers(root) == {"latest:model": new.id}
-    assert rows(root, "SELECT state FROM checkpoints WHERE id = ?", old.id) == [("deleting",)]
+    assert pointers(db) == {"latest:model": new.id}
+    assert db.rows("SELECT state FROM checkpoints WHERE id = ?", old.id) == [("deleting",)]
     assert old.path.exists()
-    failed = events(root, "cleanup_failed")
+    failed = events(db, "cleanup_failed")
     assert len(failed) == 1
     assert failed[0][0] == 20 or failed[0][1] == old.id
     assert str(old.path) in failed[0][2]
@@ -687,7 +706,7 @@ def test_post_commit_cleanup_failure_does_not_fail_the_save(
     monkeypatch.undo()
     report = mgr.reconcile()
     assert not old.path.exists()
-    assert rows(root, "SELECT state FROM checkpoints WHERE id = ?", old.id) == [("deleted",)]
+    assert db.rows("SELECT state FROM checkpoints WHERE id = ?", old.id) == [("deleted",)]
     assert report.counts.get("deleted") == 1
     assert mgr.reconcile().actions == []  # idempotent
     assert files(mgr.save_dir) == ["model/step-000000020.pt"]
@@ -701,11 +720,15 @@ def trip_by_norm(guard: NonFiniteGradGuard, value: float, as_tensor: bool) -> No
 
 
 @pytest.mark.parametrize("as_tensor", [True, False], ids=["tensor", "float"])
-@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize(
+    ("backend", "value"),
+    on_both_backends([math.nan, math.inf, -math.inf], postgres=math.isnan),
+    indirect=["backend"],
+)
 def test_tripped_guard_publishes_nothing(
     open_manager: Opener,
     streams: dict[str, Any],
-    root: Path,
+    db: LedgerClient,
     monkeypatch: pytest.MonkeyPatch,
     value: float,
     as_tensor: bool,
@@ -725,17 +748,17 @@ def test_tripped_guard_publishes_nothing(
     assert err.step == 7
     assert "7" in str(err)
     assert calls == []
-    assert rows(root, "SELECT * FROM checkpoints") == []
-    assert pointers(root) == {}
+    assert db.rows("SELECT * FROM checkpoints") == []
+    assert pointers(db) == {}
     assert files(mgr.save_dir) == []
-    assert [e[0] for e in events(root, "guard_tripped")] == [7]
+    assert [e[0] for e in events(db, "guard_tripped")] == [7]
     # reset whatever the outcome: the next boundary publishes
     assert guard.tripped() is False
     assert set(mgr.save(7, metrics={"val_loss": 1.0}, **boundary(1.0))) == set(BOUNDARY)
-    assert len(events(root, "guard_tripped")) == 1
+    assert len(events(db, "guard_tripped")) == 1
 
 
-def test_tripped_guard_names_the_parameters(open_manager: Opener, root: Path) -> None:
+def test_tripped_guard_names_the_parameters(open_manager: Opener, db: LedgerClient) -> None:
     model = torch.nn.Linear(2, 1)
     guard = NonFiniteGradGuard(model)
     mgr = open_manager(guard=guard)
@@ -747,8 +770,8 @@ def test_tripped_guard_names_the_parameters(open_manager: Opener, root: Path) ->
         mgr.save(3, model=model.state_dict())
     assert info.value.parameters == ["weight"]
     assert "weight" in str(info.value) and "3" in str(info.value)
-    assert rows(root, "SELECT * FROM checkpoints") == []
-    (detail,) = [e[2] for e in events(root, "guard_tripped")]
+    assert db.rows("SELECT * FROM checkpoints") == []
+    (detail,) = [e[2] for e in events(db, "guard_tripped")]
     assert "weight" in detail
 
 
@@ -793,17 +816,21 @@ BAD_RANKING_METRICS = [
 ]
 
 
-@pytest.mark.parametrize("metrics", BAD_RANKING_METRICS)
+@pytest.mark.parametrize(
+    ("backend", "metrics"),
+    on_both_backends(BAD_RANKING_METRICS, postgres=lambda id_: id_ in ("no-metrics", "nan", "inf")),
+    indirect=["backend"],
+)
 def test_topk_metric_must_be_present_and_finite(
     open_manager: Opener,
     streams: dict[str, Any],
-    root: Path,
+    db: LedgerClient,
     monkeypatch: pytest.MonkeyPatch,
     metrics: Any,
 ) -> None:
     mgr = open_manager(streams=streams)
     mgr.save(1, metrics={"val_loss": 1.0}, **boundary(1.0))
-    before = ledger_dump(root), disk(mgr.save_dir)
+    before = ledger_dump(db), disk(mgr.save_dir)
     calls = spy_save(monkeypatch)
 
     with pytest.raises(InvalidMetricError) as info:
@@ -812,12 +839,12 @@ def test_topk_metric_must_be_present_and_finite(
     assert isinstance(info.value, ValueError) and isinstance(info.value, CkptDBError)
     assert "val_loss" in str(info.value)
     assert calls == []
-    assert (ledger_dump(root), disk(mgr.save_dir)) == before
+    assert (ledger_dump(db), disk(mgr.save_dir)) == before
 
 
 @pytest.mark.parametrize("mode", ["min", "max"])
 def test_candidate_outside_topk_is_not_written(
-    open_manager: Opener, root: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+    open_manager: Opener, db: LedgerClient, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     sign = 1.0 if mode == "min" else -1.0
     mgr = open_manager(streams={"model": Keep(last=5), "best": TopK(2, "val_loss", mode=mode)})
@@ -835,13 +862,13 @@ def test_candidate_outside_topk_is_not_written(
     assert [id(c) for c in calls] == [id(model_payload)]
     assert mgr.best("best") == best_before
     assert [n for n in files(mgr.save_dir) if n.startswith("best/")] == best_files
-    assert rows(root, "SELECT stream FROM checkpoints WHERE step = 30") == [("model",)]
+    assert db.rows("SELECT stream FROM checkpoints WHERE step = 30") == [("model",)]
     assert mgr.latest("model") == result["model"]
 
 
 @pytest.mark.parametrize("mode", ["min", "max"])
 def test_topk_ties_go_to_the_earlier_step(
-    open_manager: Opener, root: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+    open_manager: Opener, db: LedgerClient, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     mgr = open_manager(streams={"best": TopK(2, "val_loss", mode=mode)})
     a = mgr.save(10, metrics={"val_loss": 1.0}, best=state(1.0))["best"]
@@ -854,14 +881,14 @@ def test_topk_ties_go_to_the_earlier_step(
 
     c = mgr.save(5, metrics={"val_loss": 1.0}, best=state(0.5))["best"]
     assert [x.step for x in mgr.best("best")] == [5, 10]
-    assert rows(root, "SELECT state FROM checkpoints WHERE id = ?", b.id) == [("deleted",)]
+    assert db.rows("SELECT state FROM checkpoints WHERE id = ?", b.id) == [("deleted",)]
     assert not b.path.exists()
     assert a.path.exists() and c.path.exists()
 
 
 @pytest.mark.parametrize("new_value", [0.5, 1.5, 3.0], ids=["better", "same-rank", "worse"])
 def test_resaving_a_topk_step_replaces_that_entry(
-    open_manager: Opener, root: Path, monkeypatch: pytest.MonkeyPatch, new_value: float
+    open_manager: Opener, db: LedgerClient, monkeypatch: pytest.MonkeyPatch, new_value: float
 ) -> None:
     mgr = open_manager(streams={"best": TopK(2, "val_loss")})
     old = mgr.save(10, metrics={"val_loss": 1.0}, best=state(1.0))["best"]
@@ -883,7 +910,7 @@ def test_resaving_a_topk_step_replaces_that_entry(
     assert [c.id for c in members] == sorted(
         [new.id, other.id], key=lambda i: {new.id: new_value, other.id: 2.0}[i]
     )
-    assert rows(root, "SELECT state FROM checkpoints WHERE id = ?", old.id) == [("deleted",)]
+    assert db.rows("SELECT state FROM checkpoints WHERE id = ?", old.id) == [("deleted",)]
     assert not old.path.exists()
     assert sorted(files(mgr.save_dir)) == sorted(
         [f"best/{new.path.name}", f"best/{other.path.name}"]
@@ -891,7 +918,7 @@ def test_resaving_a_topk_step_replaces_that_entry(
 
 
 def test_metric_values_are_stored_as_floats(
-    open_manager: Opener, streams: dict[str, Any], root: Path
+    open_manager: Opener, streams: dict[str, Any], db: LedgerClient
 ) -> None:
     mgr = open_manager(streams=streams)
     mgr.log_metrics(4, {"lr": 1, "loss": 0.5})
@@ -899,29 +926,36 @@ def test_metric_values_are_stored_as_floats(
 
     assert result["best"].metric == 3.0
     assert isinstance(result["best"].metric, float)
-    assert rows(root, "SELECT typeof(metric), metric FROM checkpoints WHERE stream = 'best'") == [
-        ("real", 3.0)
-    ]
-    stored = rows(root, "SELECT step, name, typeof(value), value FROM metrics")
+    # the type each value is stored with (SQLite types values, not columns)
+    typeof, real = ("typeof", "real") if db.is_sqlite else ("pg_typeof", "double precision")
+    ranked = db.rows(
+        f"SELECT CAST({typeof}(metric) AS TEXT), metric FROM checkpoints WHERE stream = 'best'"
+    )
+    assert ranked == [(real, 3.0)]
+    stored = db.rows(f"SELECT step, name, CAST({typeof}(value) AS TEXT), value FROM metrics")
     assert sorted(stored) == [
-        (4, "loss", "real", 0.5),
-        (4, "lr", "real", 1.0),
-        (5, "epoch", "real", 2.0),
-        (5, "val_loss", "real", 3.0),
+        (4, "loss", real, 0.5),
+        (4, "lr", real, 1.0),
+        (5, "epoch", real, 2.0),
+        (5, "val_loss", real, 3.0),
     ]
 
 
 BAD_METRIC_VALUES = [True, False, "1.0", None, 1j, [1.0], b"1"]
 
 
-@pytest.mark.parametrize("value", BAD_METRIC_VALUES, ids=repr)
+@pytest.mark.parametrize(
+    ("backend", "value"),
+    on_both_backends(BAD_METRIC_VALUES, postgres=lambda value: value is None, ids=repr),
+    indirect=["backend"],
+)
 @pytest.mark.parametrize("where", ["save-ranked", "save-unranked", "log_metrics"])
 def test_non_real_metric_values_are_rejected(
-    open_manager: Opener, streams: dict[str, Any], root: Path, value: Any, where: str
+    open_manager: Opener, streams: dict[str, Any], db: LedgerClient, value: Any, where: str
 ) -> None:
     mgr = open_manager(streams=streams)
     mgr.save(1, metrics={"val_loss": 1.0}, **boundary(1.0))
-    before = ledger_dump(root), disk(mgr.save_dir)
+    before = ledger_dump(db), disk(mgr.save_dir)
 
     with pytest.raises(TypeError) as info:
         if where == "save-ranked":
@@ -933,14 +967,14 @@ def test_non_real_metric_values_are_rejected(
 
     assert isinstance(info.value, CkptDBError)
     mgr.flush()
-    assert (ledger_dump(root), disk(mgr.save_dir)) == before
+    assert (ledger_dump(db), disk(mgr.save_dir)) == before
 
 
 # ------------------------------------------------------------- timeline rule
 
 
 def test_going_back_in_time_supersedes_the_abandoned_timeline(
-    open_manager: Opener, root: Path, monkeypatch: pytest.MonkeyPatch
+    open_manager: Opener, db: LedgerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     mgr = open_manager(streams={"model": Keep(last=5), "best": TopK(3, "val_loss")})
     old: dict[int, Checkpoint] = {}
@@ -955,9 +989,7 @@ def test_going_back_in_time_supersedes_the_abandoned_timeline(
         # the old step-20 file is still in place, unchanged, while the new one is written
         assert old[20].path.stat().st_ino == old20_ino
         assert old[20].path.read_bytes() == old20_bytes
-        assert rows(root, "SELECT state FROM checkpoints WHERE id = ?", old[20].id) == [
-            ("committed",)
-        ]
+        assert db.rows("SELECT state FROM checkpoints WHERE id = ?", old[20].id) == [("committed",)]
 
     calls = spy_save(monkeypatch, hook)
     new20 = mgr.save(20, model=state(99.0))["model"]
@@ -966,15 +998,13 @@ def test_going_back_in_time_supersedes_the_abandoned_timeline(
     assert new20.path != old[20].path
     assert new20.path.parent == old[20].path.parent
     assert mgr.latest("model") == new20
-    assert pointers(root)["latest:model"] == new20.id
+    assert pointers(db)["latest:model"] == new20.id
     assert [(c.step, c.id) for c in mgr.checkpoints("model")] == [
         (10, old[10].id),
         (20, new20.id),
     ]
     for step in (20, 30):
-        assert rows(root, "SELECT state FROM checkpoints WHERE id = ?", old[step].id) == [
-            ("deleted",)
-        ]
+        assert db.rows("SELECT state FROM checkpoints WHERE id = ?", old[step].id) == [("deleted",)]
         assert not old[step].path.exists()
     assert old[10].path.exists()
     # top-K members from the abandoned timeline stay by metric
@@ -1020,7 +1050,7 @@ def test_keep_last_keeps_exactly_the_newest(open_manager: Opener, last: int) -> 
     ],
 )
 def test_keep_every_keeps_multiples_forever(
-    open_manager: Opener, root: Path, policy: Keep, steps: range, kept: list[int]
+    open_manager: Opener, db: LedgerClient, policy: Keep, steps: range, kept: list[int]
 ) -> None:
     mgr = open_manager(streams={"model": policy})
     for step in steps:
@@ -1028,7 +1058,7 @@ def test_keep_every_keeps_multiples_forever(
     assert [c.step for c in mgr.checkpoints("model")] == kept
     assert files(mgr.save_dir) == [f"model/step-{s:09d}.pt" for s in kept]
     expected_deleted = len(steps) - len(kept)
-    assert rows(root, "SELECT COUNT(*) FROM checkpoints WHERE state = 'deleted'") == [
+    assert db.rows("SELECT COUNT(*) FROM checkpoints WHERE state = 'deleted'") == [
         (expected_deleted,)
     ]
 
@@ -1078,18 +1108,26 @@ BAD_CALLS = [
 ]
 
 
-@pytest.mark.parametrize(("call", "builtin"), BAD_CALLS)
+@pytest.mark.parametrize(
+    ("backend", "call", "builtin"),
+    on_both_backends(
+        BAD_CALLS,
+        postgres=lambda id_: id_ in ("negative-step", "one-unknown-among-known", "log-float-step"),
+    ),
+    indirect=["backend"],
+)
 def test_bad_input_is_refused_and_changes_nothing(
     open_manager: Opener,
     streams: dict[str, Any],
     root: Path,
+    db: LedgerClient,
     monkeypatch: pytest.MonkeyPatch,
     call: Callable[[CheckpointManager], Any],
     builtin: type[Exception],
 ) -> None:
     mgr = open_manager(streams=streams)
     mgr.save(1, metrics={"val_loss": 1.0}, **boundary(1.0))
-    before = ledger_dump(root), disk(mgr.save_dir), sorted(files(root))
+    before = ledger_dump(db), disk(mgr.save_dir), sorted(files(root))
     calls = spy_save(monkeypatch)
 
     with pytest.raises(builtin) as info:
@@ -1102,7 +1140,7 @@ def test_bad_input_is_refused_and_changes_nothing(
         assert isinstance(info.value, ValueError)
     assert calls == []
     mgr.flush()  # nothing was buffered either
-    assert (ledger_dump(root), disk(mgr.save_dir), sorted(files(root))) == before
+    assert (ledger_dump(db), disk(mgr.save_dir), sorted(files(root))) == before
     # the manager is still usable
     assert mgr.save(2, model=state(2.0))["model"].step == 2
 
@@ -1112,13 +1150,13 @@ def test_bad_input_is_refused_and_changes_nothing(
 
 @pytest.mark.parametrize("trigger", ["save", "flush", "close"])
 def test_log_metrics_is_buffered_until_a_commit(
-    open_manager: Opener, root: Path, trigger: str
+    open_manager: Opener, db: LedgerClient, trigger: str
 ) -> None:
     mgr = open_manager()
     mgr.log_metrics(1, {"loss": 0.75, "lr": 0.001})
     mgr.log_metrics(2, {"loss": 0.5})
     mgr.log_metrics(2, {"grad_norm": torch.tensor(1.25)})
-    assert rows(root, "SELECT * FROM metrics") == []
+    assert db.rows("SELECT * FROM metrics") == []
 
     if trigger == "save":
         mgr.save(2, model=state(1.0))
@@ -1128,20 +1166,20 @@ def test_log_metrics_is_buffered_until_a_commit(
         mgr.close()
 
     expected = [(1, "loss", 0.75), (1, "lr", 0.001), (2, "grad_norm", 1.25), (2, "loss", 0.5)]
-    assert sorted(rows(root, "SELECT step, name, value FROM metrics")) == expected
-    attempts = rows(root, "SELECT DISTINCT attempt_id FROM metrics")
+    assert sorted(db.rows("SELECT step, name, value FROM metrics")) == expected
+    attempts = db.rows("SELECT DISTINCT attempt_id FROM metrics")
     assert len(attempts) == 1 and attempts[0][0] is not None
     if trigger != "close":
         mgr.flush()
         mgr.close()
-    assert sorted(rows(root, "SELECT step, name, value FROM metrics")) == expected
+    assert sorted(db.rows("SELECT step, name, value FROM metrics")) == expected
 
 
 @pytest.mark.parametrize(
     "kind", ["commit_after_metrics", "commit_locked", "torch_save_raises", "replace_exdev"]
 )
 def test_failed_boundary_loses_no_buffered_metric(
-    open_manager: Opener, root: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+    open_manager: Opener, db: LedgerClient, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     mgr = open_manager()
     mgr.save(1, model=state(1.0))
@@ -1150,14 +1188,14 @@ def test_failed_boundary_loses_no_buffered_metric(
 
     with pytest.raises(PublishError):
         mgr.save(6, model=state(2.0))
-    assert rows(root, "SELECT * FROM metrics") == []
+    assert db.rows("SELECT * FROM metrics") == []
 
     monkeypatch.undo()
     mgr.save(6, model=state(2.0))
-    assert rows(root, "SELECT step, name, value FROM metrics") == [(5, "loss", 0.125)]
+    assert db.rows("SELECT step, name, value FROM metrics") == [(5, "loss", 0.125)]
     mgr.flush()
     mgr.close()
-    assert rows(root, "SELECT step, name, value FROM metrics") == [(5, "loss", 0.125)]
+    assert db.rows("SELECT step, name, value FROM metrics") == [(5, "loss", 0.125)]
 
 
 # ------------------------------------------------------------ closed manager
@@ -1175,11 +1213,18 @@ CLOSED_CALLS = [
 
 
 @pytest.mark.parametrize("how", ["close", "context"])
-@pytest.mark.parametrize("call", CLOSED_CALLS)
+@pytest.mark.parametrize(
+    ("backend", "call"),
+    on_both_backends(
+        CLOSED_CALLS, postgres=lambda id_: id_ in ("save", "latest", "flush", "reconcile")
+    ),
+    indirect=["backend"],
+)
 def test_closed_manager_refuses_work(
     open_manager: Opener,
     streams: dict[str, Any],
     root: Path,
+    db: LedgerClient,
     call: Callable[[CheckpointManager], Any],
     how: str,
 ) -> None:
@@ -1189,10 +1234,10 @@ def test_closed_manager_refuses_work(
         mgr.close()
         mgr.close()  # idempotent
     else:
-        with CheckpointManager(root, streams=streams) as mgr:
+        with CheckpointManager(root, streams=streams, db_url=db.db_url) as mgr:
             mgr.save(1, metrics={"val_loss": 1.0}, **boundary(1.0))
-    before = ledger_dump(root), disk(mgr.save_dir)
+    before = ledger_dump(db), disk(mgr.save_dir)
 
     with pytest.raises(CkptDBError):
         call(mgr)
-    assert (ledger_dump(root), disk(mgr.save_dir)) == before
+    assert (ledger_dump(db), disk(mgr.save_dir)) == before

@@ -3,6 +3,12 @@
 Every test damages a run the way a crash, an operator or a full disk would,
 then checks what reconcile repairs, what it refuses to touch, what it
 reports, and that a second run has nothing left to do.
+
+Every test runs on both ledgers: the run's SQLite file and a PostgreSQL schema of
+its own (``db_url`` below follows ``backend``; see conftest). The ledger is read
+and damaged with plain SQL through the ``db`` fixture. Cases that differ only in a
+file name or a path (what reconcile sees on disk, never in the ledger) run once on
+PostgreSQL: ``on_both_backends``.
 """
 
 from __future__ import annotations
@@ -10,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -21,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import files, rows, state
+from helpers import LedgerClient, await_sessions_gone, files, on_both_backends, state
 
 import ckptdb
 from ckptdb import CheckpointManager, Keep
@@ -34,19 +39,14 @@ QUARANTINE = "ckptdb.quarantine"
 # --------------------------------------------------------------------------- helpers
 
 
-def execute(root: Path, sql: str, *args: Any) -> None:
-    """Change the ledger behind ckptdb's back (and commit), as an operator could."""
-    con = sqlite3.connect(root / "ckptdb.sqlite")
-    try:
-        with con:
-            con.execute(sql, args)
-    finally:
-        con.close()
+@pytest.fixture
+def db_url(backend: str | None) -> str | None:
+    """Runs opened here (``open_manager``, ``db``, ``three``) use both ledgers in turn."""
+    return backend
 
 
-def row_id(root: Path, step: int, stream: str = "model") -> int:
-    found = rows(
-        root,
+def row_id(db: LedgerClient, step: int, stream: str = "model") -> int:
+    found = db.rows(
         "SELECT id FROM checkpoints WHERE stream = ? AND step = ? AND state = 'committed'",
         stream,
         step,
@@ -55,8 +55,8 @@ def row_id(root: Path, step: int, stream: str = "model") -> int:
     return int(found[0][0])
 
 
-def row_state(root: Path, ident: int) -> str:
-    return str(rows(root, "SELECT state FROM checkpoints WHERE id = ?", ident)[0][0])
+def row_state(db: LedgerClient, ident: int) -> str:
+    return str(db.rows("SELECT state FROM checkpoints WHERE id = ?", ident)[0][0])
 
 
 def ckpt(save_dir: Path, step: int, stream: str = "model") -> Path:
@@ -81,23 +81,23 @@ def tree(directory: Path) -> dict[str, str]:
     return out
 
 
-def ledger_snapshot(root: Path) -> dict[str, list[tuple[Any, ...]]]:
+def ledger_snapshot(db: LedgerClient) -> dict[str, list[tuple[Any, ...]]]:
     return {
-        "checkpoints": rows(
-            root,
+        "checkpoints": db.rows(
             "SELECT id, stream, step, state, path, tmp_path, size, hash, error, deleted_at "
             "FROM checkpoints ORDER BY id",
         ),
-        "pointers": rows(root, "SELECT name, checkpoint_id FROM pointers ORDER BY name"),
-        "events": rows(root, "SELECT id, kind, checkpoint_id, detail FROM events ORDER BY id"),
+        "pointers": db.rows("SELECT name, checkpoint_id FROM pointers ORDER BY name"),
+        "events": db.rows("SELECT id, kind, checkpoint_id, detail FROM events ORDER BY id"),
     }
 
 
-def reconcile_events(root: Path, attempt_id: int) -> list[tuple[str, int | None, dict[str, Any]]]:
+def reconcile_events(
+    db: LedgerClient, attempt_id: int
+) -> list[tuple[str, int | None, dict[str, Any]]]:
     """(kind, checkpoint_id, detail) of the events a reconcile of this attempt recorded."""
     out = []
-    for kind, checkpoint_id, detail in rows(
-        root,
+    for kind, checkpoint_id, detail in db.rows(
         "SELECT kind, checkpoint_id, detail FROM events WHERE attempt_id = ? ORDER BY id",
         attempt_id,
     ):
@@ -128,15 +128,15 @@ def assert_report_consistent(report: Any) -> None:
     assert len(text.splitlines()) == 1 + len(report.actions)
 
 
-def assert_nothing_to_do(mgr: CheckpointManager, root: Path, *dirs: Path) -> None:
+def assert_nothing_to_do(mgr: CheckpointManager, db: LedgerClient, *dirs: Path) -> None:
     """A further reconcile reports nothing and changes no row and no file."""
-    before_ledger = ledger_snapshot(root)
+    before_ledger = ledger_snapshot(db)
     before_files = [tree(d) for d in dirs]
     again = mgr.reconcile(verify=True)
     assert again.actions == [], str(again)
     assert again.counts == {}
     assert "nothing to do" in str(again)
-    assert ledger_snapshot(root) == before_ledger
+    assert ledger_snapshot(db) == before_ledger
     assert [tree(d) for d in dirs] == before_files
 
 
@@ -146,66 +146,66 @@ def save_dir(root: Path) -> Path:
 
 
 @pytest.fixture
-def three(root: Path, save_dir: Path) -> Path:
+def three(root: Path, save_dir: Path, db_url: str | None) -> Path:
     """A closed run whose model stream holds steps 1, 2 and 3 (latest: 3)."""
-    with CheckpointManager(root) as mgr:
+    with CheckpointManager(root, db_url=db_url) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, model=state(step))
     return root
 
 
 # ------------------------------------------------------------------ damage scenarios
-# Each takes (root, save_dir) and returns the action kinds reconcile must report.
+# Each takes (db, save_dir) and returns the action kinds reconcile must report.
 
 
-def damage_pending_after_replace(root: Path, save_dir: Path) -> Counter[str]:
+def damage_pending_after_replace(db: LedgerClient, save_dir: Path) -> Counter[str]:
     """The latest row is still 'pending' with its final and temp file on disk."""
-    ident = row_id(root, 3)
+    ident = row_id(db, 3)
     tmp = f"model/.step-000000003.pt.tmp-{ident}"
     (save_dir / tmp).write_bytes(b"half a checkpoint")
-    execute(root, "UPDATE checkpoints SET state = 'pending', tmp_path = ? WHERE id = ?", tmp, ident)
+    db.execute("UPDATE checkpoints SET state = 'pending', tmp_path = ? WHERE id = ?", tmp, ident)
     return Counter({"rolled_back": 1, "repointed": 1})
 
 
-def damage_deleting(root: Path, save_dir: Path) -> Counter[str]:
-    execute(root, "UPDATE checkpoints SET state = 'deleting' WHERE id = ?", row_id(root, 1))
+def damage_deleting(db: LedgerClient, save_dir: Path) -> Counter[str]:
+    db.execute("UPDATE checkpoints SET state = 'deleting' WHERE id = ?", row_id(db, 1))
     return Counter({"deleted": 1})
 
 
-def damage_lost_latest(root: Path, save_dir: Path) -> Counter[str]:
+def damage_lost_latest(db: LedgerClient, save_dir: Path) -> Counter[str]:
     ckpt(save_dir, 3).unlink()
     return Counter({"lost": 1, "repointed": 1})
 
 
-def damage_lost_old(root: Path, save_dir: Path) -> Counter[str]:
+def damage_lost_old(db: LedgerClient, save_dir: Path) -> Counter[str]:
     ckpt(save_dir, 1).unlink()
     return Counter({"lost": 1})
 
 
-def damage_truncated_latest(root: Path, save_dir: Path) -> Counter[str]:
+def damage_truncated_latest(db: LedgerClient, save_dir: Path) -> Counter[str]:
     path = ckpt(save_dir, 3)
     path.write_bytes(path.read_bytes()[:100])
     return Counter({"corrupt": 1, "repointed": 1})
 
 
-def damage_orphan_temp(root: Path, save_dir: Path) -> Counter[str]:
+def damage_orphan_temp(db: LedgerClient, save_dir: Path) -> Counter[str]:
     (save_dir / "model" / ".step-000000005.pt.tmp-999").write_bytes(b"partial")
     return Counter({"removed_temp": 1})
 
 
-def damage_unknown_checkpoint(root: Path, save_dir: Path) -> Counter[str]:
+def damage_unknown_checkpoint(db: LedgerClient, save_dir: Path) -> Counter[str]:
     (save_dir / "model" / "step-000000077.pt").write_bytes(b"somebody's checkpoint")
     return Counter({"quarantined": 1})
 
 
-def damage_everything(root: Path, save_dir: Path) -> Counter[str]:
+def damage_everything(db: LedgerClient, save_dir: Path) -> Counter[str]:
     expected: Counter[str] = Counter()
     for damage in (
         damage_pending_after_replace,
         damage_orphan_temp,
         damage_unknown_checkpoint,
     ):
-        expected += damage(root, save_dir)
+        expected += damage(db, save_dir)
     ckpt(save_dir, 2).write_bytes(b"")  # now corrupt; the pointer falls back to step 1
     expected["corrupt"] += 1
     return expected
@@ -228,10 +228,14 @@ SCENARIOS = {
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_reconcile_at_open_repairs_reports_records_and_is_idempotent(
-    three: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager], scenario: str
+    three: Path,
+    save_dir: Path,
+    open_manager: Callable[..., CheckpointManager],
+    scenario: str,
+    db: LedgerClient,
 ) -> None:
     root = three
-    expected = SCENARIOS[scenario](root, save_dir)
+    expected = SCENARIOS[scenario](db, save_dir)
 
     mgr = open_manager()
     report = mgr.last_reconcile
@@ -241,50 +245,58 @@ def test_reconcile_at_open_repairs_reports_records_and_is_idempotent(
     assert not report.dry_run
     assert_report_consistent(report)
     # every action is an event of the same kind, recorded by this attempt
-    recorded = reconcile_events(root, mgr.attempt_id)
+    recorded = reconcile_events(db, mgr.attempt_id)
     assert Counter(kind for kind, _, _ in recorded) == expected
     assert sorted((k, d["path"]) for k, _, d in recorded) == sorted(
         (a.kind, a.path) for a in report.actions
     )
     # the disk now agrees with the ledger: no temp files, live rows' files exist
     assert not [f for f in files(save_dir) if ".tmp-" in f]
-    live = rows(root, "SELECT path FROM checkpoints WHERE state IN ('committed', 'pending')")
+    live = db.rows("SELECT path FROM checkpoints WHERE state IN ('committed', 'pending')")
     assert all((save_dir / p).is_file() for (p,) in live)
-    assert not rows(root, "SELECT id FROM checkpoints WHERE state IN ('pending', 'deleting')")
+    assert not db.rows("SELECT id FROM checkpoints WHERE state IN ('pending', 'deleting')")
     # the latest pointer names a healthy checkpoint that loads
     latest = mgr.latest()
     assert latest is not None and latest.state == "committed"
     assert torch.equal(mgr.load("latest")["w"], state(latest.step)["w"])
-    assert_nothing_to_do(mgr, root, root, save_dir)
+    assert_nothing_to_do(mgr, db, root, save_dir)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_reconcile_on_demand_matches_the_scenario(
-    root: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager], scenario: str
+    root: Path,
+    save_dir: Path,
+    open_manager: Callable[..., CheckpointManager],
+    scenario: str,
+    db: LedgerClient,
 ) -> None:
     mgr = open_manager()
     for step in (1, 2, 3):
         mgr.save(step, model=state(step))
-    expected = SCENARIOS[scenario](root, save_dir)
-    events_before = len(reconcile_events(root, mgr.attempt_id))
+    expected = SCENARIOS[scenario](db, save_dir)
+    events_before = len(reconcile_events(db, mgr.attempt_id))
 
     report = mgr.reconcile()
 
     assert kinds(report) == expected, str(report)
     assert_report_consistent(report)
-    assert len(reconcile_events(root, mgr.attempt_id)) == events_before + len(report.actions)
-    assert_nothing_to_do(mgr, root, root, save_dir)
+    assert len(reconcile_events(db, mgr.attempt_id)) == events_before + len(report.actions)
+    assert_nothing_to_do(mgr, db, root, save_dir)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_dry_run_lists_the_actions_but_changes_nothing(
-    root: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager], scenario: str
+    root: Path,
+    save_dir: Path,
+    open_manager: Callable[..., CheckpointManager],
+    scenario: str,
+    db: LedgerClient,
 ) -> None:
     mgr = open_manager()
     for step in (1, 2, 3):
         mgr.save(step, model=state(step))
-    expected = SCENARIOS[scenario](root, save_dir)
-    ledger_before, files_before = ledger_snapshot(root), tree(root)
+    expected = SCENARIOS[scenario](db, save_dir)
+    ledger_before, files_before = ledger_snapshot(db), tree(root)
 
     preview = mgr.reconcile(dry_run=True)
 
@@ -292,7 +304,7 @@ def test_dry_run_lists_the_actions_but_changes_nothing(
     assert kinds(preview) == expected, str(preview)
     assert_report_consistent(preview)
     assert "dry run" in str(preview)
-    assert ledger_snapshot(root) == ledger_before  # no row, pointer or event changed
+    assert ledger_snapshot(db) == ledger_before  # no row, pointer or event changed
     assert tree(root) == files_before  # no file removed, moved or created
     # a second dry run says the same; the real run then does what was announced
     assert [(a.kind, a.path) for a in mgr.reconcile(dry_run=True).actions] == [
@@ -306,14 +318,14 @@ def test_dry_run_lists_the_actions_but_changes_nothing(
 
 
 def test_clean_run_has_nothing_to_do(
-    three: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager]
+    three: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager], db: LedgerClient
 ) -> None:
     mgr = open_manager()
     assert mgr.last_reconcile.actions == []
     assert "nothing to do" in str(mgr.last_reconcile)
-    assert reconcile_events(three, mgr.attempt_id) == []
+    assert reconcile_events(db, mgr.attempt_id) == []
     assert mgr.reconcile(dry_run=True).actions == []
-    assert_nothing_to_do(mgr, three, three, save_dir)
+    assert_nothing_to_do(mgr, db, three, save_dir)
 
 
 # ------------------------------------------------------------------------ real crashes
@@ -323,9 +335,11 @@ CHILD = textwrap.dedent(
     import os, sys, torch
     import ckptdb.manager
     from ckptdb import CheckpointManager
+    from helpers import child_app_name
 
-    root, mode = sys.argv[1], sys.argv[2]
-    mgr = CheckpointManager(root)
+    root, mode, db_url = sys.argv[1], sys.argv[2], sys.argv[3] or None
+    os.environ["PGAPPNAME"] = child_app_name(os.getpid())  # see helpers.await_sessions_gone
+    mgr = CheckpointManager(root, db_url=db_url)
     real_save = torch.save
 
     class DieMidWrite:
@@ -352,14 +366,13 @@ CHILD = textwrap.dedent(
 )
 
 
-def run_child(root: Path, mode: str) -> tuple[int, int, str]:
-    """Run CHILD; returns (pid, exit status, stderr)."""
+def run_child(root: Path, mode: str, db_url: str | None) -> tuple[int, int, str]:
+    """Run CHILD; returns (pid, exit status, stderr) once its sessions are gone."""
     repo = Path(ckptdb.__file__).resolve().parent.parent
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])
-    )
+    path = [str(repo), str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     with subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(root), mode],
+        [sys.executable, "-c", CHILD, str(root), mode, db_url or ""],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -370,27 +383,32 @@ def run_child(root: Path, mode: str) -> tuple[int, int, str]:
         except subprocess.TimeoutExpired:
             child.kill()
             raise
-        return child.pid, child.returncode, err
+    await_sessions_gone(db_url, child.pid)
+    return child.pid, child.returncode, err
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["write", "after_replace"])
 def test_process_killed_mid_publication_is_rolled_back_at_reopen(
-    root: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager], mode: str
+    root: Path,
+    save_dir: Path,
+    open_manager: Callable[..., CheckpointManager],
+    mode: str,
+    db: LedgerClient,
 ) -> None:
-    with CheckpointManager(root) as mgr:
+    with CheckpointManager(root, db_url=db.db_url) as mgr:
         mgr.save(1, model=state(1))
         first = mgr.latest()
     assert first is not None
 
-    pid, status, err = run_child(root, mode)
+    pid, status, err = run_child(root, mode, db.db_url)
     assert status == 1, err
 
     # the crash left exactly what the protocol says it may leave
-    (child_attempt,) = rows(root, "SELECT id, end_state FROM attempts WHERE pid = ?", pid)
+    (child_attempt,) = db.rows("SELECT id, end_state FROM attempts WHERE pid = ?", pid)
     assert child_attempt[1] == "running"
-    ((ident, path, tmp_path),) = rows(
-        root, "SELECT id, path, tmp_path FROM checkpoints WHERE state = 'pending'"
+    ((ident, path, tmp_path),) = db.rows(
+        "SELECT id, path, tmp_path FROM checkpoints WHERE state = 'pending'"
     )
     assert path == "model/step-000000002.pt"
     assert tmp_path == f"model/.step-000000002.pt.tmp-{ident}"
@@ -404,8 +422,8 @@ def test_process_killed_mid_publication_is_rolled_back_at_reopen(
     mgr = open_manager()
 
     assert [(a.kind, a.path) for a in mgr.last_reconcile.actions] == [("rolled_back", path)]
-    assert row_state(root, ident) == "aborted"
-    assert rows(root, "SELECT end_state FROM attempts WHERE id = ?", child_attempt[0]) == [
+    assert row_state(db, ident) == "aborted"
+    assert db.rows("SELECT end_state FROM attempts WHERE id = ?", child_attempt[0]) == [
         ("crashed",)
     ]
     assert files(save_dir) == ["model/step-000000001.pt"]
@@ -413,10 +431,8 @@ def test_process_killed_mid_publication_is_rolled_back_at_reopen(
     latest = mgr.latest()
     assert latest == first
     assert torch.equal(mgr.load("latest")["w"], state(1)["w"])
-    assert [(k, c) for k, c, _ in reconcile_events(root, mgr.attempt_id)] == [
-        ("rolled_back", ident)
-    ]
-    assert_nothing_to_do(mgr, root, root)
+    assert [(k, c) for k, c, _ in reconcile_events(db, mgr.attempt_id)] == [("rolled_back", ident)]
+    assert_nothing_to_do(mgr, db, root)
     # and the run goes on: step 2 can be published again under its normal name
     mgr.save(2, model=state(2))
     assert mgr.latest().path == ckpt(save_dir, 2)  # type: ignore[union-attr]
@@ -430,6 +446,7 @@ def test_deleting_row_left_by_failed_eviction_is_finished_at_reopen(
     save_dir: Path,
     open_manager: Callable[..., CheckpointManager],
     monkeypatch: pytest.MonkeyPatch,
+    db: LedgerClient,
 ) -> None:
     victim = ckpt(save_dir, 1)
     real_unlink = os.unlink
@@ -439,14 +456,14 @@ def test_deleting_row_left_by_failed_eviction_is_finished_at_reopen(
             raise PermissionError(13, "Permission denied", str(path))
         real_unlink(path, *args, **kwargs)
 
-    with CheckpointManager(root, streams={"model": Keep(last=1)}) as mgr:
+    with CheckpointManager(root, streams={"model": Keep(last=1)}, db_url=db.db_url) as mgr:
         mgr.save(1, model=state(1))
         monkeypatch.setattr(os, "unlink", refuse)
         with pytest.warns(UserWarning, match="step-000000001.pt"):
             mgr.save(2, model=state(2))
         monkeypatch.undo()
-    ident = rows(root, "SELECT id FROM checkpoints WHERE step = 1")[0][0]
-    assert row_state(root, ident) == "deleting"
+    ident = db.rows("SELECT id FROM checkpoints WHERE step = 1")[0][0]
+    assert row_state(db, ident) == "deleting"
     assert victim.exists()
 
     mgr = open_manager()
@@ -455,27 +472,25 @@ def test_deleting_row_left_by_failed_eviction_is_finished_at_reopen(
         ("deleted", "model/step-000000001.pt")
     ]
     assert not victim.exists()
-    assert row_state(root, ident) == "deleted"
-    assert rows(root, "SELECT deleted_at IS NOT NULL FROM checkpoints WHERE id = ?", ident) == [
-        (1,)
-    ]
+    assert row_state(db, ident) == "deleted"
+    assert db.rows("SELECT deleted_at IS NOT NULL FROM checkpoints WHERE id = ?", ident) == [(1,)]
     assert mgr.latest().step == 2  # type: ignore[union-attr]
-    assert [(k, c) for k, c, _ in reconcile_events(root, mgr.attempt_id)] == [("deleted", ident)]
-    assert_nothing_to_do(mgr, root, root)
+    assert [(k, c) for k, c, _ in reconcile_events(db, mgr.attempt_id)] == [("deleted", ident)]
+    assert_nothing_to_do(mgr, db, root)
 
 
 def test_deleting_row_whose_file_is_already_gone_is_marked_deleted(
-    three: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager]
+    three: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager], db: LedgerClient
 ) -> None:
-    ident = row_id(three, 1)
-    execute(three, "UPDATE checkpoints SET state = 'deleting' WHERE id = ?", ident)
+    ident = row_id(db, 1)
+    db.execute("UPDATE checkpoints SET state = 'deleting' WHERE id = ?", ident)
     ckpt(save_dir, 1).unlink()
 
     mgr = open_manager()
 
     assert kinds(mgr.last_reconcile) == Counter({"deleted": 1})
-    assert row_state(three, ident) == "deleted"
-    assert_nothing_to_do(mgr, three, three)
+    assert row_state(db, ident) == "deleted"
+    assert_nothing_to_do(mgr, db, three)
 
 
 # ------------------------------------------------------------------ lost and corrupt
@@ -497,10 +512,14 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_damaged_latest_falls_back_to_newest_healthy(
-    three: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager], damage: str
+    three: Path,
+    save_dir: Path,
+    open_manager: Callable[..., CheckpointManager],
+    damage: str,
+    db: LedgerClient,
 ) -> None:
     hurt, expected_state = DAMAGE[damage]
-    ident = row_id(three, 3)
+    ident = row_id(db, 3)
     hurt(ckpt(save_dir, 3))
 
     mgr = open_manager()
@@ -509,47 +528,51 @@ def test_damaged_latest_falls_back_to_newest_healthy(
     assert kinds(report) == Counter({expected_state: 1, "repointed": 1}), str(report)
     (repointed,) = [a for a in report.actions if a.kind == "repointed"]
     assert repointed.path == "latest:model"
-    assert row_state(three, ident) == expected_state
-    assert rows(three, "SELECT error IS NOT NULL FROM checkpoints WHERE id = ?", ident) == [(1,)]
-    event_kinds = [k for k, c, _ in reconcile_events(three, mgr.attempt_id) if c == ident]
+    assert row_state(db, ident) == expected_state
+    assert db.rows("SELECT error IS NOT NULL FROM checkpoints WHERE id = ?", ident) == [(1,)]
+    event_kinds = [k for k, c, _ in reconcile_events(db, mgr.attempt_id) if c == ident]
     assert event_kinds == [expected_state]
     assert mgr.latest().step == 2  # type: ignore[union-attr]
     assert torch.equal(mgr.load("latest")["w"], state(2)["w"])
     assert [c.step for c in mgr.checkpoints()] == [1, 2]
     with pytest.raises(CheckpointNotFoundError):
         mgr.load(3)
-    assert_nothing_to_do(mgr, three, three)
+    assert_nothing_to_do(mgr, db, three)
 
 
 def test_same_size_change_is_found_only_with_verify(
-    root: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager]
+    root: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager], db: LedgerClient
 ) -> None:
     mgr = open_manager()
     for step in (1, 2, 3):
         mgr.save(step, model=state(step))
-    ident = row_id(root, 3)
+    ident = row_id(db, 3)
     _flip_same_size(ckpt(save_dir, 3))
 
     assert mgr.reconcile().actions == []  # size matches; no hashing without verify
-    assert row_state(root, ident) == "committed"
+    assert row_state(db, ident) == "committed"
     assert mgr.reconcile(verify=True, dry_run=True).counts == {"corrupt": 1, "repointed": 1}
-    assert row_state(root, ident) == "committed"
+    assert row_state(db, ident) == "committed"
 
     report = mgr.reconcile(verify=True)
 
     assert kinds(report) == Counter({"corrupt": 1, "repointed": 1})
     (corrupt,) = [a for a in report.actions if a.kind == "corrupt"]
     assert corrupt.path == "model/step-000000003.pt" and "hash" in corrupt.detail
-    assert row_state(root, ident) == "corrupt"
+    assert row_state(db, ident) == "corrupt"
     assert ckpt(save_dir, 3).exists()  # evidence is kept, never deleted
     assert mgr.latest().step == 2  # type: ignore[union-attr]
     assert torch.equal(mgr.load("latest")["w"], state(2)["w"])
-    assert_nothing_to_do(mgr, root, root)
+    assert_nothing_to_do(mgr, db, root)
 
 
 @pytest.mark.parametrize("damage", ["deleted", "truncated"])
 def test_no_healthy_checkpoint_left_means_no_latest(
-    three: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager], damage: str
+    three: Path,
+    save_dir: Path,
+    open_manager: Callable[..., CheckpointManager],
+    damage: str,
+    db: LedgerClient,
 ) -> None:
     for step in (1, 2, 3):
         DAMAGE[damage][0](ckpt(save_dir, step))
@@ -561,10 +584,10 @@ def test_no_healthy_checkpoint_left_means_no_latest(
     assert repointed.path == "latest:model"
     assert mgr.latest() is None
     assert mgr.checkpoints() == []
-    assert rows(three, "SELECT * FROM pointers WHERE name = 'latest:model'") == []
+    assert db.rows("SELECT * FROM pointers WHERE name = 'latest:model'") == []
     with pytest.raises(CheckpointNotFoundError):
         mgr.load("latest")
-    assert_nothing_to_do(mgr, three, three)
+    assert_nothing_to_do(mgr, db, three)
 
 
 def test_fallback_is_per_stream(
@@ -572,8 +595,9 @@ def test_fallback_is_per_stream(
     save_dir: Path,
     open_manager: Callable[..., CheckpointManager],
     streams: dict[str, Any],
+    db_url: str | None,
 ) -> None:
-    with CheckpointManager(root, streams=streams) as mgr:
+    with CheckpointManager(root, streams=streams, db_url=db_url) as mgr:
         for step, loss in ((1, 0.5), (2, 0.4), (3, 0.3)):
             mgr.save(
                 step,
@@ -605,15 +629,23 @@ def layout(request: pytest.FixtureRequest, tmp_path: Path, root: Path) -> dict[s
     return {"save_dir": target, "kwargs": {"save_dir": target}}
 
 
+UNKNOWN = ["step-000000077.pt", "step-000000004.v7.pt", "step-1234567890.pt"]
+
+
 @pytest.mark.parametrize(
-    "name",
-    ["step-000000077.pt", "step-000000004.v7.pt", "step-1234567890.pt"],
+    ("backend", "name"),
+    on_both_backends(UNKNOWN, postgres=lambda name: name == UNKNOWN[0]),
+    indirect=["backend"],
 )
 def test_unknown_checkpoint_is_quarantined_with_content(
-    root: Path, layout: dict[str, Any], open_manager: Callable[..., CheckpointManager], name: str
+    root: Path,
+    layout: dict[str, Any],
+    open_manager: Callable[..., CheckpointManager],
+    name: str,
+    db: LedgerClient,
 ) -> None:
     sdir = layout["save_dir"]
-    with CheckpointManager(root, **layout["kwargs"]) as mgr:
+    with CheckpointManager(root, db_url=db.db_url, **layout["kwargs"]) as mgr:
         mgr.save(1, model=state(1))
     stray = sdir / "model" / name
     content = os.urandom(300)
@@ -629,7 +661,7 @@ def test_unknown_checkpoint_is_quarantined_with_content(
     assert moved.read_bytes() == content
     assert str(moved) in mgr.last_reconcile.actions[0].detail
     assert files(sdir / "model") == ["step-000000001.pt"]
-    assert_nothing_to_do(mgr, root, root, sdir)
+    assert_nothing_to_do(mgr, db, root, sdir)
 
 
 def test_quarantine_never_overwrites_an_earlier_quarantined_file(
@@ -647,15 +679,23 @@ def test_quarantine_never_overwrites_an_earlier_quarantined_file(
     assert contents == [b"first", b"second"]
 
 
+ORPHANS = [".step-000000005.pt.tmp-999", ".step-000000004.v7.pt.tmp-12"]
+
+
 @pytest.mark.parametrize(
-    "name",
-    [".step-000000005.pt.tmp-999", ".step-000000004.v7.pt.tmp-12"],
+    ("backend", "name"),
+    on_both_backends(ORPHANS, postgres=lambda name: name == ORPHANS[0]),
+    indirect=["backend"],
 )
 def test_orphan_temp_file_is_removed(
-    root: Path, layout: dict[str, Any], open_manager: Callable[..., CheckpointManager], name: str
+    root: Path,
+    layout: dict[str, Any],
+    open_manager: Callable[..., CheckpointManager],
+    name: str,
+    db: LedgerClient,
 ) -> None:
     sdir = layout["save_dir"]
-    with CheckpointManager(root, **layout["kwargs"]) as mgr:
+    with CheckpointManager(root, db_url=db.db_url, **layout["kwargs"]) as mgr:
         mgr.save(1, model=state(1))
     (sdir / "model" / name).write_bytes(b"partial")
 
@@ -666,7 +706,7 @@ def test_orphan_temp_file_is_removed(
     ]
     assert files(sdir / "model") == ["step-000000001.pt"]
     assert not (root / QUARANTINE).exists()
-    assert_nothing_to_do(mgr, root, root, sdir)
+    assert_nothing_to_do(mgr, db, root, sdir)
 
 
 UNTOUCHED = [
@@ -681,7 +721,11 @@ UNTOUCHED = [
 ]
 
 
-@pytest.mark.parametrize("name", UNTOUCHED)
+@pytest.mark.parametrize(
+    ("backend", "name"),
+    on_both_backends(UNTOUCHED, postgres=lambda name: name == "step-000000001.pt.bak"),
+    indirect=["backend"],
+)
 def test_files_not_in_our_naming_are_untouched(
     three: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager], name: str
 ) -> None:
@@ -733,7 +777,14 @@ def outside(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("link_name", ["step-000000050.pt", ".step-000000051.pt.tmp-5"])
+@pytest.mark.parametrize(
+    ("backend", "link_name"),
+    on_both_backends(
+        ["step-000000050.pt", ".step-000000051.pt.tmp-5"],
+        postgres=lambda name: name == "step-000000050.pt",
+    ),
+    indirect=["backend"],
+)
 def test_symlink_to_outside_file_is_not_followed(
     three: Path,
     save_dir: Path,
@@ -785,9 +836,12 @@ def _outside_paths(save_dir: Path, outside: Path) -> dict[str, tuple[str, Path]]
 
 
 OUTSIDE_KINDS = ["dotdot", "dotdot_literal", "absolute", "through_symlinked_dir"]
+# How a path leads outside is path logic, the same whichever ledger stored it: on
+# PostgreSQL one kind.
+OUTSIDE_CASES = on_both_backends(OUTSIDE_KINDS, postgres=lambda where: where == "dotdot")
 
 
-@pytest.mark.parametrize("where", OUTSIDE_KINDS)
+@pytest.mark.parametrize(("backend", "where"), OUTSIDE_CASES, indirect=["backend"])
 @pytest.mark.parametrize("row_state_", ["deleting", "pending"])
 def test_row_pointing_outside_is_refused(
     root: Path,
@@ -796,6 +850,7 @@ def test_row_pointing_outside_is_refused(
     open_manager: Callable[..., CheckpointManager],
     where: str,
     row_state_: str,
+    db: LedgerClient,
 ) -> None:
     mgr = open_manager()
     for step in (1, 2):
@@ -804,17 +859,16 @@ def test_row_pointing_outside_is_refused(
     stored, target = _outside_paths(save_dir, outside)[where]
     assert (save_dir / stored).resolve() == target.resolve()  # the row really designates it
     before = tree(outside)
-    ident = row_id(root, 1)
+    ident = row_id(db, 1)
     ckpt(save_dir, 1).unlink()  # its own file is gone; only the outside one is named
-    execute(
-        root,
+    db.execute(
         "UPDATE checkpoints SET state = ?, path = ?, tmp_path = ? WHERE id = ?",
         row_state_,
         stored,
         stored if row_state_ == "pending" else None,
         ident,
     )
-    ledger_before = rows(root, "SELECT state, path, tmp_path FROM checkpoints WHERE id = ?", ident)
+    ledger_before = db.rows("SELECT state, path, tmp_path FROM checkpoints WHERE id = ?", ident)
 
     with pytest.warns(UserWarning, match="outside|step-0000000|notes"):
         report = mgr.reconcile()
@@ -824,10 +878,10 @@ def test_row_pointing_outside_is_refused(
     assert [(a.kind, a.path) for a in report.failures] == [("failed", stored)]
     assert report.counts == {"failed": 1}
     assert_report_consistent(report)
-    assert rows(root, "SELECT state, path, tmp_path FROM checkpoints WHERE id = ?", ident) == (
+    assert db.rows("SELECT state, path, tmp_path FROM checkpoints WHERE id = ?", ident) == (
         ledger_before
     )
-    assert ("failed", ident) in [(k, c) for k, c, _ in reconcile_events(root, mgr.attempt_id)]
+    assert ("failed", ident) in [(k, c) for k, c, _ in reconcile_events(db, mgr.attempt_id)]
     assert mgr.latest().step == 2  # type: ignore[union-attr]
 
     # at the next open the refusal holds too
@@ -838,13 +892,14 @@ def test_row_pointing_outside_is_refused(
     assert tree(outside) == before
 
 
-@pytest.mark.parametrize("where", OUTSIDE_KINDS)
+@pytest.mark.parametrize(("backend", "where"), OUTSIDE_CASES, indirect=["backend"])
 def test_dry_run_does_not_promise_to_delete_outside_files(
     root: Path,
     save_dir: Path,
     outside: Path,
     open_manager: Callable[..., CheckpointManager],
     where: str,
+    db: LedgerClient,
 ) -> None:
     """A dry run lists what the real run would do; the real run refuses outside paths."""
     mgr = open_manager()
@@ -853,11 +908,10 @@ def test_dry_run_does_not_promise_to_delete_outside_files(
     (save_dir / "linked").symlink_to(outside, target_is_directory=True)
     stored, _ = _outside_paths(save_dir, outside)[where]
     ckpt(save_dir, 1).unlink()
-    execute(
-        root,
+    db.execute(
         "UPDATE checkpoints SET state = 'deleting', path = ? WHERE id = ?",
         stored,
-        row_id(root, 1),
+        row_id(db, 1),
     )
 
     preview = mgr.reconcile(dry_run=True)
@@ -875,13 +929,14 @@ def test_row_file_replaced_by_symlink_never_touches_the_target(
     outside: Path,
     open_manager: Callable[..., CheckpointManager],
     row_state_: str,
+    db: LedgerClient,
 ) -> None:
     before = tree(outside)
-    ident = row_id(three, 2)
+    ident = row_id(db, 2)
     link = ckpt(save_dir, 2)
     link.unlink()
     link.symlink_to(outside / "step-000000050.pt")
-    execute(three, "UPDATE checkpoints SET state = ? WHERE id = ?", row_state_, ident)
+    db.execute("UPDATE checkpoints SET state = ? WHERE id = ?", row_state_, ident)
 
     mgr = open_manager()
     mgr.reconcile(verify=True)
@@ -890,16 +945,17 @@ def test_row_file_replaced_by_symlink_never_touches_the_target(
     if row_state_ != "committed":
         # removing the entry removed the link, not what it points at
         assert not link.is_symlink()
-        assert row_state(three, ident) == {"pending": "aborted", "deleting": "deleted"}[row_state_]
+        assert row_state(db, ident) == {"pending": "aborted", "deleting": "deleted"}[row_state_]
     else:
-        assert row_state(three, ident) == "corrupt"
+        assert row_state(db, ident) == "corrupt"
 
 
 def test_ledger_files_and_quarantine_are_never_scanned_as_streams(
-    root: Path, open_manager: Callable[..., CheckpointManager]
+    root: Path, open_manager: Callable[..., CheckpointManager], db_url: str | None
 ) -> None:
-    """With save_dir = root, ckptdb.* entries live beside the stream directories."""
-    with CheckpointManager(root, save_dir=root) as mgr:
+    """With save_dir = root, ckptdb.* entries live beside the stream directories
+    (the quarantine; with a SQLite ledger its files and the lock too)."""
+    with CheckpointManager(root, save_dir=root, db_url=db_url) as mgr:
         mgr.save(1, model=state(1))
     (root / "model" / "step-000000077.pt").write_bytes(b"stray")
     open_manager(save_dir=root).close()
@@ -909,7 +965,8 @@ def test_ledger_files_and_quarantine_are_never_scanned_as_streams(
 
     assert mgr.last_reconcile.actions == []
     assert (root / QUARANTINE / "model" / "step-000000077.pt").read_bytes() == b"stray"
-    assert (root / "ckptdb.sqlite").exists()
+    if db_url is None:
+        assert (root / "ckptdb.sqlite").exists()
 
 
 # ------------------------------------------------------------------- failing repairs
@@ -931,26 +988,26 @@ def refuse_unlink(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path], 
     refused.clear()
 
 
-def _pending_leftover(root: Path, save_dir: Path) -> tuple[int | None, Path, str]:
-    damage_pending_after_replace(root, save_dir)
-    ident = rows(root, "SELECT id FROM checkpoints WHERE state = 'pending'")[0][0]
+def _pending_leftover(db: LedgerClient, save_dir: Path) -> tuple[int | None, Path, str]:
+    damage_pending_after_replace(db, save_dir)
+    ident = db.rows("SELECT id FROM checkpoints WHERE state = 'pending'")[0][0]
     return ident, ckpt(save_dir, 3), "rolled_back"
 
 
-def _pending_tmp_leftover(root: Path, save_dir: Path) -> tuple[int | None, Path, str]:
-    damage_pending_after_replace(root, save_dir)
-    ((ident, tmp),) = rows(root, "SELECT id, tmp_path FROM checkpoints WHERE state = 'pending'")
+def _pending_tmp_leftover(db: LedgerClient, save_dir: Path) -> tuple[int | None, Path, str]:
+    damage_pending_after_replace(db, save_dir)
+    ((ident, tmp),) = db.rows("SELECT id, tmp_path FROM checkpoints WHERE state = 'pending'")
     return ident, save_dir / tmp, "rolled_back"
 
 
-def _deleting_row(root: Path, save_dir: Path) -> tuple[int | None, Path, str]:
-    ident = row_id(root, 1)
-    damage_deleting(root, save_dir)
+def _deleting_row(db: LedgerClient, save_dir: Path) -> tuple[int | None, Path, str]:
+    ident = row_id(db, 1)
+    damage_deleting(db, save_dir)
     return ident, ckpt(save_dir, 1), "deleted"
 
 
-def _orphan_temp(root: Path, save_dir: Path) -> tuple[int | None, Path, str]:
-    damage_orphan_temp(root, save_dir)
+def _orphan_temp(db: LedgerClient, save_dir: Path) -> tuple[int | None, Path, str]:
+    damage_orphan_temp(db, save_dir)
     return None, save_dir / "model" / ".step-000000005.pt.tmp-999", "removed_temp"
 
 
@@ -970,13 +1027,14 @@ def test_unlink_failure_is_reported_warned_recorded_and_retried(
     refuse_unlink: Callable[[Path], None],
     monkeypatch: pytest.MonkeyPatch,
     target: str,
+    db: LedgerClient,
 ) -> None:
     mgr = open_manager()
     for step in (1, 2, 3):
         mgr.save(step, model=state(step))
-    ident, path, success_kind = UNLINK_TARGETS[target](root, save_dir)
+    ident, path, success_kind = UNLINK_TARGETS[target](db, save_dir)
     rel = str(path.relative_to(save_dir))
-    state_before = row_state(root, ident) if ident is not None else None
+    state_before = row_state(db, ident) if ident is not None else None
     refuse_unlink(path)
 
     with pytest.warns(UserWarning, match=path.name):
@@ -988,8 +1046,8 @@ def test_unlink_failure_is_reported_warned_recorded_and_retried(
     assert_report_consistent(report)
     assert path.exists()
     if ident is not None:
-        assert row_state(root, ident) == state_before  # left for the next reconcile
-    recorded = reconcile_events(root, mgr.attempt_id)
+        assert row_state(db, ident) == state_before  # left for the next reconcile
+    recorded = reconcile_events(db, mgr.attempt_id)
     assert ("failed", rel) in [(k, d["path"]) for k, _, d in recorded]
 
     monkeypatch.undo()  # the disk is writable again
@@ -1000,10 +1058,10 @@ def test_unlink_failure_is_reported_warned_recorded_and_retried(
     assert not path.exists()
     if ident is not None:
         assert (
-            row_state(root, ident) == {"rolled_back": "aborted", "deleted": "deleted"}[success_kind]
+            row_state(db, ident) == {"rolled_back": "aborted", "deleted": "deleted"}[success_kind]
         )
     assert mgr.latest() is not None
-    assert_nothing_to_do(mgr, root, root)
+    assert_nothing_to_do(mgr, db, root)
 
 
 def test_unlink_failure_at_open_is_retried_at_next_open(
@@ -1012,22 +1070,23 @@ def test_unlink_failure_at_open_is_retried_at_next_open(
     open_manager: Callable[..., CheckpointManager],
     refuse_unlink: Callable[[Path], None],
     monkeypatch: pytest.MonkeyPatch,
+    db: LedgerClient,
 ) -> None:
-    ident = row_id(three, 1)
-    execute(three, "UPDATE checkpoints SET state = 'deleting' WHERE id = ?", ident)
+    ident = row_id(db, 1)
+    db.execute("UPDATE checkpoints SET state = 'deleting' WHERE id = ?", ident)
     refuse_unlink(ckpt(save_dir, 1))
 
     with pytest.warns(UserWarning, match="step-000000001.pt"):
         first = open_manager()
     assert first.last_reconcile.counts == {"failed": 1}
-    assert row_state(three, ident) == "deleting"
+    assert row_state(db, ident) == "deleting"
     first.close()
     monkeypatch.undo()
 
     second = open_manager()
 
     assert second.last_reconcile.counts == {"deleted": 1}
-    assert row_state(three, ident) == "deleted"
+    assert row_state(db, ident) == "deleted"
     assert not ckpt(save_dir, 1).exists()
 
 
@@ -1079,14 +1138,17 @@ def test_unusable_quarantine_folder_is_a_failed_action_not_a_crash(
 
 
 def test_reconcile_failing_at_open_releases_the_writer_lock(
-    three: Path, open_manager: Callable[..., CheckpointManager], monkeypatch: pytest.MonkeyPatch
+    three: Path,
+    open_manager: Callable[..., CheckpointManager],
+    monkeypatch: pytest.MonkeyPatch,
+    db_url: str | None,
 ) -> None:
     def broken(self: Reconciler, **kwargs: Any) -> None:
         raise RuntimeError("reconcile blew up")
 
     monkeypatch.setattr(Reconciler, "run", broken)
     with pytest.raises(RuntimeError, match="blew up") as excinfo:
-        CheckpointManager(three)
+        CheckpointManager(three, db_url=db_url)
     monkeypatch.undo()
 
     # the failed manager may still be referenced (here by the traceback): the
