@@ -61,14 +61,28 @@ class SaveHandle:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> dict[str, Checkpoint]:
-        """Wait for the commit; the committed checkpoints by stream, or the error."""
+        """Wait for the commit; the committed checkpoints by stream, or the error.
+
+        A ``TimeoutError`` (still in flight) fetches nothing: the boundary's
+        error, if it comes, is still raised by the next ``save``/``close``.
+        """
+        try:
+            out = self._future.result(timeout)
+        except BaseException as exc:
+            self._fetched = self._fetched or self._is_outcome(exc)
+            raise
         self._fetched = True
-        return self._future.result(timeout)
+        return out
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Wait; the boundary's error, or None if it committed."""
+        error = self._future.exception(timeout)  # TimeoutError: nothing fetched
         self._fetched = True
-        return self._future.exception(timeout)
+        return error
+
+    def _is_outcome(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the boundary's own error (not a wait that timed out)."""
+        return self._future.done() and self._future.exception() is exc
 
     @property
     def unfetched_error(self) -> BaseException | None:
@@ -172,14 +186,14 @@ class Snapshotter:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._buffers: dict[tuple[str, _Where], torch.Tensor] = {}
 
     def snapshot(self, stream: str, payload: Any) -> Any:
         copier = _Copy(self._buffers, stream)
         if isinstance(payload, Sharded):
-            copied: Any = Sharded(copier.copy("", payload.state_dict))
+            copied: Any = Sharded(copier.copy((), payload.state_dict))
         else:
-            copied = copier.copy("", payload)
+            copied = copier.copy((), payload)
         for device in copier.devices:
             torch.cuda.current_stream(device).synchronize()
         return copied
@@ -187,31 +201,45 @@ class Snapshotter:
 
 _IMMUTABLE = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 _AliasKey = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
+_Where = tuple[Any, ...]
 
 
 class _Copy:
-    """One snapshot pass over one payload."""
+    """One snapshot pass over one payload.
 
-    def __init__(self, buffers: dict[tuple[str, str], torch.Tensor], stream: str) -> None:
+    A position is the tuple of keys/indices from the payload's root, so
+    ``{"a/b": x}`` and ``{"a": {"b": y}}`` never share a buffer; and a buffer
+    already filled in this pass is never reused for another tensor.
+    """
+
+    def __init__(self, buffers: dict[tuple[str, _Where], torch.Tensor], stream: str) -> None:
         self.buffers, self.stream = buffers, stream
         self.aliases: dict[_AliasKey, Any] = {}
         self.devices: set[torch.device] = set()
+        self.filled: set[int] = set()
 
-    def copy(self, where: str, obj: Any) -> Any:
+    def copy(self, where: _Where, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             return self.tensor(where, obj)
-        if isinstance(obj, dict):
-            out = {k: self.copy(f"{where}/{k}", v) for k, v in obj.items()}
-            return out if type(obj) is dict else type(obj)(out)
-        if isinstance(obj, list):
-            return [self.copy(f"{where}/{i}", v) for i, v in enumerate(obj)]
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(self.copy(f"{where}/{i}", v) for i, v in enumerate(obj))
         if obj is None or isinstance(obj, _IMMUTABLE):
             return obj
+        if type(obj) is dict:
+            return {k: self.copy((*where, k), v) for k, v in obj.items()}
+        if isinstance(obj, dict):  # OrderedDict with _metadata, defaultdict...: same type and state
+            out = copy.copy(obj)
+            for k, v in obj.items():
+                out[k] = self.copy((*where, k), v)
+            if getattr(obj, "__dict__", None):
+                out.__dict__ = copy.deepcopy(obj.__dict__)
+            return out
+        if isinstance(obj, list):
+            return [self.copy((*where, i), v) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            items = [self.copy((*where, i), v) for i, v in enumerate(obj)]
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
         return copy.deepcopy(obj)  # anything else may be mutated after the call too
 
-    def tensor(self, where: str, t: torch.Tensor) -> Any:
+    def tensor(self, where: _Where, t: torch.Tensor) -> Any:
         local = _local(t)
         storage = local.untyped_storage().data_ptr()
         shape, stride = tuple(local.shape), tuple(local.stride())
@@ -219,9 +247,11 @@ class _Copy:
         if key in self.aliases and local.numel() > 0:
             return self.aliases[key]
         buf = self.buffers.get((self.stream, where))
-        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+        reusable = buf is not None and id(buf) not in self.filled
+        if not reusable or buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
             buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
             self.buffers[(self.stream, where)] = buf
+        self.filled.add(id(buf))
         buf.copy_(local.detach(), non_blocking=local.is_cuda)
         if local.is_cuda:
             self.devices.add(local.device)

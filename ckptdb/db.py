@@ -43,6 +43,7 @@ from .errors import LedgerError, SchemaVersionError
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 _DURABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptdb_durable", default=True)
+_READ_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptdb_read", default=False)
 POSTGRES_DRIVER = "postgresql+psycopg"
 
 
@@ -150,6 +151,9 @@ def _configure_sqlite(engine: Engine, *, readonly: bool) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Connection) -> None:
+        if _READ_ONLY.get():  # a snapshot read: never waits for the writer (WAL)
+            connection.exec_driver_sql("BEGIN")
+            return
         # The safety level may only change between transactions (see Ledger.transaction).
         level = "FULL" if _DURABLE.get() else "NORMAL"
         connection.exec_driver_sql(f"PRAGMA synchronous = {level}")
@@ -235,8 +239,12 @@ class Ledger:
         self._sessions = sessionmaker(engine, expire_on_commit=False)
 
     @contextlib.contextmanager
-    def transaction(self, *, durable: bool = True) -> Iterator[Session]:
+    def transaction(self, *, durable: bool = True, read: bool = False) -> Iterator[Session]:
         """A session whose work commits on success and rolls back on error.
+
+        ``read=True`` is for queries only: on SQLite a deferred ``BEGIN`` (a
+        WAL snapshot) instead of ``BEGIN IMMEDIATE``, so a read on the training
+        thread never waits for a commit running in the background.
 
         ``durable=False`` (SQLite: ``synchronous=NORMAL`` for this transaction)
         skips the fsync of the commit: it survives a process crash but maybe
@@ -246,11 +254,12 @@ class Ledger:
         reconcile finishes the delete). The boundary's commit is always durable,
         and fsyncing the WAL also makes every earlier transaction durable.
         """
-        token = _DURABLE.set(durable)
+        token, read_token = _DURABLE.set(durable), _READ_ONLY.set(read)
         try:
             with self._sessions.begin() as session:
                 yield session
         finally:
+            _READ_ONLY.reset(read_token)
             _DURABLE.reset(token)
 
     def probe(self) -> None:

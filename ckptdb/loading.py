@@ -163,7 +163,7 @@ class LoadingMixin(RunQueries):
 
     def _find_committed(self, **where: Any) -> Checkpoint | None:
         """The newest committed row matching ``where`` (column=value), by an indexed query."""
-        with self._db.transaction() as session:
+        with self._db.transaction(read=True) as session:
             query = select(m.Checkpoint).filter_by(run_id=self.run_id, state=m.COMMITTED, **where)
             row = session.scalars(query.order_by(m.Checkpoint.id.desc()).limit(1)).first()
             return Checkpoint.from_row(row, self.save_dir) if row is not None else None

@@ -32,7 +32,7 @@ class RunQueries:
     def latest(self, stream: str = "model") -> Checkpoint | None:
         """The newest committed checkpoint of ``stream`` (by publication, not by mtime)."""
         self._check_stream(stream)
-        with self._db.transaction() as session:
+        with self._db.transaction(read=True) as session:
             row = ledger.latest_row(session, self.run_id, stream)
             return Checkpoint.from_row(row, self.save_dir) if row is not None else None
 
@@ -41,7 +41,7 @@ class RunQueries:
         policy = self._check_stream(stream)
         if not isinstance(policy, TopK):
             raise InvalidArgumentError(f"stream {stream!r} is not a TopK stream")
-        with self._db.transaction() as session:
+        with self._db.transaction(read=True) as session:
             rows = ledger.rows_in_state(session, self.run_id, [m.COMMITTED], stream)
         by_id = {r.id: r for r in rows}
         return [
@@ -57,7 +57,7 @@ class RunQueries:
             self._check_stream(stream)
         else:
             self._check_open()
-        with self._db.transaction() as session:
+        with self._db.transaction(read=True) as session:
             rows = ledger.rows_in_state(session, self.run_id, tuple(states), stream)
         return [Checkpoint.from_row(r, self.save_dir) for r in rows]
 

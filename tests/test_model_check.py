@@ -6,10 +6,17 @@ tied metrics), non-finite guard trips, transient I/O faults before the commit
 (write, fsync, replace, ledger commit) and after it (an evicted file that cannot
 be removed), interrupts, crashes at every protocol point followed by a reopen
 (which reconciles), explicit reconciles and restarts from an older checkpoint.
+Saves also run asynchronously (``blocking=False``, issue 7): the handle is
+fetched at once, or left in flight for the following rules (whose calls must
+wait for it where the design says so: the next save, reconcile, close, a load
+of a stream being written), or held in the background at a protocol point, where
+a crash-and-reopen rule kills the process with the boundary unfinished (it is
+published only if the hold point is past the commit).
 A plain-Python reference model, written independently of :mod:`ckptdb.policies`,
 says what must be committed per stream; it changes only when a save is
 acknowledged (returned normally) or when a crash or interrupt hit after the
-commit point.
+commit point (an asynchronous boundary is applied when the call returns, and
+taken back if a crash hits it before its commit).
 
 After every rule the ledger must agree with the model (committed (stream, step)
 pairs, latest pointers, top-K order), ``mgr.check()`` must find nothing (but the
@@ -22,15 +29,17 @@ for a deeper run.
 
 from __future__ import annotations
 
+import copy
 import errno
 import math
 import os
 import shutil
 import sqlite3
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,11 +61,13 @@ from hypothesis.stateful import (
 
 from ckptdb import CheckpointManager, CleanupWarning, Keep, NonFiniteGradGuard, TopK, faults
 from ckptdb import models as m
+from ckptdb.asyncsave import SaveHandle
 from ckptdb.errors import NonFiniteGradientError, PublishError
 from ckptdb.reconcile import ReconcileReport
 
 EXAMPLES = int(os.environ.get("CKPTDB_MODEL_EXAMPLES", "100"))
 STEPS_PER_EXAMPLE = 30
+WAIT = 60.0  # bound on any wait for the background thread (a hang fails, never passes)
 
 # Thousands of boundaries, each with several fsyncs: on a tmpfs they cost nothing
 # (this checks the protocol's logic; durability is the crash tests' business).
@@ -196,6 +207,39 @@ class PointTrap:
             raise self.exc_type(name)
 
 
+class Hold:
+    """Holds the background writer at its first visit of fault point ``point`` until
+    :attr:`go` is set; it then goes on, or dies there (:class:`Crash`) if :attr:`dead`."""
+
+    def __init__(self, point: str) -> None:
+        self.point = point
+        self.arrived = threading.Event()
+        self.go = threading.Event()
+        self.dead = False
+
+    def __call__(self, name: str) -> None:
+        if name != self.point or self.arrived.is_set():
+            return
+        if threading.current_thread() is threading.main_thread():
+            return
+        self.arrived.set()
+        if not self.go.wait(WAIT):
+            raise TimeoutError(f"the machine never released the hold at {name}")
+        if self.dead:
+            raise Crash(name)
+
+
+@dataclass
+class InFlight:
+    """An asynchronous boundary the machine has not seen finish yet."""
+
+    handle: SaveHandle
+    step: int
+    expected: list[str]  # the streams it publishes (already applied to the reference)
+    before: Reference  # the reference as it was without it (for a crash before its commit)
+    hold: Hold | None  # the background thread is held at hold.point
+
+
 class TransientFault:
     """Makes the ``nth`` call of one operation fail once with an OS or ledger error."""
 
@@ -280,6 +324,7 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
         # evicted rows whose file could not be removed: relative path -> (stream, step);
         # they stay 'deleting' until the next reconcile (design section 3, step 6)
         self.deferred: dict[str, tuple[str, int]] = {}
+        self.inflight: InFlight | None = None
 
     # ------------------------------------------------------------- helpers
 
@@ -295,6 +340,8 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
     def _abandon(self) -> None:
         """Drop the manager as a dead process would: no cleanup, no close."""
         mgr, self.mgr = self.live, None
+        assert mgr._inflight is None or mgr._inflight.done()  # the crash ended its work
+        mgr._writer.shutdown()  # its idle thread: a dead process has no threads left
         mgr._closed = True
         mgr._db.dispose()
         mgr._lock.release()
@@ -333,10 +380,63 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
         expected = self.ref.admitted(step, streams, metric)
         before = self._all_rows()
         result = self.live.save(step, metrics={METRIC: metric}, **payloads)
+        self._settled()  # the save waited for the boundary in flight
         assert sorted(result) == sorted(expected)
         assert all(c.step == step and c.state == m.COMMITTED for c in result.values())
         assert self._all_rows() == before + len(expected)  # a rejected candidate writes nothing
         self.ref.commit(step, expected, metric, token)
+
+    # ------------------------------------------------ asynchronous boundaries
+
+    def _release(self) -> None:
+        """Let a boundary held in the background go on (it commits; nothing waits here)."""
+        if self.inflight is not None and self.inflight.hold is not None:
+            self.inflight.hold.go.set()
+            self.inflight.hold = None
+
+    def _settled(self) -> None:
+        """The manager waited for the boundary in flight (if any): check its outcome."""
+        flight, self.inflight = self.inflight, None
+        if flight is None:
+            return
+        assert flight.handle.done(), f"step {flight.step} still in flight: nothing waited for it"
+        result = flight.handle.result(timeout=0)
+        assert sorted(result) == sorted(flight.expected)
+        assert all(c.step == flight.step and c.state == m.COMMITTED for c in result.values())
+
+    def _settle(self) -> None:
+        """Wait for the boundary in flight here (before a rule injects faults, which
+        must not hit it) and check its outcome."""
+        if self.inflight is not None:
+            self._release()
+            self.inflight.handle.exception(timeout=WAIT)
+            self._settled()
+
+    def _crash_in_flight(self) -> None:
+        """The process dies while its background thread is held at a protocol point."""
+        flight, self.inflight = self.inflight, None
+        assert flight is not None and flight.hold is not None
+        with no_rollback(self.live):  # a dead process rolls nothing back
+            flight.hold.dead = True
+            flight.hold.go.set()
+            flight.handle.exception(timeout=WAIT)
+        published = flight.hold.point in COMMITTED_POINTS
+        note(f"crash with step {flight.step} held at {flight.hold.point}: published={published}")
+        if not published:
+            self.ref = flight.before
+        self._abandon()
+
+    def _reopen_after_crash(self, crash_in_reconcile: bool, *, exact: bool) -> None:
+        if crash_in_reconcile:  # crash again while the reopen reconciles
+            with hook(PointTrap("mid_reconcile", 1, Crash)), pytest.raises(Crash):
+                self._open()
+            self.mgr = None
+        report = self._open().last_reconcile
+        note(f"reconcile at reopen: {report}")
+        assert report.failures == []
+        # a crash between boundaries leaves nothing to do but the deferred deletions
+        self._reconciled(report, exact=exact and not crash_in_reconcile)
+        assert self.live.reconcile().actions == []  # idempotent
 
     # -------------------------------------------------------------- rules
 
@@ -360,6 +460,7 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
 
     @rule(move=moves, streams=stream_sets, metric=metrics, finite_grad=st.booleans())
     def save(self, move: int, streams: list[str], metric: float, finite_grad: bool) -> None:
+        self._release()
         if finite_grad:
             self.guard.update(torch.tensor(1.5))  # a finite norm never trips the guard
         self._save(self._next_step(move), streams, metric)
@@ -368,19 +469,78 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
         move=moves,
         streams=stream_sets,
         metric=metrics,
+        then=st.sampled_from(["fetch", "leave", "hold"]),
+        point=st.sampled_from(SAVE_POINTS),
+    )
+    def save_async(
+        self, move: int, streams: list[str], metric: float, then: str, point: str
+    ) -> None:
+        """``blocking=False``: fetch the result at once, leave the boundary in flight
+        for the next rules, or hold it in the background at ``point`` (which a
+        crash-and-reopen next may turn into a crash with the boundary unfinished)."""
+        self._release()
+        hold = Hold(point) if then == "hold" else None
+        if hold is not None and self.inflight is not None:
+            self.inflight.handle.wait()  # its fault points must not reach the new hook
+        step = self._next_step(move)
+        token, payloads = self._payloads(streams)
+        expected = self.ref.admitted(step, streams, metric)
+        before = self._all_rows()
+        with hook(hold) if hold is not None else nullcontext():
+            handle = self.live.save(step, metrics={METRIC: metric}, blocking=False, **payloads)
+            self._settled()  # the call waited for the previous boundary
+            while hold is not None and not hold.arrived.wait(0.001):
+                if handle.done():  # the point was never visited: nothing is held
+                    break
+        assert isinstance(handle, SaveHandle) and handle.step == step
+        flight = InFlight(handle, step, expected, copy.deepcopy(self.ref), None)
+        if hold is not None and hold.arrived.is_set():
+            flight.hold = hold
+        # (held in_commit, the background thread holds the ledger's write lock: every
+        # transaction, a read too, waits for it; the next rule releases or crashes it)
+        if flight.hold is None or point != "in_commit":
+            assert self._all_rows() == before + len(expected)  # its intent rows, at the call
+        note(f"async step {step} ({then} at {point}): held={flight.hold is not None}")
+        self.ref.commit(step, expected, metric, token)
+        self.inflight = flight
+        if then == "fetch":
+            handle.result(timeout=WAIT)
+            self._settled()
+
+    @precondition(lambda self: self.inflight is not None and self.inflight.hold is not None)
+    @rule(crash_in_reconcile=st.booleans())
+    def crash_with_boundary_in_flight(self, crash_in_reconcile: bool) -> None:
+        """The process dies while the background thread is held inside an asynchronous
+        boundary (saved by an earlier rule): published only if held past the commit."""
+        self._crash_in_flight()
+        self._reopen_after_crash(crash_in_reconcile, exact=False)
+
+    @rule(
+        move=moves,
+        streams=stream_sets,
+        metric=metrics,
         bad=st.sampled_from([math.nan, math.inf, -math.inf]),
         as_tensor=st.booleans(),
+        blocking=st.booleans(),
     )
     def guard_trip(
-        self, move: int, streams: list[str], metric: float, bad: float, as_tensor: bool
+        self,
+        move: int,
+        streams: list[str],
+        metric: float,
+        bad: float,
+        as_tensor: bool,
+        blocking: bool,
     ) -> None:
+        self._release()
         step = self._next_step(move)
         _, payloads = self._payloads(streams)
         before = self._all_rows()
         trips = self._events("guard_tripped")
         self.guard.update(torch.tensor(bad) if as_tensor else bad)
-        with pytest.raises(NonFiniteGradientError):
-            self.live.save(step, metrics={METRIC: metric}, **payloads)
+        with pytest.raises(NonFiniteGradientError):  # raised by the call, in both modes
+            self.live.save(step, metrics={METRIC: metric}, blocking=blocking, **payloads)
+        self._settled()
         assert not self.guard.tripped()  # reset after the boundary
         assert self._all_rows() == before  # nothing written, no row added
         assert self._events("guard_tripped") == trips + 1
@@ -391,26 +551,50 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
         metric=metrics,
         kind=st.sampled_from(sorted(FAULT_PHASES)),
         nth=st.integers(min_value=1, max_value=4),
+        mode=st.sampled_from(["blocking", "fetch", "unfetched"]),
     )
     def injected_fault(
-        self, move: int, streams: list[str], metric: float, kind: str, nth: int
+        self, move: int, streams: list[str], metric: float, kind: str, nth: int, mode: str
     ) -> None:
+        """``fetch``: an asynchronous save whose error ``exception()`` returns;
+        ``unfetched``: nobody fetches it, and the next save raises it (and does nothing)."""
+        self._settle()
         step = self._next_step(move)
         token, payloads = self._payloads(streams)
         expected = self.ref.admitted(step, streams, metric)
         fault = TransientFault(kind, nth)
-        error: PublishError | None = None
+        error: BaseException | None = None
+        handle: SaveHandle | None = None
         with fault.active():
             try:
-                self.live.save(step, metrics={METRIC: metric}, **payloads)
-            except PublishError as exc:
+                if mode == "blocking":
+                    self.live.save(step, metrics={METRIC: metric}, **payloads)
+                else:
+                    handle = self.live.save(
+                        step, metrics={METRIC: metric}, blocking=False, **payloads
+                    )
+                    handle.wait()  # done before the fault is removed, not fetched
+            except PublishError as exc:  # blocking, or a fault in the call's intent phase
                 error = exc
-        note(f"fault {kind} #{nth}: fired={fault.fired} error={error!r}")
+        if handle is not None and mode == "fetch":
+            error = handle.exception(timeout=0)
+        if handle is not None and mode == "unfetched" and handle.done():
+            unfetched = handle.unfetched_error  # (not fetched by asking)
+            before = self._all_rows()
+            if unfetched is not None:  # raised by the next save, which does not run
+                with pytest.raises(PublishError) as raised:
+                    self.live.save(step + 1, metrics={METRIC: metric}, **payloads)
+                assert raised.value is unfetched
+                assert self._all_rows() == before
+            error = unfetched
+        note(f"fault {kind} #{nth} ({mode}): fired={fault.fired} error={error!r}")
         if not fault.fired:  # the save never got that far: it is acknowledged
             assert error is None
+            if handle is not None:
+                assert sorted(handle.result(timeout=0)) == sorted(expected)
             self.ref.commit(step, expected, metric, token)
             return
-        assert error is not None, "an injected fault must not be swallowed"
+        assert isinstance(error, PublishError), "an injected fault must not be swallowed"
         assert error.phase in FAULT_PHASES[kind]
         assert error.step == step
         assert error.cleanup_failures == []
@@ -425,6 +609,7 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
         point=st.sampled_from(SAVE_POINTS),
         visit=st.integers(min_value=1, max_value=3),
         crash_in_reconcile=st.booleans(),
+        blocking=st.booleans(),
     )
     def crash_and_reopen(
         self,
@@ -434,34 +619,41 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
         point: str,
         visit: int,
         crash_in_reconcile: bool,
+        blocking: bool,
     ) -> None:
+        """A crash at a protocol point of this save (in the background thread if it
+        is asynchronous), or, if a boundary is held in the background, right there."""
+        if self.inflight is not None and self.inflight.hold is not None:
+            self._crash_in_flight()
+            self._reopen_after_crash(crash_in_reconcile, exact=False)
+            return
+        self._settle()
         step = self._next_step(move)
         token, payloads = self._payloads(streams)
         expected = self.ref.admitted(step, streams, metric)
         trap = PointTrap(point, visit, Crash)
         mgr = self.live
+        handle: SaveHandle | None = None
         with hook(trap), no_rollback(mgr):
             try:
-                mgr.save(step, metrics={METRIC: metric}, **payloads)
+                if blocking:
+                    mgr.save(step, metrics={METRIC: metric}, **payloads)
+                else:  # every protocol point is in the background: the call returns
+                    handle = mgr.save(step, metrics={METRIC: metric}, blocking=False, **payloads)
+                    handle.wait()
             except BaseException:
                 # a dead process raises nothing; what the simulated crash turned into
                 # on its way out (torch wraps it inside its writer) does not matter
                 if not trap.fired:
                     raise
-        note(f"crash at {point} #{visit}: fired={trap.fired}")
+        mode = "blocking" if blocking else "async"
+        note(f"crash at {point} #{visit} ({mode}): fired={trap.fired}")
+        if handle is not None and not trap.fired:
+            assert sorted(handle.result(timeout=0)) == sorted(expected)
         if not trap.fired or point in COMMITTED_POINTS:
             self.ref.commit(step, expected, metric, token)
         self._abandon()
-        if crash_in_reconcile:  # crash again while the reopen reconciles
-            with hook(PointTrap("mid_reconcile", 1, Crash)), pytest.raises(Crash):
-                self._open()
-            self.mgr = None
-        report = self._open().last_reconcile
-        note(f"reconcile at reopen: {report}")
-        assert report.failures == []
-        # a crash between boundaries leaves nothing to do but the deferred deletions
-        self._reconciled(report, exact=not trap.fired and not crash_in_reconcile)
-        assert self.live.reconcile().actions == []  # idempotent
+        self._reopen_after_crash(crash_in_reconcile, exact=not trap.fired)
 
     @rule(
         move=moves,
@@ -479,6 +671,7 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
         boundary is published and only the removal of evicted files may be left
         (as after a cleanup failure) for the next reconcile.
         """
+        self._settle()
         step = self._next_step(move)
         token, payloads = self._payloads(streams)
         expected = self.ref.admitted(step, streams, metric)
@@ -506,6 +699,7 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
     )
     def cleanup_fault(self, move: int, streams: list[str], metric: float, nth: int) -> None:
         """An evicted file cannot be removed after the commit: the save still succeeds."""
+        self._settle()
         step = self._next_step(move)
         before = self._members()
         failures = self._events("cleanup_failed")
@@ -531,7 +725,9 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
 
     @rule(verify=st.booleans())
     def reconcile(self, verify: bool) -> None:
+        self._release()
         report = self.live.reconcile(verify=verify)
+        self._settled()  # it waited: the boundary in flight is not a crash to roll back
         assert report.failures == []
         self._reconciled(report, exact=True)
 
@@ -547,13 +743,16 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
         self, pick: int, move: int, extra: set[str], metric: float, reopen: bool
     ) -> None:
         """Load an older model checkpoint and continue training from its step."""
+        self._release()
         steps = sorted(self.ref.members["model"])
         older = steps[:-1] or steps
         step = older[pick % len(older)]
         if reopen:
             self.live.close()
+            self._settled()  # close waited for the boundary in flight
             self._reconciled(self._open().last_reconcile, exact=True)
         state = self.live.load(step, stream="model")
+        self._loaded("model")
         token = self.ref.members["model"][step].token
         assert torch.equal(state["w"], torch.tensor([float(token), -float(token)]))
         self.clock = step
@@ -565,10 +764,18 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.ref.committed()))
     @rule(pick=st.integers(min_value=0, max_value=20))
     def load_matches(self, pick: int) -> None:
+        self._release()
         stream, step = sorted(self.ref.committed())[pick % len(self.ref.committed())]
         state = self.live.load(step, stream=stream)
+        self._loaded(stream)
         token = self.ref.members[stream][step].token
         assert torch.equal(state["w"], torch.tensor([float(token), -float(token)]))
+
+    def _loaded(self, stream: str) -> None:
+        """A load of ``stream`` returned: it waited for a boundary in flight writing it
+        (one writing other streams may still be in flight)."""
+        if self.inflight is not None and stream in self.inflight.expected:
+            self._settled()
 
     # --------------------------------------------------------- invariants
 
@@ -600,10 +807,15 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def ledger_matches_model(self) -> None:
+        if self.inflight is not None:
+            if not self.inflight.handle.done():
+                return  # still being written (or held): the next rules settle it
+            self._settled()
         self._check_consistent()
 
     def teardown(self) -> None:
         try:
+            self._release()
             if self.mgr is not None:
                 self.mgr.close()
         finally:
