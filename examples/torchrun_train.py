@@ -63,7 +63,11 @@ def main() -> None:
                 mgr.save(  # collective: publishes on every rank or on none
                     step,
                     metrics={"val_loss": val.item() / world},
-                    model={"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step},
+                    model={
+                        "model": model.module.state_dict(),
+                        "optim": opt.state_dict(),
+                        "step": step,
+                    },
                     best=model.module.state_dict(),
                     ranks=Sharded({f"rng/{rank}": torch.get_rng_state()}),
                 )
