@@ -94,6 +94,10 @@ class SaveHandle:
     def mark_fetched(self) -> None:
         self._fetched = True
 
+    def outcome_error(self) -> BaseException | None:
+        """The finished boundary's error (or None), without fetching it."""
+        return self._future.exception() if self._future.done() else None
+
     def wait(self) -> None:
         """Wait for the boundary to finish, without fetching its outcome."""
         concurrent.futures.wait([self._future])
@@ -144,9 +148,10 @@ class BackgroundWriter:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        if self.group is not None:
-            dist.destroy_process_group(self.group.group)
-            self.group = None
+        group, self.group = self.group, None
+        # After destroy_process_group() of the default group ours is gone with it.
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group.group)
 
 
 def _logged(
@@ -165,14 +170,17 @@ def _logged(
 def group_timeout(group: Any) -> dt.timedelta | None:
     """The collective timeout the user gave ``group`` (None: torch's default).
 
-    torch has no public getter; the backend's options carry it for gloo and NCCL.
+    torch has no public getter; the backend's options carry it, for gloo (a
+    CPU backend) and NCCL (a CUDA one).
     """
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-        timeout = backend.options._timeout
-    except (AttributeError, RuntimeError):
-        return None
-    return timeout if isinstance(timeout, dt.timedelta) else None
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue  # no backend for that device type in this group
+        if isinstance(timeout, dt.timedelta):
+            return timeout
+    return None
 
 
 class Snapshotter:
@@ -187,6 +195,10 @@ class Snapshotter:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, _Where], torch.Tensor] = {}
+
+    def release(self) -> None:
+        """Drop the buffers (the manager is closing)."""
+        self._buffers.clear()
 
     def snapshot(self, stream: str, payload: Any) -> Any:
         copier = _Copy(self._buffers, stream)
@@ -267,20 +279,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rewrap(original: torch.Tensor, host: torch.Tensor) -> Any:
-    """A DTensor again around the host copy of its local shard (same mesh and placements)."""
+    """A DTensor again around the host copy of its local shard (same spec).
+
+    ``DTensor.from_local`` would move the host copy back to the mesh's device
+    (a CUDA mesh: a second GPU copy); the constructor keeps it where it is,
+    as torch's own CPU offload of state dicts does.
+    """
     if not callable(getattr(original, "to_local", None)):
         return host
     from torch.distributed.tensor import DTensor
 
     assert isinstance(original, DTensor)
-    return DTensor.from_local(
-        host,
-        original.device_mesh,
-        original.placements,
-        run_check=False,
-        shape=original.shape,
-        stride=original.stride(),
-    )
+    return DTensor(host, original._spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
 
 __all__ = ["BackgroundWriter", "SaveHandle", "Snapshotter", "finished"]

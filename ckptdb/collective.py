@@ -24,18 +24,20 @@ from .distributed import (
     first_error,
     objection_of,
     raise_agreed,
+    raise_previous,
     rebuild,
 )
 from .errors import (
+    ArgumentTypeError,
     CkptDBError,
-    InvalidArgumentError,
     NonFiniteGradientError,
     PublishError,
     RankAgreementError,
+    RankFailedError,
 )
 from .loading import check_into, read_checkpoint
 from .record import Checkpoint
-from .sharded import Sharded, write_sharded
+from .sharded import Sharded, resolve_stateful, write_sharded
 from .storage import confine
 
 if TYPE_CHECKING:
@@ -58,8 +60,14 @@ class CollectiveMixin:
         _snapshots: Snapshotter
 
         def _validate_boundary(
-            self, step: object, metrics: object, payloads: Mapping[str, Any]
+            self,
+            step: object,
+            metrics: object,
+            payloads: Mapping[str, Any],
+            *,
+            buffer: bool = True,
         ) -> dict[str, float]: ...
+        def _buffer_boundary_metrics(self, step: int, values: dict[str, float]) -> None: ...
         def _guard_verdict(self, step: int) -> NonFiniteGradientError | None: ...
         def _check_finite_metrics(
             self, payloads: Mapping[str, Any], values: dict[str, float]
@@ -90,18 +98,35 @@ class CollectiveMixin:
         step: object,
         metrics: object,
         payloads: dict[str, Any],
-        blocking: bool,
+        blocking: object,
+        previous: BaseException | None,
+        unfetched: bool,
     ) -> dict[str, Checkpoint] | SaveHandle:
-        """One boundary under torch.distributed: the fixed sequence in ckptdb.distributed."""
+        """One boundary under torch.distributed: the fixed sequence in ckptdb.distributed.
+
+        ``previous`` is the last asynchronous boundary's error (the same on
+        every rank: its outcome was agreed); if any rank has not fetched it,
+        every rank raises it and this boundary does not run.
+        """
+        keep_guard = False
+        pending: list[Pending] = []
         try:
-            values, local = self._preflight_here(step, metrics, payloads)
+            values, local = self._preflight_here(step, metrics, payloads, blocking)
             sharded = sorted(s for s, p in payloads.items() if isinstance(p, Sharded))
             mine = capture(group.rank, local, "InvalidArgumentError") if local else None
-            verdict = (step, sorted(payloads), sharded, blocking, mine)
-            objection = objection_of(group.gather("preflight", verdict))
-            pending: list[Pending] = []
+            shown = step if isinstance(step, int) else repr(step)  # always picklable
+            verdict = (shown, sorted(payloads), sharded, blocking is True, mine)
+            gathered = group.gather("preflight", (verdict, unfetched))
+            if any(unfetched for _, unfetched in gathered):
+                keep_guard = True  # this boundary never ran
+                raise_previous(previous, gathered)
+            objection = objection_of([v for v, _ in gathered])
+            keep_guard = objection is not None and objection.fields.get("stage", 0) == 0
 
             def plan() -> list[PlanItem] | RankError:
+                if objection is not None and keep_guard:
+                    return objection  # bad input: nothing recorded, not even the metrics
+                self._buffer_boundary_metrics(validate_step(step), values)
                 if objection is not None:
                     self._record_objection(objection)
                     return objection
@@ -112,15 +137,19 @@ class CollectiveMixin:
             if isinstance(items, RankError):
                 raise_agreed(items, local, group.rank)
             step = validate_step(step)
-            if not blocking:
+            if blocking is False:
                 return self._launch_collective(group, step, values, pending, items, payloads)
             if not items:
                 return {}  # no top-K stream admitted the candidate, on any rank
             if group.is_chief:
                 return self._chief_boundary(group, step, values, pending)
             return self._follower_boundary(group, items, payloads)
+        except RankAgreementError as broken:  # the group broke between the intent and the write
+            if pending and not any(p.info for p in pending):
+                self._roll_back_quietly(validate_step(step), pending, broken)
+            raise
         finally:
-            if self.guard is not None:
+            if self.guard is not None and not keep_guard:  # a typo must not reset the guard
                 self.guard.reset()
 
     def _launch_collective(
@@ -170,15 +199,24 @@ class CollectiveMixin:
         return handle
 
     def _preflight_here(
-        self, step: object, metrics: object, payloads: Mapping[str, Any]
+        self, step: object, metrics: object, payloads: Mapping[str, Any], blocking: object
     ) -> tuple[dict[str, float], CkptDBError | None]:
-        """This rank's preflight verdict (input, guard, finite ranking metric), not raised."""
+        """This rank's preflight verdict (input, guard, finite ranking metric), not raised:
+        whatever fails here is agreed on in the ``preflight`` all-gather."""
         try:
-            values = self._validate_boundary(step, metrics, payloads)
+            if not isinstance(blocking, bool):
+                raise ArgumentTypeError(f"blocking must be True or False, got {blocking!r}")
+            values = self._validate_boundary(step, metrics, payloads, buffer=False)
         except CkptDBError as exc:
             exc.stage = 0  # type: ignore[attr-defined]
             return {}, exc
-        trip = self._guard_verdict(validate_step(step))
+        try:
+            trip = self._guard_verdict(validate_step(step))
+        except Exception as exc:  # e.g. a CUDA error while reading the guard's flag
+            failed = RankFailedError(f"reading the guard failed: {type(exc).__name__}: {exc}")
+            failed.__cause__ = exc
+            failed.stage = 1  # type: ignore[attr-defined]
+            return values, failed
         if trip is not None:
             trip.stage = 1  # type: ignore[attr-defined]
             return values, trip
@@ -221,16 +259,19 @@ class CollectiveMixin:
         except BaseException as exc:
             try:
                 self._roll_back(step, pending, exc)
-            except PublishError as failed:
+            except Exception as failed:  # PublishError, or the rollback's own failure
                 failed.ranks = list(getattr(exc, "ranks", None) or [0])  # type: ignore[attr-defined]
                 group.share("outcome", (None, capture(0, failed)))
                 raise
             raise  # an interrupt: rolled back, and the other ranks time out
-        self._drop_flushed(flushed)
-        faults.point("after_commit")
-        records = {p.stream: self._record(p, step, values, committed_at) for p in pending}
-        group.share("outcome", (records, None))
-        self._clean_up(step, evicted)
+        # Committed: the evicted files go even if sharing the outcome fails.
+        try:
+            self._drop_flushed(flushed)
+            faults.point("after_commit")
+            records = {p.stream: self._record(p, step, values, committed_at) for p in pending}
+            group.share("outcome", (records, None))
+        finally:
+            self._clean_up(step, evicted)
         return records
 
     def _write_here(self, group: RankGroup, pending: list[Pending]) -> BaseException | None:
@@ -290,14 +331,17 @@ class CollectiveMixin:
         may skip it) and ``loaded`` (every rank's outcome)."""
         target = group.shared_call("resolve", lambda: self._verified(which, stream)[0])
         problem: BaseException | None = None
-        try:
+        path = target.path
+        try:  # everything that could fail on one rank only, before DCP's collectives
             check_into(target, into)
-        except InvalidArgumentError as exc:
+            path = confine(self.save_dir, target.path.relative_to(self.save_dir))
+            if into is not None:
+                resolve_stateful(into)
+        except Exception as exc:
             problem = exc
         group.agree("ready", problem, fallback="InvalidArgumentError")
         state: Any = None
         try:
-            path = confine(self.save_dir, target.path.relative_to(self.save_dir))
             state = read_checkpoint(target, path, map_location, weights_only, into, group)
             if group.is_chief:
                 self._note_resume(target)

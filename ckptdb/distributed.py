@@ -183,6 +183,22 @@ def raise_agreed(chosen: RankError, local: BaseException | None, rank: int) -> N
     raise rebuild(chosen) from local
 
 
+def raise_previous(
+    previous: BaseException | None, gathered: Sequence[tuple[Any, bool]]
+) -> NoReturn:
+    """Some rank has not fetched the last asynchronous boundary's error: every rank
+    raises it (each its own copy; the boundary's outcome was agreed)."""
+    ranks = [r for r, (_, unfetched) in enumerate(gathered) if unfetched]
+    if previous is not None:
+        raise previous
+    raise e.PublishError(
+        f"the previous asynchronous boundary failed (its error is unfetched on rank(s) "
+        f"{', '.join(map(str, ranks))}); this save did not run",
+        phase="write",
+        step=-1,
+    )
+
+
 class RankGroup:
     """The manager's process group: object collectives, named and counted.
 
@@ -203,14 +219,26 @@ class RankGroup:
     def gather(self, name: str, obj: T) -> list[T]:
         """Every rank's ``obj``, indexed by rank."""
         out: list[Any] = [None] * self.size
-        self._run(name, lambda: dist.all_gather_object(out, obj, group=self.group))
-        return out
+        here = (name, len(self.log))
+        self._run(name, lambda: dist.all_gather_object(out, (*here, obj), group=self.group))
+        return [self._untag(here, got) for got in out]
 
     def share(self, name: str, obj: T) -> T:
         """The chief's ``obj`` on every rank (what other ranks pass is ignored)."""
-        box: list[Any] = [obj]
+        here = (name, len(self.log))
+        box: list[Any] = [(*here, obj)]
         self._run(name, lambda: dist.broadcast_object_list(box, group=self.group, group_src=0))
-        return box[0]  # type: ignore[no-any-return]
+        return self._untag(here, box[0])  # type: ignore[no-any-return]
+
+    def _untag(self, here: tuple[str, int], got: Any) -> Any:
+        """Each message carries its collective's name and position, so ranks that
+        have drifted apart fail loudly instead of reading each other's data."""
+        if not (isinstance(got, tuple) and len(got) == 3 and got[:2] == here):
+            theirs = got[:2] if isinstance(got, tuple) else type(got).__name__
+            raise e.RankAgreementError(
+                f"rank {self.rank}: ranks are out of step: here {here}, another rank {theirs}"
+            )
+        return got[2]
 
     def _run(self, name: str, collective: Callable[[], object]) -> None:
         self.log.append(name)

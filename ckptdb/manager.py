@@ -118,6 +118,20 @@ class _RunInfo:
     last_reconcile: ReconcileReport
 
 
+def _resolve_sharded(payloads: Mapping[str, Any]) -> None:
+    """Resolve the ``Stateful`` values of sharded payloads now (see Sharded.resolved)."""
+    assert isinstance(payloads, dict)  # the **payloads of this call, ours to update
+    for stream, payload in payloads.items():
+        if isinstance(payload, Sharded):
+            try:
+                payloads[stream] = payload.resolved()
+            except Exception as exc:
+                raise InvalidArgumentError(
+                    f"stream {stream!r}: the Sharded state dict could not be resolved "
+                    f"(a Stateful's state_dict() raised {type(exc).__name__}: {exc})"
+                ) from exc
+
+
 class CheckpointManager(CollectiveMixin, LoadingMixin):
     """Publishes checkpoints transactionally and answers what is latest and best.
 
@@ -296,9 +310,12 @@ class CheckpointManager(CollectiveMixin, LoadingMixin):
         finally:
             self._closed = True
             self._inflight = None
-            self._writer.shutdown()
-            if self._is_writer:
-                self._end_attempt(end_state)
+            self._snapshots.release()
+            try:
+                if self._is_writer:
+                    self._end_attempt(end_state)
+            finally:
+                self._writer.shutdown()
         error = handle.unfetched_error if handle is not None else None
         if error is not None and end_state == "closed":
             handle.mark_fetched()  # type: ignore[union-attr]
@@ -401,11 +418,14 @@ class CheckpointManager(CollectiveMixin, LoadingMixin):
         for the previous boundary, and raises its error if nobody fetched it.
         """
         self._check_open()
+        if self._group is not None:  # every check is part of the preflight agreement
+            previous, unfetched = self._settle_previous()
+            return self._save_collective(
+                self._group, step, metrics, payloads, blocking, previous, unfetched
+            )
         if not isinstance(blocking, bool):
             raise ArgumentTypeError(f"blocking must be True or False, got {blocking!r}")
         self._await_previous()
-        if self._group is not None:
-            return self._save_collective(self._group, step, metrics, payloads, blocking)
         values = self._validate_boundary(step, metrics, payloads)
         try:
             trip = self._guard_verdict(step)
@@ -421,12 +441,18 @@ class CheckpointManager(CollectiveMixin, LoadingMixin):
                 self.guard.reset()
 
     def _validate_boundary(
-        self, step: object, metrics: object, payloads: Mapping[str, Any]
+        self,
+        step: object,
+        metrics: object,
+        payloads: Mapping[str, Any],
+        *,
+        buffer: bool = True,
     ) -> dict[str, float]:
         """Bad input, checked before the guard (which a typo must not reset).
 
         Metrics of a valid boundary are buffered even if it is then refused:
-        a NaN loss at a diverged step is history too.
+        a NaN loss at a diverged step is history too. (Under torch.distributed
+        the chief buffers them once the ranks agreed the input is valid.)
         """
         step = validate_step(step)
         values = validate_metrics(metrics)
@@ -435,10 +461,14 @@ class CheckpointManager(CollectiveMixin, LoadingMixin):
                 "save() needs at least one payload, e.g. save(step, model=sd)"
             )
         self._check_payload_streams(payloads, values)
-        if self._group is None or self._group.is_chief:
-            now = time.time()
-            self._metric_buffer.extend((step, name, v, now) for name, v in values.items())
+        _resolve_sharded(payloads)
+        if buffer:
+            self._buffer_boundary_metrics(step, values)
         return values
+
+    def _buffer_boundary_metrics(self, step: int, values: dict[str, float]) -> None:
+        now = time.time()
+        self._metric_buffer.extend((step, name, v, now) for name, v in values.items())
 
     def _check_payload_streams(self, payloads: Mapping[str, Any], values: dict[str, float]) -> None:
         """Bad input (checked before the guard, which a typo must not reset)."""
@@ -562,6 +592,19 @@ class CheckpointManager(CollectiveMixin, LoadingMixin):
         if error is not None:
             handle.mark_fetched()
             raise error
+
+    def _settle_previous(self) -> tuple[BaseException | None, bool]:
+        """Wait for the boundary in flight: (its error, whether nobody fetched it here).
+
+        Under torch.distributed the ranks then agree on raising it (see save)."""
+        handle = self._inflight
+        if handle is None:
+            return None, False
+        handle.wait()
+        self._inflight = None
+        unfetched = handle.unfetched_error is not None
+        handle.mark_fetched()
+        return handle.outcome_error(), unfetched
 
     def _wait_inflight(self) -> None:
         """Wait for the boundary in flight (its error stays with its handle)."""

@@ -221,7 +221,12 @@ class Reconciler:
         if size != row.size:
             return m.CORRUPT, f"size {size} != recorded {row.size}"
         if verify:
-            actual = hash_checkpoint(path)
+            try:
+                actual = hash_checkpoint(path)
+            except ForeignEntryError as exc:
+                return m.CORRUPT, str(exc)
+            except OSError as exc:
+                return m.LOST, f"unreadable: {exc}"
             if actual.hash != row.hash:
                 return m.CORRUPT, f"hash {actual.hash} != recorded {row.hash}"
         return None

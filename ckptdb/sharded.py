@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.stateful import Stateful
 
 from . import faults
 from .errors import ArgumentTypeError
@@ -47,6 +48,27 @@ class Sharded:
             raise ArgumentTypeError(
                 f"Sharded() takes a state dict (a dict), got {type(self.state_dict).__name__}"
             )
+
+    def resolved(self) -> Sharded:
+        """The payload with each ``Stateful`` value replaced by its state dict.
+
+        DCP would call those ``state_dict()`` inside ``save`` before its first
+        collective, where a failure on one rank is not agreed on; the manager
+        calls this in its preflight instead.
+        """
+        return Sharded(resolve_stateful(self.state_dict))
+
+
+def resolve_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Replace each top-level ``Stateful`` value (DCP's app-state pattern) by its state dict.
+
+    For a load target the objects are only asked for their state dict (DCP
+    asks again and calls ``load_state_dict`` afterwards); the dict is returned.
+    """
+    return {
+        k: v.state_dict() if isinstance(v, Stateful) and not isinstance(v, dict) else v
+        for k, v in state_dict.items()
+    }
 
 
 class _FaultPointWriter(FileSystemWriter):

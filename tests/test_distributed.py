@@ -759,3 +759,142 @@ def test_async_guard_trip_on_one_rank_raises_at_call_time_everywhere(tmp_path: P
         assert r["inflight"] is False  # nothing went to the background
         assert r["log"][-2:] == ["preflight", "plan"]
     assert rows(root, "SELECT COUNT(*) FROM checkpoints") == [(0,)]
+
+
+# ------------------------------------------- regressions from the code review
+
+
+def _typo_then_retry(rank: int, world: int, root: str) -> dict[str, Any]:
+    guard = NonFiniteGradGuard()
+    with manager(root, guard=guard) as mgr:
+        if rank == 1:
+            guard.update(torch.tensor(float("nan")))
+        payload = {"modle": sd(1)} if rank == 0 else {"model": sd(1)}
+        typo = attempt(mgr, lambda: mgr.save(1, metrics={"loss": 1.0}, **payload))
+        retry = attempt(mgr, lambda: mgr.save(1, metrics={"loss": 1.0}, model=sd(1)))
+        return {"typo": typo, "retry": retry, "log": log_of(mgr)}
+
+
+def test_a_typo_on_one_rank_does_not_reset_the_guard_anywhere(tmp_path: Path) -> None:
+    """Bad input stops the boundary before the guard is looked at, as in one process:
+    the NaN seen on rank 1 still stops the corrected retry on every rank."""
+    root = tmp_path / "run"
+    outcomes = run_ranks(_typo_then_retry, 2, tmp_path, str(root))
+    for o in outcomes:
+        assert o.error is None, o.trace
+        assert o.value["typo"]["error"] == "UnknownStreamError"
+        assert o.value["retry"]["error"] == "NonFiniteGradientError"
+        assert o.value["retry"]["ranks"] == [1]
+    same_logs(outcomes)
+    assert rows(root, "SELECT COUNT(*) FROM checkpoints") == [(0,)]
+    # the metrics of the refused (diverged) boundary are history, recorded once
+    assert rows(root, "SELECT COUNT(*) FROM metrics WHERE name = 'loss'") == [(1,)]
+
+
+def _fetched_on_chief_only(rank: int, world: int, root: str) -> dict[str, Any]:
+    with manager(root) as mgr:
+
+        def fail(name: str) -> None:
+            if name == "mid_shard_write" and rank == 1:
+                raise OSError(errno.EIO, "Input/output error (injected)")
+
+        faults.set_hook(fail)
+        try:
+            handle = mgr.save(1, blocking=False, model=Sharded(sd(1, rank)))
+            first = attempt(mgr, handle.result) if rank == 0 else {"error": None}
+            handle.wait()
+        finally:
+            faults.set_hook(None)
+        nxt = attempt(mgr, lambda: mgr.save(2, metrics={"loss": 0.3}, model=sd(2), best=sd(2)))
+        after = sorted(mgr.save(3, metrics={"loss": 0.2}, model=sd(3), best=sd(3)))
+        return {"first": first, "next": nxt, "after": after, "log": log_of(mgr)}
+
+
+def test_an_error_fetched_on_some_ranks_only_is_raised_on_every_rank(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    outcomes = run_ranks(_fetched_on_chief_only, 2, tmp_path, str(root))
+    for o in outcomes:
+        assert o.error is None, o.trace
+        assert o.value["next"]["error"] == "PublishError", o.value["next"]
+        assert "Input/output error (injected)" in o.value["next"]["message"]
+        assert o.value["after"] == ["best", "model"]
+    assert outcomes[0].value["first"]["error"] == "PublishError"
+    same_logs(outcomes)
+    assert [s for _, _, s in ledger_states(root) if _ == "committed"] == [3, 3]
+
+
+class FlakyState:
+    """DCP's app-state pattern (Stateful), whose state_dict() fails on one rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.rank == 1:
+            raise RuntimeError("state_dict exploded (injected)")
+        return {"x": torch.ones(2)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def _stateful_fails(rank: int, world: int, root: str) -> dict[str, Any]:
+    with manager(root) as mgr:
+        return attempt(mgr, lambda: mgr.save(1, model=Sharded({"app": FlakyState(rank)})))
+
+
+def test_a_stateful_failing_on_one_rank_is_agreed_not_a_timeout(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    outcomes = run_ranks(_stateful_fails, 2, tmp_path, str(root), timeout=12)
+    for r in agreed_error(outcomes, "InvalidArgumentError"):
+        assert r["ranks"] == [1] and "state_dict exploded (injected)" in r["message"]
+    assert rows(root, "SELECT COUNT(*) FROM checkpoints") == [(0,)]
+
+
+def _close_after_destroy(rank: int, world: int, root: str) -> dict[str, Any]:
+    mgr = manager(root, streams={"model": Keep(last=2)})
+    mgr.save(1, blocking=False, model=sd(1)).result()
+    mgr.log_metrics(1, {"acc": 0.5})
+    dist.destroy_process_group()  # as a training script's teardown may, before close
+    mgr.close()
+    return {"closed": True}
+
+
+def test_close_after_the_process_group_is_destroyed_still_ends_the_attempt(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "run"
+    outcomes = run_ranks(_close_after_destroy, 2, tmp_path, str(root))
+    for o in outcomes:
+        assert o.error is None, o.trace
+    assert rows(root, "SELECT end_state FROM attempts") == [("closed",)]
+    assert rows(root, "SELECT name, value FROM metrics") == [("acc", 0.5)]
+    with CheckpointManager(root):  # the writer lock was released
+        pass
+
+
+def _dies_before_plan(rank: int, world: int, root: str) -> dict[str, Any]:
+    from ckptdb.distributed import RankGroup
+
+    with manager(root, streams={"model": Keep(last=2)}) as mgr:
+        if rank == 1:
+            real = RankGroup.share
+
+            def die_at_plan(self: RankGroup, name: str, obj: Any) -> Any:
+                if name == "plan":
+                    os._exit(3)
+                return real(self, name, obj)
+
+            RankGroup.share = die_at_plan  # type: ignore[method-assign]
+        return attempt(mgr, lambda: mgr.save(1, model=Sharded(sd(1, rank))))
+
+
+def test_a_rank_dying_before_the_plan_leaves_nothing_pending(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    outcomes = run_ranks(_dies_before_plan, 2, tmp_path, str(root), may_die=True)
+    assert outcomes[1] is None
+    chief = outcomes[0]
+    assert chief is not None and chief.error is None, chief and chief.trace
+    assert chief.value["error"] in ("RankAgreementError", "PublishError"), chief.value
+    assert ledger_states(root) == [("model", "aborted", 1)]
+    assert files(root / "checkpoints") == []
