@@ -277,7 +277,7 @@ def remove(path: Path) -> bool:
     return True
 
 
-class ForeignEntryError(OSError):
+class ForeignEntryError(CkptDBError, OSError):
     """A link or special file inside a checkpoint directory: it was not written by us."""
 
 
