@@ -110,6 +110,7 @@ class CollectiveMixin:
         """
         keep_guard = False
         pending: list[Pending] = []
+        rolls_back_itself = False  # _chief_boundary rolls back its own failures
         try:
             values, local = self._preflight_here(step, metrics, payloads, blocking)
             sharded = sorted(s for s, p in payloads.items() if isinstance(p, Sharded))
@@ -142,10 +143,11 @@ class CollectiveMixin:
             if not items:
                 return {}  # no top-K stream admitted the candidate, on any rank
             if group.is_chief:
+                rolls_back_itself = True
                 return self._chief_boundary(group, step, values, pending)
             return self._follower_boundary(group, items, payloads)
         except RankAgreementError as broken:  # the group broke between the intent and the write
-            if pending and not any(p.info for p in pending):
+            if pending and not rolls_back_itself:
                 self._roll_back_quietly(validate_step(step), pending, broken)
             raise
         finally:

@@ -898,3 +898,25 @@ def test_a_rank_dying_before_the_plan_leaves_nothing_pending(tmp_path: Path) -> 
     assert chief.value["error"] in ("RankAgreementError", "PublishError"), chief.value
     assert ledger_states(root) == [("model", "aborted", 1)]
     assert files(root / "checkpoints") == []
+
+
+def _dies_in_dcp(rank: int, world: int, root: str) -> dict[str, Any]:
+    with manager(root, streams={"model": Keep(last=2)}) as mgr:
+        if rank == 1:
+            faults.set_hook(lambda name: os._exit(3) if name == "mid_shard_write" else None)
+        return attempt(mgr, lambda: mgr.save(1, model=Sharded(sd(1, rank))))
+
+
+def test_a_rank_dying_inside_dcp_is_rolled_back_once(tmp_path: Path) -> None:
+    """The chief's DCP write fails, then the ``write`` agreement: one rollback,
+    one ``publish_failed`` event, nothing left behind."""
+    root = tmp_path / "run"
+    outcomes = run_ranks(_dies_in_dcp, 2, tmp_path, str(root), may_die=True)
+    chief = outcomes[0]
+    assert outcomes[1] is None
+    assert chief is not None and chief.error is None, chief and chief.trace
+    assert chief.value["error"] == "RankAgreementError"
+    assert "'write' collective failed" in chief.value["message"]
+    assert ledger_states(root) == [("model", "aborted", 1)]
+    assert files(root / "checkpoints") == []
+    assert rows(root, "SELECT COUNT(*) FROM events WHERE kind = 'publish_failed'") == [(1,)]
