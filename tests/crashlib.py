@@ -209,7 +209,13 @@ def open_files_under(root: Path) -> list[str]:
 
 def fork_child(spec: ChildSpec) -> int:
     """Fork a child running ``spec``; returns its pid. The child never returns."""
-    held = open_files_under(Path(spec.root))
+    return fork_running(Path(spec.root), Path(spec.log), lambda: run_child(spec))
+
+
+def fork_running(root: Path, log_path: Path, body: Callable[[], int]) -> int:
+    """Fork a child that runs ``body`` (its exit code) with stdout and stderr in
+    ``log_path``; returns its pid. The child never returns: it ``os._exit``s."""
+    held = open_files_under(root)
     assert not held, f"the parent holds {held} open; a forked child would inherit them"
     sys.stdout.flush()
     sys.stderr.flush()
@@ -218,13 +224,13 @@ def fork_child(spec: ChildSpec) -> int:
         return pid
     code = 1
     try:
-        log = open(spec.log, "a", buffering=1)  # noqa: SIM115 (the process ends below)
+        log = open(log_path, "a", buffering=1)  # noqa: SIM115 (the process ends below)
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         sys.stdout = sys.stderr = log
         os.environ["PGAPPNAME"] = child_app_name(os.getpid())  # see await_sessions_gone
         torch.set_num_threads(1)  # the parent's intra-op pool does not survive fork
-        code = run_child(spec)
+        code = body()
     except BaseException:
         traceback.print_exc()
     finally:

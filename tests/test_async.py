@@ -24,16 +24,14 @@ import copy
 import errno
 import logging
 import os
-import sys
 import threading
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from crashlib import CRASH_EXIT, open_files_under, tail, wait_child
+from crashlib import CRASH_EXIT, fork_running, tail, wait_child
 from helpers import files, rows, state
 
 import ckptdb.manager
@@ -903,40 +901,22 @@ CRASH_POINTS = (*BEFORE_COMMIT, "after_commit")
 def crash_in_background(root: Path, point: str, log: Path) -> int:
     """Fork a child that opens the run, saves step 2 with ``blocking=False`` and dies by
     ``os._exit(CRASH_EXIT)`` when its background thread reaches ``point``."""
-    held = open_files_under(root)
-    assert not held, f"the parent holds {held} open; a forked child would inherit them"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 1
-        try:
-            out = open(log, "a", buffering=1)  # noqa: SIM115 (the process ends below)
-            os.dup2(out.fileno(), 1)
-            os.dup2(out.fileno(), 2)
-            sys.stdout = sys.stderr = out
-            torch.set_num_threads(1)  # the parent's intra-op pool does not survive fork
 
-            def hook(name: str) -> None:
-                if name == point:
-                    main = threading.current_thread() is threading.main_thread()
-                    print(f"crash at {name}: {'main' if main else 'background'} thread")
-                    os._exit(CRASH_EXIT)
+    def body() -> int:
+        def hook(name: str) -> None:
+            if name == point:
+                main = threading.current_thread() is threading.main_thread()
+                print(f"crash at {name}: {'main' if main else 'background'} thread")
+                os._exit(CRASH_EXIT)
 
-            faults.set_hook(hook)
-            with CheckpointManager(root, streams=CRASH_STREAMS) as mgr:
-                handle = mgr.save(2, model=state(2.0), ema=state(-2.0), blocking=False)
-                print("save returned")
-                handle.result(timeout=WAIT)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            try:
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-    return wait_child(pid, timeout=60)
+        faults.set_hook(hook)
+        with CheckpointManager(root, streams=CRASH_STREAMS) as mgr:
+            handle = mgr.save(2, model=state(2.0), ema=state(-2.0), blocking=False)
+            print("save returned")
+            handle.result(timeout=WAIT)
+        return 0
+
+    return wait_child(fork_running(root, log, body), timeout=60)
 
 
 @pytest.mark.parametrize("point", CRASH_POINTS)

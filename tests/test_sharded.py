@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import xxhash
-from crashlib import CRASH_EXIT, open_files_under, tail, wait_child
+from crashlib import CRASH_EXIT, fork_running, tail, wait_child
 from helpers import LedgerClient, state
 
 import ckptdb
@@ -477,36 +475,18 @@ CRASH_POINTS = ("mid_shard_write", "after_intent", "after_fsync", "after_replace
 def crash_child(root: Path, point: str, log: Path) -> int:
     """Fork a child that opens the run and saves step 2 sharded (plus a plain ema)
     and dies by ``os._exit(CRASH_EXIT)`` at ``point``; returns its exit status."""
-    held = open_files_under(root)
-    assert not held, f"the parent holds {held} open; a forked child would inherit them"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 1
-        try:
-            out = open(log, "a", buffering=1)  # noqa: SIM115 (the process ends below)
-            os.dup2(out.fileno(), 1)
-            os.dup2(out.fileno(), 2)
-            sys.stdout = sys.stderr = out
-            torch.set_num_threads(1)  # the parent's intra-op pool does not survive fork
 
-            def hook(name: str) -> None:
-                if name == point:
-                    os._exit(CRASH_EXIT)
+    def body() -> int:
+        def hook(name: str) -> None:
+            if name == point:
+                os._exit(CRASH_EXIT)
 
-            faults.set_hook(hook)
-            with CheckpointManager(root, streams=STREAMS) as mgr:
-                mgr.save(2, model=Sharded(sd(2)), ema=state(2.0))
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            try:
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-    return wait_child(pid, timeout=60)
+        faults.set_hook(hook)
+        with CheckpointManager(root, streams=STREAMS) as mgr:
+            mgr.save(2, model=Sharded(sd(2)), ema=state(2.0))
+        return 0
+
+    return wait_child(fork_running(root, log, body), timeout=60)
 
 
 @pytest.mark.timeout(60)
