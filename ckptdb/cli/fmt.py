@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .record import Checkpoint
+from ..record import Checkpoint
 
 
 def cell(value: Any) -> str:

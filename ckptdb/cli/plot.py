@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .errors import CkptDBError
-from .models import COMMITTED, DELETED, DELETING
-from .policies import TopK
-from .reader import RunReader
+from ..errors import CkptDBError
+from ..models import COMMITTED, DELETED, DELETING
+from ..policies import TopK
+from ..reader import RunReader
 
 
 class PlotUnavailableError(CkptDBError, ImportError):

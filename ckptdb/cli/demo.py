@@ -30,10 +30,10 @@ import click
 import torch
 from torch import nn
 
-from .errors import CkptDBError, InvalidArgumentError, NonFiniteGradientError
-from .guard import NonFiniteGradGuard
-from .manager import CheckpointManager
-from .policies import Keep, TopK
+from ..errors import CkptDBError, InvalidArgumentError, NonFiniteGradientError
+from ..guard import NonFiniteGradGuard
+from ..manager import CheckpointManager
+from ..policies import Keep, TopK
 
 SAVE_EVERY = 20
 CRASH_EXIT = 99
@@ -172,7 +172,7 @@ def run_demo(directory: Path, *, steps: int = 300, fresh: bool = True) -> None:
         [
             sys.executable,
             "-m",
-            "ckptdb.demo",
+            "ckptdb.cli.demo",
             str(directory),
             str(steps),
             str(nan_at),
@@ -190,7 +190,6 @@ def run_demo(directory: Path, *, steps: int = 300, fresh: bool = True) -> None:
         f"(exit status {child.returncode}); restarting\n"
     )
     train(directory, steps)
-    _report(directory)
 
 
 def _clear(directory: Path) -> None:
@@ -201,21 +200,6 @@ def _clear(directory: Path) -> None:
             f"{directory} is not empty and is not a ckptdb run; pick another directory"
         )
     shutil.rmtree(directory)
-
-
-def _report(directory: Path) -> None:
-    from . import clifmt
-    from .cli import status
-    from .reader import RunReader
-
-    click.echo("")
-    status.main([str(directory)], standalone_mode=False)
-    click.echo("\nwhich checkpoint is best, and how many restarts did it take?\n")
-    click.echo(BEST_SQL + ";\n")
-    with RunReader(directory) as reader:
-        headers, rows = reader.sql(BEST_SQL)
-    click.echo(clifmt.table(headers, rows))
-    click.echo(f"\nnext: ckptdb history {directory} --metric loss --plot loss.png")
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ from typing import Any
 import click
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import clifmt
-from .errors import CkptDBError, InvalidArgumentError, LedgerError
-from .policies import Keep, Policy, TopK
-from .reader import RunReader
+from ..errors import CkptDBError, InvalidArgumentError, LedgerError
+from ..policies import Keep, Policy, TopK
+from ..reader import RunReader
+from . import fmt as clifmt
 
 DB_URL = click.option(
     "--db-url",
@@ -185,7 +185,7 @@ def list_(
     Example:
       ckptdb list runs/exp1 --stream model --all
     """
-    from .models import STATES
+    from ..models import STATES
 
     with RunReader(root, db_url=db_url) as reader:
         found = reader.checkpoints(stream, states=STATES if all_states else ("committed",))
@@ -302,9 +302,9 @@ def sql(root: Path, statement: str, fmt: str, db_url: str | None) -> None:
 
 
 def _writer(root: Path, db_url: str | None) -> Any:
-    from .db import default_sqlite_url, safe_url
-    from .manager import CheckpointManager
-    from .reader import run_exists
+    from ..db import default_sqlite_url, safe_url
+    from ..manager import CheckpointManager
+    from ..reader import run_exists
 
     url = db_url or default_sqlite_url(root.resolve())
     if not run_exists(root.resolve(), url):
@@ -427,10 +427,10 @@ def upgrade(root: Path, db_url: str | None) -> None:
     Example:
       ckptdb db upgrade runs/exp1
     """
-    from .db import migrate, open_ledger
-    from .lock import writer_lock
-    from .netfs import check_ledger_location
-    from .reader import ledger_url
+    from ..db import migrate, open_ledger
+    from ..lock import writer_lock
+    from ..netfs import check_ledger_location
+    from ..reader import ledger_url
 
     root = root.resolve()
     ledger_url(root, db_url, readonly=True)  # refuses a directory that holds no run
@@ -461,7 +461,7 @@ def current(root: Path, db_url: str | None) -> None:
     """
     from alembic.script import ScriptDirectory
 
-    from .db import alembic_config
+    from ..db import alembic_config
 
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     click.echo(f"ledger {_current(root.resolve(), db_url)}; newest known {head}")
@@ -470,8 +470,8 @@ def current(root: Path, db_url: str | None) -> None:
 def _current(root: Path, db_url: str | None) -> str:
     from alembic.runtime.migration import MigrationContext
 
-    from .db import open_ledger
-    from .reader import ledger_url
+    from ..db import open_ledger
+    from ..reader import ledger_url
 
     ledger = open_ledger(ledger_url(root, db_url, readonly=True), readonly=True)
     try:
@@ -507,10 +507,14 @@ def demo(directory: Path, steps: int, fresh: bool) -> None:
     Example:
       ckptdb demo runs/demo
     """
-    from .demo import run_demo
+    from .demo import BEST_SQL, run_demo
 
     run_demo(directory, steps=steps, fresh=fresh)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
+    click.echo("")
+    status.main([str(directory)], standalone_mode=False)
+    click.echo("\nwhich checkpoint is best, and how many restarts did it take?\n")
+    click.echo(BEST_SQL + ";\n")
+    with RunReader(directory) as reader:
+        headers, rows = reader.sql(BEST_SQL)
+    click.echo(clifmt.table(headers, rows))
+    click.echo(f"\nnext: ckptdb history {directory} --metric loss --plot loss.png")

@@ -1,0 +1,5 @@
+"""``python -m ckptdb.cli``: the ``ckptdb`` command without its console script."""
+
+from . import main
+
+main()
