@@ -14,7 +14,7 @@ import torch
 from sqlalchemy import event
 from torch import nn
 
-import ckptdb.storage
+import ckptdb.storage.files
 from ckptdb import CheckpointManager, Keep, NonFiniteGradGuard, TopK
 from ckptdb.storage import checkpoint_name, hash_file
 
@@ -110,9 +110,12 @@ def ledger_overhead(work: Path, reps: int) -> Comparison:
     """Case 2: what a boundary costs beyond its file work, and how many transactions."""
     mgr = CheckpointManager(work, streams={"model": Keep(last=2), "best": TopK(2, "loss")})
     begins = {"n": 0}
-    event.listen(mgr._db.engine, "begin", lambda conn: begins.__setitem__("n", begins["n"] + 1))
+    event.listen(
+        mgr._ctx.ledger.engine, "begin", lambda conn: begins.__setitem__("n", begins["n"] + 1)
+    )
     file_time = {"s": 0.0}
-    originals = {n: getattr(ckptdb.storage, n) for n in ("write_payload", "place", "fsync_dir")}
+    files = ckptdb.storage.files
+    originals = {n: getattr(files, n) for n in ("write_stream", "place", "fsync_dir")}
 
     def timed(fn: Any) -> Any:
         def wrapper(*args: Any) -> Any:
@@ -124,10 +127,8 @@ def ledger_overhead(work: Path, reps: int) -> Comparison:
 
         return wrapper
 
-    import ckptdb.manager as manager_module
-
     for name, fn in originals.items():
-        setattr(manager_module, name, timed(fn))
+        setattr(files, name, timed(fn))
     tiny = {"w": torch.ones(4)}
     steps = itertools.count()
     transactions: list[int] = []
@@ -161,7 +162,7 @@ def ledger_overhead(work: Path, reps: int) -> Comparison:
         )
     finally:
         for name, fn in originals.items():
-            setattr(manager_module, name, fn)
+            setattr(files, name, fn)
         mgr.close()
     result.notes["transactions_per_boundary"] = max(transactions)
     result.notes["target"] = "<= 3 short transactions, well under a millisecond of SQL"

@@ -1,15 +1,20 @@
 """ckptdb: a transactional checkpoint ledger for PyTorch training.
 
 A checkpoint becomes visible only when its ledger row commits, and the row
-commits only after a guarded, durable ``torch.save``.
+commits only after a guarded, durable save. The package is laid out by part:
+``protocol`` (the boundary state machine, load, reconcile, check, async),
+``coord`` (rank agreement), ``ledger`` (all SQL), ``storage`` (where payloads
+live) and ``cli`` (the ``ckptdb`` command); :class:`CheckpointManager` is the
+façade that composes them.
 """
 
+from .errors import CleanupWarning
 from .guard import NonFiniteGradGuard
-from .manager import CheckpointManager, CleanupWarning
+from .manager import CheckpointManager
 from .policies import Keep, TopK
-from .reconcile import Action, ReconcileReport
+from .protocol.reconcile import Action, ReconcileReport
 from .record import Checkpoint
-from .sharded import Sharded
+from .storage.dcp import Sharded
 
 __version__ = "0.1.0"
 

@@ -1,19 +1,51 @@
-"""One error hierarchy for everything ckptdb raises.
+"""One error hierarchy for everything ckptdb raises, with declared fields.
 
 Every error derives from :class:`CkptDBError` *and* from the built-in a user
 would naturally catch (``ValueError`` for bad input, ``OSError`` for a file
 that is not what the ledger says, ...), so both ``except CkptDBError`` and
 ``except ValueError`` work.
+
+Fields are declared, never attached after the fact: every error may carry
+``ranks`` (the ranks that failed, under torch.distributed), ``stage`` (which
+preflight check failed, so that ranks agree on the earliest one) and
+``rollback`` (the rollback's own failure, when an error must propagate as
+itself). Each error encodes itself as a :class:`WireError` (plain data) and is
+rebuilt from one with :func:`decode`, so every rank of a distributed run can
+raise the same type with the same message and fields, even where the original
+exception could not be pickled.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import builtins
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 class CkptDBError(Exception):
     """Base class of every error raised by ckptdb."""
+
+    #: The ranks whose failure this is (set when ranks agreed on the error).
+    ranks: list[int] | None = None
+    #: Which preflight check objected: 0 bad input, 1 guard, 2 ranking metric.
+    stage: int | None = None
+    #: The rollback's own failure, when the error must propagate as itself.
+    rollback: CkptDBError | None = None
+
+    def wire_fields(self) -> dict[str, Any]:
+        """This error's fields as plain data (see :func:`encode`)."""
+        return {} if self.stage is None else {"stage": self.stage}
+
+    @classmethod
+    def from_wire(cls, message: str, fields: dict[str, Any]) -> CkptDBError:
+        """The error rebuilt from :meth:`wire_fields` (see :func:`decode`)."""
+        return cls(message)
+
+    def wire_message(self) -> str:
+        """The message to send: without text that :meth:`from_wire` adds back."""
+        return str(self)
 
 
 class InvalidArgumentError(CkptDBError, ValueError):
@@ -36,12 +68,31 @@ class LedgerError(CkptDBError, RuntimeError):
     """The ledger cannot be used (closed manager, unreachable database...)."""
 
 
+class DatabaseError(LedgerError):
+    """A database operation failed (a locked SQLite file, a lost connection...).
+
+    The ledger package raises it for every driver error, in one place;
+    ``original`` is the driver's error (also ``__cause__``).
+    """
+
+    def __init__(self, message: str, original: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.original = original
+
+
 class LedgerLockedError(LedgerError):
     """Another process holds the run's writer lock."""
 
     def __init__(self, message: str, holder: dict[str, object] | None = None) -> None:
         super().__init__(message)
         self.holder = holder or {}
+
+    def wire_fields(self) -> dict[str, Any]:
+        return {**super().wire_fields(), "holder": self.holder}
+
+    @classmethod
+    def from_wire(cls, message: str, fields: dict[str, Any]) -> CkptDBError:
+        return cls(message, holder=fields.get("holder"))
 
 
 class WriterLockLostError(LedgerError):
@@ -75,11 +126,11 @@ class CleanupFailure:
 class PublishError(CkptDBError, RuntimeError):
     """A boundary failed before its commit; the ledger is as it was before.
 
-    ``phase`` names the protocol phase that failed (``intent``, ``write``,
-    ``fsync``, ``replace``, ``fsync_dir``, ``commit``), ``path`` the file it
-    was working on, and ``cleanup_failures`` any leftover that could not be
-    removed afterwards (those are recorded for the next reconcile).
-    The original exception is ``__cause__``.
+    ``phase`` names the protocol phase that failed (``intent``, ``snapshot``,
+    ``write``, ``fsync``, ``replace``, ``fsync_dir``, ``commit``), ``path``
+    the file it was working on, and ``cleanup_failures`` any leftover that
+    could not be removed afterwards (those are recorded for the next
+    reconcile). The original exception is ``__cause__``.
     """
 
     def __init__(
@@ -106,6 +157,88 @@ class PublishError(CkptDBError, RuntimeError):
             text += f" (cleanup also failed, left for the next reconcile: {leftovers})"
         return text
 
+    def wire_message(self) -> str:
+        return Exception.__str__(self)  # the cleanup failures travel as fields
+
+    def wire_fields(self) -> dict[str, Any]:
+        failures = [
+            (str(f.path), type(f.error).__name__, str(f.error), f.action)
+            for f in self.cleanup_failures
+        ]
+        own: dict[str, Any] = {"phase": self.phase, "step": self.step, "stream": self.stream}
+        if self.path is not None:
+            own["path"] = str(self.path)
+        if failures:
+            own["cleanup_failures"] = failures
+        return {**super().wire_fields(), **own}
+
+    @classmethod
+    def from_wire(cls, message: str, fields: dict[str, Any]) -> CkptDBError:
+        failures = [
+            CleanupFailure(Path(path), _builtin_error(kind, text), action)
+            for path, kind, text, action in fields.get("cleanup_failures", [])
+        ]
+        return cls(
+            message,
+            phase=fields.get("phase", "write"),
+            step=fields.get("step", -1),
+            path=Path(fields["path"]) if fields.get("path") else None,
+            stream=fields.get("stream"),
+            cleanup_failures=failures,
+        )
+
+
+class PhaseError(CkptDBError, OSError):
+    """An OS-level failure in one protocol phase, before the boundary wraps it.
+
+    ``cleanup_error`` is set when a half-made directory could not be removed.
+    """
+
+    def __init__(self, phase: str, path: Path, error: BaseException) -> None:
+        super().__init__(f"{phase} failed at {path}: {type(error).__name__}: {error}")
+        self.phase = phase
+        self.path = path
+        self.error = error
+        self.cleanup_error: OSError | None = None
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.cleanup_error is not None:
+            text += f" (and removing it failed: {self.cleanup_error})"
+        return text
+
+    def wire_fields(self) -> dict[str, Any]:
+        error = (type(self.error).__name__, str(self.error))
+        return {
+            **super().wire_fields(),
+            "phase": self.phase,
+            "path": str(self.path),
+            "error": error,
+        }
+
+    @classmethod
+    def from_wire(cls, message: str, fields: dict[str, Any]) -> CkptDBError:
+        kind, text = fields.get("error", ("OSError", message))
+        return cls(
+            fields.get("phase", "write"), Path(fields.get("path", "")), _builtin_error(kind, text)
+        )
+
+
+class PhaseFailure(Exception):
+    """Internal: an unexpected error in a phase that has no file path (commit, snapshot).
+
+    Never escapes a boundary: the rollback turns it into a :class:`PublishError`.
+    """
+
+    def __init__(self, phase: str, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.phase = phase
+        self.error = error
+
+
+class ForeignEntryError(CkptDBError, OSError):
+    """A link or special file inside a checkpoint directory: it was not written by us."""
+
 
 class NonFiniteGradientError(CkptDBError, FloatingPointError):
     """The non-finite gradient guard tripped: the boundary was not published."""
@@ -114,6 +247,13 @@ class NonFiniteGradientError(CkptDBError, FloatingPointError):
         super().__init__(message)
         self.step = step
         self.parameters = list(parameters or [])
+
+    def wire_fields(self) -> dict[str, Any]:
+        return {**super().wire_fields(), "step": self.step, "parameters": self.parameters}
+
+    @classmethod
+    def from_wire(cls, message: str, fields: dict[str, Any]) -> CkptDBError:
+        return cls(message, step=fields.get("step", -1), parameters=fields.get("parameters"))
 
 
 class CheckpointNotFoundError(CkptDBError, LookupError):
@@ -146,6 +286,70 @@ class ChiefOnlyError(CkptDBError, RuntimeError):
     """A ledger-maintenance call (reconcile, gc, check) made on a rank other than the chief."""
 
 
+class CleanupWarning(UserWarning):
+    """An evicted or leftover file could not be removed (the next reconcile retries)."""
+
+
+def warn_cleanup(message: str, stacklevel: int = 3) -> None:
+    """Report a clean-up that failed after a commit: it does not undo the commit."""
+    warnings.warn(message, CleanupWarning, stacklevel=stacklevel + 1)
+
+
+# ------------------------------------------------------------------ wire form
+
+
+@dataclass(frozen=True)
+class WireError:
+    """One rank's failure, as data every rank can turn back into the same exception."""
+
+    rank: int
+    kind: str
+    message: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    ranks: tuple[int, ...] = ()  # the ranks that failed, when one error speaks for several
+
+    @property
+    def stage(self) -> int:
+        return int(self.fields.get("stage") or 0)
+
+
+def _error_kinds() -> dict[str, type[CkptDBError]]:
+    """Every public error class of this module, by name."""
+    found: dict[str, type[CkptDBError]] = {}
+    for value in globals().values():
+        if isinstance(value, type) and issubclass(value, CkptDBError):
+            found[value.__name__] = value
+    return found
+
+
+def encode(rank: int, exc: BaseException, fallback: str = "PublishError") -> WireError:
+    """``exc`` as a :class:`WireError`; an error that is not ours becomes ``fallback``."""
+    if isinstance(exc, CkptDBError):
+        ranks = tuple(exc.ranks or (rank,))
+        return WireError(rank, type(exc).__name__, exc.wire_message(), exc.wire_fields(), ranks)
+    return WireError(rank, fallback, f"{type(exc).__name__}: {exc}", {}, (rank,))
+
+
+def decode(wire: WireError) -> CkptDBError:
+    """The exception every rank raises for ``wire``: the same type, message and fields,
+    with the failing rank(s) named in the message and in ``ranks``."""
+    cls = _error_kinds().get(wire.kind, PublishError)
+    ranks = wire.ranks or (wire.rank,)
+    where = ", ".join(str(r) for r in ranks)
+    message = wire.message if "rank " in wire.message else f"rank {where}: {wire.message}"
+    exc = cls.from_wire(message, wire.fields)
+    exc.ranks = list(ranks)
+    return exc
+
+
+def _builtin_error(kind: str, text: str) -> BaseException:
+    """An error of the built-in type named ``kind`` (OSError subclasses), else RuntimeError."""
+    cls = getattr(builtins, kind, None)
+    if isinstance(cls, type) and issubclass(cls, OSError):
+        return cls(text)
+    return RuntimeError(f"{kind}: {text}")
+
+
 __all__ = [
     "ArgumentTypeError",
     "CheckpointLostError",
@@ -153,7 +357,10 @@ __all__ = [
     "ChiefOnlyError",
     "CkptDBError",
     "CleanupFailure",
+    "CleanupWarning",
     "CorruptCheckpointError",
+    "DatabaseError",
+    "ForeignEntryError",
     "InvalidArgumentError",
     "InvalidMetricError",
     "LedgerError",
@@ -166,5 +373,8 @@ __all__ = [
     "RunDirectoryError",
     "SchemaVersionError",
     "UnknownStreamError",
+    "WireError",
     "WriterLockLostError",
+    "decode",
+    "encode",
 ]

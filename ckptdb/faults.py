@@ -1,9 +1,9 @@
 """Named points in the publication protocol where tests inject crashes and faults.
 
-Production code calls :func:`point` at each phase boundary; it does nothing
-unless a hook is installed. The crash tests install a hook that ``os._exit``s
-on the n-th visit of one point, proving that a crash there leaves a run that
-reconciles to a consistent state.
+A no-op hook: production code calls :func:`point` at each phase boundary,
+and it does nothing unless a test installed a hook. The crash tests install
+one that ``os._exit``s on the n-th visit of one point, proving that a crash
+there leaves a run that reconciles to a consistent state.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ POINTS = (
     "mid_cleanup",  # after the first evicted file was unlinked
     "mid_reconcile",  # reconcile's file work done, ledger not yet updated
 )
-# Visited only by sharded (torch.distributed.checkpoint) saves, so kept out of
-# the sweep over POINTS: inside DCP's write step, on every rank.
-SHARD_POINTS = ("mid_shard_write",)
+# Also visited, only by sharded saves (kept out of the sweep over POINTS):
+# "mid_shard_write", inside DCP's write step, on every rank.
 
 _hook: Callable[[str], None] | None = None
 

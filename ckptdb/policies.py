@@ -1,9 +1,16 @@
-"""Retention and top-K policies: small, pure, free of I/O.
+"""Retention and top-K policies: a small protocol, pure and free of I/O.
 
-Each policy answers one question over plain :class:`Entry` values — which
-committed checkpoints of a stream must go when a new one commits — so it can
-be tested exhaustively without a ledger or a disk. The manager applies the
-answer inside its commit transaction.
+A :class:`Policy` answers questions over plain :class:`Entry` values (which
+committed checkpoints of a stream must go when a new one commits, whether a
+candidate is worth writing, how members rank), so it can be tested
+exhaustively without a ledger or a disk. The boundary applies the answers
+inside its transactions; the ledger stores a policy as a
+:class:`PolicyRecord` and rebuilds it with :func:`policy_from_record`, the
+one place where stored options become policies.
+
+Retention windows are built from preservation rules that compose
+(:class:`Newest`, :class:`EveryStep`, :class:`Best`, :class:`AnyOf`): a
+checkpoint stays while any rule of its policy keeps it.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from .errors import ArgumentTypeError, InvalidArgumentError
 
@@ -28,6 +35,112 @@ class Entry:
     id: int
     step: int
     metric: float | None = None
+
+
+@dataclass(frozen=True)
+class PolicyRecord:
+    """A policy as the ledger stores it: the policy columns of the ``streams`` table."""
+
+    kind: str
+    keep_last: int | None = None
+    keep_every: int | None = None
+    k: int | None = None
+    metric: str | None = None
+    mode: str | None = None
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What the protocol asks of a stream's policy."""
+
+    kind: ClassVar[str]
+
+    @property
+    def ranking_metric(self) -> str | None:
+        """The metric that ranks the stream's checkpoints (None: not ranked)."""
+
+    @property
+    def capacity(self) -> int | None:
+        """The most checkpoints the stream holds after a commit (None: no fixed bound)."""
+
+    def admits(self, members: Sequence[Entry], candidate: Entry) -> bool:
+        """Whether ``candidate`` is worth writing (decided before any byte is written)."""
+
+    def evictions(self, committed: Sequence[Entry], new: Entry) -> list[Entry]:
+        """The committed entries that go when ``new`` commits."""
+
+    def window_evictions(self, committed: Sequence[Entry]) -> list[Entry]:
+        """The entries outside the retention window (``gc``)."""
+
+    def ranked(self, members: Sequence[Entry]) -> list[Entry]:
+        """Members best first (for a ranked stream) or newest first."""
+
+    def describe(self) -> str:
+        """One line for people (``ckptdb status``)."""
+
+    def to_record(self) -> PolicyRecord:
+        """The stored form (see :func:`policy_from_record`)."""
+
+
+class Preserve(Protocol):
+    """A preservation rule: which entries it keeps."""
+
+    def keeps(self, entries: Sequence[Entry]) -> set[int]:
+        """The ids of the entries this rule keeps."""
+
+
+def _newest_first(entries: Sequence[Entry]) -> list[Entry]:
+    return sorted(entries, key=lambda e: (e.step, e.id), reverse=True)
+
+
+@dataclass(frozen=True)
+class Newest:
+    """Keeps the ``n`` newest entries (None: all)."""
+
+    n: int | None
+
+    def keeps(self, entries: Sequence[Entry]) -> set[int]:
+        chosen = _newest_first(entries) if self.n is None else _newest_first(entries)[: self.n]
+        return {e.id for e in chosen}
+
+
+@dataclass(frozen=True)
+class EveryStep:
+    """Keeps the entries whose step is a multiple of ``n``."""
+
+    n: int
+
+    def keeps(self, entries: Sequence[Entry]) -> set[int]:
+        return {e.id for e in entries if e.step % self.n == 0}
+
+
+@dataclass(frozen=True)
+class Best:
+    """Keeps the ``n`` best entries by metric; ties go to the earlier step."""
+
+    n: int
+    mode: Literal["min", "max"] = "min"
+
+    def key(self, entry: Entry) -> tuple[float, int, int]:
+        assert entry.metric is not None
+        value = entry.metric if self.mode == "min" else -entry.metric
+        return (value, entry.step, entry.id)
+
+    def keeps(self, entries: Sequence[Entry]) -> set[int]:
+        return {e.id for e in sorted(entries, key=self.key)[: self.n]}
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """Keeps what any of its rules keeps."""
+
+    rules: tuple[Preserve, ...]
+
+    def keeps(self, entries: Sequence[Entry]) -> set[int]:
+        kept: set[int] = set()
+        for rule in self.rules:
+            kept |= rule.keeps(entries)
+        return kept
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool) -> None:
@@ -51,7 +164,7 @@ class Keep:
     last: int | None = 5
     every: int | None = None
 
-    kind = "keep"
+    kind: ClassVar[str] = "keep"
 
     def __post_init__(self) -> None:
         _positive_int("Keep(last=...)", self.last, allow_none=True)
@@ -71,18 +184,46 @@ class Keep:
         exact = ratio if isinstance(ratio, (int, Fraction)) else Fraction(repr(float(ratio)))
         return cls(last=max(1, math.ceil(exact * saves)))
 
+    @property
+    def ranking_metric(self) -> str | None:
+        return None
+
+    @property
+    def capacity(self) -> int | None:
+        return self.last if self.every is None else None
+
+    @property
+    def rule(self) -> Preserve:
+        """The window as preservation rules: the newest ``last``, or any ``every``-th step."""
+        newest = Newest(self.last)
+        return newest if self.every is None else AnyOf((newest, EveryStep(self.every)))
+
+    def admits(self, members: Sequence[Entry], candidate: Entry) -> bool:
+        return True  # a periodic checkpoint is always written
+
     def evictions(self, committed: Sequence[Entry], new: Entry) -> list[Entry]:
         superseded = [e for e in committed if e.step >= new.step and e.id != new.id]
         remaining = [e for e in committed if e.step < new.step] + [new]
         return superseded + self.window_evictions(remaining)
 
     def window_evictions(self, committed: Sequence[Entry]) -> list[Entry]:
-        """The entries outside the retention window (used by ``gc`` too)."""
-        if self.last is None:
-            return []
-        newest_first = sorted(committed, key=lambda e: (e.step, e.id), reverse=True)
-        every = self.every
-        return [e for e in newest_first[self.last :] if every is None or e.step % every != 0]
+        """The entries outside the retention window (used by ``gc`` too), newest first."""
+        kept = self.rule.keeps(committed)
+        return [e for e in _newest_first(committed) if e.id not in kept]
+
+    def ranked(self, members: Sequence[Entry]) -> list[Entry]:
+        return _newest_first(members)
+
+    def describe(self) -> str:
+        text = "keep all" if self.last is None else f"keep last {self.last}"
+        return text + (f", every {self.every}" if self.every else "")
+
+    def to_record(self) -> PolicyRecord:
+        return PolicyRecord(self.kind, keep_last=self.last, keep_every=self.every)
+
+    @classmethod
+    def from_record(cls, record: PolicyRecord) -> Keep:
+        return cls(last=record.keep_last, every=record.keep_every)
 
 
 @dataclass(frozen=True)
@@ -97,7 +238,7 @@ class TopK:
     metric: str
     mode: Literal["min", "max"] = "min"
 
-    kind = "topk"
+    kind: ClassVar[str] = "topk"
 
     def __post_init__(self) -> None:
         _positive_int("TopK(k=...)", self.k, allow_none=False)
@@ -110,14 +251,21 @@ class TopK:
         if self.mode not in ("min", "max"):
             raise InvalidArgumentError(f"TopK(mode=...) must be 'min' or 'max', got {self.mode!r}")
 
-    def _key(self, entry: Entry) -> tuple[float, int, int]:
-        assert entry.metric is not None
-        value = entry.metric if self.mode == "min" else -entry.metric
-        return (value, entry.step, entry.id)
+    @property
+    def ranking_metric(self) -> str | None:
+        return self.metric
+
+    @property
+    def capacity(self) -> int | None:
+        return self.k
+
+    @property
+    def rule(self) -> Best:
+        return Best(self.k, self.mode)
 
     def _ranked(self, members: Sequence[Entry], candidate: Entry) -> list[Entry]:
         others = [m for m in members if m.step != candidate.step]
-        return sorted([*others, candidate], key=self._key)
+        return sorted([*others, candidate], key=self.rule.key)
 
     def admits(self, members: Sequence[Entry], candidate: Entry) -> bool:
         """Whether ``candidate`` would enter the top-K (decided before writing)."""
@@ -128,14 +276,33 @@ class TopK:
         return replaced + self._ranked(committed, new)[self.k :]
 
     def window_evictions(self, committed: Sequence[Entry]) -> list[Entry]:
-        return sorted(committed, key=self._key)[self.k :]
+        kept = self.rule.keeps(committed)
+        return [e for e in self.ranked(committed) if e.id not in kept]
 
     def ranked(self, members: Sequence[Entry]) -> list[Entry]:
         """Members best first."""
-        return sorted(members, key=self._key)
+        return sorted(members, key=self.rule.key)
+
+    def describe(self) -> str:
+        return f"top-{self.k} by {self.metric} ({self.mode})"
+
+    def to_record(self) -> PolicyRecord:
+        return PolicyRecord(self.kind, k=self.k, metric=self.metric, mode=self.mode)
+
+    @classmethod
+    def from_record(cls, record: PolicyRecord) -> TopK:
+        assert record.k is not None and record.metric is not None
+        return cls(k=record.k, metric=record.metric, mode="max" if record.mode == "max" else "min")
 
 
-Policy = Keep | TopK
+POLICY_KINDS: dict[str, Any] = {Keep.kind: Keep.from_record, TopK.kind: TopK.from_record}
+
+
+def policy_from_record(record: PolicyRecord) -> Policy:
+    """The policy a stored record describes (an unknown kind keeps everything)."""
+    build = POLICY_KINDS.get(record.kind, Keep.from_record)
+    policy: Policy = build(record)
+    return policy
 
 
 def validate_stream_name(name: object) -> str:
@@ -154,7 +321,7 @@ def validate_policies(streams: object) -> dict[str, Policy]:
         raise ArgumentTypeError(f"streams must be a non-empty dict name -> policy, got {streams!r}")
     for name, policy in streams.items():
         validate_stream_name(name)
-        if not isinstance(policy, (Keep, TopK)):
+        if not isinstance(policy, Policy) or isinstance(policy, type):
             raise ArgumentTypeError(
                 f"policy of stream {name!r} must be Keep or TopK, got {policy!r}"
             )

@@ -1,6 +1,6 @@
 """Alembic environment for the ckptdb ledger.
 
-ckptdb runs migrations itself when a ledger is opened (``ckptdb.db``), passing
+ckptdb runs migrations itself when a ledger is opened (``ckptdb.ledger.engine``), passing
 its own connection in ``config.attributes["connection"]``. From a checkout,
 ``alembic -c alembic.ini upgrade head`` works too; the URL then comes from
 ``-x db_url=...``, the ``CKPTDB_DB_URL`` environment variable, or alembic.ini.
@@ -13,8 +13,8 @@ import os
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from ckptdb.db import create_ledger_engine
-from ckptdb.models import Base
+from ckptdb.ledger.engine import create_ledger_engine
+from ckptdb.ledger.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -1,8 +1,8 @@
-"""Asynchronous publication (issue 7) on one process: ``save(..., blocking=False)``.
+"""Asynchronous publication on one process: ``save(..., blocking=False)``.
 
 The call decides everything synchronously (input, guard, top-K admission, the
 ``pending`` rows), snapshots the payload to host memory and returns a
-:class:`~ckptdb.asyncsave.SaveHandle`; writing, fsync, placement and the commit
+:class:`~ckptdb.protocol.asyncsave.SaveHandle`; writing, fsync, placement and the commit
 run on one background thread. These tests hold that thread at the write with a
 gate (a ``threading.Event`` the test controls, never a sleep) to show what is
 and is not done when ``save`` returns, and check: the records equal a blocking
@@ -34,9 +34,9 @@ import torch
 from crashlib import CRASH_EXIT, fork_running, tail, wait_child
 from helpers import files, rows, state
 
-import ckptdb.manager
+import ckptdb.storage.dcp
+import ckptdb.storage.files
 from ckptdb import CheckpointManager, Keep, NonFiniteGradGuard, Sharded, TopK, faults
-from ckptdb.asyncsave import BackgroundWriter, SaveHandle, Snapshotter
 from ckptdb.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -46,28 +46,33 @@ from ckptdb.errors import (
     PublishError,
     UnknownStreamError,
 )
+from ckptdb.protocol.asyncsave import BackgroundWriter, SaveHandle, Snapshotter
 from ckptdb.storage import is_sharded
 
 Opener = Callable[..., CheckpointManager]
 
 WAIT = 30.0  # upper bound for anything the test waits on (a hang fails, never a slow pass)
 PROBE = 0.2  # how long a thread that must be blocked is given to (wrongly) finish
-ASYNC_LOGGER = "ckptdb.asyncsave"
+ASYNC_LOGGER = "ckptdb.protocol.asyncsave"
 STREAMS = {"model": Keep(last=3), "ema": Keep(last=3), "best": TopK(2, "val_loss")}
 
 
 # --------------------------------------------------------------------- helpers
 
 
+# Where the write of one payload happens, by the function a gate holds.
+GATED = {"write_stream": ckptdb.storage.files, "write_sharded": ckptdb.storage.dcp}
+
+
 class Gate:
-    """Holds the calls of ``ckptdb.manager.<name>`` (the write of one payload) until
+    """Holds the calls of ``<module>.<name>`` (the write of one payload) until
     :attr:`release` is set: every call, or the first ``hold`` ones. Records each call
     (file name, and what ``observe()`` returned at the call) and its thread."""
 
     def __init__(
         self,
         monkeypatch: pytest.MonkeyPatch,
-        name: str = "write_payload",
+        name: str = "write_stream",
         hold: int | None = None,
         observe: Callable[[], Any] = lambda: None,
     ) -> None:
@@ -75,11 +80,13 @@ class Gate:
         self.release = threading.Event()
         self.calls: list[tuple[str, Any]] = []  # (file name, observe() at the call)
         self.threads: list[threading.Thread] = []
-        real = getattr(ckptdb.manager, name)
+        module = GATED[name]
+        real = getattr(module, name)
 
         def gated(obj: Any, path: Path, *args: Any) -> Any:
             index = len(self.calls)
-            self.calls.append((Path(path).name, observe()))
+            where = getattr(path, "path", path)  # a DCP writer writes into its path
+            self.calls.append((Path(str(where)).name, observe()))
             self.threads.append(threading.current_thread())
             if hold is None or index < hold:
                 self.entered.set()
@@ -87,7 +94,7 @@ class Gate:
                     raise TimeoutError("the test never released the gate")
             return real(obj, path, *args)
 
-        monkeypatch.setattr(ckptdb.manager, name, gated)
+        monkeypatch.setattr(module, name, gated)
 
 
 @pytest.fixture
@@ -142,9 +149,9 @@ def no_background(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     counts = {"snapshot": 0, "submit": 0}
     real_snapshot, real_submit = Snapshotter.snapshot, BackgroundWriter.submit
 
-    def snapshot(self: Snapshotter, stream: str, payload: Any) -> Any:
+    def snapshot(self: Snapshotter, stream: str, payload: Any, *kind: Any) -> Any:
         counts["snapshot"] += 1
-        return real_snapshot(self, stream, payload)
+        return real_snapshot(self, stream, payload, *kind)
 
     def submit(self: BackgroundWriter, step: int, work: Callable[[], Any]) -> SaveHandle:
         counts["submit"] += 1
@@ -670,7 +677,7 @@ def test_an_interrupt_during_the_snapshot_propagates_after_the_rollback(
     mgr = open_manager()
     mgr.save(1, model=state(1.0))
 
-    def interrupted(self: Snapshotter, stream: str, payload: Any) -> Any:
+    def interrupted(self: Snapshotter, stream: str, payload: Any, *kind: Any) -> Any:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Snapshotter, "snapshot", interrupted)

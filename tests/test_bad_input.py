@@ -1,4 +1,4 @@
-"""The bad input corpus (issue 3): malformed input across the API and the CLI.
+"""The bad input corpus: malformed input across the API and the CLI.
 
 Every case is one parametrized test. API cases must raise a typed
 :class:`~ckptdb.errors.CkptDBError` subclass that is also the natural built-in

@@ -1,4 +1,4 @@
-"""The invariant checker (issue 3): ``mgr.check()`` and ``ckptdb check ROOT``.
+"""The invariant checker: ``mgr.check()`` and ``ckptdb check ROOT``.
 
 A run that ckptdb itself produced checks clean; each kind of damage is
 reported by a line naming the path or the stream, and checking repairs nothing.

@@ -1,4 +1,4 @@
-"""The ``ckptdb`` command line (issue 5).
+"""The ``ckptdb`` command line.
 
 Most tests drive the click group in-process through ``CliRunner``; a few run
 the installed console script as a real subprocess (a shell's view: exit status,
@@ -30,7 +30,7 @@ import torch
 from click.testing import CliRunner, Result
 from helpers import files, rows, state
 
-import ckptdb.ledger
+import ckptdb.ledger.rows
 from ckptdb import CheckpointManager, Keep, TopK
 from ckptdb.cli import main
 from ckptdb.errors import CkptDBError, PublishError
@@ -858,7 +858,7 @@ def test_readers_never_see_an_uncommitted_boundary(
     mgr.log_metrics(0, {"loss": 1.0})
     old = mgr.save(0, model=state(0))["model"].path
     seen: dict[str, Result] = {}
-    real_set_latest = ckptdb.ledger.set_latest
+    real_set_latest = ckptdb.ledger.rows.set_latest
 
     def set_latest_then_look(session: Any, run_id: int, stream: str, checkpoint_id: Any) -> None:
         real_set_latest(session, run_id, stream, checkpoint_id)
@@ -876,7 +876,7 @@ def test_readers_never_see_an_uncommitted_boundary(
             seen["history"] = invoke(runner, "history", root, "--metric", "loss", "--json")
             seen["status"] = invoke(runner, "status", root, "--json")
 
-    monkeypatch.setattr(ckptdb.ledger, "set_latest", set_latest_then_look)
+    monkeypatch.setattr(ckptdb.ledger.rows, "set_latest", set_latest_then_look)
     mgr.log_metrics(1, {"loss": 0.5})
     new = mgr.save(1, model=state(1))["model"].path
     assert seen, "set_latest was not called inside the commit"
@@ -1059,7 +1059,7 @@ def test_gc_with_nothing_to_evict_changes_nothing(runner: CliRunner, run: Path) 
 def _head() -> str:
     from alembic.script import ScriptDirectory
 
-    from ckptdb.db import alembic_config
+    from ckptdb.ledger.engine import alembic_config
 
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     assert head is not None

@@ -1,4 +1,4 @@
-"""Crash consistency (issue 3): crash at every protocol phase, and SIGKILL at random.
+"""Crash consistency: crash at every protocol phase, and SIGKILL at random.
 
 Each test runs a trainer in a child process that dies mid-flight, then reopens
 the run in the parent (reconcile at open) and checks, besides ``mgr.check``:
@@ -56,8 +56,7 @@ from crashlib import (
 from helpers import await_sessions_gone
 
 from ckptdb import CheckpointManager, Keep, TopK, faults
-from ckptdb.errors import PublishError
-from ckptdb.manager import CleanupWarning
+from ckptdb.errors import CleanupWarning, PublishError
 
 # (step, val_loss) per boundary: steps go back in time at 5 and re-save a step at
 # 7; top-K(2) admits, rejects (5, 9) and replaces (7, a re-save of member step 40).
@@ -261,7 +260,7 @@ def test_sweep_covers_every_point_and_the_schedule_evicts() -> None:
             assert 3 * 6 + 2 in new, "boundary 7 must replace the top-K member at step 40"
     assert 5 in rejected and 9 in rejected, rejected
     assert evicting == {"model", "ema", "best"}
-    # the phases issue 3 names; the sweep is parametrized over faults.POINTS, so a
+    # the phases of the protocol; the sweep is parametrized over faults.POINTS, so a
     # point added later is swept too (and fails until a child can reach it)
     assert set(faults.POINTS) >= BEFORE_COMMIT | {"after_commit", "mid_cleanup", "mid_reconcile"}
 

@@ -1,4 +1,4 @@
-"""Distributed runs (issue 4): rank agreement, a chief-only ledger, sharded checkpoints.
+"""Distributed runs: rank agreement, a chief-only ledger, sharded checkpoints.
 
 Every test forks 2 or 3 ranks into a gloo process group on the CPU
 (tests/distlib.py): collectives time out after 15 s and a rank still running
@@ -26,7 +26,9 @@ from helpers import files, rows
 
 import ckptdb
 import ckptdb.manager
+import ckptdb.storage.files
 from ckptdb import CheckpointManager, Keep, NonFiniteGradGuard, Sharded, TopK, faults
+from ckptdb.coord.dist import DistCoordinator
 from ckptdb.errors import ChiefOnlyError
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,8 +53,8 @@ def manager(root: str, **kwargs: Any) -> CheckpointManager:
 
 
 def log_of(mgr: CheckpointManager) -> list[str]:
-    assert mgr._group is not None
-    return list(mgr._group.log)
+    assert isinstance(mgr._coord, DistCoordinator)
+    return list(mgr._coord.log)
 
 
 def attempt(mgr: CheckpointManager, work: Any) -> dict[str, Any]:
@@ -317,7 +319,7 @@ def _shard_write_fails(rank: int, world: int, root: str, cleanup_fails: bool) ->
             if name == "mid_shard_write" and rank == world - 1:
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-        real = ckptdb.manager.remove
+        real = ckptdb.storage.files.remove
 
         def stubborn(path: Path) -> bool:
             if ".tmp-" in path.name and os.path.lexists(path):
@@ -326,12 +328,12 @@ def _shard_write_fails(rank: int, world: int, root: str, cleanup_fails: bool) ->
 
         faults.set_hook(fail)
         if cleanup_fails and rank == 0:
-            ckptdb.manager.remove = stubborn  # type: ignore[assignment]
+            ckptdb.storage.files.remove = stubborn  # type: ignore[assignment]
         try:
             result = attempt(mgr, lambda: mgr.save(2, model=Sharded(sd(2, rank)), ema=sd(2)))
         finally:
             faults.set_hook(None)
-            ckptdb.manager.remove = real  # type: ignore[assignment]
+            ckptdb.storage.files.remove = real  # type: ignore[assignment]
         result["latest"] = mgr.latest()
         return result
 
@@ -475,8 +477,6 @@ def test_chief_open_failure_is_raised_on_every_rank(tmp_path: Path) -> None:
 def _followers_touch_nothing(rank: int, world: int, root: str) -> dict[str, Any]:
     touched: list[str] = []
     if rank != 0:
-        import ckptdb.db
-        import ckptdb.storage
 
         def forbid(module: Any, name: str) -> None:
             real = getattr(module, name)
@@ -487,8 +487,8 @@ def _followers_touch_nothing(rank: int, world: int, root: str) -> dict[str, Any]
 
             setattr(module, name, spy)
 
-        for name in ("write_payload", "make_dir", "place", "fsync_dir", "remove", "seal_directory"):
-            forbid(ckptdb.manager, name)
+        for name in ("write_stream", "make_dir", "place", "fsync_dir", "remove", "seal_directory"):
+            forbid(ckptdb.storage.files, name)
         forbid(ckptdb.manager, "open_ledger")
         forbid(ckptdb.manager, "writer_lock")
     with manager(root) as mgr:
@@ -664,13 +664,13 @@ def _async_overlaps_training(rank: int, world: int, root: str) -> dict[str, Any]
     collectives of its own on the training group: they must not wait for it."""
     release = threading.Event()
     if rank == 0:
-        real = ckptdb.manager.write_payload
+        real = ckptdb.storage.files.write_stream
 
         def held(obj: Any, tmp: Path) -> Any:
             assert release.wait(COLLECTIVE_WAIT), "never released"
             return real(obj, tmp)
 
-        ckptdb.manager.write_payload = held  # type: ignore[assignment]
+        ckptdb.storage.files.write_stream = held  # type: ignore[assignment]
     with manager(root, streams={"model": Keep(last=2)}) as mgr:
         handle = mgr.save(1, blocking=False, model=sd(1))
         done_early = handle.done()
@@ -747,7 +747,7 @@ def _async_guard(rank: int, world: int, root: str) -> dict[str, Any]:
         if rank == 1:
             guard.update(torch.tensor(float("inf")))
         result = attempt(mgr, lambda: mgr.save(1, blocking=False, model=sd(1)))
-        result["inflight"] = mgr._inflight is not None
+        result["inflight"] = mgr._inflight.handle is not None
         return result
 
 
@@ -874,7 +874,7 @@ def test_close_after_the_process_group_is_destroyed_still_ends_the_attempt(
 
 
 def _dies_before_plan(rank: int, world: int, root: str) -> dict[str, Any]:
-    from ckptdb.distributed import RankGroup
+    from ckptdb.coord.dist import RankGroup
 
     with manager(root, streams={"model": Keep(last=2)}) as mgr:
         if rank == 1:

@@ -1,4 +1,4 @@
-"""The I/O fault matrix (issue 3): every fault site, once (transient) and on every call.
+"""The I/O fault matrix: every fault site, once (transient) and on every call.
 
 Sites: the checkpoint file's write (ENOSPC, EIO, injected into the real file
 object under ckptdb's hashing writer), the file fsync (EIO), ``os.replace``
@@ -44,11 +44,10 @@ import torch
 import xxhash
 from helpers import files, rows, state
 
-import ckptdb.db
-import ckptdb.ledger
-import ckptdb.loading
-import ckptdb.manager
+import ckptdb.ledger.engine
+import ckptdb.ledger.rows
 import ckptdb.storage
+import ckptdb.storage.files
 from ckptdb import CheckpointManager, CleanupWarning, Keep, faults
 from ckptdb.errors import (
     CheckpointNotFoundError,
@@ -56,6 +55,7 @@ from ckptdb.errors import (
     CorruptCheckpointError,
     PublishError,
 )
+from ckptdb.protocol.boundary import Publisher
 from ckptdb.storage import CHECKPOINT_NAME, TEMP_NAME
 
 Opener = Callable[..., CheckpointManager]
@@ -197,7 +197,7 @@ class LedgerLock:
 @pytest.fixture(autouse=True)
 def _short_busy_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     """Managers opened by these tests give up on a locked ledger after a few ms."""
-    monkeypatch.setattr(ckptdb.db, "SQLITE_BUSY_TIMEOUT_MS", BUSY_TIMEOUT_MS)
+    monkeypatch.setattr(ckptdb.ledger.engine, "SQLITE_BUSY_TIMEOUT_MS", BUSY_TIMEOUT_MS)
 
 
 @pytest.fixture
@@ -316,14 +316,14 @@ def install_commit_locked(inj: Injector, ctx: Ctx) -> None:
             ctx.lock.acquire()
             inj.fire(db_locked("BEGIN IMMEDIATE (commit)"))
 
-    real = CheckpointManager._record_rollback
+    real = Publisher._record_rollback
 
-    def record_rollback(self: CheckpointManager, *args: Any, **kwargs: Any) -> None:
+    def record_rollback(self: Publisher, *args: Any, **kwargs: Any) -> None:
         ctx.lock.release()
         real(self, *args, **kwargs)
 
     ctx.hook(hook)
-    ctx.monkeypatch.setattr(CheckpointManager, "_record_rollback", record_rollback)
+    ctx.monkeypatch.setattr(Publisher, "_record_rollback", record_rollback)
 
 
 def install_commit_injected(inj: Injector, ctx: Ctx) -> None:
@@ -339,27 +339,27 @@ def install_commit_injected(inj: Injector, ctx: Ctx) -> None:
 def install_intent_locked(inj: Injector, ctx: Ctx) -> None:
     """Another connection holds the write lock when the intent transaction begins
     (the harness lets go after each failed save)."""
-    real = CheckpointManager._record_intent
+    real = Publisher._intent
 
-    def record_intent(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
+    def record_intent(self: Publisher, *args: Any, **kwargs: Any) -> Any:
         if not ctx.lock.held and inj.due():
             ctx.lock.acquire()
             inj.fire(db_locked("BEGIN IMMEDIATE (intent)"))
         return real(self, *args, **kwargs)
 
-    ctx.monkeypatch.setattr(CheckpointManager, "_record_intent", record_intent)
+    ctx.monkeypatch.setattr(Publisher, "_intent", record_intent)
 
 
 def install_intent_injected(inj: Injector, ctx: Ctx) -> None:
     """An OperationalError from a statement of the intent transaction."""
-    real = ckptdb.ledger.path_in_use
+    real = ckptdb.ledger.rows.path_in_use
 
     def path_in_use(*args: Any, **kwargs: Any) -> bool:
         if inj.due():
             raise inj.fire(db_locked("SELECT count(*) FROM checkpoints"))
         return real(*args, **kwargs)
 
-    ctx.monkeypatch.setattr(ckptdb.ledger, "path_in_use", path_in_use)
+    ctx.monkeypatch.setattr(ckptdb.ledger.rows, "path_in_use", path_in_use)
 
 
 @dataclass(frozen=True)
@@ -1081,10 +1081,10 @@ def test_read_error_during_load(
 
     # ckptdb.storage opens the file for the hashing pass with the builtin open; a
     # module global shadows it for the test. torch.load (unpickle) reads it itself.
-    monkeypatch.setattr(ckptdb.storage, "open", fake_open, raising=False)
+    monkeypatch.setattr(ckptdb.storage.files, "open", fake_open, raising=False)
     if stage == "verify":
         monkeypatch.setattr(
-            ckptdb.loading, "hash_checkpoint", failing(ckptdb.loading.hash_checkpoint)
+            ckptdb.storage.files, "hash_checkpoint", failing(ckptdb.storage.files.hash_checkpoint)
         )
     elif stage == "unpickle":
         monkeypatch.setattr(torch, "load", failing(torch.load))

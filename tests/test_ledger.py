@@ -26,14 +26,14 @@ from helpers import files, rows, state
 from sqlalchemy import create_engine, inspect
 
 from ckptdb import CheckpointManager, Keep, TopK
-from ckptdb.db import alembic_config, create_ledger_engine
 from ckptdb.errors import (
     CkptDBError,
     InvalidArgumentError,
     LedgerLockedError,
     SchemaVersionError,
 )
-from ckptdb.models import Base
+from ckptdb.ledger.engine import alembic_config, create_ledger_engine
+from ckptdb.ledger.models import Base
 
 REPO = Path(__file__).resolve().parents[1]
 TABLES = {"runs", "attempts", "streams", "checkpoints", "pointers", "metrics", "events"}
@@ -89,7 +89,8 @@ def assert_schema_matches_models(url: str) -> None:
     diff = schema_diff(url)
     if diff:
         pytest.fail(
-            "the migrated schema differs from ckptdb.models:\n" + pprint.pformat(diff, width=100)
+            "the migrated schema differs from ckptdb.ledger.models:\n"
+            + pprint.pformat(diff, width=100)
         )
 
 
@@ -394,7 +395,7 @@ def test_alembic_cli_reads_ckptdb_db_url(tmp_path):
 
 def test_sqlite_connection_settings(open_manager, root):
     mgr = open_manager()
-    with mgr._db.engine.connect() as conn:
+    with mgr._ctx.ledger.engine.connect() as conn:
 
         def pragma(name: str) -> Any:
             return conn.exec_driver_sql(f"PRAGMA {name}").scalar()
@@ -697,9 +698,9 @@ def test_only_the_commit_transaction_pays_for_an_fsync(open_manager) -> None:
     def record(connection) -> None:
         levels.append(connection.exec_driver_sql("PRAGMA synchronous").scalar())
 
-    event.listen(mgr._db.engine, "begin", record)
+    event.listen(mgr._ctx.ledger.engine, "begin", record)
     try:
         mgr.save(2, model=state(2))  # intent, commit (evicts step 1), cleanup
     finally:
-        event.remove(mgr._db.engine, "begin", record)
+        event.remove(mgr._ctx.ledger.engine, "begin", record)
     assert levels == [1, 2, 1]  # NORMAL, FULL, NORMAL

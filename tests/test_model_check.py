@@ -1,4 +1,4 @@
-"""Stateful model check of the publication protocol (issue 3, design sections 3-4).
+"""Stateful model check of the publication protocol (boundary and reconcile).
 
 A Hypothesis ``RuleBasedStateMachine`` drives one run through random boundaries
 (random streams, steps that go forward, repeat and go back in time, random and
@@ -6,7 +6,7 @@ tied metrics), non-finite guard trips, transient I/O faults before the commit
 (write, fsync, replace, ledger commit) and after it (an evicted file that cannot
 be removed), interrupts, crashes at every protocol point followed by a reopen
 (which reconciles), explicit reconciles and restarts from an older checkpoint.
-Saves also run asynchronously (``blocking=False``, issue 7): the handle is
+Saves also run asynchronously (``blocking=False``): the handle is
 fetched at once, or left in flight for the following rules (whose calls must
 wait for it where the design says so: the next save, reconcile, close, a load
 of a stream being written), or held in the background at a protocol point, where
@@ -60,10 +60,10 @@ from hypothesis.stateful import (
 )
 
 from ckptdb import CheckpointManager, CleanupWarning, Keep, NonFiniteGradGuard, TopK, faults
-from ckptdb import models as m
-from ckptdb.asyncsave import SaveHandle
 from ckptdb.errors import NonFiniteGradientError, PublishError
-from ckptdb.reconcile import ReconcileReport
+from ckptdb.ledger import models as m
+from ckptdb.protocol.asyncsave import SaveHandle
+from ckptdb.protocol.reconcile import ReconcileReport
 
 EXAMPLES = int(os.environ.get("CKPTDB_MODEL_EXAMPLES", "100"))
 STEPS_PER_EXAMPLE = 30
@@ -293,11 +293,11 @@ class TransientFault:
 @contextmanager
 def no_rollback(mgr: CheckpointManager) -> Iterator[None]:
     """While active, a failure inside save leaves things exactly as a crash would."""
-    mgr._roll_back = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    mgr._publisher._roll_back = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
         yield
     finally:
-        del mgr._roll_back
+        del mgr._publisher._roll_back
 
 
 # ------------------------------------------------------------- strategies
@@ -322,7 +322,7 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
         self.clock = 0
         self.token = 0
         # evicted rows whose file could not be removed: relative path -> (stream, step);
-        # they stay 'deleting' until the next reconcile (design section 3, step 6)
+        # they stay 'deleting' until the next reconcile (ckptdb.protocol.boundary, phase 6)
         self.deferred: dict[str, tuple[str, int]] = {}
         self.inflight: InFlight | None = None
 
@@ -340,11 +340,13 @@ class CheckpointLedgerMachine(RuleBasedStateMachine):
     def _abandon(self) -> None:
         """Drop the manager as a dead process would: no cleanup, no close."""
         mgr, self.mgr = self.live, None
-        assert mgr._inflight is None or mgr._inflight.done()  # the crash ended its work
+        handle = mgr._inflight.handle
+        assert handle is None or handle.done()  # the crash ended its work
         mgr._writer.shutdown()  # its idle thread: a dead process has no threads left
         mgr._closed = True
-        mgr._db.dispose()
-        mgr._lock.release()
+        mgr._ctx.ledger.dispose()
+        assert mgr._ctx.lock is not None
+        mgr._ctx.lock.release()
 
     def _next_step(self, move: int) -> int:
         self.clock = max(0, self.clock + move)

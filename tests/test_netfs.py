@@ -1,6 +1,6 @@
-"""A SQLite ledger on a network filesystem is refused (issue 6), unless overridden.
+"""A SQLite ledger on a network filesystem is refused, unless overridden.
 
-The mount table is a fake ``/proc/self/mounts`` (``ckptdb.netfs.MOUNTS_PATH``)
+The mount table is a fake ``/proc/self/mounts`` (``ckptdb.ledger.netfs.MOUNTS_PATH``)
 that declares part of ``tmp_path`` to be NFS, SMB, Lustre...
 """
 
@@ -13,11 +13,11 @@ import pytest
 from click.testing import CliRunner
 from helpers import state
 
-import ckptdb.netfs
+import ckptdb.ledger.netfs
 from ckptdb import CheckpointManager
 from ckptdb.cli import main
 from ckptdb.errors import CkptDBError, InvalidArgumentError, NetworkFilesystemError
-from ckptdb.netfs import check_ledger_location, mount_of, sqlite_path
+from ckptdb.ledger.netfs import check_ledger_location, mount_of, sqlite_path
 from ckptdb.reader import RunReader
 
 MountTable = Callable[..., Path]
@@ -26,7 +26,7 @@ MountTable = Callable[..., Path]
 @pytest.fixture
 def mount_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> MountTable:
     """Install a fake mount table: ``/`` is ext4, plus the (point, type) pairs given."""
-    monkeypatch.delenv(ckptdb.netfs.ALLOW_ENV, raising=False)
+    monkeypatch.delenv(ckptdb.ledger.netfs.ALLOW_ENV, raising=False)
     monkeypatch.delenv("CKPTDB_DB_URL", raising=False)
 
     def install(*mounts: tuple[Path | str, str]) -> Path:
@@ -36,7 +36,7 @@ def mount_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> MountTable:
             lines.append(f"server:/export {escaped} {fstype} rw,relatime 0 0")
         table = tmp_path / "mounts"
         table.write_text("\n".join(lines) + "\n")
-        monkeypatch.setattr(ckptdb.netfs, "MOUNTS_PATH", table)
+        monkeypatch.setattr(ckptdb.ledger.netfs, "MOUNTS_PATH", table)
         return table
 
     return install
@@ -167,7 +167,7 @@ def test_cli_writers_are_refused_and_readers_are_not(
 def test_no_mount_table_means_no_check(
     mount_table: MountTable, shared: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(ckptdb.netfs, "MOUNTS_PATH", tmp_path / "no-such-file")
+    monkeypatch.setattr(ckptdb.ledger.netfs, "MOUNTS_PATH", tmp_path / "no-such-file")
     assert mount_of(shared) is None
     check_ledger_location(f"sqlite:///{shared / 'ckptdb.sqlite'}")
 

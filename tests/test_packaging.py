@@ -110,7 +110,7 @@ SMOKE = """
     import ckptdb
     import torch
     from ckptdb import CheckpointManager, Keep
-    from ckptdb.db import migrations_dir
+    from ckptdb.ledger.engine import migrations_dir
 
     here = Path(ckptdb.__file__).resolve()
     assert venv in here.parents, f"ckptdb imported from {here}, not from {venv}"

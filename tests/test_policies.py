@@ -1,6 +1,6 @@
 """Retention (Keep), top-K (TopK) and stream-name rules, tested as pure functions.
 
-Expected values are derived by hand from the rules in issue 2 / DESIGN.md section 3,
+Expected values are derived by hand from the rules in docs/guarantees.md,
 or by a brute-force reference written independently of ckptdb.policies.
 """
 

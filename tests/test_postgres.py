@@ -1,4 +1,4 @@
-"""PostgreSQL ledgers (issue 6), and the core protocol on both backends.
+"""PostgreSQL ledgers, and the core protocol on both backends.
 
 Tests taking ``backend`` run twice: on the run's own SQLite file and on a
 PostgreSQL schema of their own (``CKPTDB_TEST_POSTGRES_URL``; see conftest).
@@ -33,13 +33,6 @@ from sqlalchemy.pool import NullPool
 
 from ckptdb import CheckpointManager, Keep, TopK
 from ckptdb.cli import main
-from ckptdb.db import (
-    MIGRATION_LOCK_KEY,
-    alembic_config,
-    default_sqlite_url,
-    migrate,
-    open_ledger,
-)
 from ckptdb.errors import (
     CkptDBError,
     InvalidArgumentError,
@@ -49,8 +42,15 @@ from ckptdb.errors import (
     SchemaVersionError,
     WriterLockLostError,
 )
-from ckptdb.lock import AdvisoryWriterLock, FileWriterLock, writer_lock
-from ckptdb.models import VIEW_NAMES, Base
+from ckptdb.ledger.engine import (
+    MIGRATION_LOCK_KEY,
+    alembic_config,
+    default_sqlite_url,
+    migrate,
+    open_ledger,
+)
+from ckptdb.ledger.lock import AdvisoryWriterLock, FileWriterLock, writer_lock
+from ckptdb.ledger.models import VIEW_NAMES, Base
 from ckptdb.reader import RunReader
 
 Opener = Callable[..., CheckpointManager]
@@ -577,7 +577,7 @@ def test_a_lost_lock_session_fails_the_commit(pg_url: str, root: Path) -> None:
     """If the lock's connection dies, another writer may take over: never commit then."""
     with CheckpointManager(root, db_url=pg_url) as mgr:
         mgr.save(1, model=state(1))
-        lock = mgr._lock
+        lock = mgr._ctx.lock
         assert isinstance(lock, AdvisoryWriterLock)
         with pg_admin(pg_url) as conn:
             conn.exec_driver_sql(
@@ -733,11 +733,11 @@ def test_a_reader_of_an_empty_database_says_so(pg_url: str, root: Path) -> None:
 def test_network_filesystem_rule_does_not_apply_to_postgresql(
     pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckptdb.netfs
+    import ckptdb.ledger.netfs
 
     mounts = tmp_path / "mounts"
     mounts.write_text(f"/dev/vda / ext4 rw 0 0\nfiler:/export {tmp_path} nfs4 rw 0 0\n")
-    monkeypatch.setattr(ckptdb.netfs, "MOUNTS_PATH", mounts)
+    monkeypatch.setattr(ckptdb.ledger.netfs, "MOUNTS_PATH", mounts)
     monkeypatch.delenv("CKPTDB_ALLOW_NETWORK_SQLITE", raising=False)
     with CheckpointManager(tmp_path / "run", db_url=pg_url) as mgr:  # checkpoints on NFS: fine
         mgr.save(1, model=state(1))

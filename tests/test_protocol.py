@@ -1,4 +1,4 @@
-"""The publication protocol (design section 3) on one process.
+"""The publication protocol (ckptdb.protocol.boundary) on one process.
 
 Order of the phases, atomicity of a boundary across streams, every fault the
 protocol must survive (each raising ``PublishError`` with its phase and leaving
@@ -31,7 +31,7 @@ import torch
 import xxhash
 from helpers import LedgerClient, files, on_both_backends, state
 
-import ckptdb.ledger
+import ckptdb.ledger.rows
 import ckptdb.storage
 from ckptdb import Checkpoint, CheckpointManager, CleanupWarning, Keep, NonFiniteGradGuard, TopK
 from ckptdb.errors import (
@@ -224,7 +224,7 @@ def test_protocol_phases_happen_in_order(
     spy_save(monkeypatch, on_save)
 
     real_fsync, real_replace, real_unlink = os.fsync, os.replace, os.unlink
-    real_set_latest = ckptdb.ledger.set_latest
+    real_set_latest = ckptdb.ledger.rows.set_latest
 
     def fsync(fd: int) -> None:
         st = os.fstat(fd)
@@ -258,7 +258,7 @@ def test_protocol_phases_happen_in_order(
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     monkeypatch.setattr(os, "unlink", unlink)
-    monkeypatch.setattr(ckptdb.ledger, "set_latest", set_latest)
+    monkeypatch.setattr(ckptdb.ledger.rows, "set_latest", set_latest)
 
     new = mgr.save(20, **payloads)
 
@@ -412,23 +412,23 @@ class Fault:
 
             monkeypatch.setattr(os, "replace", replace)
         elif kind == "commit_locked":  # a statement inside the commit transaction fails
-            real_set_latest = ckptdb.ledger.set_latest
+            real_set_latest = ckptdb.ledger.rows.set_latest
 
             def set_latest(*args: Any, **kwargs: Any) -> None:
                 if self.due():
                     raise self.fire(db_locked("UPDATE pointers"))
                 real_set_latest(*args, **kwargs)
 
-            monkeypatch.setattr(ckptdb.ledger, "set_latest", set_latest)
+            monkeypatch.setattr(ckptdb.ledger.rows, "set_latest", set_latest)
         elif kind == "commit_after_metrics":  # the last work of the commit, metrics written
-            real_insert = ckptdb.ledger.insert_metrics
+            real_insert = ckptdb.ledger.rows.insert_metrics
 
             def insert_metrics(*args: Any, **kwargs: Any) -> None:
                 real_insert(*args, **kwargs)
                 if self.due():
                     raise self.fire(db_locked("INSERT INTO metrics"))
 
-            monkeypatch.setattr(ckptdb.ledger, "insert_metrics", insert_metrics)
+            monkeypatch.setattr(ckptdb.ledger.rows, "insert_metrics", insert_metrics)
         else:  # pragma: no cover
             raise AssertionError(kind)
 

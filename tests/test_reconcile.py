@@ -1,4 +1,4 @@
-"""Reconciliation (design section 4): at open and on demand.
+"""Reconciliation (ckptdb.protocol.reconcile): at open and on demand.
 
 Every test damages a run the way a crash, an operator or a full disk would,
 then checks what reconcile repairs, what it refuses to touch, what it
@@ -31,7 +31,7 @@ from helpers import LedgerClient, await_sessions_gone, files, on_both_backends, 
 import ckptdb
 from ckptdb import CheckpointManager, Keep
 from ckptdb.errors import CheckpointNotFoundError, LedgerLockedError
-from ckptdb.reconcile import Reconciler
+from ckptdb.protocol.reconcile import Reconciler
 
 QUARANTINE = "ckptdb.quarantine"
 
@@ -333,7 +333,7 @@ def test_clean_run_has_nothing_to_do(
 CHILD = textwrap.dedent(
     """
     import os, sys, torch
-    import ckptdb.manager
+    import ckptdb.protocol.boundary
     from ckptdb import CheckpointManager
     from helpers import child_app_name
 
@@ -359,7 +359,7 @@ CHILD = textwrap.dedent(
     else:
         def die(*args, **kwargs):
             os._exit(1)  # after os.replace + directory fsync, before the commit
-        ckptdb.manager.CheckpointManager._commit = die
+        ckptdb.protocol.boundary.Publisher._commit = die
     mgr.save(2, model={"w": torch.arange(200_000, dtype=torch.float32)})
     os._exit(7)  # not reached
     """

@@ -13,10 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import click
-from sqlalchemy.exc import SQLAlchemyError
 
-from ..errors import CkptDBError, InvalidArgumentError, LedgerError
-from ..policies import Keep, Policy, TopK
+from ..errors import CkptDBError, InvalidArgumentError
 from ..reader import RunReader
 from . import fmt as clifmt
 
@@ -63,19 +61,11 @@ def main(debug: bool) -> None:
     """
 
 
-def describe_policy(policy: Policy) -> str:
-    if isinstance(policy, TopK):
-        return f"top-{policy.k} by {policy.metric} ({policy.mode})"
-    assert isinstance(policy, Keep)
-    text = "keep all" if policy.last is None else f"keep last {policy.last}"
-    return text + (f", every {policy.every}" if policy.every else "")
-
-
 def topk_stream(reader: RunReader, stream: str | None) -> str:
     """The stream `best` reports: the one asked for, else 'best', else the only TopK one."""
     if stream is not None:
         return stream
-    topk = [name for name, p in reader.policies.items() if isinstance(p, TopK)]
+    topk = [name for name, p in reader.policies.items() if p.ranking_metric is not None]
     if "best" in topk or len(topk) != 1:
         return "best" if "best" in topk or not topk else _ambiguous(topk)
     return topk[0]
@@ -138,13 +128,13 @@ def _status_data(reader: RunReader) -> dict[str, Any]:
         streams.append(
             {
                 "name": name,
-                "policy": describe_policy(policy),
+                "policy": policy.describe(),
                 "latest_step": latest.step if latest else None,
                 "latest_path": str(latest.path) if latest else None,
                 "committed": len(reader.checkpoints(name)),
             }
         )
-        if isinstance(policy, TopK):
+        if policy.ranking_metric is not None:
             best[name] = [clifmt.checkpoint_dict(c) for c in reader.best(name)]
     return {
         "run": reader.run_name,
@@ -185,7 +175,7 @@ def list_(
     Example:
       ckptdb list runs/exp1 --stream model --all
     """
-    from ..models import STATES
+    from ..ledger.models import STATES
 
     with RunReader(root, db_url=db_url) as reader:
         found = reader.checkpoints(stream, states=STATES if all_states else ("committed",))
@@ -302,9 +292,9 @@ def sql(root: Path, statement: str, fmt: str, db_url: str | None) -> None:
 
 
 def _writer(root: Path, db_url: str | None) -> Any:
-    from ..db import default_sqlite_url, safe_url
+    from ..ledger.engine import default_sqlite_url, safe_url
+    from ..ledger.runs import run_exists
     from ..manager import CheckpointManager
-    from ..reader import run_exists
 
     url = db_url or default_sqlite_url(root.resolve())
     if not run_exists(root.resolve(), url):
@@ -427,10 +417,10 @@ def upgrade(root: Path, db_url: str | None) -> None:
     Example:
       ckptdb db upgrade runs/exp1
     """
-    from ..db import migrate, open_ledger
-    from ..lock import writer_lock
-    from ..netfs import check_ledger_location
-    from ..reader import ledger_url
+    from ..ledger import open_ledger
+    from ..ledger.lock import writer_lock
+    from ..ledger.netfs import check_ledger_location
+    from ..ledger.runs import ledger_url
 
     root = root.resolve()
     ledger_url(root, db_url, readonly=True)  # refuses a directory that holds no run
@@ -441,7 +431,7 @@ def upgrade(root: Path, db_url: str | None) -> None:
     try:
         ledger = open_ledger(url)
         try:
-            migrate(ledger.engine)
+            ledger.migrate()
         finally:
             ledger.dispose()
     finally:
@@ -459,28 +449,19 @@ def current(root: Path, db_url: str | None) -> None:
     Example:
       ckptdb db current runs/exp1
     """
-    from alembic.script import ScriptDirectory
+    from ..ledger.engine import newest_revision
 
-    from ..db import alembic_config
-
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    head = newest_revision()
     click.echo(f"ledger {_current(root.resolve(), db_url)}; newest known {head}")
 
 
 def _current(root: Path, db_url: str | None) -> str:
-    from alembic.runtime.migration import MigrationContext
-
-    from ..db import open_ledger
-    from ..reader import ledger_url
+    from ..ledger import open_ledger
+    from ..ledger.runs import ledger_url
 
     ledger = open_ledger(ledger_url(root, db_url, readonly=True), readonly=True)
     try:
-        with ledger.engine.connect() as conn:
-            heads = MigrationContext.configure(conn).get_current_heads()
-    except SQLAlchemyError as exc:
-        raise LedgerError(
-            f"cannot read the ledger of {root}: {getattr(exc, 'orig', None) or exc}"
-        ) from exc
+        heads = ledger.heads()
     finally:
         ledger.dispose()
     return ", ".join(heads) or "none"

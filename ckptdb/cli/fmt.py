@@ -93,14 +93,3 @@ def checkpoint_dict(ckpt: Checkpoint) -> dict[str, Any]:
         "committed_at": jsonable(ckpt.committed_at),
         "metrics": ckpt.metrics,
     }
-
-
-def human_size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"

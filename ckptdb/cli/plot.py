@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptDBError
-from ..models import COMMITTED, DELETED, DELETING
-from ..policies import TopK
+from ..ledger.models import COMMITTED, DELETED, DELETING
 from ..reader import RunReader
 
 
@@ -71,7 +70,7 @@ def _mark(ax: Any, reader: RunReader, value_at: dict[int, float]) -> None:
     best = {
         c.step
         for name, p in reader.policies.items()
-        if isinstance(p, TopK)
+        if p.ranking_metric is not None
         for c in reader.best(name)
     }
     steps = sorted(s for s in best if s in value_at)

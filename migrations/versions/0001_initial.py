@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 # The views as this revision created them (frozen here, not imported, so that a
-# later change to ckptdb.models cannot alter what this revision does).
+# later change to ckptdb.ledger.models cannot alter what this revision does).
 VIEWS = {
     "latest_checkpoints": """
         SELECT p.run_id AS run_id, c.stream AS stream, c.step AS step, c.path AS path,

@@ -20,62 +20,66 @@ the caller has; the crash tests check it themselves.)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import text
-
-from . import ledger
-from . import models as m
-from .db import Ledger
-from .policies import Entry, Policy, TopK
-from .reconcile import Reconciler, files_in_our_naming
-from .sharded import check_loadable
-from .storage import confine, hash_checkpoint
+from ..ledger import Ledger
+from ..ledger import models as m
+from ..ledger import rows as ledger_rows
+from ..policies import Entry, Policy
+from ..storage.base import LOST
+from ..storage.kinds import kind_of_path
+from ..storage.local import LocalStore
+from .reconcile import Reconciler
 
 
 class Checker:
     def __init__(
-        self, db: Ledger, run_id: int, root: Path, save_dir: Path, policies: dict[str, Policy]
+        self, db: Ledger, run_id: int, root: Path, store: LocalStore, policies: dict[str, Policy]
     ) -> None:
-        self.db, self.run_id, self.root, self.save_dir = db, run_id, root, save_dir
+        self.db, self.run_id, self.root, self.store = db, run_id, root, store
         self.policies = policies
 
     def run(self, *, load: bool = False) -> list[str]:
         """Every violation, one line each; an empty list means consistent."""
-        with self.db.transaction() as session:
-            rows = ledger.rows_in_state(session, self.run_id, m.STATES)
-            pointers = {s: ledger.latest_row(session, self.run_id, s) for s in self.policies}
-            integrity = (
-                session.execute(text("PRAGMA integrity_check")).scalar()
-                if self.db.engine.dialect.name == "sqlite"
-                else "ok"
-            )
+        with self.db.transaction(read=True) as session:
+            rows = ledger_rows.rows_in_state(session, self.run_id, m.STATES)
+            pointers = {s: ledger_rows.latest_row(session, self.run_id, s) for s in self.policies}
+            newest = {
+                s: ledger_rows.newest_committed_id(session, self.run_id, s) for s in self.policies
+            }
+            integrity = ledger_rows.integrity(session)
         problems = [f"integrity_check: {integrity}"] if integrity != "ok" else []
         committed = [r for r in rows if r.state == m.COMMITTED]
         for row in committed:
             problems.extend(self._check_file(row, load))
-        problems.extend(self._check_disk({r.path for r in rows if r.state in ledger.LIVE_STATES}))
+        live = {r.path for r in rows if r.state in ledger_rows.LIVE_STATES}
+        problems.extend(self._check_disk(live))
         for stream in self.policies:
-            problems.extend(self._check_latest(stream, committed, pointers[stream]))
+            pointer = pointers[stream]
+            actual = pointer.id if pointer is not None else None
+            if actual != newest[stream]:
+                problems.append(
+                    f"latest:{stream} points to {actual}, newest healthy is {newest[stream]}"
+                )
         for stream, policy in self.policies.items():
-            if isinstance(policy, TopK):
+            if policy.ranking_metric is not None:
                 problems.extend(self._check_topk(stream, policy, rows))
-        report = Reconciler(self.db, self.run_id, None, self.root, self.save_dir).run(dry_run=True)
+        report = Reconciler(self.db, self.run_id, None, self.root, self.store).run(dry_run=True)
         problems.extend(f"reconcile would act: {a}" for a in report.actions)
         return problems
 
-    def _check_file(self, row: m.Checkpoint, load: bool) -> list[str]:
-        try:
-            path = confine(self.save_dir, row.path)
-            info = hash_checkpoint(path)
-        except (OSError, ValueError) as exc:
-            return [f"{row.path}: committed but unreadable: {exc}"]
-        if (info.size, info.hash) != (row.size, row.hash):
+    def _check_file(self, row: Any, load: bool) -> list[str]:
+        finding = self.store.verify(row.path, row.size, row.hash, full=True)
+        if finding is not None:
+            actual = finding.actual
+            if finding.state == LOST or actual is None:
+                return [f"{row.path}: committed but unreadable: {finding.detail}"]
             return [
-                f"{row.path}: size/hash {info.size}/{info.hash} != ledger {row.size}/{row.hash}"
+                f"{row.path}: size/hash {actual.size}/{actual.hash} != ledger {row.size}/{row.hash}"
             ]
         if load:
             try:
-                check_loadable(path)
+                kind_of_path(row.path).check_loadable(self.store, row.path)
             except Exception as exc:  # any unpickling failure is the finding itself
                 reason = " ".join(str(exc).split())
                 return [f"{row.path}: does not load with weights_only=True: {reason}"]
@@ -83,27 +87,16 @@ class Checker:
 
     def _check_disk(self, owned: set[str]) -> list[str]:
         problems = []
-        for name, entry, kind in files_in_our_naming(self.save_dir):
-            rel = f"{name}/{entry.name}"
-            if rel in owned:
+        for found in self.store.list_ours():
+            if found.rel in owned:
                 continue
-            if kind == "temp":
-                problems.append(f"{rel}: temporary file left behind")
+            if found.role == "temp":
+                problems.append(f"{found.rel}: temporary file left behind")
             else:
-                problems.append(f"{rel}: checkpoint file without a ledger row")
+                problems.append(f"{found.rel}: checkpoint file without a ledger row")
         return problems
 
-    def _check_latest(
-        self, stream: str, committed: list[m.Checkpoint], pointer: m.Checkpoint | None
-    ) -> list[str]:
-        ids = [r.id for r in committed if r.stream == stream]
-        newest = max(ids, default=None)
-        actual = pointer.id if pointer is not None else None
-        if actual != newest:
-            return [f"latest:{stream} points to {actual}, newest healthy is {newest}"]
-        return []
-
-    def _check_topk(self, stream: str, policy: TopK, rows: list[m.Checkpoint]) -> list[str]:
+    def _check_topk(self, stream: str, policy: Policy, rows: list[Any]) -> list[str]:
         """At most k members, and no member outranked by a checkpoint evicted while it was one.
 
         Members only ever leave, so a member committed before a checkpoint's
@@ -113,8 +106,9 @@ class Checker:
         """
         mine = [r for r in rows if r.stream == stream and r.metric is not None]
         members = [r for r in mine if r.state == m.COMMITTED]
-        if len(members) > policy.k:
-            return [f"{stream}: {len(members)} members, more than k={policy.k}"]
+        limit = policy.capacity
+        if limit is not None and len(members) > limit:
+            return [f"{stream}: {len(members)} members, more than k={limit}"]
         published = [r for r in mine if r.committed_at is not None]
         problems: list[str] = []
         for gone in published:

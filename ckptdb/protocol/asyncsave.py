@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .distributed import RankGroup
-from .record import Checkpoint
-from .sharded import Sharded
+from ..coord.dist import RankGroup
+from ..record import Checkpoint
+from ..storage.kinds import PayloadKind, kind_of
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,40 @@ class SaveHandle:
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"
         return f"<SaveHandle step={self.step} {state}>"
+
+
+class InFlight:
+    """The one asynchronous boundary in flight, if any, and the streams it writes."""
+
+    def __init__(self) -> None:
+        self.handle: SaveHandle | None = None
+        self.streams: frozenset[str] = frozenset()
+
+    def start(self, handle: SaveHandle, streams: frozenset[str]) -> None:
+        self.handle, self.streams = handle, streams
+
+    def wait(self) -> None:
+        """Wait for the boundary in flight (its error stays with its handle)."""
+        if self.handle is not None:
+            self.handle.wait()
+
+    def settle(self) -> tuple[BaseException | None, bool]:
+        """Wait for the boundary in flight: (its error, whether nobody had fetched it).
+
+        The next boundary raises that error (agreed across ranks under
+        torch.distributed) instead of running.
+        """
+        handle, self.handle = self.handle, None
+        if handle is None:
+            return None, False
+        handle.wait()
+        unfetched = handle.unfetched_error is not None
+        handle.mark_fetched()
+        return handle.outcome_error(), unfetched
+
+    def writes(self, stream: str | None) -> bool:
+        """Whether the boundary in flight may write ``stream`` (None: any stream)."""
+        return self.handle is not None and (stream is None or stream in self.streams)
 
 
 def finished(step: int, records: dict[str, Checkpoint]) -> SaveHandle:
@@ -200,12 +234,11 @@ class Snapshotter:
         """Drop the buffers (the manager is closing)."""
         self._buffers.clear()
 
-    def snapshot(self, stream: str, payload: Any) -> Any:
+    def snapshot(self, stream: str, payload: Any, kind: PayloadKind | None = None) -> Any:
+        """A host copy of ``payload`` (of ``kind``, by default the one it wraps itself as)."""
+        kind = kind or kind_of(payload)
         copier = _Copy(self._buffers, stream)
-        if isinstance(payload, Sharded):
-            copied: Any = Sharded(copier.copy((), payload.state_dict))
-        else:
-            copied = copier.copy((), payload)
+        copied = kind.wrap(copier.copy((), kind.data(payload)))
         for device in copier.devices:
             torch.cuda.current_stream(device).synchronize()
         return copied
@@ -293,4 +326,4 @@ def _rewrap(original: torch.Tensor, host: torch.Tensor) -> Any:
     return DTensor(host, original._spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
 
-__all__ = ["BackgroundWriter", "SaveHandle", "Snapshotter", "finished"]
+__all__ = ["BackgroundWriter", "InFlight", "SaveHandle", "Snapshotter", "finished"]

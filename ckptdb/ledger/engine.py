@@ -1,4 +1,11 @@
-"""Engines, sessions and migrate-on-open: the one place that talks to the database.
+"""Engines, transactions and migrate-on-open: the one place that talks to the database.
+
+Every transaction goes through :meth:`Ledger.transaction`, which is also the
+one place where a driver error becomes a ckptdb error
+(:class:`~ckptdb.errors.DatabaseError`, the driver's error as ``__cause__``)
+and where work queued with :func:`after_commit` runs, once COMMIT returned:
+a caller cannot forget the file work that must follow a commit, and that work
+never runs for a transaction that rolled back.
 
 SQLite ledgers run with WAL (readers never block the writer),
 ``synchronous=FULL`` (a commit that returned survives power loss), foreign
@@ -25,7 +32,7 @@ import contextvars
 import hashlib
 import importlib.resources
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +46,7 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from .errors import LedgerError, SchemaVersionError
+from ..errors import DatabaseError, LedgerError, SchemaVersionError
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 _DURABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptdb_durable", default=True)
@@ -171,7 +178,7 @@ def migrations_dir() -> Path:
     try:
         return Path(str(importlib.resources.files("ckptdb.migrations")))
     except ModuleNotFoundError:
-        return Path(__file__).resolve().parent.parent / "migrations"
+        return Path(__file__).resolve().parent.parent.parent / "migrations"
 
 
 def alembic_config() -> Config:
@@ -215,6 +222,11 @@ def migrate(engine: Engine) -> None:
         command.upgrade(cfg, "head")
 
 
+def newest_revision() -> str | None:
+    """The newest schema revision this version of ckptdb knows."""
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
 def current_heads(engine: Engine) -> tuple[str, ...]:
     """The ledger's schema revision(s); empty for a database ckptdb never migrated."""
     with engine.connect() as conn:
@@ -256,11 +268,13 @@ class Ledger:
         """
         token, read_token = _DURABLE.set(durable), _READ_ONLY.set(read)
         try:
-            with self._sessions.begin() as session:
+            with translated(), self._sessions.begin() as session:
                 yield session
         finally:
             _READ_ONLY.reset(read_token)
             _DURABLE.reset(token)
+        for work in session.info.pop(_AFTER_COMMIT, []):
+            work()
 
     def probe(self) -> None:
         """Connect once, so an unreachable ledger is reported before anything else happens."""
@@ -275,6 +289,80 @@ class Ledger:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+    def migrate(self) -> None:
+        """Bring the schema to this code's head (see :func:`migrate`)."""
+        with translated(f"cannot migrate the ledger {self.safe_url}"):
+            migrate(self.engine)
+
+    def heads(self) -> tuple[str, ...]:
+        """The ledger's schema revision(s); empty for a database never migrated."""
+        with translated(f"cannot read the ledger {self.safe_url}"):
+            return current_heads(self.engine)
+
+    def schema(self) -> str:
+        """``empty`` (never migrated), ``current`` or ``older``; raises if newer."""
+        with translated(f"cannot read the ledger {self.safe_url}"):
+            if not current_heads(self.engine):
+                return "empty"
+            return "current" if schema_is_current(self.engine) else "older"
+
+    @property
+    def backend(self) -> str:
+        """``sqlite``, ``postgresql``, ..."""
+        return self.engine.dialect.name
+
+    @property
+    def safe_url(self) -> str:
+        """The ledger's URL for messages, its password masked."""
+        return self.engine.url.render_as_string(hide_password=True)
+
+    @property
+    def database(self) -> str:
+        """The database file (SQLite) or name, for messages about this ledger."""
+        return self.engine.url.database or self.safe_url
+
+
+_AFTER_COMMIT = "ckptdb_after_commit"
+
+
+def after_commit(session: Session, work: Callable[[], None]) -> None:
+    """Run ``work`` once ``session``'s transaction has committed (never if it rolls back).
+
+    Queued work runs in order, after COMMIT returned and the session closed,
+    so it may open transactions of its own; an error it raises propagates to
+    the caller of the transaction, whose data is committed all the same.
+    """
+    session.info.setdefault(_AFTER_COMMIT, []).append(work)
+
+
+@contextlib.contextmanager
+def translated(what: str = "the ledger") -> Iterator[None]:
+    """Turn a driver error inside the block into :class:`DatabaseError`.
+
+    The message keeps the driver's first line (with a URL's password masked
+    by SQLAlchemy), so ``database is locked`` or ``connection refused`` reach
+    the user; the driver's error stays available as ``__cause__``.
+    """
+    try:
+        yield
+    except SQLAlchemyError as exc:
+        raise DatabaseError(f"{what}: {driver_message(exc)}", exc) from exc
+    except DatabaseError as exc:
+        if what == _DEFAULT_WHAT or exc.original is None:
+            raise
+        raise DatabaseError(f"{what}: {driver_message(exc.original)}", exc.original) from (
+            exc.original
+        )
+
+
+_DEFAULT_WHAT = "the ledger"
+
+
+def driver_message(exc: BaseException) -> str:
+    """The first line of a driver's error (SQLAlchemy appends the statement and a link)."""
+    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def open_ledger(url: str, *, readonly: bool = False) -> Ledger:

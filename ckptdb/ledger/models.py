@@ -37,7 +37,7 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-# Publication states of a checkpoint row (design section 2).
+# Publication states of a checkpoint row (see docs/guarantees.md).
 PENDING = "pending"
 COMMITTED = "committed"
 DELETING = "deleting"

@@ -20,7 +20,7 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from .errors import NetworkFilesystemError
+from ..errors import NetworkFilesystemError
 
 MOUNTS_PATH = Path("/proc/self/mounts")
 ALLOW_ENV = "CKPTDB_ALLOW_NETWORK_SQLITE"

@@ -32,8 +32,8 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
-from .db import advisory_key, backend_name, normalize_url, safe_url
-from .errors import LedgerError, LedgerLockedError, RunDirectoryError, WriterLockLostError
+from ..errors import LedgerError, LedgerLockedError, RunDirectoryError, WriterLockLostError
+from .engine import advisory_key, backend_name, normalize_url, safe_url
 
 LOCK_NAME = "ckptdb.lock"
 OWNER_NAME = "ckptdb.owner"
@@ -113,9 +113,6 @@ class FileWriterLock:
         if self._lock.is_locked:
             self._lock.release()
 
-
-# The name the file lock had before there were two kinds.
-WriterLock = FileWriterLock
 
 _HOLDER_QUERY = text(
     """

@@ -25,111 +25,50 @@ A collective that fails (a rank died, the group's timeout expired) raises
 :class:`~ckptdb.errors.RankAgreementError` instead of hanging; the chief then
 rolls back anything pending.
 
-Errors travel as :class:`RankError` (plain data: type name, message and the
-attributes the type needs), not as pickled exceptions, so every rank rebuilds
-the same type even for exceptions that cannot be pickled.
+Errors travel as :class:`~ckptdb.errors.WireError` (plain data: type name,
+message and the error's declared fields), not as pickled exceptions, so every
+rank rebuilds the same type even for exceptions that cannot be pickled.
+
+:class:`DistCoordinator` is this sequence behind the
+:class:`~ckptdb.coord.base.Coordinator` protocol the boundary talks to.
 """
 
 from __future__ import annotations
 
-import builtins
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import errors as e
+from .. import errors as e
+from ..errors import WireError
+from .base import Coordinator, LocalCoordinator, Objection, Verdict, attach_rollback
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class RankError:
-    """One rank's failure, as data every rank can turn back into the same exception."""
-
-    rank: int
-    kind: str
-    message: str
-    fields: dict[str, Any] = field(default_factory=dict)
-    ranks: tuple[int, ...] = ()  # the ranks that failed, when one error speaks for several
+RankError = WireError  # the name the distributed sequence uses for it
 
 
-def capture(
-    rank: int, exc: BaseException, fallback: str = "PublishError", **fields: Any
-) -> RankError:
-    """``exc`` as a :class:`RankError`; a non-ckptdb error becomes ``fallback``."""
-    own = dict(fields)
-    ranks: tuple[int, ...] = (rank,)
-    if isinstance(exc, CheckpointException):  # DCP names the ranks that failed inside it
-        ranks = tuple(sorted(exc.failures)) or ranks
+def capture(rank: int, exc: BaseException, fallback: str = "PublishError") -> WireError:
+    """``exc`` as a :class:`WireError`; a non-ckptdb error becomes ``fallback``.
+
+    DCP's ``CheckpointException`` names the ranks that failed inside it.
+    """
+    if isinstance(exc, CheckpointException):
+        ranks = tuple(sorted(exc.failures)) or (rank,)
         message = "; ".join(
             f"rank {r}: {type(err[0]).__name__}: {err[0]}"
             for r, err in sorted(exc.failures.items())
         )
-        return RankError(rank, fallback, message or str(exc), own, ranks)
-    if isinstance(exc, e.CkptDBError):
-        kind = type(exc).__name__
-        for name in ("phase", "step", "parameters", "holder", "stage"):
-            if hasattr(exc, name):
-                own.setdefault(name, getattr(exc, name))
-        for name in ("path",):
-            value = getattr(exc, name, None)
-            if value is not None:
-                own.setdefault(name, str(value))
-        failures = getattr(exc, "cleanup_failures", None)
-        if failures:
-            own["cleanup_failures"] = [
-                (str(f.path), type(f.error).__name__, str(f.error), f.action) for f in failures
-            ]
-        base = super(e.PublishError, exc).__str__() if isinstance(exc, e.PublishError) else str(exc)
-        ranks = tuple(getattr(exc, "ranks", ()) or ranks)
-        return RankError(rank, kind, base, own, ranks)
-    return RankError(rank, fallback, f"{type(exc).__name__}: {exc}", own, ranks)
+        return WireError(rank, fallback, message or str(exc), {}, ranks)
+    return e.encode(rank, exc, fallback)
 
 
-def rebuild(chosen: RankError) -> e.CkptDBError:
+def rebuild(chosen: WireError) -> e.CkptDBError:
     """The exception every rank raises for ``chosen`` (same type, same message)."""
-    cls = getattr(e, chosen.kind, None)
-    if not (isinstance(cls, type) and issubclass(cls, e.CkptDBError)):
-        cls = e.PublishError
-    ranks = chosen.ranks or (chosen.rank,)
-    where = ", ".join(str(r) for r in ranks)
-    # name the failing rank(s) unless the message already does
-    message = chosen.message if "rank " in chosen.message else f"rank {where}: {chosen.message}"
-    f = chosen.fields
-    exc: e.CkptDBError
-    if cls is e.PublishError or issubclass(cls, e.PublishError):
-        failures = [
-            e.CleanupFailure(Path(path), _os_error(kind, text), action)
-            for path, kind, text, action in f.get("cleanup_failures", [])
-        ]
-        exc = cls(
-            message,
-            phase=f.get("phase", "write"),
-            step=f.get("step", -1),
-            path=Path(f["path"]) if f.get("path") else None,
-            stream=f.get("stream"),
-            cleanup_failures=failures,
-        )
-    elif cls is e.NonFiniteGradientError:
-        exc = cls(message, step=f.get("step", -1), parameters=f.get("parameters"))
-    elif cls is e.LedgerLockedError:
-        exc = cls(message, holder=f.get("holder"))
-    else:
-        exc = cls(message)
-    exc.ranks = list(ranks)  # type: ignore[attr-defined]
-    return exc
-
-
-def _os_error(kind: str, text: str) -> BaseException:
-    """An error of the built-in type named ``kind`` (OSError subclasses), else RuntimeError."""
-    cls = getattr(builtins, kind, None)
-    if isinstance(cls, type) and issubclass(cls, OSError):
-        return cls(text)
-    return RuntimeError(f"{kind}: {text}")
+    return e.decode(chosen)
 
 
 def first_error(found: Sequence[RankError | None]) -> RankError | None:
@@ -272,6 +211,114 @@ class RankGroup:
         chosen = first_error(self.gather(name, mine))
         if chosen is not None:
             raise_agreed(chosen, local, self.rank)
+
+
+class DistCoordinator:
+    """The :class:`~ckptdb.coord.base.Coordinator` of a torch.distributed group.
+
+    Each method is one named collective (or a fixed pair) of the sequence in
+    the module docstring; every rank calls the same methods in the same order.
+    """
+
+    def __init__(self, ranks: RankGroup) -> None:
+        self.ranks = ranks
+        self.rank = ranks.rank
+        self.is_chief = ranks.is_chief
+        self.group = ranks.group
+        self._background: DistCoordinator | None = None
+
+    @property
+    def log(self) -> list[str]:
+        return self.ranks.log
+
+    def shared(self, name: str, work: Callable[[], T], fallback: str = "LedgerError") -> T:
+        return self.ranks.shared_call(name, work, fallback)
+
+    def preflight(
+        self, verdict: Verdict, previous: BaseException | None, unfetched: bool
+    ) -> Objection | None:
+        mine = _verdict_error(self.rank, verdict)
+        shown = verdict.step if isinstance(verdict.step, int) else repr(verdict.step)
+        summary = (
+            shown,
+            sorted(verdict.streams),
+            sorted(verdict.every_rank_streams),
+            verdict.blocking,
+            mine,
+        )
+        gathered = self.ranks.gather("preflight", (summary, unfetched))
+        if any(flag for _, flag in gathered):
+            raise_previous(previous, gathered)
+        chosen = objection_of([v for v, _ in gathered])
+        if chosen is None:
+            return None
+        return Objection(rebuild(chosen), chosen.stage, verdict.error)
+
+    def agree(self, name: str, local: BaseException | None, fallback: str = "PublishError") -> None:
+        self.ranks.agree(name, local, fallback)
+
+    def failure(self, name: str, local: BaseException | None) -> BaseException | None:
+        mine = capture(self.rank, local) if local is not None else None
+        chosen = first_error(self.ranks.gather(name, mine))
+        return rebuild(chosen) if chosen is not None else None
+
+    def abandon(
+        self,
+        error: BaseException,
+        local: BaseException | None,
+        rollback: Callable[[], None] | None,
+    ) -> NoReturn:
+        if rollback is not None:
+            attach_rollback(error, rollback)
+        raise error from local
+
+    def written(self, local: BaseException | None) -> None:
+        problem = first_error(self.ranks.gather("write", capture(0, local) if local else None))
+        if problem is not None:
+            raise_agreed(problem, local, self.rank)
+
+    def committed(self, records: dict[str, Any]) -> None:
+        self.ranks.share("outcome", (records, None))
+
+    def rolled_back(self, error: e.CkptDBError, cause: BaseException) -> None:
+        error.ranks = list(getattr(cause, "ranks", None) or [0])
+        self.ranks.share("outcome", (None, capture(0, error)))
+
+    def outcome(self, local: BaseException | None) -> dict[str, Any]:
+        self.ranks.gather("write", capture(self.rank, local) if local else None)
+        nothing: tuple[dict[str, Any] | None, WireError | None] = (None, None)
+        records, failure = self.ranks.share("outcome", nothing)
+        if failure is not None:
+            raise_agreed(failure, local, self.rank)
+        return records or {}
+
+    def background(self, make: Callable[[Any], Any]) -> Coordinator:
+        """The coordinator on the dedicated group ``make(self.ranks)`` opens for the
+        background thread (collectives of two threads on one group would interleave)."""
+        if self._background is None or self._background.ranks is not make(self.ranks):
+            self._background = DistCoordinator(make(self.ranks))
+        return self._background
+
+
+def _verdict_error(rank: int, verdict: Verdict) -> WireError | None:
+    """This rank's objection as data; a failure that is not ours (reading the guard
+    raised, say) is a :class:`RankFailedError` of the same stage."""
+    error = verdict.error
+    if error is None:
+        return None
+    if not isinstance(error, e.CkptDBError):
+        wrapped = e.RankFailedError(f"reading the guard failed: {type(error).__name__}: {error}")
+        wrapped.__cause__ = error
+        error = wrapped
+    error.stage = verdict.stage
+    return capture(rank, error, "InvalidArgumentError")
+
+
+def coordinator_for(process_group: Any) -> Coordinator:
+    """The coordinator of ``process_group``: the default group when torch.distributed
+    is initialized, a :class:`LocalCoordinator` in a single process."""
+    ranks = resolve_group(process_group)
+    return LocalCoordinator() if ranks is None else DistCoordinator(ranks)
 
 
 def resolve_group(process_group: Any) -> RankGroup | None:

@@ -18,17 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import faults
-from .errors import ArgumentTypeError
-from .storage import PhaseError, is_sharded
+from .. import faults
+from ..errors import ArgumentTypeError, PhaseError
 
 
 @dataclass(frozen=True)
@@ -79,14 +76,23 @@ class _FaultPointWriter(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def write_sharded(state_dict: dict[str, Any], directory: Path, group: Any) -> None:
-    """Every rank writes its shards of ``state_dict`` into ``directory`` (fsynced).
+def file_writer(directory: Path) -> FileSystemWriter:
+    """DCP's writer into a local directory, fsyncing every file it writes."""
+    return _FaultPointWriter(directory, sync_files=True)
+
+
+def file_reader(directory: Path) -> FileSystemReader:
+    return FileSystemReader(directory)
+
+
+def write_sharded(state_dict: dict[str, Any], writer: Any, group: Any) -> None:
+    """Every rank writes its shards of ``state_dict`` through DCP's ``writer``.
 
     Under torch.distributed a failure on any rank raises DCP's
     ``CheckpointException`` (a BaseException naming the failing ranks) on
     every rank; in a single process it becomes ``PhaseError("write")``.
     """
-    writer = _FaultPointWriter(directory, sync_files=True)
+    directory = Path(str(getattr(writer, "path", "")))
     try:
         with _single_process_is_intended(group):
             dcp_save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
@@ -96,13 +102,12 @@ def write_sharded(state_dict: dict[str, Any], directory: Path, group: Any) -> No
         raise PhaseError("write", directory, _only_failure(exc)) from exc
 
 
-def load_sharded(into: dict[str, Any], directory: Path, group: Any) -> None:
-    """Every rank loads its part of the checkpoint at ``directory`` into ``into``, in place.
+def load_sharded(into: dict[str, Any], reader: Any, group: Any) -> None:
+    """Every rank loads its part of the checkpoint behind ``reader`` into ``into``, in place.
 
     In a single process DCP's wrapper is removed: the caller gets the error
     itself (a shape mismatch, say), as ``torch.load`` would raise it.
     """
-    reader = FileSystemReader(directory)
     try:
         with _single_process_is_intended(group):
             dcp_load(into, storage_reader=reader, process_group=group, no_dist=group is None)
@@ -130,23 +135,4 @@ def _single_process_is_intended(group: Any) -> Iterator[None]:
         yield
 
 
-def check_loadable(path: Path) -> None:
-    """Raise if a checkpoint cannot be read back (the checker's ``load=True``).
-
-    A file goes through ``torch.load(weights_only=True)``; a sharded directory
-    through its DCP metadata (loading its tensors needs the ranks' state dicts).
-    """
-    if is_sharded(path):
-        FileSystemReader(path).read_metadata()
-    else:
-        torch.load(path, map_location="cpu", weights_only=True)
-
-
-def default_group() -> Any:
-    """The default process group when torch.distributed is initialized, else None."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
-
-
-__all__ = ["Sharded", "check_loadable", "load_sharded", "write_sharded"]
+__all__ = ["Sharded", "file_reader", "file_writer", "load_sharded", "write_sharded"]

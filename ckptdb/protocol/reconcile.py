@@ -1,40 +1,43 @@
-"""Reconciliation: make the ledger and the disk agree again (design section 4).
+"""Reconciliation: make the ledger and the payload store agree again.
 
-Runs under the writer lock. File work happens first and the ledger is updated
-afterwards in one transaction, so a crash in the middle only leaves work that
-the next reconcile redoes; a second run does nothing. Only files inside the
-save directory are touched, symlinks never, and files in our naming that no
-row owns are moved to ``<root>/ckptdb.quarantine`` rather than deleted.
+Runs under the writer lock, at open and on demand. It repairs in an order
+that never makes things worse:
+
+=============================================  ===========================================
+found                                           action
+=============================================  ===========================================
+``pending`` row (crash before commit)           remove its temporary/final payload, ``aborted``
+``deleting`` row                                remove the payload, ``deleted``
+``committed`` row, payload missing              ``lost``
+``committed`` row, size (``verify``: hash) off  ``corrupt``
+latest pointer on a lost/corrupt row            moved to the newest healthy committed row
+temporary payload of ours, no row               removed
+payload in our naming, no row                   moved to ``<root>/ckptdb.quarantine``
+anything else                                   untouched
+=============================================  ===========================================
+
+Payload work happens first and the ledger is updated afterwards in one
+transaction, so a crash in the middle only leaves work that the next
+reconcile redoes; a second run does nothing. Only names inside the save
+directory are touched, symlinks never, and nothing unowned is deleted.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import func, literal, select
-
-from . import faults, ledger
-from . import models as m
-from .db import Ledger
-from .errors import InvalidArgumentError
-from .policies import STREAM_NAME
-from .storage import (
-    CHECKPOINT_NAME,
-    SHARDED_SUFFIX,
-    TEMP_NAME,
-    ForeignEntryError,
-    checkpoint_size,
-    confine,
-    hash_checkpoint,
-    move_aside,
-    remove,
-)
+from .. import faults
+from ..errors import InvalidArgumentError
+from ..ledger import Ledger
+from ..ledger import models as m
+from ..ledger import rows as ledger_rows
+from ..storage.local import LocalStore
 
 log = logging.getLogger(__name__)
 
@@ -85,42 +88,17 @@ class _Plan:
     errors: dict[int, str] = field(default_factory=dict)
 
 
-def files_in_our_naming(save_dir: Path) -> Iterator[tuple[str, os.DirEntry[str], str]]:
-    """(stream dir, entry, "temp" | "checkpoint") for every checkpoint named like ours.
-
-    Only real directories with valid stream names are entered. A ``.pt`` name
-    counts only as a regular file and a sharded ``.dcp`` name only as a real
-    directory: symlinks and anything else are never ours to touch.
-    """
-    if not save_dir.is_dir():
-        return
-    for stream_dir in sorted(os.scandir(save_dir), key=lambda e: e.name):
-        name = stream_dir.name
-        if stream_dir.is_symlink() or not stream_dir.is_dir():
-            continue
-        if not STREAM_NAME.fullmatch(name) or name.startswith("ckptdb."):
-            continue
-        for entry in sorted(os.scandir(stream_dir.path), key=lambda e: e.name):
-            if entry.is_symlink() or not _right_kind(entry):
-                continue
-            if TEMP_NAME.fullmatch(entry.name):
-                yield name, entry, "temp"
-            elif CHECKPOINT_NAME.fullmatch(entry.name):
-                yield name, entry, "checkpoint"
-
-
-def _right_kind(entry: os.DirEntry[str]) -> bool:
-    sharded = entry.name.endswith(SHARDED_SUFFIX) or f"{SHARDED_SUFFIX}.tmp-" in entry.name
-    return entry.is_dir(follow_symlinks=False) if sharded else entry.is_file(follow_symlinks=False)
-
-
 class Reconciler:
     def __init__(
-        self, db: Ledger, run_id: int, attempt_id: int | None, root: Path, save_dir: Path
+        self,
+        db: Ledger,
+        run_id: int,
+        attempt_id: int | None,
+        root: Path,
+        store: LocalStore,
     ) -> None:
         self.db, self.run_id, self.attempt_id = db, run_id, attempt_id
-        self.root, self.save_dir = root, save_dir
-        self._resolved: dict[Path, Path] = {}
+        self.root, self.store = root, store
 
     def run(
         self,
@@ -135,19 +113,17 @@ class Reconciler:
         (``verify`` re-hashes every committed file, which can take a while).
         """
         report = ReconcileReport(dry_run=dry_run)
-        self._resolved = {}  # directory resolutions are memoized for this pass only
-        with self.db.transaction() as session:
-            rows = ledger.rows_in_state(session, self.run_id, ledger.LIVE_STATES)
-            streams = list(
-                session.scalars(select(m.Stream.name).where(m.Stream.run_id == self.run_id))
-            )
+        with self.db.transaction(read=True) as session:
+            rows = ledger_rows.rows_in_state(session, self.run_id, ledger_rows.LIVE_STATES)
+            streams = ledger_rows.stream_names(session, self.run_id)
         plan = _Plan()
         keep_paths: set[str] = set()
-        for done, row in enumerate(rows, 1):
-            self._check_row(row, plan, report, keep_paths, verify=verify, dry_run=dry_run)
-            if progress is not None:
-                progress(done, len(rows))
-        self._scan(keep_paths, report, dry_run=dry_run)
+        with self.store.memoized():  # each stream directory is resolved once per pass
+            for done, row in enumerate(rows, 1):
+                self._check_row(row, plan, report, keep_paths, verify=verify, dry_run=dry_run)
+                if progress is not None:
+                    progress(done, len(rows))
+            self._scan(keep_paths, report, dry_run=dry_run)
         faults.point("mid_reconcile")
         if not dry_run:
             self._apply(plan, report, streams)
@@ -161,7 +137,7 @@ class Reconciler:
 
     def _check_row(
         self,
-        row: m.Checkpoint,
+        row: Any,
         plan: _Plan,
         report: ReconcileReport,
         keep: set[str],
@@ -186,68 +162,45 @@ class Reconciler:
                     Action("deleted", row.path, "evicted by policy", row.id, row.step)
                 )
         elif row.state == m.COMMITTED:
-            problem = self._inspect(row, verify)
-            if problem is not None:
-                kind, detail = problem
-                plan.state[row.id] = kind
-                plan.errors[row.id] = detail
-                report.actions.append(Action(kind, row.path, detail, row.id, row.step))
+            finding = self.store.verify(row.path, row.size, row.hash, full=verify)
+            if finding is not None:
+                plan.state[row.id] = finding.state
+                plan.errors[row.id] = finding.detail
+                report.actions.append(
+                    Action(finding.state, row.path, finding.detail, row.id, row.step)
+                )
 
     def _remove(
-        self, row: m.Checkpoint, paths: list[str | None], report: ReconcileReport, dry_run: bool
+        self, row: Any, paths: list[str | None], report: ReconcileReport, dry_run: bool
     ) -> bool:
         for rel in paths:
             if rel is None:
                 continue
             try:
-                target = confine(self.save_dir, rel, self._resolved)
-                if not dry_run:
-                    remove(target)
+                if dry_run:
+                    self.store.path(rel)  # refused all the same if it escapes the save dir
+                else:
+                    self.store.remove(rel)
             except (OSError, InvalidArgumentError) as exc:
                 report.actions.append(Action("failed", rel, f"{type(exc).__name__}: {exc}", row.id))
                 return False
         return True
 
-    def _inspect(self, row: m.Checkpoint, verify: bool) -> tuple[str, str] | None:
-        try:
-            path = confine(self.save_dir, row.path, self._resolved)
-            size = checkpoint_size(path)
-        except FileNotFoundError:
-            return m.LOST, "file missing"
-        except ForeignEntryError as exc:
-            return m.CORRUPT, str(exc)
-        except (OSError, InvalidArgumentError) as exc:
-            return m.LOST, f"unreadable: {exc}"
-        if size != row.size:
-            return m.CORRUPT, f"size {size} != recorded {row.size}"
-        if verify:
-            try:
-                actual = hash_checkpoint(path)
-            except ForeignEntryError as exc:
-                return m.CORRUPT, str(exc)
-            except OSError as exc:
-                return m.LOST, f"unreadable: {exc}"
-            if actual.hash != row.hash:
-                return m.CORRUPT, f"hash {actual.hash} != recorded {row.hash}"
-        return None
-
     def _scan(self, keep: set[str], report: ReconcileReport, *, dry_run: bool) -> None:
-        for name, entry, kind in files_in_our_naming(self.save_dir):
-            rel = f"{name}/{entry.name}"
+        for found in self.store.list_ours():
+            rel = found.rel
             if rel in keep:
                 continue
-            if kind == "temp":
-                self._act(
-                    report, "removed_temp", rel, dry_run, lambda p=Path(entry.path): remove(p)
-                )
+            if found.role == "temp":
+                self._act(report, "removed_temp", rel, dry_run, lambda r=rel: self.store.remove(r))
             else:
-                quarantine = self.root / QUARANTINE_NAME / name
+                quarantine = self.root / QUARANTINE_NAME / found.stream
                 self._act(
                     report,
                     "quarantined",
                     rel,
                     dry_run,
-                    lambda p=Path(entry.path), q=quarantine: move_aside(p, q),
+                    lambda r=rel, q=quarantine: self.store.quarantine(r, q),
                 )
 
     def _act(
@@ -269,21 +222,20 @@ class Reconciler:
         with self.db.transaction() as session:
             for row_id, state in plan.state.items():
                 extra: dict[str, object] = {}
-                if state == m.DELETED:  # keep the eviction time a commit recorded
-                    extra["deleted_at"] = func.coalesce(
-                        m.Checkpoint.deleted_at, literal(now, type_=m.UTCDateTime())
-                    )
                 if row_id in plan.errors:
                     extra["error"] = plan.errors[row_id]
-                ledger.set_state(session, [row_id], state, **extra)
+                if state == m.DELETED:  # keep the eviction time a commit recorded
+                    ledger_rows.mark_deleted(session, [row_id], now, **extra)
+                else:
+                    ledger_rows.set_state(session, [row_id], state, **extra)
             for stream in streams:
-                old, new = ledger.repoint_latest(session, self.run_id, stream)
+                old, new = ledger_rows.repoint_latest(session, self.run_id, stream)
                 if old != new:
                     report.actions.append(
                         Action("repointed", f"latest:{stream}", f"{old} -> {new}", new)
                     )
             for action in report.actions:
-                ledger.add_event(
+                ledger_rows.add_event(
                     session,
                     self.run_id,
                     self.attempt_id,
@@ -296,15 +248,12 @@ class Reconciler:
             log.info("ckptdb reconcile: %s", action)
 
     def _preview_pointers(self, plan: _Plan, report: ReconcileReport, streams: list[str]) -> None:
-        with self.db.transaction() as session:
+        with self.db.transaction(read=True) as session:
             for stream in streams:
-                pointer = ledger.latest_row(session, self.run_id, stream)
-                rows = [
-                    r
-                    for r in ledger.rows_in_state(session, self.run_id, [m.COMMITTED], stream)
-                    if r.id not in plan.state
-                ]
-                new = max((r.id for r in rows), default=None)
+                pointer = ledger_rows.latest_row(session, self.run_id, stream)
+                new = ledger_rows.newest_committed_id(
+                    session, self.run_id, stream, excluding=plan.state
+                )
                 old = pointer.id if pointer is not None else None
                 if old != new:
                     report.actions.append(

@@ -1,7 +1,7 @@
 """Operations on ledger rows and pointers.
 
-Every function takes an open session and never commits: the caller (the
-manager or reconcile) decides what one transaction contains.
+Every function takes an open session (from :meth:`Ledger.transaction`) and
+never commits: the caller decides what one transaction contains.
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, func, insert, literal, select, text, update
 from sqlalchemy.orm import Session
 
+from ..errors import InvalidArgumentError
+from ..policies import Entry, Policy, PolicyRecord, policy_from_record
+from ..record import Checkpoint
 from . import models as m
-from .errors import InvalidArgumentError
-from .policies import Entry, Keep, Policy, TopK
 
 LIVE_STATES = (m.PENDING, m.COMMITTED, m.DELETING, m.LOST, m.CORRUPT)
 
@@ -64,19 +65,15 @@ def open_run(session: Session, root: Path, save_dir: Path | None, *, adopt_singl
 
 
 def policy_from_row(row: m.Stream) -> Policy:
-    if row.kind == "topk":
-        assert row.k is not None and row.metric is not None
-        return TopK(k=row.k, metric=row.metric, mode="max" if row.mode == "max" else "min")
-    return Keep(last=row.keep_last, every=row.keep_every)
+    return policy_from_record(
+        PolicyRecord(row.kind, row.keep_last, row.keep_every, row.k, row.metric, row.mode)
+    )
 
 
 def _write_policy(row: m.Stream, policy: Policy) -> None:
-    row.kind = policy.kind
-    row.keep_last = policy.last if isinstance(policy, Keep) else None
-    row.keep_every = policy.every if isinstance(policy, Keep) else None
-    row.k = policy.k if isinstance(policy, TopK) else None
-    row.metric = policy.metric if isinstance(policy, TopK) else None
-    row.mode = policy.mode if isinstance(policy, TopK) else None
+    record = policy.to_record()
+    row.kind, row.keep_last, row.keep_every = record.kind, record.keep_last, record.keep_every
+    row.k, row.metric, row.mode = record.k, record.metric, record.mode
 
 
 def sync_streams(
@@ -94,8 +91,10 @@ def sync_streams(
         if row is None:
             row = rows[name] = m.Stream(run_id=run_id, name=name)
             session.add(row)
-        elif isinstance(policy, TopK) and (row.kind != "topk" or row.metric != policy.metric):
-            _rerank(session, run_id, name, policy.metric)
+        elif policy.ranking_metric is not None and (
+            row.kind != policy.kind or row.metric != policy.ranking_metric
+        ):
+            _rerank(session, run_id, name, policy.ranking_metric)
         _write_policy(row, policy)
     session.flush()
     return {name: policy_from_row(row) for name, row in sorted(rows.items())}
@@ -226,15 +225,23 @@ def set_latest(session: Session, run_id: int, stream: str, checkpoint_id: int | 
         pointer.checkpoint_id = checkpoint_id
 
 
-def newest_committed_id(session: Session, run_id: int, stream: str) -> int | None:
-    """The newest (most recently published) healthy checkpoint of a stream."""
-    return session.scalar(
-        select(func.max(m.Checkpoint.id)).where(
-            m.Checkpoint.run_id == run_id,
-            m.Checkpoint.stream == stream,
-            m.Checkpoint.state == m.COMMITTED,
-        )
+def newest_committed_id(
+    session: Session, run_id: int, stream: str, excluding: Iterable[int] = ()
+) -> int | None:
+    """The newest (most recently published) healthy checkpoint of a stream.
+
+    The one definition of "latest" (the pointer follows it; ``check`` and a
+    dry-run reconcile compare against it), ``excluding`` rows about to change.
+    """
+    query = select(func.max(m.Checkpoint.id)).where(
+        m.Checkpoint.run_id == run_id,
+        m.Checkpoint.stream == stream,
+        m.Checkpoint.state == m.COMMITTED,
     )
+    skipped = tuple(excluding)
+    if skipped:
+        query = query.where(m.Checkpoint.id.not_in(skipped))
+    return session.scalar(query)
 
 
 def latest_row(session: Session, run_id: int, stream: str) -> m.Checkpoint | None:
@@ -279,3 +286,81 @@ def insert_metrics(
         f"VALUES ({placeholders})",
         rows,
     )
+
+
+def to_record(row: m.Checkpoint, save_dir: Path) -> Checkpoint:
+    """The public, immutable view of a checkpoint row (``path`` made absolute)."""
+    return Checkpoint(
+        stream=row.stream,
+        step=row.step,
+        path=save_dir / row.path,
+        size=row.size,
+        hash=row.hash,
+        metric=row.metric,
+        state=row.state,
+        committed_at=row.committed_at,
+        id=row.id,
+        attempt_id=row.attempt_id,
+        metrics=json.loads(row.metrics) if row.metrics else {},
+    )
+
+
+# --------------------------------------------------------------- the boundary's rows
+
+
+def add_pending(
+    session: Session,
+    run_id: int,
+    attempt_id: int,
+    stream: str,
+    step: int,
+    metric: float | None,
+    metrics: dict[str, float],
+) -> m.Checkpoint:
+    """Insert the ``pending`` row of one stream's share of a boundary (path set later)."""
+    row = m.Checkpoint(
+        run_id=run_id,
+        stream=stream,
+        step=step,
+        attempt_id=attempt_id,
+        path="",
+        state=m.PENDING,
+        metric=metric,
+        metrics=json.dumps(metrics) if metrics else None,
+        created_at=m.utcnow(),
+    )
+    session.add(row)
+    session.flush()
+    return row
+
+
+def committed_entries(
+    session: Session, run_id: int, stream: str
+) -> tuple[list[m.Checkpoint], list[Entry]]:
+    """A stream's committed rows and the policy's view of them."""
+    found = rows_in_state(session, run_id, [m.COMMITTED], stream)
+    return found, entries(found)
+
+
+def stream_names(session: Session, run_id: int) -> list[str]:
+    return list(session.scalars(select(m.Stream.name).where(m.Stream.run_id == run_id)))
+
+
+def mark_deleted(session: Session, ids: Sequence[int], now: Any, **values: Any) -> None:
+    """Rows whose files are gone: ``deleted``, keeping the eviction time a commit recorded."""
+    deleted_at = func.coalesce(m.Checkpoint.deleted_at, literal(now, type_=m.UTCDateTime()))
+    set_state(session, ids, m.DELETED, deleted_at=deleted_at, **values)
+
+
+def integrity(session: Session) -> str:
+    """SQLite's ``PRAGMA integrity_check`` (``ok`` on other backends, which keep their own)."""
+    if session.get_bind().dialect.name != "sqlite":
+        return "ok"
+    return str(session.execute(text("PRAGMA integrity_check")).scalar())
+
+
+def note_resume(session: Session, attempt_id: int, checkpoint_id: int) -> None:
+    """Record the checkpoint this attempt resumed from (the first one it loaded)."""
+    attempt = session.get(m.Attempt, attempt_id)
+    if attempt is not None and attempt.resumed_from_id is None:
+        attempt.resumed_from_id = checkpoint_id

@@ -1,17 +1,12 @@
-"""Durable file work: write, place, remove, hash, and path confinement.
+"""Durable POSIX file work: write, place, remove, hash, and path confinement.
 
-Every function here does one step of the publication protocol and raises the
-OS error it met; the manager decides what that means for the ledger. No
-function deletes or moves anything outside the directory it is confined to,
-and symlinks are never followed out of it.
-
-Checkpoint files live in ``<save_dir>/<stream>/`` and are named
-``step-<step:09d>.pt`` (``step-<step:09d>.v<row id>.pt`` when that name is
-taken by a live checkpoint); a temporary file is
-``.step-<step:09d>.pt.tmp-<row id>`` in the same directory. A sharded
-(``torch.distributed.checkpoint``) checkpoint is a directory named the same
-way with the suffix ``.dcp`` instead of ``.pt``; its size is the sum of its
-files' sizes and its hash covers every file's relative name, size and content.
+The primitives of :class:`~ckptdb.storage.local.LocalStore`. Every function
+does one step of the publication protocol and raises the OS error it met
+(as :class:`~ckptdb.errors.PhaseError` where a phase is named); the boundary
+decides what that means for the ledger. No function deletes or moves anything
+outside the directory it is confined to, and symlinks are never followed out
+of it. A sharded checkpoint's size is the sum of its files' sizes and its
+hash covers every file's relative name, size and content.
 """
 
 from __future__ import annotations
@@ -19,39 +14,18 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import xxhash
 
-from . import faults
-from .errors import CkptDBError, InvalidArgumentError
+from .. import faults
+from ..errors import ForeignEntryError, InvalidArgumentError, PhaseError
 
-# Our names always carry at least 9 step digits; a user's "step-1.pt" is not ours.
-CHECKPOINT_NAME = re.compile(r"step-(\d{9,})(?:\.v(\d+))?\.(?:pt|dcp)")
-TEMP_NAME = re.compile(r"\.step-\d{9,}(?:\.v\d+)?\.(?:pt|dcp)\.tmp-(\d+)")
-SHARDED_SUFFIX = ".dcp"
-HASH_NAME = "xxh3_128"
 READ_CHUNK = 8 << 20
-
-
-def checkpoint_name(step: int, version: int | None = None, *, sharded: bool = False) -> str:
-    suffix = SHARDED_SUFFIX if sharded else ".pt"
-    return f"step-{step:09d}{suffix}" if version is None else f"step-{step:09d}.v{version}{suffix}"
-
-
-def is_sharded(path: str | Path) -> bool:
-    """Whether a checkpoint path (by our naming) is a sharded directory checkpoint."""
-    return str(path).endswith(SHARDED_SUFFIX)
-
-
-def temp_name(final_name: str, row_id: int) -> str:
-    return f".{final_name}.tmp-{row_id}"
 
 
 @dataclass(frozen=True)
@@ -83,12 +57,12 @@ class HashingWriter:
         return FileInfo(self.size, self._hash.hexdigest())
 
 
-def write_payload(obj: Any, tmp: Path) -> FileInfo:
-    """``torch.save`` ``obj`` into a new file ``tmp`` and fsync it.
+def write_stream(serialize: Callable[[Any], object], tmp: Path) -> FileInfo:
+    """Run ``serialize(file)`` into a new file ``tmp``, hashing as bytes stream out; fsync.
 
     The file is created exclusively (a leftover is never overwritten).
-    ``torch.save`` is looked up at call time so users and tests can wrap it.
-    Raises :class:`PhaseError` naming ``write`` or ``fsync``.
+    Raises :class:`PhaseError` naming ``write`` or ``fsync``; an interrupt
+    raised inside ``serialize`` propagates as itself.
     """
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -97,7 +71,7 @@ def write_payload(obj: Any, tmp: Path) -> FileInfo:
     with os.fdopen(fd, "wb", buffering=0) as raw:
         writer = HashingWriter(raw)
         try:
-            torch.save(obj, writer)  # type: ignore[arg-type]  # a file-like writer
+            serialize(writer)
         except Exception as exc:
             interrupt = _in_chain(exc, lambda e: not isinstance(e, Exception))
             if interrupt is not None:
@@ -170,23 +144,6 @@ def _remove_created(path: Path, failure: PhaseError) -> None:
         path.rmdir()
     except OSError as cleanup_exc:
         failure.cleanup_error = cleanup_exc
-
-
-class PhaseError(CkptDBError, OSError):
-    """An OS-level failure in one protocol phase, before the manager wraps it."""
-
-    def __init__(self, phase: str, path: Path, error: BaseException) -> None:
-        super().__init__(f"{phase} failed at {path}: {type(error).__name__}: {error}")
-        self.phase = phase
-        self.path = path
-        self.error = error
-        self.cleanup_error: OSError | None = None
-
-    def __str__(self) -> str:
-        text = super().__str__()
-        if self.cleanup_error is not None:
-            text += f" (and removing it failed: {self.cleanup_error})"
-        return text
 
 
 def seal_directory(directory: Path) -> FileInfo:
@@ -275,10 +232,6 @@ def remove(path: Path) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-class ForeignEntryError(CkptDBError, OSError):
-    """A link or special file inside a checkpoint directory: it was not written by us."""
 
 
 def tree_files(directory: Path) -> list[tuple[str, Path]]:

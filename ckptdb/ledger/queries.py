@@ -1,0 +1,140 @@
+"""Read-side questions about a run, for the writer and read-only readers alike.
+
+Every answer comes from the ledger only (never from file names or mtimes),
+each in one snapshot transaction (``read=True``: on SQLite a deferred
+``BEGIN``, so a read never waits for a commit running in the background).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+
+from ..errors import DatabaseError, InvalidArgumentError, UnknownStreamError
+from ..policies import Policy
+from ..record import Checkpoint
+from . import models as m
+from . import rows
+from .engine import Ledger
+
+
+class RunQueries:
+    """What is latest, best, committed: one run's questions, answered from its ledger."""
+
+    def __init__(
+        self, db: Ledger, run_id: int, save_dir: Path, policies: Mapping[str, Policy]
+    ) -> None:
+        self.db, self.run_id, self.save_dir, self.policies = db, run_id, save_dir, policies
+
+    def policy(self, stream: str) -> Policy:
+        """The stream's policy; an unknown stream is an error naming the known ones."""
+        policy = self.policies.get(stream)
+        if policy is None:
+            raise UnknownStreamError(
+                f"no stream {stream!r} is configured (streams: {', '.join(self.policies)})"
+            )
+        return policy
+
+    def latest(self, stream: str = "model") -> Checkpoint | None:
+        """The newest committed checkpoint of ``stream`` (by publication, not by mtime)."""
+        self.policy(stream)
+        with self.db.transaction(read=True) as session:
+            row = rows.latest_row(session, self.run_id, stream)
+            return rows.to_record(row, self.save_dir) if row is not None else None
+
+    def best(self, stream: str = "best") -> list[Checkpoint]:
+        """The members of a ranked (top-K) stream, best first."""
+        policy = self.policy(stream)
+        if policy.ranking_metric is None:
+            raise InvalidArgumentError(f"stream {stream!r} is not a TopK stream")
+        with self.db.transaction(read=True) as session:
+            found = rows.rows_in_state(session, self.run_id, [m.COMMITTED], stream)
+        by_id = {r.id: r for r in found}
+        ranked = policy.ranked(rows.entries(found))
+        return [rows.to_record(by_id[e.id], self.save_dir) for e in ranked]
+
+    def checkpoints(
+        self, stream: str | None = None, *, states: Iterable[str] = (m.COMMITTED,)
+    ) -> list[Checkpoint]:
+        """Checkpoints (committed ones unless ``states`` says otherwise), by stream then step."""
+        if stream is not None:
+            self.policy(stream)
+        with self.db.transaction(read=True) as session:
+            found = rows.rows_in_state(session, self.run_id, tuple(states), stream)
+        return [rows.to_record(r, self.save_dir) for r in found]
+
+    def find_committed(self, **where: Any) -> Checkpoint | None:
+        """The newest committed row matching ``where`` (column=value), by an indexed query."""
+        with self.db.transaction(read=True) as session:
+            query = select(m.Checkpoint).filter_by(run_id=self.run_id, state=m.COMMITTED, **where)
+            row = session.scalars(query.order_by(m.Checkpoint.id.desc()).limit(1)).first()
+            return rows.to_record(row, self.save_dir) if row is not None else None
+
+    # ------------------------------------------------------------ history (readers)
+
+    def state_counts(self) -> dict[str, int]:
+        with self.db.transaction(read=True) as session:
+            result = session.execute(
+                select(m.Checkpoint.state, func.count())
+                .where(m.Checkpoint.run_id == self.run_id)
+                .group_by(m.Checkpoint.state)
+            )
+            return {state: count for state, count in result}
+
+    def attempts(self) -> list[m.Attempt]:
+        with self.db.transaction(read=True) as session:
+            query = select(m.Attempt).where(m.Attempt.run_id == self.run_id).order_by(m.Attempt.id)
+            return list(session.scalars(query))
+
+    def events(self, limit: int = 10) -> list[m.Event]:
+        """The newest ``limit`` events, oldest first."""
+        with self.db.transaction(read=True) as session:
+            query = (
+                select(m.Event)
+                .where(m.Event.run_id == self.run_id)
+                .order_by(m.Event.id.desc())
+                .limit(limit)
+            )
+            return list(reversed(list(session.scalars(query))))
+
+    def metric_history(self, name: str) -> list[tuple[int, float, int]]:
+        """(step, value, attempt id) of one metric, by step then attempt."""
+        with self.db.transaction(read=True) as session:
+            query = (
+                select(m.Metric.step, m.Metric.value, m.Metric.attempt_id)
+                .where(m.Metric.run_id == self.run_id, m.Metric.name == name)
+                .order_by(m.Metric.step, m.Metric.attempt_id, m.Metric.id)
+            )
+            return [(s, math.nan if v is None else v, a) for s, v, a in session.execute(query)]
+
+    def metric_names(self) -> list[str]:
+        with self.db.transaction(read=True) as session:
+            query = select(m.Metric.name).where(m.Metric.run_id == self.run_id).distinct()
+            return sorted(session.scalars(query))
+
+
+def run_sql(db: Ledger, statement: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """Run one SQL statement on a read-only ledger; only a query that returns rows runs.
+
+    A statement that would write is refused by the database itself (SQLite
+    ``query_only``, PostgreSQL ``READ ONLY`` transactions); its error comes
+    back as :class:`InvalidArgumentError` with the database's first line.
+    """
+    try:
+        with db.transaction() as session:
+            # no_parameters: the statement goes to the driver as is, so a literal
+            # '%' (LIKE 'latest:%') is not taken for a placeholder by psycopg
+            result = session.connection().exec_driver_sql(
+                statement, execution_options={"no_parameters": True}
+            )
+            if not result.returns_rows:
+                raise InvalidArgumentError("the statement returned no rows (only queries run)")
+            return list(result.keys()), [tuple(row) for row in result.all()]
+    except DatabaseError as exc:
+        original = exc.original or exc
+        message = str(getattr(original, "orig", None) or original).splitlines()[0]
+        raise InvalidArgumentError(f"SQL error: {message}") from original

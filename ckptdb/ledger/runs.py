@@ -1,0 +1,102 @@
+"""Opening a run in its ledger: as its writer, or read-only.
+
+The writer's open is one transaction after migrate-on-open: find or create
+the run, store the requested stream policies, close attempts a crash left
+running and start this process's attempt. A reader only looks: it needs a
+current schema and a run rooted where it is asked, and changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import inspect, select
+
+from ..errors import LedgerError
+from ..policies import Policy
+from . import models as m
+from . import rows
+from .engine import Ledger, normalize_url, open_ledger, readonly_sqlite_url, safe_url, translated
+from .netfs import sqlite_path
+
+
+@dataclass(frozen=True)
+class OpenedRun:
+    """What a run is, as its ledger records it."""
+
+    run_id: int
+    name: str
+    save_dir: Path
+    policies: dict[str, Policy]
+    attempt_id: int | None = None
+
+
+def ledger_url(root: Path, db_url: str | None, *, readonly: bool) -> str:
+    """The URL of a run's ledger: ``db_url``, or the run's own SQLite file."""
+    if db_url:
+        return normalize_url(db_url)
+    path = root / "ckptdb.sqlite"
+    if readonly and not path.exists():
+        raise LedgerError(f"no ckptdb run at {root} (no {path.name})")
+    return readonly_sqlite_url(path) if readonly else f"sqlite:///{path}"
+
+
+def open_as_writer(
+    db: Ledger,
+    root: Path,
+    requested: dict[str, Policy] | None,
+    save_dir: Path | None,
+    *,
+    adopt_single: bool,
+    kind: str,
+    default_streams: dict[str, Policy],
+) -> OpenedRun:
+    """Migrate, then find or create the run and start an attempt, in one transaction."""
+    with translated(f"cannot use the ledger of {root}"):
+        db.migrate()
+        with db.transaction() as session:
+            run = rows.open_run(session, root, save_dir, adopt_single=adopt_single)
+            policies = rows.sync_streams(session, run.id, requested, default_streams)
+            attempt = rows.start_attempt(session, run.id, kind)
+            rows.add_event(session, run.id, attempt.id, "attempt_started")
+            return OpenedRun(run.id, run.name, Path(run.save_dir), policies, attempt.id)
+
+
+def open_as_reader(db: Ledger, root: Path, *, adopt_single: bool) -> OpenedRun:
+    """The run rooted at ``root``, read without writing; refuses an empty or old schema."""
+    schema = db.schema()
+    if schema == "empty":
+        raise LedgerError(
+            f"no ckptdb run at {root}: the ledger {db.safe_url} has no ckptdb schema yet "
+            "(a CheckpointManager creates it)"
+        )
+    if schema != "current":
+        raise LedgerError(
+            f"the ledger of {root} uses an older schema; "
+            f"run `ckptdb db upgrade {root}` (or open it with a CheckpointManager)"
+        )
+    with db.transaction(read=True) as session:
+        run = rows.find_run(session, str(root), adopt_single=adopt_single)
+        if run is None:
+            raise LedgerError(f"the ledger has no run rooted at {root}")
+        found = session.scalars(select(m.Stream).where(m.Stream.run_id == run.id))
+        policies = {r.name: rows.policy_from_row(r) for r in found}
+        return OpenedRun(run.id, run.name, rows.rebased_save_dir(run, root), policies)
+
+
+def run_exists(root: Path, db_url: str) -> bool:
+    """Whether the ledger at ``db_url`` records a run rooted at ``root``; creates nothing."""
+    url = normalize_url(db_url)
+    path = sqlite_path(url)
+    if path is not None and not path.exists():
+        return False
+    db = open_ledger(url, readonly=True)
+    try:
+        with translated(f"cannot read the ledger {safe_url(url)}"), db.engine.connect() as conn:
+            if not inspect(conn).has_table(m.Run.__tablename__):
+                return False
+            found = conn.execute(select(m.Run.id).where(m.Run.root == str(root))).first()
+            return found is not None
+    finally:
+        db.dispose()

@@ -1,0 +1,715 @@
+"""The boundary: one state machine for blocking, asynchronous and distributed saves.
+
+A boundary (one ``save``) runs these phases in order, on every rank, talking
+to its :class:`~ckptdb.coord.base.Coordinator` at fixed points (in a single
+process every agreement is the local outcome itself):
+
+1. **Preflight** — validate step, streams and metrics; read the guard once;
+   check the ranking metrics are finite. Ranks agree on the verdict
+   (``preflight``); a trip records ``guard_tripped`` and nothing is written.
+2. **Intent** (the chief) — one transaction decides top-K admission (a
+   candidate that would not enter is never written) and inserts a
+   ``pending`` row per admitted stream, with its final and temporary name;
+   every rank learns the plan (``plan``).
+3. **Write** — every payload is written under its temporary name through the
+   payload store and its kind (sharded payloads by every rank, inside DCP;
+   plain ones by the chief), durable and measured. Ranks agree (``write``).
+4. **Place** — the store moves each temporary object onto its final name
+   and makes that durable.
+5. **Commit** — one transaction: rows become ``committed``, latest pointers
+   move, retention marks evicted rows ``deleting``, buffered metrics are
+   written. This is the single commit point; other ranks learn the outcome
+   (``outcome``).
+6. **Clean up** — queued by the commit transaction itself and run once
+   COMMIT returned: evicted payloads are removed and marked ``deleted``. A
+   failure here never undoes the commit: it is recorded, warned about and
+   retried by the next reconcile.
+
+A failure in 2-5 rolls the boundary back: what was written is removed, rows
+become ``aborted`` with the error, pointers and retention are untouched, and
+:class:`~ckptdb.errors.PublishError` names the phase and the path.
+
+``save(blocking=False)`` runs 1-2 and a snapshot to host memory at call time
+and 3-6 on the background worker (:mod:`ckptdb.protocol.asyncsave`), with the
+same code and the coordinator of the background thread.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .. import faults
+from ..coord.base import Coordinator, Objection, Verdict, attach_rollback
+from ..errors import (
+    ArgumentTypeError,
+    CkptDBError,
+    CleanupFailure,
+    DatabaseError,
+    InvalidArgumentError,
+    InvalidMetricError,
+    LedgerError,
+    NonFiniteGradientError,
+    PhaseError,
+    PhaseFailure,
+    PublishError,
+    RankAgreementError,
+    UnknownStreamError,
+    warn_cleanup,
+)
+from ..guard import NonFiniteGradGuard
+from ..ledger import after_commit
+from ..ledger import models as m
+from ..ledger import rows as ledger_rows
+from ..policies import Entry
+from ..record import Checkpoint
+from ..storage.files import FileInfo
+from ..storage.kinds import PayloadKind, kind_named, kind_of
+from ..storage.naming import checkpoint_name, temp_name
+from .asyncsave import BackgroundWriter, InFlight, SaveHandle, Snapshotter, finished
+from .context import RunContext
+from .inputs import validate_metrics, validate_step
+
+
+@dataclass
+class Share:
+    """One stream's share of a boundary between intent and commit."""
+
+    stream: str
+    kind: PayloadKind
+    payload: Any
+    row_id: int
+    final: str  # relative to the save directory
+    tmp: str
+    metric: float | None
+    written: FileInfo | None = None
+    info: FileInfo | None = None
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """One admitted stream of a boundary, as the chief recorded it (sent to every rank)."""
+
+    stream: str
+    tmp: str  # relative to the save directory
+    kind: str
+
+
+@dataclass
+class _Progress:
+    """How far the commit got: once ``committed``, nothing may roll the boundary back."""
+
+    committed: bool = False
+    committed_at: dt.datetime | None = None
+    evicted: list[Any] = field(default_factory=list)
+
+
+class Publisher:
+    """Runs the boundaries of one open run (see the module docstring)."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        coord: Coordinator,
+        guard: NonFiniteGradGuard | None,
+        writer: BackgroundWriter,
+        snapshots: Snapshotter,
+        inflight: InFlight,
+    ) -> None:
+        self.ctx, self.coord, self.guard = ctx, coord, guard
+        self.writer, self.snapshots, self.inflight = writer, snapshots, inflight
+
+    # ------------------------------------------------------------ the machine
+
+    def save(
+        self, step: object, metrics: object, payloads: dict[str, Any], blocking: object
+    ) -> dict[str, Checkpoint] | SaveHandle:
+        previous, unfetched = self.inflight.settle()
+        reset_guard = False  # a typo, or a boundary that never ran, keeps the guard
+        shares: list[Share] = []
+        rolls_back_itself = False
+        try:
+            verdict = self._preflight(step, metrics, payloads, blocking)
+            objection = self.coord.preflight(verdict, previous, unfetched)
+            reset_guard = objection is None or objection.stage != 0
+            plan = self.coord.shared(
+                "plan",
+                lambda: self._plan(step, verdict.values, payloads, objection, shares),
+                fallback="PublishError",
+            )
+            if plan is None:
+                assert objection is not None
+                objection.raise_()
+            at = validate_step(step)
+            if blocking is False:
+                return self._launch(at, verdict.values, shares, plan, payloads)
+            if not plan:
+                return {}  # no top-K stream admitted the candidate, on any rank
+            if not self.coord.is_chief:
+                return self._follow(self.coord, plan, payloads)
+            rolls_back_itself = True
+            return self._finish(self.coord, at, verdict.values, shares)
+        except RankAgreementError as broken:  # the group broke between intent and write
+            if shares and not rolls_back_itself:
+                at = validate_step(step)
+                attach_rollback(broken, functools.partial(self._roll_back, at, shares, broken))
+            raise
+        finally:
+            if reset_guard and self.guard is not None:
+                self.guard.reset()
+
+    def _preflight(
+        self, step: object, metrics: object, payloads: dict[str, Any], blocking: object
+    ) -> Verdict:
+        """This rank's verdict (input, guard, finite ranking metric), never raised here:
+        the coordinator agrees on it, and the earliest failing check wins."""
+        every_rank = sorted(s for s, p in payloads.items() if kind_of(p).every_rank_writes)
+        shape = functools.partial(
+            Verdict,
+            step=step,
+            streams=sorted(payloads),
+            every_rank_streams=every_rank,
+            blocking=blocking is True,
+        )
+        try:
+            if not isinstance(blocking, bool):
+                raise ArgumentTypeError(f"blocking must be True or False, got {blocking!r}")
+            values = self._validate(step, metrics, payloads)
+        except CkptDBError as exc:
+            return shape({}, exc, 0)
+        try:
+            trip = self._guard_verdict(validate_step(step))
+        except Exception as exc:  # e.g. a CUDA error while reading the guard's flag
+            return shape(values, exc, 1)
+        if trip is not None:
+            return shape(values, trip, 1)
+        try:
+            self._check_finite_metrics(payloads, values)
+        except CkptDBError as exc:
+            return shape(values, exc, 2)
+        return shape(values, None, 0)
+
+    def _validate(
+        self, step: object, metrics: object, payloads: dict[str, Any]
+    ) -> dict[str, float]:
+        """Bad input, checked before the guard (which a typo must not reset)."""
+        validate_step(step)
+        values = validate_metrics(metrics)
+        if not payloads:
+            raise InvalidArgumentError(
+                "save() needs at least one payload, e.g. save(step, model=sd)"
+            )
+        for stream in payloads:
+            metric = self._policy(stream).ranking_metric
+            if metric is not None and metric not in values:
+                raise InvalidMetricError(
+                    f"stream {stream!r} ranks by metric {metric!r}, which is missing "
+                    f"from save(metrics=...) (got {sorted(values)})"
+                )
+        for stream, payload in payloads.items():  # the ``**payloads`` of this call: ours
+            try:
+                payloads[stream] = kind_of(payload).prepared(payload)
+            except Exception as exc:
+                raise InvalidArgumentError(
+                    f"stream {stream!r}: the Sharded state dict could not be resolved "
+                    f"(a Stateful's state_dict() raised {type(exc).__name__}: {exc})"
+                ) from exc
+        return values
+
+    def _policy(self, stream: str) -> Any:
+        policy = self.ctx.policies.get(stream)
+        if policy is None:
+            raise UnknownStreamError(
+                f"no stream {stream!r} is configured (streams: {', '.join(self.ctx.policies)})"
+            )
+        return policy
+
+    def _guard_verdict(self, step: int) -> NonFiniteGradientError | None:
+        """This process's guard verdict for the boundary (one host sync), not yet recorded."""
+        if self.guard is None or not self.guard.tripped():
+            return None
+        params = self.guard.nonfinite_parameters()
+        which = f" in {', '.join(params)}" if params else ""
+        return NonFiniteGradientError(
+            f"non-finite gradient seen{which} since the last boundary; step {step} not published",
+            step=step,
+            parameters=params,
+        )
+
+    def _check_finite_metrics(self, payloads: Mapping[str, Any], values: dict[str, float]) -> None:
+        """A non-finite ranking metric (checked after the guard: a tripped guard is the
+        root cause of a NaN validation loss, and the more useful error)."""
+        for stream in payloads:
+            metric = self.ctx.policies[stream].ranking_metric
+            if metric is not None and not math.isfinite(values[metric]):
+                raise InvalidMetricError(
+                    f"stream {stream!r} ranks by metric {metric!r}, which must be "
+                    f"finite; got {values[metric]!r}"
+                )
+
+    # ------------------------------------------------------------ 2. intent
+
+    def _plan(
+        self,
+        step: object,
+        values: dict[str, float],
+        payloads: dict[str, Any],
+        objection: Objection | None,
+        shares: list[Share],
+    ) -> list[PlanItem] | None:
+        """The chief's answer to the preflight: None (stop) or the admitted streams.
+
+        Bad input records nothing, not even the metrics. Any other objection
+        keeps the boundary's metrics (a NaN loss at a diverged step is history
+        too) and a guard trip is recorded as an event.
+        """
+        if objection is not None and objection.stage == 0:
+            return None
+        at = validate_step(step)
+        self.ctx.metrics.add(at, values)
+        if objection is not None:
+            self._record_objection(objection)
+            return None
+        shares.extend(self._intent(at, values, payloads))
+        return [PlanItem(s.stream, s.tmp, s.kind.name) for s in shares]
+
+    def _record_objection(self, objection: Objection) -> None:
+        error = objection.error
+        if isinstance(error, NonFiniteGradientError):
+            detail: dict[str, object] = {"parameters": error.parameters} if error.parameters else {}
+            if error.ranks is not None:
+                detail["ranks"] = error.ranks
+            self.ctx.event("guard_tripped", step=error.step, detail=detail or None)
+
+    def _intent(
+        self, step: int, values: dict[str, float], payloads: Mapping[str, Any]
+    ) -> list[Share]:
+        """One transaction: decide top-K admission, insert a pending row per admitted stream."""
+        try:
+            with self.ctx.ledger.transaction(durable=False) as session:
+                admitted = self._admitted(session, step, values, payloads)
+                for stream in admitted:
+                    self.ctx.store.prepare_stream(stream)
+                return [self._intent_row(session, step, values, s, p) for s, p in admitted.items()]
+        except PhaseError as exc:
+            raise PublishError(
+                f"step {step}: could not create {exc.path}: {exc.error}",
+                phase="intent",
+                step=step,
+                path=exc.path,
+            ) from exc.error
+        except DatabaseError as exc:
+            cause = exc.original or exc
+            raise PublishError(
+                f"step {step}: could not record the intent in the ledger: {cause}",
+                phase="intent",
+                step=step,
+            ) from cause
+
+    def _admitted(
+        self, session: Any, step: int, values: dict[str, float], payloads: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The payloads worth writing: a ranked stream's candidate that would not enter
+        its top-K is dropped (the policy decides from the stream's members)."""
+        admitted = dict(payloads)
+        for stream in payloads:
+            policy = self.ctx.policies[stream]
+            metric = policy.ranking_metric
+            if metric is None:
+                continue  # unranked: every candidate is written, no members to read
+            _, members = ledger_rows.committed_entries(session, self.ctx.run_id, stream)
+            if not policy.admits(members, Entry(id=-1, step=step, metric=values[metric])):
+                del admitted[stream]
+        return admitted
+
+    def _intent_row(
+        self, session: Any, step: int, values: dict[str, float], stream: str, payload: Any
+    ) -> Share:
+        metric_name = self.ctx.policies[stream].ranking_metric
+        metric = values[metric_name] if metric_name is not None else None
+        kind = kind_of(payload)
+        row = ledger_rows.add_pending(
+            session, self.ctx.run_id, self.ctx.attempt_id, stream, step, metric, values
+        )
+        name = checkpoint_name(step, suffix=kind.suffix)
+        rel = f"{stream}/{name}"
+        store = self.ctx.store
+        if ledger_rows.path_in_use(session, self.ctx.run_id, rel) or store.exists(rel):
+            name = checkpoint_name(step, version=row.id, suffix=kind.suffix)
+            rel = f"{stream}/{name}"
+        tmp = f"{stream}/{temp_name(name, row.id)}"
+        row.path, row.tmp_path = rel, tmp
+        if kind.every_rank_writes:  # made here, before any rank enters the collective write
+            store.make_temp_dir(tmp)
+        return Share(stream, kind, payload, row.id, rel, tmp, metric)
+
+    # ------------------------------------------------------ asynchronous launch
+
+    def _launch(
+        self,
+        step: int,
+        values: dict[str, float],
+        shares: list[Share],
+        plan: list[PlanItem],
+        payloads: Mapping[str, Any],
+    ) -> SaveHandle:
+        """Snapshot now (and agree on it), then phases 3-6 in the background."""
+        if not plan:
+            return finished(step, {})
+        mine = self._snapshot(step, shares, plan, payloads)
+        coord = self.coord.background(self.writer.rank_group)
+        limit = len(self.ctx.metrics)  # this boundary's metrics; later ones wait for a flush
+
+        def work() -> dict[str, Checkpoint]:
+            if coord.is_chief:
+                return self._finish(coord, step, values, shares, limit)
+            return self._follow(coord, plan, mine)
+
+        handle = self.writer.submit(step, work)
+        self.inflight.start(handle, frozenset(i.stream for i in plan))
+        return handle
+
+    def _snapshot(
+        self, step: int, shares: list[Share], plan: list[PlanItem], payloads: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Copy what this rank writes to host memory; a failure anywhere rolls back.
+
+        The chief copies every admitted payload; other ranks only those every
+        rank writes. Returns this rank's copies by stream.
+        """
+        local: BaseException | None = None
+        mine: dict[str, Any] = {}
+        try:
+            if self.coord.is_chief:
+                for s in shares:
+                    s.payload = self.snapshots.snapshot(s.stream, s.payload, s.kind)
+            else:
+                for item in plan:
+                    kind = kind_named(item.kind)
+                    if kind.every_rank_writes:
+                        mine[item.stream] = self.snapshots.snapshot(
+                            item.stream, payloads[item.stream], kind
+                        )
+        except Exception as exc:
+            local = exc
+        except BaseException as exc:  # Ctrl-C stays Ctrl-C, after the rollback
+            if self.coord.is_chief:
+                self._roll_back(step, shares, exc)
+            raise
+        failure = self.coord.failure("snapshot", local)
+        if failure is not None:
+            self.coord.abandon(failure, local, self._rollback_of(step, shares, "snapshot", failure))
+        return mine
+
+    def _rollback_of(self, step: int, shares: list[Share], phase: str, error: BaseException) -> Any:
+        if not self.coord.is_chief:
+            return None
+        return lambda: self._roll_back(step, shares, PhaseFailure(phase, error))
+
+    # ------------------------------------------------------ 3-6 on the chief
+
+    def _finish(
+        self,
+        coord: Coordinator,
+        step: int,
+        values: dict[str, float],
+        shares: list[Share],
+        metric_limit: int | None = None,
+    ) -> dict[str, Checkpoint]:
+        """Write, place, commit, clean up: everything after the intent, on the chief."""
+        progress = _Progress()
+        try:
+            coord.written(self._write_here(coord, shares))
+            self._place(shares)
+            self._commit(step, shares, metric_limit, progress)
+        except RankAgreementError as broken:  # the group is broken: roll back, share nothing
+            if not progress.committed:
+                attach_rollback(broken, functools.partial(self._roll_back, step, shares, broken))
+            raise
+        except BaseException as exc:
+            if progress.committed:
+                raise  # an error after COMMIT never undoes it
+            try:
+                self._roll_back(step, shares, exc)
+            except CkptDBError as failed:  # the PublishError, or the rollback's own failure
+                coord.rolled_back(failed, exc)
+                raise
+            raise  # an interrupt: rolled back (other ranks time out)
+        assert progress.committed_at is not None
+        records = {s.stream: self._record(s, step, values, progress.committed_at) for s in shares}
+        coord.committed(records)
+        return records
+
+    def _write_here(self, coord: Coordinator, shares: list[Share]) -> BaseException | None:
+        """Phase 3 on the chief; its error is returned for the ``write`` agreement.
+
+        Payloads every rank writes come first, with every rank inside the
+        collective write: nothing fallible runs before them, so no rank waits
+        there for a chief that failed early.
+        """
+        try:
+            for s in shares:
+                if s.kind.every_rank_writes:
+                    s.written = s.kind.write(self.ctx.store, s.payload, s.tmp, coord.group)
+            faults.point("after_intent")
+            for s in sorted(shares, key=lambda s: not s.kind.every_rank_writes):
+                if not s.kind.every_rank_writes:
+                    s.written = s.kind.write(self.ctx.store, s.payload, s.tmp, coord.group)
+                s.info = s.kind.seal(self.ctx.store, s.tmp, s.written)
+            faults.point("after_fsync")
+        except (Exception, CheckpointException) as exc:
+            return exc
+        return None
+
+    def _follow(
+        self, coord: Coordinator, plan: list[PlanItem], payloads: Mapping[str, Any]
+    ) -> dict[str, Checkpoint]:
+        """Phases 3-6 on a rank other than the chief: write its part, learn the outcome."""
+        local: BaseException | None = None
+        try:
+            for item in plan:
+                kind = kind_named(item.kind)
+                if kind.every_rank_writes:
+                    kind.write(self.ctx.store, payloads[item.stream], item.tmp, coord.group)
+        except (Exception, CheckpointException) as exc:
+            local = exc
+        return coord.outcome(local)
+
+    def _place(self, shares: list[Share]) -> None:
+        store = self.ctx.store
+        for s in shares:
+            store.place(s.tmp, s.final)
+        faults.point("after_replace")
+        store.sync_placed([s.final for s in shares])
+        faults.point("after_fsync_dir")
+
+    def _commit(
+        self, step: int, shares: list[Share], metric_limit: int | None, progress: _Progress
+    ) -> None:
+        """Phase 5, the single commit point; phase 6 is queued to run after COMMIT."""
+        assert self.ctx.lock is not None
+        self.ctx.lock.verify()  # a PostgreSQL lock session may have died with its connection
+        now = m.utcnow()
+        ctx = self.ctx
+        try:
+            with ctx.ledger.transaction() as session:
+                for s in shares:
+                    assert s.info is not None
+                    ledger_rows.set_state(
+                        session,
+                        [s.row_id],
+                        m.COMMITTED,
+                        size=s.info.size,
+                        hash=s.info.hash,
+                        committed_at=now,
+                        tmp_path=None,
+                    )
+                    progress.evicted.extend(self._apply_retention(session, s, step))
+                    ledger_rows.set_latest(session, ctx.run_id, s.stream, s.row_id)
+                flushed = ctx.metrics.insert_into(session, ctx.run_id, ctx.attempt_id, metric_limit)
+                faults.point("in_commit")
+
+                def committed() -> None:
+                    progress.committed, progress.committed_at = True, now
+                    ctx.metrics.drop(flushed)
+
+                after_commit(session, committed)
+                after_commit(session, lambda: faults.point("after_commit"))
+                after_commit(session, lambda: self.clean_up(step, progress.evicted))
+        except CkptDBError:
+            raise
+        except Exception as exc:  # whatever it is, it failed the commit phase
+            if progress.committed:
+                raise
+            raise PhaseFailure("commit", exc) from exc
+
+    def _apply_retention(self, session: Any, s: Share, step: int) -> list[Any]:
+        found, entries = ledger_rows.committed_entries(session, self.ctx.run_id, s.stream)
+        others = [e for e in entries if e.id != s.row_id]
+        new = Entry(id=s.row_id, step=step, metric=s.metric)
+        doomed = {e.id for e in self.ctx.policies[s.stream].evictions(others, new)}
+        evicted = [r for r in found if r.id in doomed]
+        # deleted_at records the eviction (the file goes later, maybe at a reconcile)
+        ledger_rows.set_state(session, [r.id for r in evicted], m.DELETING, deleted_at=m.utcnow())
+        return evicted
+
+    def _record(
+        self, s: Share, step: int, values: dict[str, float], committed_at: dt.datetime
+    ) -> Checkpoint:
+        assert s.info is not None
+        return Checkpoint(
+            stream=s.stream,
+            step=step,
+            path=self.ctx.save_dir / s.final,
+            size=s.info.size,
+            hash=s.info.hash,
+            metric=s.metric,
+            state=m.COMMITTED,
+            committed_at=committed_at,
+            id=s.row_id,
+            attempt_id=self.ctx.attempt_id,
+            metrics=dict(values),
+        )
+
+    # ------------------------------------------------------------ rollback
+
+    def _roll_back(self, step: int, shares: list[Share], exc: BaseException) -> None:
+        """Undo a boundary that failed before its commit; raises PublishError for an
+        ordinary error (an interrupt propagates as itself, after the rollback)."""
+        failures: list[CleanupFailure] = []
+        left: set[int] = set()
+        store = self.ctx.store
+        for s in shares:
+            for leftover in (s.tmp, s.final):
+                try:
+                    store.remove(leftover)
+                except (OSError, InvalidArgumentError) as cleanup_exc:
+                    failures.append(CleanupFailure(store.location / leftover, cleanup_exc))
+                    left.add(s.row_id)
+        phase, path, cause = describe(exc)
+        where = f" at {path}" if path is not None else ""
+        if isinstance(cause, CkptDBError) and cause.ranks:
+            what = str(cause)  # another rank's failure, already described
+        else:
+            what = f"{type(cause).__name__}: {cause}"
+        error_text = f"{phase} failed{where}: {what}"
+        self._record_rollback(step, shares, left, error_text, failures, phase)
+        for failure in failures:
+            warn_cleanup(f"ckptdb could not {failure}", stacklevel=4)
+        if not isinstance(exc, Exception):
+            return  # KeyboardInterrupt & co. propagate unchanged after the cleanup
+        path_of = {str(store.location / r): s.stream for s in shares for r in (s.tmp, s.final)}
+        raise PublishError(
+            f"step {step} not published: {error_text}",
+            phase=phase,
+            step=step,
+            path=path,
+            stream=path_of.get(str(path)),
+            cleanup_failures=failures,
+        ) from cause
+
+    def _record_rollback(
+        self,
+        step: int,
+        shares: list[Share],
+        left: set[int],
+        error: str,
+        failures: list[CleanupFailure],
+        phase: str,
+    ) -> None:
+        """Mark rows aborted (or leave them pending for reconcile if files remain)."""
+        ctx = self.ctx
+        try:
+            with ctx.ledger.transaction() as session:
+                aborted = [s.row_id for s in shares if s.row_id not in left]
+                ledger_rows.set_state(session, aborted, m.ABORTED, error=error)
+                for row_id in left:
+                    ledger_rows.set_state(session, [row_id], m.PENDING, error=error)
+                ledger_rows.add_event(
+                    session,
+                    ctx.run_id,
+                    ctx.attempt_id,
+                    "publish_failed",
+                    step=step,
+                    detail={"phase": phase, "error": error},
+                )
+                for failure in failures:
+                    ledger_rows.add_event(
+                        session,
+                        ctx.run_id,
+                        ctx.attempt_id,
+                        "cleanup_failed",
+                        step=step,
+                        detail={"path": str(failure.path), "error": repr(failure.error)},
+                    )
+        except DatabaseError as db_exc:
+            # Rows stay pending; the next reconcile rolls them back.
+            failures.append(
+                CleanupFailure(
+                    Path(ctx.ledger.database),
+                    db_exc.original or db_exc,
+                    action="record the rollback (rows stay pending for reconcile) in",
+                )
+            )
+
+    # ------------------------------------------------------------ 6. clean up
+
+    def clean_up(self, step: int | None, evicted: list[Any]) -> None:
+        """Remove evicted payloads and mark them deleted; failures are left for reconcile."""
+        if not evicted:
+            return
+        ctx = self.ctx
+        removed: list[int] = []
+        failures: list[tuple[Any, Path, BaseException]] = []
+        for row in evicted:
+            try:
+                ctx.store.remove(row.path)
+                removed.append(row.id)
+                faults.point("mid_cleanup")
+            except (OSError, InvalidArgumentError) as err:
+                failures.append((row, ctx.save_dir / row.path, err))
+        try:
+            with ctx.ledger.transaction(durable=False) as session:
+                ledger_rows.set_state(session, removed, m.DELETED)
+                for row, path, error in failures:
+                    ledger_rows.add_event(
+                        session,
+                        ctx.run_id,
+                        ctx.attempt_id,
+                        "cleanup_failed",
+                        checkpoint_id=row.id,
+                        step=step,
+                        detail={"path": str(path), "error": repr(error)},
+                    )
+        except DatabaseError as db_exc:
+            warn_cleanup(
+                f"ckptdb could not record the cleanup of step {step}: {db_exc}; "
+                "the next reconcile finishes it",
+            )
+        for _row, path, error in failures:
+            warn_cleanup(
+                f"ckptdb could not remove evicted checkpoint {path}: {error}; it stays "
+                "'deleting' and the next reconcile retries",
+            )
+
+    def gc(self) -> list[Checkpoint]:
+        """Apply every stream's stored retention policy now (e.g. after lowering ``last``).
+
+        Same two steps as a boundary: one transaction marks the evicted rows
+        ``deleting`` (and moves a latest pointer off them); the removal is
+        queued behind its COMMIT.
+        """
+        ctx = self.ctx
+        evicted: list[Any] = []
+        with ctx.ledger.transaction() as session:
+            for stream, policy in ctx.policies.items():
+                found, entries = ledger_rows.committed_entries(session, ctx.run_id, stream)
+                doomed = {e.id for e in policy.window_evictions(entries)}
+                chosen = [r for r in found if r.id in doomed]
+                ledger_rows.set_state(
+                    session, [r.id for r in chosen], m.DELETING, deleted_at=m.utcnow()
+                )
+                ledger_rows.repoint_latest(session, ctx.run_id, stream)
+                evicted.extend(chosen)
+            after_commit(session, lambda: self.clean_up(None, evicted))
+        return [ledger_rows.to_record(r, ctx.save_dir) for r in evicted]
+
+
+def describe(exc: BaseException) -> tuple[str, Path | None, BaseException]:
+    """(phase, path, underlying error) of a failure inside a boundary."""
+    if isinstance(exc, PhaseFailure):
+        return exc.phase, None, exc.error
+    if isinstance(exc, PhaseError):
+        return exc.phase, exc.path, exc.error
+    if isinstance(exc, DatabaseError):
+        return "commit", None, exc.original or exc
+    if isinstance(exc, LedgerError):
+        return "commit", None, exc
+    return "write", None, exc

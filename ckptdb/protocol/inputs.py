@@ -1,0 +1,44 @@
+"""Validation of what a caller passes to a boundary: steps and metric values.
+
+Bad input is refused before anything else happens (before the guard is read,
+so a typo never resets it), with an error that also inherits the natural
+built-in (``TypeError``, ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+
+import torch
+
+from ..errors import ArgumentTypeError, InvalidArgumentError
+
+
+def validate_step(step: object) -> int:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ArgumentTypeError(f"step must be a non-negative int, got {step!r}")
+    if step < 0:
+        raise InvalidArgumentError(f"step must be >= 0, got {step}")
+    return step
+
+
+def validate_metrics(metrics: object) -> dict[str, float]:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise ArgumentTypeError(f"metrics must be a dict name -> number, got {metrics!r}")
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise ArgumentTypeError(f"metric names must be non-empty str, got {name!r}")
+        out[name] = _real(name, value)
+    return out
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"metric {name!r} must be a real number, got {value!r}")
+    return float(value)

@@ -1,0 +1,185 @@
+"""Loading a committed checkpoint: resolve, verify, read.
+
+``which`` resolves through the ledger only; the payload is checked against its
+recorded size and hash (by the store, the one place that sorts lost from
+corrupt) before anything is unpickled, and a mismatch or a vanished payload
+is recorded, as reconcile would. Three agreements make a load collective
+under torch.distributed: ``resolve`` (the chief resolves and verifies),
+``ready`` (every rank can load it: a sharded load is itself collective, so no
+rank may skip it) and ``loaded``; in a single process each is the local
+outcome itself.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..coord.base import Coordinator
+from ..errors import (
+    ArgumentTypeError,
+    CheckpointLostError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
+from ..ledger import rows as ledger_rows
+from ..ledger.queries import RunQueries
+from ..record import Checkpoint
+from ..storage.base import LOST
+from ..storage.dcp import resolve_stateful
+from ..storage.kinds import kind_of_path
+from .asyncsave import InFlight
+from .context import RunContext
+
+
+class Loader:
+    """``load`` for one open run."""
+
+    def __init__(self, ctx: RunContext, coord: Coordinator, inflight: InFlight) -> None:
+        self.ctx, self.coord, self.inflight = ctx, coord, inflight
+        self._resumed = False
+
+    def load(
+        self,
+        which: object,
+        stream: str | None,
+        map_location: Any,
+        weights_only: bool,
+        into: dict[str, Any] | None,
+    ) -> Any:
+        if self.inflight.writes(self._stream_of(which, stream)):
+            self.inflight.wait()
+        target = self.coord.shared("resolve", lambda: self.verified(which, stream))
+        kind = kind_of_path(target.path)
+        rel = self.ctx.rel(target.path)
+        problem: BaseException | None = None
+        try:  # everything that could fail on one rank only, before the collective read
+            kind.check_into(str(target.path), into)
+            self.ctx.store.local_path(rel)
+            if into is not None:
+                resolve_stateful(into)
+        except Exception as exc:
+            problem = exc
+        self.coord.agree("ready", problem, fallback="InvalidArgumentError")
+        state: Any = None
+        try:
+            state = kind.load(
+                self.ctx.store,
+                rel,
+                map_location=map_location,
+                weights_only=weights_only,
+                into=into,
+                group=self.coord.group,
+            )
+            if self.ctx.is_writer:
+                self._note_resume(target)
+        except (Exception, CheckpointException) as exc:
+            problem = exc
+        self.coord.agree("loaded", problem, fallback="RankFailedError")
+        return state
+
+    @staticmethod
+    def _stream_of(which: object, stream: str | None) -> str | None:
+        """The stream ``load`` asks for (None: a path, which may be any stream)."""
+        if isinstance(which, Checkpoint):
+            return which.stream
+        if which == "best":
+            return stream or "best"
+        if which == "latest" or isinstance(which, int):
+            return stream or "model"
+        return None
+
+    def verified(self, which: object, stream: str | None) -> Checkpoint:
+        """The checkpoint ``which`` names, its size and hash checked (marked bad if not)."""
+        target = self.resolve(which, stream)
+        finding = self.ctx.store.verify(
+            self.ctx.rel(target.path), target.size, target.hash, full=True
+        )
+        if finding is None:
+            return target
+        if finding.state == LOST:
+            if not finding.missing:
+                assert finding.error is not None
+                raise finding.error  # unreadable now is not proof that it is gone
+            self._mark_bad(target, LOST, finding.detail)
+            raise CheckpointLostError(
+                f"{target.path} is gone; marked lost, latest falls back to the previous one"
+            ) from finding.error
+        self._mark_bad(target, finding.state, finding.detail)
+        raise CorruptCheckpointError(f"{target.path}: {finding.detail}; refusing to load it")
+
+    def resolve(self, which: object, stream: str | None) -> Checkpoint:
+        queries = self.ctx.queries()
+        if isinstance(which, Checkpoint):
+            return self._committed_by_path(queries, which.path)
+        if which == "latest":
+            found = queries.latest(stream or "model")
+            if found is None:
+                raise CheckpointNotFoundError(f"stream {stream or 'model'!r} has no checkpoint yet")
+            return found
+        if which == "best":
+            best = queries.best(stream or "best")
+            if not best:
+                raise CheckpointNotFoundError(f"stream {stream or 'best'!r} has no checkpoint yet")
+            return best[0]
+        if isinstance(which, int) and not isinstance(which, bool):
+            name = stream or "model"
+            queries.policy(name)
+            found = queries.find_committed(stream=name, step=which)
+            if found is None:
+                raise CheckpointNotFoundError(
+                    f"stream {name!r} has no committed checkpoint at step {which}"
+                )
+            return found
+        if isinstance(which, (str, os.PathLike)):
+            return self._committed_by_path(queries, Path(which))
+        raise ArgumentTypeError(
+            f"which must be 'latest', 'best', a step, a Checkpoint or a path; got {which!r}"
+        )
+
+    def _committed_by_path(self, queries: RunQueries, path: Path) -> Checkpoint:
+        resolved = (Path.cwd() / path).resolve()
+        save_dir = self.ctx.save_dir.resolve()
+        found = None
+        if resolved.is_relative_to(save_dir):
+            found = queries.find_committed(path=resolved.relative_to(save_dir).as_posix())
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"{path} is not a committed checkpoint of run {self.ctx.root}"
+            )
+        return found
+
+    def _mark_bad(self, target: Checkpoint, state: str, problem: str) -> None:
+        """Record a lost/corrupt payload found at load time, as reconcile would."""
+        ctx = self.ctx
+        with ctx.ledger.transaction() as session:
+            ledger_rows.set_state(session, [target.id], state, error=problem)
+            ledger_rows.repoint_latest(session, ctx.run_id, target.stream)
+            ledger_rows.add_event(
+                session,
+                ctx.run_id,
+                ctx.attempt_id,
+                state,
+                checkpoint_id=target.id,
+                step=target.step,
+                detail={"path": str(target.path), "detail": problem},
+            )
+
+    def _note_resume(self, target: Checkpoint) -> None:
+        if self._resumed:
+            return
+        self._resumed = True
+        ctx = self.ctx
+        with ctx.ledger.transaction() as session:
+            ledger_rows.note_resume(session, ctx.attempt_id, target.id)
+            ledger_rows.add_event(
+                session,
+                ctx.run_id,
+                ctx.attempt_id,
+                "resumed",
+                checkpoint_id=target.id,
+                step=target.step,
+            )

@@ -1,0 +1,36 @@
+"""Where payloads live: the storage seam, its local implementation, payload kinds.
+
+- :mod:`~ckptdb.storage.base`: the :class:`PayloadStore` protocol (the seam);
+- :mod:`~ckptdb.storage.local`: :class:`LocalStore`, on a POSIX filesystem;
+- :mod:`~ckptdb.storage.kinds`: payload kinds (a ``torch.save`` file, a DCP directory);
+- :mod:`~ckptdb.storage.files`: the durable file primitives the local store uses;
+- :mod:`~ckptdb.storage.naming`: how our files are named;
+- :mod:`~ckptdb.storage.dcp`: ``torch.distributed.checkpoint`` and :class:`Sharded`.
+"""
+
+from .base import Finding, Found, PayloadStore
+from .dcp import Sharded
+from .files import FileInfo, HashingWriter, hash_checkpoint, hash_file
+from .kinds import PayloadKind, kind_of, kind_of_path
+from .local import LocalStore
+from .naming import CHECKPOINT_NAME, TEMP_NAME, checkpoint_name, is_sharded, temp_name
+
+__all__ = [
+    "CHECKPOINT_NAME",
+    "TEMP_NAME",
+    "FileInfo",
+    "Finding",
+    "Found",
+    "HashingWriter",
+    "LocalStore",
+    "PayloadKind",
+    "PayloadStore",
+    "Sharded",
+    "checkpoint_name",
+    "hash_checkpoint",
+    "hash_file",
+    "is_sharded",
+    "kind_of",
+    "kind_of_path",
+    "temp_name",
+]

@@ -1,0 +1,118 @@
+"""The payload-storage seam: what the protocol asks of the place payloads live.
+
+A :class:`PayloadStore` holds one run's payloads under names relative to the
+run's save directory (``<stream>/<name>``). The protocol never touches a file
+itself: every step it needs goes through these methods, in this order for a
+boundary (mirroring the numbered phases of :mod:`ckptdb.protocol.boundary`):
+
+1. :meth:`~PayloadStore.prepare_stream` (at the intent) and, for a payload
+   kind written by every rank, :meth:`~PayloadStore.make_temp_dir`;
+2. write a temporary object: :meth:`~PayloadStore.write_object` (a byte
+   stream, hashed as it is written, made durable) or, for a sharded payload,
+   :meth:`~PayloadStore.dcp_writer` then :meth:`~PayloadStore.seal`;
+3. make it durable and place it: :meth:`~PayloadStore.place`, then
+   :meth:`~PayloadStore.sync_placed`;
+4. after the commit: :meth:`~PayloadStore.remove` what retention evicted.
+
+Reads go through :meth:`~PayloadStore.verify` (size and hash against the
+ledger, sorted into lost or corrupt in one place) and the kind's loader.
+Reconcile lists what is ours (:meth:`~PayloadStore.list_ours`), removes
+temporaries and quarantines unowned checkpoints.
+
+The local POSIX filesystem (:class:`~ckptdb.storage.local.LocalStore`) is the
+first implementation; an object store is a second one, and a payload kind
+(:mod:`ckptdb.storage.kinds`) never needs to know which one it writes to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from .files import FileInfo
+
+LOST: Literal["lost"] = "lost"
+CORRUPT: Literal["corrupt"] = "corrupt"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Why a stored payload does not match its ledger row: ``lost`` or ``corrupt``.
+
+    ``actual`` is what was measured, when the payload could be read at all.
+    """
+
+    state: Literal["lost", "corrupt"]
+    detail: str
+    actual: FileInfo | None = None
+    #: The payload is gone (not merely unreadable now).
+    missing: bool = False
+    #: The error met while reading it, if any.
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class Found:
+    """An entry of the save directory in our naming (see :meth:`PayloadStore.list_ours`)."""
+
+    stream: str
+    name: str
+    role: Literal["temp", "checkpoint"]
+
+    @property
+    def rel(self) -> str:
+        return f"{self.stream}/{self.name}"
+
+
+class PayloadStore(Protocol):
+    """Where one run's payloads live (see the module docstring for the call order)."""
+
+    @property
+    def location(self) -> Path:
+        """The save directory (for messages and the public records' paths)."""
+
+    def prepare_stream(self, stream: str) -> None:
+        """Make the stream's place durable before its first intent row commits."""
+
+    def exists(self, rel: str) -> bool:
+        """Whether anything (even a dangling link) is stored under ``rel``."""
+
+    def make_temp_dir(self, rel: str) -> None:
+        """Create the temporary directory of a payload that every rank writes into."""
+
+    def write_object(self, rel: str, serialize: Callable[[Any], object]) -> FileInfo:
+        """Write a new temporary object: ``serialize(stream)``, hashed, made durable."""
+
+    def dcp_writer(self, rel: str) -> Any:
+        """A ``torch.distributed.checkpoint`` storage writer into the directory ``rel``."""
+
+    def dcp_reader(self, rel: str) -> Any:
+        """A ``torch.distributed.checkpoint`` storage reader of the directory ``rel``."""
+
+    def seal(self, rel: str) -> FileInfo:
+        """Make a directory written by DCP durable and measure it."""
+
+    def place(self, tmp: str, final: str) -> None:
+        """Atomically make the temporary object visible under its final name."""
+
+    def sync_placed(self, finals: list[str]) -> None:
+        """Make the placements of ``finals`` durable."""
+
+    def verify(
+        self, rel: str, size: int | None, digest: str | None, *, full: bool
+    ) -> Finding | None:
+        """Check a payload against its row: size always, the hash too with ``full``."""
+
+    def local_path(self, rel: str) -> Path:
+        """A confined local path to read ``rel`` from."""
+
+    def list_ours(self) -> Iterator[Found]:
+        """Every entry in our naming, temporaries included (never links, never foreign kinds)."""
+
+    def remove(self, rel: str) -> bool:
+        """Remove ``rel`` (a file or a whole directory); False if it was absent."""
+
+    def quarantine(self, rel: str, into: Path) -> Path:
+        """Move ``rel`` aside into ``into`` under a free name; where it went."""

@@ -1,0 +1,152 @@
+"""The payload store on a local (POSIX) filesystem: the first implementation of the seam.
+
+Temporary objects are created exclusively next to their final name, fsynced,
+moved into place with ``os.replace`` and made durable by fsyncing their
+directory; nothing is ever deleted-then-renamed. Every relative name is
+confined to the save directory (no ``..``, no symlinked directory out of it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ..errors import ForeignEntryError, InvalidArgumentError
+from ..policies import STREAM_NAME
+from . import dcp, files
+from .base import CORRUPT, LOST, Finding, Found
+from .files import FileInfo
+from .naming import CHECKPOINT_NAME, SHARDED_SUFFIX, TEMP_NAME
+
+
+class LocalStore:
+    """Payloads in ``<save_dir>/<stream>/``, as files or DCP directories."""
+
+    def __init__(self, save_dir: Path) -> None:
+        self.save_dir = save_dir
+        # Directory resolutions, memoized while one pass walks many rows (reconcile).
+        self._resolved: dict[Path, Path] | None = None
+
+    @property
+    def location(self) -> Path:
+        return self.save_dir
+
+    def path(self, rel: str | Path) -> Path:
+        """The confined path of ``rel`` (see :func:`files.confine`)."""
+        return files.confine(self.save_dir, rel, self._resolved)
+
+    def local_path(self, rel: str) -> Path:
+        return self.path(rel)
+
+    def memoized(self) -> _Memo:
+        """A pass over many rows: directory resolutions are cached until it ends."""
+        return _Memo(self)
+
+    # ------------------------------------------------------------------ writing
+
+    def prepare_stream(self, stream: str) -> None:
+        files.make_dir(self.save_dir / stream)
+
+    def exists(self, rel: str) -> bool:
+        return os.path.lexists(self.save_dir / rel)
+
+    def make_temp_dir(self, rel: str) -> None:
+        files.make_dir(self.save_dir / rel)
+
+    def write_object(self, rel: str, serialize: Callable[[Any], object]) -> FileInfo:
+        return files.write_stream(serialize, self.save_dir / rel)
+
+    def dcp_writer(self, rel: str) -> Any:
+        return dcp.file_writer(self.save_dir / rel)
+
+    def dcp_reader(self, rel: str) -> Any:
+        return dcp.file_reader(self.path(rel))
+
+    def seal(self, rel: str) -> FileInfo:
+        return files.seal_directory(self.save_dir / rel)
+
+    def place(self, tmp: str, final: str) -> None:
+        files.place(self.save_dir / tmp, self.save_dir / final)
+
+    def sync_placed(self, finals: list[str]) -> None:
+        for directory in sorted({(self.save_dir / rel).parent for rel in finals}):
+            files.fsync_dir(directory)
+
+    # ------------------------------------------------------------------ reading
+
+    def verify(
+        self, rel: str, size: int | None, digest: str | None, *, full: bool
+    ) -> Finding | None:
+        """The one place that sorts a bad payload into lost or corrupt.
+
+        Gone: ``lost``. Unreadable (a permission, a path that escapes the save
+        directory): ``lost`` too, since its bytes cannot be had. A link or
+        special file inside a checkpoint directory, a size or (``full``) a
+        hash that differs from the row: ``corrupt``.
+        """
+        try:
+            path = self.path(rel)
+            actual = (
+                files.hash_checkpoint(path) if full else FileInfo(files.checkpoint_size(path), "")
+            )
+        except FileNotFoundError as exc:
+            return Finding(LOST, "file missing", missing=True, error=exc)
+        except ForeignEntryError as exc:
+            return Finding(CORRUPT, str(exc), error=exc)
+        except (OSError, InvalidArgumentError) as exc:
+            return Finding(LOST, f"unreadable: {exc}", error=exc)
+        if actual.size != size:
+            return Finding(CORRUPT, f"size {actual.size} != recorded {size}", actual)
+        if full and actual.hash != digest:
+            return Finding(CORRUPT, f"hash {actual.hash} != recorded {digest}", actual)
+        return None
+
+    def list_ours(self) -> Iterator[Found]:
+        """Every entry named like ours, by stream then name.
+
+        Only real directories with valid stream names are entered. A ``.pt``
+        name counts only as a regular file and a sharded ``.dcp`` name only as
+        a real directory: symlinks and anything else are never ours to touch.
+        """
+        if not self.save_dir.is_dir():
+            return
+        for stream_dir in sorted(os.scandir(self.save_dir), key=lambda e: e.name):
+            name = stream_dir.name
+            if stream_dir.is_symlink() or not stream_dir.is_dir():
+                continue
+            if not STREAM_NAME.fullmatch(name) or name.startswith("ckptdb."):
+                continue
+            for entry in sorted(os.scandir(stream_dir.path), key=lambda e: e.name):
+                if entry.is_symlink() or not _right_kind(entry):
+                    continue
+                if TEMP_NAME.fullmatch(entry.name):
+                    yield Found(name, entry.name, "temp")
+                elif CHECKPOINT_NAME.fullmatch(entry.name):
+                    yield Found(name, entry.name, "checkpoint")
+
+    # ------------------------------------------------------------------ removing
+
+    def remove(self, rel: str) -> bool:
+        return files.remove(self.path(rel))
+
+    def quarantine(self, rel: str, into: Path) -> Path:
+        return files.move_aside(self.save_dir / rel, into)
+
+
+def _right_kind(entry: os.DirEntry[str]) -> bool:
+    sharded = entry.name.endswith(SHARDED_SUFFIX) or f"{SHARDED_SUFFIX}.tmp-" in entry.name
+    return entry.is_dir(follow_symlinks=False) if sharded else entry.is_file(follow_symlinks=False)
+
+
+class _Memo:
+    def __init__(self, store: LocalStore) -> None:
+        self.store = store
+
+    def __enter__(self) -> LocalStore:
+        self.store._resolved = {}
+        return self.store
+
+    def __exit__(self, *exc: object) -> None:
+        self.store._resolved = None
