@@ -11,15 +11,11 @@ refused statement changes.
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import os
-import shutil
 import sqlite3
 import struct
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +24,7 @@ import click
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from helpers import files, rows, state
+from helpers import cli_subprocess, files, invoke, rows, sha256, state
 
 import ckptdb.ledger
 from ckptdb import CheckpointManager, Keep, TopK
@@ -45,29 +41,10 @@ ORPHAN = "model/step-000000099.pt"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _console_script() -> str:
-    beside = Path(sys.executable).parent / "ckptdb"
-    return str(beside) if beside.exists() else (shutil.which("ckptdb") or "ckptdb")
-
-
-CKPTDB = _console_script()
+pytestmark = pytest.mark.usefixtures("no_db_url_from_environment")
 
 
 # --------------------------------------------------------------------- helpers
-
-
-@pytest.fixture(autouse=True)
-def _no_db_url_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CKPTDB_DB_URL", raising=False)
-
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return CliRunner()
-
-
-def invoke(runner: CliRunner, *args: Any) -> Result:
-    return runner.invoke(main, [str(a) for a in args])
 
 
 def ok(result: Result) -> Result:
@@ -85,18 +62,6 @@ def one_line_error(result: Result, code: int = 1) -> str:
     assert len(lines) == 1, result.stderr
     assert result.stdout.strip() == ""
     return lines[0]
-
-
-def cli_subprocess(*args: Any, cwd: Path | None = None, timeout: float = 120) -> Any:
-    return subprocess.run(
-        [CKPTDB, *(str(a) for a in args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=timeout,
-        env={k: v for k, v in os.environ.items() if k != "CKPTDB_DB_URL"},
-        check=False,
-    )
 
 
 def save_dir_of(root: Path) -> Path:
@@ -148,10 +113,6 @@ def ledger_image(root: Path) -> dict[str, Any]:
         return image
     finally:
         con.close()
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def refuse_save(*args: Any, **kwargs: Any) -> None:
