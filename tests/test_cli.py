@@ -474,7 +474,14 @@ def test_latest_and_best_with_no_checkpoint_exit_1(
 ) -> None:
     CheckpointManager(root, streams=STREAMS).close()
     line = one_line_error(invoke(runner, command, root))
-    assert "model" in line or "best" in line
+    # the stream the command looked in: latest's default, best's only top-K stream
+    (topk,) = (name for name, policy in STREAMS.items() if isinstance(policy, TopK))
+    stream = {"latest": "model", "best": topk}[command]
+    others = [name for name in STREAMS if name != stream]
+    # (the test's tmp_path contains "best": the stream is checked quoted, as it is named)
+    assert f"stream {stream!r} of {root} " in line, line
+    assert line.endswith("has no checkpoint yet"), line
+    assert not any(repr(name) in line for name in others), line
 
 
 def test_latest_when_every_checkpoint_was_aborted_exits_1(
