@@ -33,7 +33,18 @@ from ckptdb.errors import CkptDBError, PublishError
 
 Opener = Callable[..., CheckpointManager]
 
-COMMANDS = ("demo", "status", "list", "latest", "best", "history", "sql", "reconcile", "gc", "db")
+# Every command, read from the click group (a new command cannot be forgotten): the
+# top-level names, and every path to a command, through a group (`db upgrade`) too.
+COMMANDS = tuple(sorted(main.commands))
+COMMAND_PATHS = sorted(
+    [(name,) for name in main.commands]
+    + [
+        (name, sub)
+        for name, command in main.commands.items()
+        if isinstance(command, click.Group)
+        for sub in command.commands
+    ]
+)
 STREAMS = {"model": Keep(last=3), "ema": Keep(last=2), "best": TopK(3, "val_loss")}
 VAL_LOSS = [3.0, 1.0, 4.0, 0.5, 2.0]  # steps 0..4; top-3 afterwards: steps 3, 1, 4
 BEST_ORDER = [3, 1, 4]
@@ -160,16 +171,7 @@ def test_main_help_lists_every_command_with_a_description(runner: CliRunner) -> 
         assert len(line.split()) > 1, f"{name} has no one-line description"
 
 
-def _command_paths() -> list[tuple[str, ...]]:
-    paths: set[tuple[str, ...]] = {(name,) for name in COMMANDS}
-    for name, command in main.commands.items():
-        paths.add((name,))
-        if isinstance(command, click.Group):
-            paths.update((name, sub) for sub in command.commands)
-    return sorted(paths)
-
-
-@pytest.mark.parametrize("path", _command_paths(), ids=" ".join)
+@pytest.mark.parametrize("path", COMMAND_PATHS, ids=" ".join)
 def test_every_command_help_has_a_description_and_an_example(
     runner: CliRunner, path: tuple[str, ...]
 ) -> None:
@@ -224,7 +226,26 @@ READ_COMMANDS = [
     ["sql", "SELECT 1"],
     ["db", "current"],
 ]
-WRITE_COMMANDS = [["reconcile"], ["reconcile", "--dry-run"], ["gc"], ["db", "upgrade"]]
+WRITE_COMMANDS = [
+    ["reconcile"],
+    ["reconcile", "--dry-run"],
+    ["gc"],
+    ["db", "upgrade"],
+    ["check"],  # opens the run for maintenance, under the writer lock
+]
+# Commands deliberately left out of the parametrized tests of READ_COMMANDS and
+# WRITE_COMMANDS (a directory that is not a run, a trainer holding the lock), and why.
+NOT_RUN_ON_A_RUN = {
+    ("demo",): "creates its own run (--fresh removes a previous one): tested end to end below",
+    ("db",): "a group: its commands (db upgrade, db current) are in the lists",
+}
+
+
+def test_every_command_is_read_write_or_excluded_with_a_reason() -> None:
+    """A new command must join READ_COMMANDS or WRITE_COMMANDS (or say why not)."""
+    listed = {tuple(args[: 2 if args[0] == "db" else 1]) for args in READ_COMMANDS + WRITE_COMMANDS}
+    assert not listed & set(NOT_RUN_ON_A_RUN)
+    assert listed | set(NOT_RUN_ON_A_RUN) == set(COMMAND_PATHS)
 
 
 def _with_root(args: list[str], root: Path) -> list[str]:
