@@ -25,7 +25,16 @@ import pytest
 import torch
 from alembic import command
 from click.testing import CliRunner, Result
-from helpers import files, invoke, ledger_rows, pg_admin, run_script, schema_diff, state
+from helpers import (
+    files,
+    invoke,
+    ledger_rows,
+    pg_admin,
+    run_script,
+    schema_diff,
+    state,
+    value_of,
+)
 from sqlalchemy import create_engine, inspect
 from sqlalchemy.pool import NullPool
 
@@ -704,10 +713,27 @@ def test_network_filesystem_rule_does_not_apply_to_postgresql(
     pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import ckptdb.netfs
+    from ckptdb.errors import NetworkFilesystemError
 
     mounts = tmp_path / "mounts"
     mounts.write_text(f"/dev/vda / ext4 rw 0 0\nfiler:/export {tmp_path} nfs4 rw 0 0\n")
     monkeypatch.setattr(ckptdb.netfs, "MOUNTS_PATH", mounts)
     monkeypatch.delenv("CKPTDB_ALLOW_NETWORK_SQLITE", raising=False)
-    with CheckpointManager(tmp_path / "run", db_url=pg_url) as mgr:  # checkpoints on NFS: fine
-        mgr.save(1, model=state(1))
+    root = tmp_path / "run"
+    assert ckptdb.netfs.mount_of(root) == (str(tmp_path), "nfs4")
+    with pytest.raises(NetworkFilesystemError):  # where a SQLite ledger is refused
+        CheckpointManager(tmp_path / "sqlite-run")
+    with CheckpointManager(root, db_url=pg_url) as mgr:  # checkpoints on NFS: fine
+        saved = mgr.save(1, model=state(1))["model"]
+        assert value_of(mgr.load("latest")) == 1
+    # the save went through: the file on NFS, its committed row and the latest pointer
+    # in the PostgreSQL ledger, and no SQLite ledger next to the checkpoints
+    assert saved.path == root / "checkpoints" / "model" / "step-000000001.pt"
+    assert saved.path.stat().st_size == saved.size
+    assert ledger_rows(pg_url, "SELECT id, stream, step, state, path, size FROM checkpoints") == [
+        (saved.id, "model", 1, "committed", "model/step-000000001.pt", saved.size)
+    ]
+    assert ledger_rows(pg_url, "SELECT name, checkpoint_id FROM pointers") == [
+        ("latest:model", saved.id)
+    ]
+    assert files(root) == ["checkpoints/model/step-000000001.pt"]
