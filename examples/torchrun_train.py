@@ -8,6 +8,11 @@ only rank 0 touches the ledger. The replicated model goes in plain streams
 job a sharded optimizer or data-loader position) goes in a ``Sharded`` stream
 that every rank writes through torch.distributed.checkpoint. Run it twice:
 the second run resumes every rank from the latest boundary.
+
+The model learns a fixed random "teacher" network from noisy samples (each
+rank draws its own); a held-out validation set from the same distribution,
+evaluated by every rank on its share, scores each boundary for the "best"
+stream.
 """
 
 from __future__ import annotations
@@ -22,6 +27,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ckptdb import CheckpointManager, Keep, NonFiniteGradGuard, Sharded, TopK
 
+NOISE = 0.1
+
+
+def teacher_task(n_val: int = 256) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The network to learn, and a held-out validation set: the same on every rank and run."""
+    gen = torch.Generator().manual_seed(1234)
+    teacher = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        x_val = torch.randn(n_val, 8, generator=gen)
+        y_val = teacher(x_val) + NOISE * torch.randn(n_val, 1, generator=gen)
+    return teacher, x_val, y_val
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -33,6 +52,7 @@ def main() -> None:
     # A short collective timeout: a rank that dies makes the others fail fast.
     dist.init_process_group("gloo", timeout=dt.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
+    teacher, x_val, y_val = teacher_task()
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -52,17 +72,23 @@ def main() -> None:
             torch.set_rng_state(mine[f"rng/{rank}"])
         for step in range(start, args.steps):
             x = torch.randn(64, 8)
-            loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+            with torch.no_grad():
+                y = teacher(x) + NOISE * torch.randn(64, 1)
+            loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()
             guard.clip_grad_norm_(model.parameters(), max_norm=1.0)
             opt.step()
             if (step + 1) % args.every == 0:
-                val = loss.detach().clone()
+                with torch.no_grad():  # each rank scores its share of the validation set
+                    mine = slice(rank, None, world)
+                    val = nn.functional.mse_loss(
+                        model.module(x_val[mine]), y_val[mine], reduction="sum"
+                    )
                 dist.all_reduce(val)
                 mgr.save(  # collective: publishes on every rank or on none
                     step,
-                    metrics={"val_loss": val.item() / world},
+                    metrics={"val_loss": val.item() / len(x_val)},
                     model={
                         "model": model.module.state_dict(),
                         "optim": opt.state_dict(),

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import LedgerClient, pg_admin, pg_schema_url
+from click.testing import CliRunner
+from helpers import LedgerClient, boundary, pg_admin, pg_schema_url
 
 from ckptdb import CheckpointManager, Keep, TopK
 
@@ -70,6 +71,41 @@ def db(root: Path, db_url: str | None) -> Iterator[LedgerClient]:
 @pytest.fixture
 def streams() -> dict[str, Any]:
     return {"model": Keep(last=3), "ema": Keep(last=2), "best": TopK(2, "val_loss")}
+
+
+@pytest.fixture
+def warm(
+    open_manager: Callable[..., CheckpointManager], streams: dict[str, Any], db: LedgerClient
+) -> CheckpointManager:
+    """A manager with two committed boundaries (steps 10 and 20) on model, ema and best."""
+    mgr = open_manager(streams=streams)
+    mgr.save(10, metrics={"val_loss": 1.0}, **boundary(1.0))
+    mgr.save(20, metrics={"val_loss": 2.0}, **boundary(2.0))
+    assert len(db.rows("SELECT id FROM checkpoints WHERE state = 'committed'")) == 6
+    return mgr
+
+
+@pytest.fixture
+def save_dir(root: Path) -> Path:
+    """The default checkpoint directory of the run at ``root``."""
+    return root / "checkpoints"
+
+
+# ------------------------------------------------------------------------ the CLI
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture
+def no_db_url_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``CKPTDB_DB_URL`` from the environment: commands use each run's own ledger.
+
+    A module whose every test needs it: ``pytestmark = pytest.mark.usefixtures(...)``.
+    """
+    monkeypatch.delenv("CKPTDB_DB_URL", raising=False)
 
 
 # ----------------------------------------------------------------- PostgreSQL

@@ -3,22 +3,45 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
+import shutil
 import sqlite3
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy.exc
 import torch
+import xxhash
+from click.testing import CliRunner, Result
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.pool import NullPool
 
+from ckptdb.cli import main
+
+CHILD_TIMEOUT = 90  # seconds; generous for a cold torch import, far below pytest's timeout
+
 
 def state(value: float, n: int = 4) -> dict[str, torch.Tensor]:
     return {"w": torch.full((n,), float(value)), "b": torch.tensor([float(value)])}
+
+
+def value_of(loaded: dict[str, Any]) -> float:
+    """The value a :func:`state` payload was made with."""
+    return float(loaded["b"][0])
+
+
+def boundary(value: float) -> dict[str, Any]:
+    """Payloads for every stream of the ``streams`` fixture (model, ema, best), in that order."""
+    return {"model": state(value), "ema": state(value + 0.5), "best": state(value + 0.25)}
 
 
 def rows(root: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
@@ -170,12 +193,73 @@ def files(directory: Path) -> list[str]:
     )
 
 
+def digest(path: Path) -> str:
+    return xxhash.xxh3_128(Path(path).read_bytes()).hexdigest()
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def disk(directory: Path) -> dict[str, str]:
+    """Every file under ``directory`` with its content hash."""
+    return {name: digest(directory / name) for name in files(directory)}
+
+
+def tree(directory: Path) -> dict[str, str]:
+    """Every entry under ``directory`` (symlinks not followed) with a content digest."""
+    out: dict[str, str] = {}
+    if not directory.exists():
+        return out
+    for dirpath, dirnames, filenames in os.walk(directory):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            rel = path.relative_to(directory).as_posix()
+            if path.is_symlink():
+                out[rel] = "link->" + os.readlink(path)
+            elif path.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    """Flip one byte in place (the middle one by default); the size stays the same."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if offset is None else offset
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def db_locked(statement: str) -> sqlalchemy.exc.OperationalError:
+    """The error SQLAlchemy raises when SQLite's busy timeout runs out."""
+    return sqlalchemy.exc.OperationalError(
+        statement, {}, sqlite3.OperationalError("database is locked")
+    )
+
+
 def ledger_rows(url: str, sql: str, **params: Any) -> list[tuple[Any, ...]]:
     """Query any ledger (SQLite or PostgreSQL URL) directly, with ``:name`` parameters."""
     engine = create_engine(url, poolclass=NullPool)
     try:
         with engine.connect() as conn:
             return [tuple(r) for r in conn.execute(text(sql), params)]
+    finally:
+        engine.dispose()
+
+
+def schema_diff(url: str) -> list[Any]:
+    """What differs between the migrated schema and ``ckptdb.ledger.models`` (empty: nothing)."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    from ckptdb.ledger.models import Base
+
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return list(compare_metadata(MigrationContext.configure(conn), Base.metadata))
     finally:
         engine.dispose()
 
@@ -195,6 +279,49 @@ def pg_admin(url: str) -> Iterator[Connection]:
             yield conn
     finally:
         engine.dispose()
+
+
+def run_script(
+    tmp_path: Path, code: str, *args: str, name: str = "child.py"
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` (dedented) as a script in ``tmp_path``, in a fresh interpreter."""
+    script = tmp_path / name
+    script.write_text(textwrap.dedent(code))
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT,
+        cwd=tmp_path,
+        check=False,
+    )
+
+
+# ------------------------------------------------------------------------ the CLI
+
+
+def console_script() -> str:
+    """The installed ``ckptdb`` command (beside this interpreter, else on PATH)."""
+    beside = Path(sys.executable).parent / "ckptdb"
+    return str(beside) if beside.exists() else (shutil.which("ckptdb") or "ckptdb")
+
+
+def invoke(runner: CliRunner, *args: Any) -> Result:
+    """``ckptdb ARGS`` in-process."""
+    return runner.invoke(main, [str(a) for a in args])
+
+
+def cli_subprocess(*args: Any, cwd: Path | None = None, timeout: float = 120) -> Any:
+    """``ckptdb ARGS`` as a real process (without ``CKPTDB_DB_URL`` from the environment)."""
+    return subprocess.run(
+        [console_script(), *(str(a) for a in args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        env={k: v for k, v in os.environ.items() if k != "CKPTDB_DB_URL"},
+        check=False,
+    )
 
 
 def hammer(root: str, db_url: str, stop: str, out: str) -> None:

@@ -31,8 +31,6 @@ import math
 import os
 import sqlite3
 import string
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,9 +40,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import xxhash
 from click.testing import CliRunner
-from helpers import state
+from helpers import boundary, cli_subprocess, digest, state
 
 from ckptdb import CheckpointManager, Keep, NonFiniteGradGuard, TopK
 from ckptdb.cli import main
@@ -69,12 +66,10 @@ SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
 STREAMS = {"model": Keep(last=3), "ema": Keep(last=2), "best": TopK(2, "val_loss")}
 GARBAGE = b"this is not a database, just some bytes\x00\xff" * 200
 
+pytestmark = pytest.mark.usefixtures("no_db_url_from_environment")
+
 
 # ----------------------------------------------------------- images of the disk
-
-
-def digest(path: Path) -> str:
-    return xxhash.xxh3_128(path.read_bytes()).hexdigest()
 
 
 def ledger_rows(path: Path) -> Any:
@@ -175,10 +170,6 @@ def assert_only_expected_change(
 
 
 # -------------------------------------------------------------- what cases act on
-
-
-def boundary(value: float) -> dict[str, Any]:
-    return {"model": state(value), "ema": state(value + 0.5), "best": state(value + 0.25)}
 
 
 def build_run(root: Path) -> Path:
@@ -298,11 +289,6 @@ def env(tmp_path: Path) -> Iterator[Env]:
     for path in e.paths.values():
         if path.is_relative_to(e.tmp) and path.is_dir():
             path.chmod(0o755)  # a read-only root, so that pytest can remove it
-
-
-@pytest.fixture(autouse=True)
-def _no_db_url_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CKPTDB_DB_URL", raising=False)
 
 
 def build(env: Env, needs: tuple[str, ...]) -> None:
@@ -839,11 +825,6 @@ def test_cli_bad_input_is_one_line_and_changes_nothing(env: Env, case: CliCase) 
     assert image(env.tmp) == before
 
 
-def _console_script() -> str:
-    beside = Path(sys.executable).parent / "ckptdb"
-    return str(beside) if beside.exists() else "ckptdb"
-
-
 @pytest.mark.parametrize(
     "args",
     [("sql", "{run}", "SELEC nonsense"), ("status", "{garbage}")],
@@ -853,14 +834,7 @@ def test_cli_bad_input_in_a_real_process(env: Env, args: tuple[str, ...]) -> Non
     build(env, targets_of(args))
     argv = render(env, args)
     before = image(env.tmp)
-    proc = subprocess.run(
-        [_console_script(), *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={k: v for k, v in os.environ.items() if k != "CKPTDB_DB_URL"},
-        check=False,
-    )
+    proc = cli_subprocess(*argv)
     line = assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, 1)
     assert line.strip() != "Error:"
     assert image(env.tmp) == before

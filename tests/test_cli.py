@@ -11,15 +11,11 @@ refused statement changes.
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import os
-import shutil
 import sqlite3
 import struct
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +24,7 @@ import click
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from helpers import files, rows, state
+from helpers import cli_subprocess, files, invoke, rows, sha256, state
 
 import ckptdb.ledger.rows
 from ckptdb import CheckpointManager, Keep, TopK
@@ -37,7 +33,18 @@ from ckptdb.errors import CkptDBError, PublishError
 
 Opener = Callable[..., CheckpointManager]
 
-COMMANDS = ("demo", "status", "list", "latest", "best", "history", "sql", "reconcile", "gc", "db")
+# Every command, read from the click group (a new command cannot be forgotten): the
+# top-level names, and every path to a command, through a group (`db upgrade`) too.
+COMMANDS = tuple(sorted(main.commands))
+COMMAND_PATHS = sorted(
+    [(name,) for name in main.commands]
+    + [
+        (name, sub)
+        for name, command in main.commands.items()
+        if isinstance(command, click.Group)
+        for sub in command.commands
+    ]
+)
 STREAMS = {"model": Keep(last=3), "ema": Keep(last=2), "best": TopK(3, "val_loss")}
 VAL_LOSS = [3.0, 1.0, 4.0, 0.5, 2.0]  # steps 0..4; top-3 afterwards: steps 3, 1, 4
 BEST_ORDER = [3, 1, 4]
@@ -45,29 +52,10 @@ ORPHAN = "model/step-000000099.pt"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _console_script() -> str:
-    beside = Path(sys.executable).parent / "ckptdb"
-    return str(beside) if beside.exists() else (shutil.which("ckptdb") or "ckptdb")
-
-
-CKPTDB = _console_script()
+pytestmark = pytest.mark.usefixtures("no_db_url_from_environment")
 
 
 # --------------------------------------------------------------------- helpers
-
-
-@pytest.fixture(autouse=True)
-def _no_db_url_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CKPTDB_DB_URL", raising=False)
-
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return CliRunner()
-
-
-def invoke(runner: CliRunner, *args: Any) -> Result:
-    return runner.invoke(main, [str(a) for a in args])
 
 
 def ok(result: Result) -> Result:
@@ -85,18 +73,6 @@ def one_line_error(result: Result, code: int = 1) -> str:
     assert len(lines) == 1, result.stderr
     assert result.stdout.strip() == ""
     return lines[0]
-
-
-def cli_subprocess(*args: Any, cwd: Path | None = None, timeout: float = 120) -> Any:
-    return subprocess.run(
-        [CKPTDB, *(str(a) for a in args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=timeout,
-        env={k: v for k, v in os.environ.items() if k != "CKPTDB_DB_URL"},
-        check=False,
-    )
 
 
 def save_dir_of(root: Path) -> Path:
@@ -150,10 +126,6 @@ def ledger_image(root: Path) -> dict[str, Any]:
         con.close()
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def refuse_save(*args: Any, **kwargs: Any) -> None:
     raise OSError(28, "No space left on device (injected)")
 
@@ -199,16 +171,7 @@ def test_main_help_lists_every_command_with_a_description(runner: CliRunner) -> 
         assert len(line.split()) > 1, f"{name} has no one-line description"
 
 
-def _command_paths() -> list[tuple[str, ...]]:
-    paths: set[tuple[str, ...]] = {(name,) for name in COMMANDS}
-    for name, command in main.commands.items():
-        paths.add((name,))
-        if isinstance(command, click.Group):
-            paths.update((name, sub) for sub in command.commands)
-    return sorted(paths)
-
-
-@pytest.mark.parametrize("path", _command_paths(), ids=" ".join)
+@pytest.mark.parametrize("path", COMMAND_PATHS, ids=" ".join)
 def test_every_command_help_has_a_description_and_an_example(
     runner: CliRunner, path: tuple[str, ...]
 ) -> None:
@@ -263,7 +226,26 @@ READ_COMMANDS = [
     ["sql", "SELECT 1"],
     ["db", "current"],
 ]
-WRITE_COMMANDS = [["reconcile"], ["reconcile", "--dry-run"], ["gc"], ["db", "upgrade"]]
+WRITE_COMMANDS = [
+    ["reconcile"],
+    ["reconcile", "--dry-run"],
+    ["gc"],
+    ["db", "upgrade"],
+    ["check"],  # opens the run for maintenance, under the writer lock
+]
+# Commands deliberately left out of the parametrized tests of READ_COMMANDS and
+# WRITE_COMMANDS (a directory that is not a run, a trainer holding the lock), and why.
+NOT_RUN_ON_A_RUN = {
+    ("demo",): "creates its own run (--fresh removes a previous one): tested end to end below",
+    ("db",): "a group: its commands (db upgrade, db current) are in the lists",
+}
+
+
+def test_every_command_is_read_write_or_excluded_with_a_reason() -> None:
+    """A new command must join READ_COMMANDS or WRITE_COMMANDS (or say why not)."""
+    listed = {tuple(args[: 2 if args[0] == "db" else 1]) for args in READ_COMMANDS + WRITE_COMMANDS}
+    assert not listed & set(NOT_RUN_ON_A_RUN)
+    assert listed | set(NOT_RUN_ON_A_RUN) == set(COMMAND_PATHS)
 
 
 def _with_root(args: list[str], root: Path) -> list[str]:
@@ -513,7 +495,14 @@ def test_latest_and_best_with_no_checkpoint_exit_1(
 ) -> None:
     CheckpointManager(root, streams=STREAMS).close()
     line = one_line_error(invoke(runner, command, root))
-    assert "model" in line or "best" in line
+    # the stream the command looked in: latest's default, best's only top-K stream
+    (topk,) = (name for name, policy in STREAMS.items() if isinstance(policy, TopK))
+    stream = {"latest": "model", "best": topk}[command]
+    others = [name for name in STREAMS if name != stream]
+    # (the test's tmp_path contains "best": the stream is checked quoted, as it is named)
+    assert f"stream {stream!r} of {root} " in line, line
+    assert line.endswith("has no checkpoint yet"), line
+    assert not any(repr(name) in line for name in others), line
 
 
 def test_latest_when_every_checkpoint_was_aborted_exits_1(

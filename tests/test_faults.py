@@ -41,8 +41,7 @@ from typing import Any
 import pytest
 import sqlalchemy.exc
 import torch
-import xxhash
-from helpers import files, rows, state
+from helpers import boundary, db_locked, digest, disk, files, rows, state
 
 import ckptdb.ledger.engine
 import ckptdb.ledger.rows
@@ -68,15 +67,6 @@ BUSY_TIMEOUT_MS = 25  # how long ckptdb waits on a locked ledger in these tests
 
 
 # --------------------------------------------------------------------- helpers
-
-
-def digest(path: Path) -> str:
-    return xxhash.xxh3_128(path.read_bytes()).hexdigest()
-
-
-def disk(directory: Path) -> dict[str, str]:
-    """Every file under ``directory`` with its content hash."""
-    return {name: digest(directory / name) for name in files(directory)}
 
 
 def temp_files(directory: Path) -> list[str]:
@@ -118,18 +108,8 @@ def events(root: Path, kind: str) -> list[tuple[Any, ...]]:
     )
 
 
-def boundary(value: float) -> dict[str, Any]:
-    return {"model": state(value), "ema": state(value + 0.5), "best": state(value + 0.25)}
-
-
 def os_error(code: int) -> OSError:
     return OSError(code, os.strerror(code))
-
-
-def db_locked(statement: str) -> sqlalchemy.exc.OperationalError:
-    return sqlalchemy.exc.OperationalError(
-        statement, {}, sqlite3.OperationalError("database is locked")
-    )
 
 
 def caught_cleanup_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
@@ -217,16 +197,6 @@ def fault_hook() -> Iterator[Callable[[Callable[[str], None]], None]]:
 
     yield install
     faults.set_hook(previous)
-
-
-@pytest.fixture
-def warm(open_manager: Opener, streams: dict[str, Any], root: Path) -> CheckpointManager:
-    """model Keep(3), ema Keep(2), best TopK(2, val_loss); steps 10 and 20 committed."""
-    mgr = open_manager(streams=streams)
-    mgr.save(10, metrics={"val_loss": 1.0}, **boundary(1.0))
-    mgr.save(20, metrics={"val_loss": 2.0}, **boundary(2.0))
-    assert len(committed_state(root)[0]) == 6
-    return mgr
 
 
 # ------------------------------------------------------------- fault installers

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pprint
@@ -18,11 +17,9 @@ from typing import Any
 
 import pytest
 from alembic import command
-from alembic.autogenerate import compare_metadata
-from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from filelock import FileLock
-from helpers import files, rows, state
+from helpers import CHILD_TIMEOUT, files, rows, run_script, schema_diff, sha256, state, value_of
 from sqlalchemy import create_engine, inspect
 
 from ckptdb import CheckpointManager, Keep, TopK
@@ -33,13 +30,11 @@ from ckptdb.errors import (
     SchemaVersionError,
 )
 from ckptdb.ledger.engine import alembic_config, create_ledger_engine
-from ckptdb.ledger.models import Base
 
 REPO = Path(__file__).resolve().parents[1]
 TABLES = {"runs", "attempts", "streams", "checkpoints", "pointers", "metrics", "events"}
 VIEWS = {"latest_checkpoints", "best_checkpoints"}
 LOWER_WORD = re.compile(r"[a-z]+(_[a-z]+)*")
-CHILD_TIMEOUT = 90  # seconds; generous for a cold torch import, far below pytest's timeout
 
 
 def head_revision() -> str:
@@ -48,41 +43,12 @@ def head_revision() -> str:
     return heads[0]
 
 
-def run_child(tmp_path: Path, code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    script = tmp_path / "child.py"
-    script.write_text(textwrap.dedent(code))
-    return subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT,
-        cwd=tmp_path,
-    )
-
-
-def value_of(loaded: dict[str, Any]) -> float:
-    return float(loaded["b"][0])
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def wal_checkpoint(db: Path) -> None:
     con = sqlite3.connect(db)
     try:
         con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
     finally:
         con.close()
-
-
-def schema_diff(url: str) -> list[Any]:
-    engine = create_engine(url)
-    try:
-        with engine.connect() as conn:
-            return list(compare_metadata(MigrationContext.configure(conn), Base.metadata))
-    finally:
-        engine.dispose()
 
 
 def assert_schema_matches_models(url: str) -> None:
@@ -125,7 +91,7 @@ def test_second_process_is_refused_at_once_naming_the_holder(root, open_manager,
 
     # The lock is taken with no waiting: if the child blocked on it, the
     # subprocess timeout (far below pytest's) would fail the test.
-    result = run_child(tmp_path, LOCKED_CHILD, str(root))
+    result = run_script(tmp_path, LOCKED_CHILD, str(root))
 
     assert result.returncode == 3, result.stdout + result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -636,7 +602,7 @@ CRASH_CHILD = """
 
 
 def test_a_crashed_attempt_is_marked_at_the_next_open(root, tmp_path):
-    result = run_child(tmp_path, CRASH_CHILD, str(root))
+    result = run_script(tmp_path, CRASH_CHILD, str(root))
     assert result.returncode == 0, result.stderr
     crashed_id = int(result.stdout.split()[-1])
     assert [(a[0], a[3], a[5]) for a in attempts(root)] == [(crashed_id, "running", None)]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import rows, state
+from helpers import flip_byte, rows, state, value_of
 
 from ckptdb import Checkpoint, CheckpointManager
 from ckptdb.errors import (
@@ -26,10 +26,6 @@ class Opaque:
 
     def __init__(self, value: int) -> None:
         self.value = value
-
-
-def value_of(loaded: dict[str, torch.Tensor]) -> float:
-    return float(loaded["b"][0])
 
 
 @pytest.fixture
@@ -148,24 +144,17 @@ def test_map_location_defaults_to_cpu(mgr, monkeypatch):
 # ----------------------------------------------------------------- corruption
 
 
-def flip_a_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    middle = len(data) // 2
-    data[middle] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def truncate(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
 
 
-@pytest.mark.parametrize("damage", [flip_a_byte, truncate], ids=["flipped-byte", "truncated"])
+@pytest.mark.parametrize("damage", [flip_byte, truncate], ids=["flipped-byte", "truncated"])
 def test_damaged_file_is_refused_before_unpickling(mgr, monkeypatch, damage):
     target = mgr.latest()
     size_before = target.path.stat().st_size
     damage(target.path)
-    if damage is flip_a_byte:
+    if damage is flip_byte:
         assert target.path.stat().st_size == size_before  # only the hash can tell
 
     def must_not_unpickle(*args: Any, **kwargs: Any) -> Any:
@@ -194,7 +183,7 @@ def test_damaged_file_is_refused_before_unpickling(mgr, monkeypatch, damage):
 
 def test_a_corrupt_best_member_is_refused(mgr, monkeypatch):
     best = mgr.best()[0]
-    flip_a_byte(best.path)
+    flip_byte(best.path)
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("unpickled a corrupt file"))
     with pytest.raises(CorruptCheckpointError):
         mgr.load("best")
@@ -287,7 +276,7 @@ def test_first_load_records_the_resume(root, streams):
 
 
 def test_a_refused_load_is_not_the_resume(mgr, monkeypatch):
-    flip_a_byte(mgr.latest().path)
+    flip_byte(mgr.latest().path)
     with pytest.raises(CorruptCheckpointError):
         mgr.load()
     assert rows(mgr.root, "SELECT count(*) FROM events WHERE kind = 'resumed'") == [(0,)]

@@ -72,16 +72,24 @@ def test_a_sqlite_ledger_on_a_network_filesystem_is_refused(
 
 @pytest.mark.parametrize("fstype", ["ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs"])
 def test_local_filesystems_are_fine(mount_table: MountTable, shared: Path, fstype: str) -> None:
-    mount_table((shared, fstype))
+    table = mount_table((shared, fstype))
+    ledger = shared / "run" / "ckptdb.sqlite"
+    assert mount_of(ledger, table) == (str(shared), fstype)  # what the check looks at
     with CheckpointManager(shared / "run") as mgr:
         mgr.save(1, model=state(1))
+        assert mgr.latest().step == 1
+    assert ledger.is_file()  # the ledger is on that filesystem, where it was refused nothing
 
 
 def test_the_longest_mount_point_wins(mount_table: MountTable, shared: Path) -> None:
     local = shared / "scratch"
-    mount_table((shared, "nfs"), (local, "ext4"))
+    table = mount_table((shared, "nfs"), (local, "ext4"))
+    assert mount_of(local / "run" / "ckptdb.sqlite", table) == (str(local), "ext4")
+    assert mount_of(shared / "scratchpad" / "run" / "ckptdb.sqlite", table) == (str(shared), "nfs")
     with CheckpointManager(local / "run") as mgr:  # a local disk mounted inside the NFS tree
         mgr.save(1, model=state(1))
+        assert mgr.latest().step == 1
+    assert (local / "run" / "ckptdb.sqlite").is_file()
     with pytest.raises(NetworkFilesystemError):
         CheckpointManager(shared / "scratchpad" / "run")  # a sibling name is not inside
 
@@ -106,10 +114,15 @@ def test_escaped_mount_points_and_symlinks(mount_table: MountTable, tmp_path: Pa
 def test_the_environment_variable_overrides(
     mount_table: MountTable, shared: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mount_table((shared, "nfs"))
+    table = mount_table((shared, "nfs"))
+    ledger = shared / "run" / "ckptdb.sqlite"
+    assert mount_of(ledger, table) == (str(shared), "nfs")
     monkeypatch.setenv("CKPTDB_ALLOW_NETWORK_SQLITE", "1")
     with CheckpointManager(shared / "run") as mgr:
         mgr.save(1, model=state(1))
+    assert ledger.is_file()  # on the NFS mount, as the override allows
+    with RunReader(shared / "run") as reader:
+        assert reader.latest().step == 1
     monkeypatch.setenv("CKPTDB_ALLOW_NETWORK_SQLITE", "0")
     with pytest.raises(NetworkFilesystemError):
         CheckpointManager(shared / "run")
@@ -131,6 +144,8 @@ def test_a_local_db_url_is_allowed_for_a_run_on_a_network_filesystem(
     with CheckpointManager(shared / "run", db_url=url) as mgr:
         mgr.save(1, model=state(1))
     assert (shared / "run" / "checkpoints" / "model" / "step-000000001.pt").exists()
+    assert (tmp_path / "local" / "ledger.sqlite").is_file()  # the ledger is where the URL says
+    assert not (shared / "run" / "ckptdb.sqlite").exists()  # and not on the NFS mount
     # ... but an explicit SQLite URL on the network filesystem is not
     with pytest.raises(NetworkFilesystemError):
         CheckpointManager(tmp_path / "elsewhere", db_url=f"sqlite:///{shared / 'l.sqlite'}")
@@ -159,9 +174,13 @@ def test_cli_writers_are_refused_and_readers_are_not(
         result = runner.invoke(main, args)
         assert result.exit_code == 1, (args, result.output)
         assert "network filesystem" in result.output and "Traceback" not in result.output
-    assert runner.invoke(main, ["latest", str(root)]).exit_code == 0
+    latest = runner.invoke(main, ["latest", str(root)])
+    assert latest.exit_code == 0, latest.output
+    assert latest.stdout == f"{root / 'checkpoints' / 'model' / 'step-000000001.pt'}\n"
     monkeypatch.setenv("CKPTDB_ALLOW_NETWORK_SQLITE", "1")
-    assert runner.invoke(main, ["gc", str(root)]).exit_code == 0
+    gc = runner.invoke(main, ["gc", str(root)])
+    assert gc.exit_code == 0, gc.output
+    assert gc.stdout == "0 checkpoint(s) evicted\n"
 
 
 def test_no_mount_table_means_no_check(
@@ -169,7 +188,11 @@ def test_no_mount_table_means_no_check(
 ) -> None:
     monkeypatch.setattr(ckptdb.ledger.netfs, "MOUNTS_PATH", tmp_path / "no-such-file")
     assert mount_of(shared) is None
-    check_ledger_location(f"sqlite:///{shared / 'ckptdb.sqlite'}")
+    assert check_ledger_location(f"sqlite:///{shared / 'ckptdb.sqlite'}") is None  # no refusal
+    with CheckpointManager(shared / "run") as mgr:  # a writer opens as on any disk
+        mgr.save(1, model=state(1))
+        assert mgr.latest().step == 1
+    assert (shared / "run" / "ckptdb.sqlite").is_file()
 
 
 @pytest.mark.parametrize(

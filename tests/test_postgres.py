@@ -24,15 +24,21 @@ from typing import Any
 import pytest
 import torch
 from alembic import command
-from alembic.autogenerate import compare_metadata
-from alembic.runtime.migration import MigrationContext
 from click.testing import CliRunner, Result
-from helpers import ledger_rows, pg_admin, state
+from helpers import (
+    files,
+    invoke,
+    ledger_rows,
+    pg_admin,
+    run_script,
+    schema_diff,
+    state,
+    value_of,
+)
 from sqlalchemy import create_engine, inspect
 from sqlalchemy.pool import NullPool
 
 from ckptdb import CheckpointManager, Keep, TopK
-from ckptdb.cli import main
 from ckptdb.errors import (
     CkptDBError,
     InvalidArgumentError,
@@ -50,12 +56,11 @@ from ckptdb.ledger.engine import (
     open_ledger,
 )
 from ckptdb.ledger.lock import AdvisoryWriterLock, FileWriterLock, writer_lock
-from ckptdb.ledger.models import VIEW_NAMES, Base
+from ckptdb.ledger.models import VIEW_NAMES
 from ckptdb.reader import RunReader
 
 Opener = Callable[..., CheckpointManager]
 TESTS = Path(__file__).resolve().parent
-CHILD_TIMEOUT = 90
 STREAMS = {"model": Keep(last=3), "ema": Keep(last=2), "best": TopK(2, "val_loss")}
 TABLES = {"runs", "attempts", "streams", "checkpoints", "pointers", "metrics", "events"}
 
@@ -95,25 +100,8 @@ def pointers(root: Path, backend: str | None) -> dict[str, int]:
     return dict(sql(root, backend, "SELECT name, checkpoint_id FROM pointers"))
 
 
-def disk(directory: Path) -> list[str]:
-    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
-
-
 def boundary(value: float) -> dict[str, Any]:
     return {"model": state(value), "ema": state(value + 0.5), "best": state(value)}
-
-
-def run_script(tmp_path: Path, code: str, *args: str, name: str = "child.py") -> Any:
-    script = tmp_path / name
-    script.write_text(textwrap.dedent(code))
-    return subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT,
-        cwd=tmp_path,
-        check=False,
-    )
 
 
 def start_script(tmp_path: Path, code: str, *args: str, name: str = "child.py") -> Any:
@@ -146,7 +134,7 @@ def test_save_latest_best_load(ledger: Opener, root: Path, backend: str | None) 
     assert float(mgr.load(30)["b"][0]) == 30.0
     assert mgr.check() == []
     # files on disk are exactly the committed rows
-    assert disk(mgr.save_dir) == sorted(p for _s, _t, p in committed(root, backend))
+    assert files(mgr.save_dir) == sorted(p for _s, _t, p in committed(root, backend))
     assert pointers(root, backend) == {
         f"latest:{s}": mgr.latest(s).id for s in ("model", "ema", "best")
     }
@@ -157,7 +145,7 @@ def test_a_failed_write_leaves_every_stream_as_before(
 ) -> None:
     mgr = ledger(streams=STREAMS)
     mgr.save(10, metrics={"val_loss": 1.0}, **boundary(1))
-    before = committed(root, backend), pointers(root, backend), disk(mgr.save_dir)
+    before = committed(root, backend), pointers(root, backend), files(mgr.save_dir)
     payloads = boundary(2)
     real_save = torch.save
 
@@ -170,7 +158,7 @@ def test_a_failed_write_leaves_every_stream_as_before(
     with pytest.raises(PublishError) as info:
         mgr.save(20, metrics={"val_loss": 0.5}, **payloads)
     assert info.value.phase == "write"
-    assert (committed(root, backend), pointers(root, backend), disk(mgr.save_dir)) == before
+    assert (committed(root, backend), pointers(root, backend), files(mgr.save_dir)) == before
     states = sql(root, backend, "SELECT stream, state, error FROM checkpoints WHERE step = 20")
     assert sorted(s for s, _, _ in states) == ["best", "ema", "model"]
     assert all(st == "aborted" and "serializer exploded" in err for _, st, err in states)
@@ -245,7 +233,7 @@ def test_reconcile_at_open_after_a_crash(
         (2, "pending"),
     ]
     save_dir = root / "checkpoints"
-    assert [p for p in disk(save_dir) if ".tmp-" in p], "the crash left no temp file"
+    assert [p for p in files(save_dir) if ".tmp-" in p], "the crash left no temp file"
 
     mgr = ledger()
     assert mgr.last_reconcile.counts.get("rolled_back") == 1
@@ -253,7 +241,7 @@ def test_reconcile_at_open_after_a_crash(
         (1, "committed"),
         (2, "aborted"),
     ]
-    assert disk(save_dir) == ["model/step-000000001.pt"]
+    assert files(save_dir) == ["model/step-000000001.pt"]
     assert mgr.latest().step == 1
     assert float(mgr.load("latest")["w"][0]) == 1.0
     assert [s for (s,) in sql(root, backend, "SELECT end_state FROM attempts ORDER BY id")] == [
@@ -301,15 +289,6 @@ def test_views_answer_on_both_backends(ledger: Opener, root: Path, backend: str 
 
 
 # ---------------------------------------------------------------- schema and migrations
-
-
-def schema_diff(url: str) -> list[Any]:
-    engine = create_engine(url, poolclass=NullPool)
-    try:
-        with engine.connect() as conn:
-            return list(compare_metadata(MigrationContext.configure(conn), Base.metadata))
-    finally:
-        engine.dispose()
 
 
 def test_migrated_schema_matches_the_models(
@@ -401,7 +380,7 @@ def test_readers_never_see_uncommitted_rows_nor_stall_the_writer(
 
 
 def cli(*args: Any) -> Result:
-    return CliRunner().invoke(main, [str(a) for a in args])
+    return invoke(CliRunner(), *args)
 
 
 def ok(result: Result) -> str:
@@ -734,10 +713,27 @@ def test_network_filesystem_rule_does_not_apply_to_postgresql(
     pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import ckptdb.ledger.netfs
+    from ckptdb.errors import NetworkFilesystemError
 
     mounts = tmp_path / "mounts"
     mounts.write_text(f"/dev/vda / ext4 rw 0 0\nfiler:/export {tmp_path} nfs4 rw 0 0\n")
     monkeypatch.setattr(ckptdb.ledger.netfs, "MOUNTS_PATH", mounts)
     monkeypatch.delenv("CKPTDB_ALLOW_NETWORK_SQLITE", raising=False)
-    with CheckpointManager(tmp_path / "run", db_url=pg_url) as mgr:  # checkpoints on NFS: fine
-        mgr.save(1, model=state(1))
+    root = tmp_path / "run"
+    assert ckptdb.ledger.netfs.mount_of(root) == (str(tmp_path), "nfs4")
+    with pytest.raises(NetworkFilesystemError):  # where a SQLite ledger is refused
+        CheckpointManager(tmp_path / "sqlite-run")
+    with CheckpointManager(root, db_url=pg_url) as mgr:  # checkpoints on NFS: fine
+        saved = mgr.save(1, model=state(1))["model"]
+        assert value_of(mgr.load("latest")) == 1
+    # the save went through: the file on NFS, its committed row and the latest pointer
+    # in the PostgreSQL ledger, and no SQLite ledger next to the checkpoints
+    assert saved.path == root / "checkpoints" / "model" / "step-000000001.pt"
+    assert saved.path.stat().st_size == saved.size
+    assert ledger_rows(pg_url, "SELECT id, stream, step, state, path, size FROM checkpoints") == [
+        (saved.id, "model", 1, "committed", "model/step-000000001.pt", saved.size)
+    ]
+    assert ledger_rows(pg_url, "SELECT name, checkpoint_id FROM pointers") == [
+        ("latest:model", saved.id)
+    ]
+    assert files(root) == ["checkpoints/model/step-000000001.pt"]

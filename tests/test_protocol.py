@@ -19,17 +19,14 @@ from __future__ import annotations
 import errno
 import math
 import os
-import sqlite3
 import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy.exc
 import torch
-import xxhash
-from helpers import LedgerClient, files, on_both_backends, state
+from helpers import LedgerClient, boundary, db_locked, digest, disk, files, on_both_backends, state
 
 import ckptdb.ledger.rows
 import ckptdb.storage
@@ -73,15 +70,6 @@ def ledger_dump(db: LedgerClient) -> dict[str, list[tuple[Any, ...]]]:
     return {t: sorted(db.rows(f'SELECT * FROM "{t}"'), key=repr) for t in db.tables()}
 
 
-def digest(path: Path) -> str:
-    return xxhash.xxh3_128(Path(path).read_bytes()).hexdigest()
-
-
-def disk(directory: Path) -> dict[str, str]:
-    """Every file under ``directory`` with its content hash."""
-    return {name: digest(directory / name) for name in files(directory)}
-
-
 def temp_files(directory: Path) -> list[str]:
     return [name for name in files(directory) if Path(name).name.startswith(".")]
 
@@ -92,11 +80,6 @@ def events(db: LedgerClient, kind: str) -> list[tuple[Any, ...]]:
 
 def max_checkpoint_id(db: LedgerClient) -> int:
     return db.rows("SELECT COALESCE(MAX(id), 0) FROM checkpoints")[0][0]
-
-
-def boundary(value: float) -> dict[str, Any]:
-    """Payloads for every stream of the ``streams`` fixture, in BOUNDARY order."""
-    return {"model": state(value), "ema": state(value + 0.5), "best": state(value + 0.25)}
 
 
 def spy_save(
@@ -117,16 +100,6 @@ def spy_save(
 
     monkeypatch.setattr(torch, "save", wrapper)
     return calls
-
-
-@pytest.fixture
-def warm(open_manager: Opener, streams: dict[str, Any], db: LedgerClient) -> CheckpointManager:
-    """A manager with two committed boundaries (steps 10 and 20) on model, ema and best."""
-    mgr = open_manager(streams=streams)
-    mgr.save(10, metrics={"val_loss": 1.0}, **boundary(1.0))
-    mgr.save(20, metrics={"val_loss": 2.0}, **boundary(2.0))
-    assert len(committed(db)) == 6
-    return mgr
 
 
 # ------------------------------------------------------------------ happy path
@@ -431,12 +404,6 @@ class Fault:
             monkeypatch.setattr(ckptdb.ledger.rows, "insert_metrics", insert_metrics)
         else:  # pragma: no cover
             raise AssertionError(kind)
-
-
-def db_locked(statement: str) -> sqlalchemy.exc.OperationalError:
-    return sqlalchemy.exc.OperationalError(
-        statement, {}, sqlite3.OperationalError("database is locked")
-    )
 
 
 def fault_places(backend: str, kind: str) -> tuple[int, ...]:

@@ -13,7 +13,6 @@ PostgreSQL: ``on_both_backends``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -26,7 +25,15 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import LedgerClient, await_sessions_gone, files, on_both_backends, state
+from helpers import (
+    LedgerClient,
+    await_sessions_gone,
+    files,
+    flip_byte,
+    on_both_backends,
+    state,
+    tree,
+)
 
 import ckptdb
 from ckptdb import CheckpointManager, Keep
@@ -61,24 +68,6 @@ def row_state(db: LedgerClient, ident: int) -> str:
 
 def ckpt(save_dir: Path, step: int, stream: str = "model") -> Path:
     return save_dir / stream / f"step-{step:09d}.pt"
-
-
-def tree(directory: Path) -> dict[str, str]:
-    """Every entry under ``directory`` (symlinks not followed) with a content digest."""
-    out: dict[str, str] = {}
-    if not directory.exists():
-        return out
-    for dirpath, dirnames, filenames in os.walk(directory):
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            rel = str(path.relative_to(directory))
-            if path.is_symlink():
-                out[rel] = "link->" + os.readlink(path)
-            elif path.is_dir():
-                out[rel] = "dir"
-            else:
-                out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
 
 
 def ledger_snapshot(db: LedgerClient) -> dict[str, list[tuple[Any, ...]]]:
@@ -138,11 +127,6 @@ def assert_nothing_to_do(mgr: CheckpointManager, db: LedgerClient, *dirs: Path) 
     assert "nothing to do" in str(again)
     assert ledger_snapshot(db) == before_ledger
     assert [tree(d) for d in dirs] == before_files
-
-
-@pytest.fixture
-def save_dir(root: Path) -> Path:
-    return root / "checkpoints"
 
 
 @pytest.fixture
@@ -496,12 +480,6 @@ def test_deleting_row_whose_file_is_already_gone_is_marked_deleted(
 # ------------------------------------------------------------------ lost and corrupt
 
 
-def _flip_same_size(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 DAMAGE = {
     "deleted": (lambda p: p.unlink(), "lost"),
     "truncated": (lambda p: p.write_bytes(p.read_bytes()[:-1]), "corrupt"),
@@ -547,7 +525,7 @@ def test_same_size_change_is_found_only_with_verify(
     for step in (1, 2, 3):
         mgr.save(step, model=state(step))
     ident = row_id(db, 3)
-    _flip_same_size(ckpt(save_dir, 3))
+    flip_byte(ckpt(save_dir, 3))
 
     assert mgr.reconcile().actions == []  # size matches; no hashing without verify
     assert row_state(db, ident) == "committed"

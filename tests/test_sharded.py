@@ -12,7 +12,6 @@ tests/test_distributed.py.)
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 import torch
 import xxhash
 from crashlib import CRASH_EXIT, fork_running, tail, wait_child
-from helpers import LedgerClient, state
+from helpers import LedgerClient, flip_byte, state, tree
 
 import ckptdb
 from ckptdb import CheckpointManager, Keep, Sharded, faults
@@ -103,32 +102,6 @@ def shard_file(directory: Path) -> Path:
     return shards[0]
 
 
-def flip_byte(path: Path, offset: int | None = None) -> None:
-    """Flip one byte in place; the size stays the same."""
-    data = bytearray(path.read_bytes())
-    at = len(data) // 2 if offset is None else offset
-    data[at] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
-def tree(directory: Path) -> dict[str, str]:
-    """Every entry under ``directory`` (links not followed), with a content digest."""
-    out: dict[str, str] = {}
-    if not directory.exists():
-        return out
-    for dirpath, dirnames, filenames in os.walk(directory):
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            rel = path.relative_to(directory).as_posix()
-            if path.is_symlink():
-                out[rel] = "link->" + os.readlink(path)
-            elif path.is_dir():
-                out[rel] = "dir"
-            else:
-                out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
-
-
 def ledger_snapshot(db: LedgerClient) -> dict[str, list[tuple[Any, ...]]]:
     return {
         table: db.rows(f"SELECT * FROM {table} ORDER BY 1")  # fixed table names
@@ -158,11 +131,6 @@ def actions(report: ckptdb.ReconcileReport) -> list[tuple[str, str]]:
 def assert_consistent(mgr: CheckpointManager) -> None:
     assert mgr.check(load=True) == []
     assert mgr.reconcile(dry_run=True).actions == []
-
-
-@pytest.fixture
-def save_dir(root: Path) -> Path:
-    return root / "checkpoints"
 
 
 # ------------------------------------------------------------------ round trip
