@@ -1,1 +1,1 @@
-"""ckptdb's benchmarks: ``python -m benchmarks`` (see README, "Performance")."""
+"""ckptdb's benchmarks: ``python -m benchmarks`` (see docs/performance.md)."""

@@ -570,7 +570,7 @@ def _torchrun(root: Path, steps: int) -> None:
 
 @pytest.mark.timeout(240)
 def test_torchrun_example_resumes_every_rank_exactly(tmp_path: Path) -> None:
-    """The README's torchrun example, run for real: stopped at step 40 and
+    """The torchrun example of docs/distributed.md, run for real: stopped at step 40 and
     restarted, it ends bit-for-bit where an uninterrupted run ends (model,
     optimizer and every rank's RNG come back from the ledger)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
