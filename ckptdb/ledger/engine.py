@@ -278,14 +278,8 @@ class Ledger:
 
     def probe(self) -> None:
         """Connect once, so an unreachable ledger is reported before anything else happens."""
-        try:
-            with self.engine.connect():
-                pass
-        except SQLAlchemyError as exc:
-            raise LedgerError(
-                f"cannot connect to the ledger {safe_url(str(self.engine.url))}: "
-                f"{' '.join(str(exc).split()[:12])}"
-            ) from exc
+        with translated(f"cannot connect to the ledger {self.safe_url}"), self.engine.connect():
+            pass
 
     def dispose(self) -> None:
         self.engine.dispose()

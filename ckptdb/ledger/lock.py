@@ -17,8 +17,8 @@ Both implement :class:`RunLock`; :func:`writer_lock` picks one by ledger URL.
 
 from __future__ import annotations
 
-import contextlib
 import json
+import logging
 import os
 import re
 import socket
@@ -29,11 +29,18 @@ from typing import Protocol
 from filelock import FileLock, Timeout
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
-from ..errors import LedgerError, LedgerLockedError, RunDirectoryError, WriterLockLostError
-from .engine import advisory_key, backend_name, normalize_url, safe_url
+from ..errors import (
+    DatabaseError,
+    LedgerError,
+    LedgerLockedError,
+    RunDirectoryError,
+    WriterLockLostError,
+)
+from .engine import advisory_key, backend_name, normalize_url, safe_url, translated
+
+log = logging.getLogger(__name__)
 
 LOCK_NAME = "ckptdb.lock"
 OWNER_NAME = "ckptdb.owner"
@@ -147,10 +154,11 @@ class AdvisoryWriterLock:
                 "(install the driver: pip install 'ckptdb[postgres]')"
             ) from exc
         try:
-            conn = engine.connect()
-        except SQLAlchemyError as exc:
+            with translated(f"cannot connect to the ledger {safe_url(self.url)}"):
+                conn = engine.connect()
+        except DatabaseError:
             engine.dispose()
-            raise LedgerError(f"cannot connect to the ledger {safe_url(self.url)}: {exc}") from exc
+            raise
         try:
             self._try_lock(conn)
         except BaseException:
@@ -160,17 +168,13 @@ class AdvisoryWriterLock:
         self._engine, self._conn = engine, conn
 
     def _try_lock(self, conn: Connection) -> None:
-        try:
+        with translated(f"cannot take the writer lock of run {self.root} in {safe_url(self.url)}"):
             for setting, value in KEEPALIVES.items():  # ignored on a Unix socket
                 conn.exec_driver_sql(f"SET {setting} = {value}")
             got = conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": self.key})
             locked = bool(got.scalar())
             holder = {} if locked else self._holder(conn)
             conn.commit()  # the lock belongs to the session, not to this transaction
-        except SQLAlchemyError as exc:
-            raise LedgerError(
-                f"cannot take the writer lock of run {self.root} in {safe_url(self.url)}: {exc}"
-            ) from exc
         if not locked:
             raise _locked_error(self.root, holder, "another PostgreSQL session")
 
@@ -192,9 +196,10 @@ class AdvisoryWriterLock:
         try:
             if conn is None:
                 raise LedgerError("the writer lock is not held")
-            conn.exec_driver_sql("SELECT 1")
-            conn.commit()
-        except (SQLAlchemyError, LedgerError) as exc:
+            with translated("the lock session"):
+                conn.exec_driver_sql("SELECT 1")
+                conn.commit()
+        except LedgerError as exc:
             raise WriterLockLostError(
                 f"lost the writer lock of run {self.root} (its PostgreSQL session ended: "
                 f"{exc}); another writer may have taken the run over: close and reopen it"
@@ -206,10 +211,14 @@ class AdvisoryWriterLock:
         if conn is None or engine is None:
             return
         try:
-            # Ending the session releases the lock anyway; unlocking first is just tidy.
-            with contextlib.suppress(SQLAlchemyError):
-                conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": self.key})
-                conn.commit()
+            # Ending the session releases the lock anyway; unlocking first is just tidy,
+            # so a failure here (the session is already gone) is logged, not raised.
+            try:
+                with translated("unlock"):
+                    conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": self.key})
+                    conn.commit()
+            except DatabaseError as exc:
+                log.debug("ckptdb: %s; closing the lock session releases it", exc)
         finally:
             conn.close()
             engine.dispose()
