@@ -12,6 +12,7 @@ from .errors import CleanupWarning
 from .guard import NonFiniteGradGuard
 from .manager import CheckpointManager
 from .policies import Keep, TopK
+from .protocol.asyncsave import SaveHandle
 from .protocol.reconcile import Action, ReconcileReport
 from .record import Checkpoint
 from .storage.dcp import Sharded
@@ -26,6 +27,7 @@ __all__ = [
     "Keep",
     "NonFiniteGradGuard",
     "ReconcileReport",
+    "SaveHandle",
     "Sharded",
     "TopK",
     "__version__",

@@ -18,6 +18,9 @@ exception could not be pickled.
 from __future__ import annotations
 
 import builtins
+import contextlib
+import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,20 +211,7 @@ class PhaseError(CkptDBError, OSError):
         return text
 
     def wire_fields(self) -> dict[str, Any]:
-        error = (type(self.error).__name__, str(self.error))
-        return {
-            **super().wire_fields(),
-            "phase": self.phase,
-            "path": str(self.path),
-            "error": error,
-        }
-
-    @classmethod
-    def from_wire(cls, message: str, fields: dict[str, Any]) -> CkptDBError:
-        kind, text = fields.get("error", ("OSError", message))
-        return cls(
-            fields.get("phase", "write"), Path(fields.get("path", "")), _builtin_error(kind, text)
-        )
+        return {**super().wire_fields(), "phase": self.phase, "path": str(self.path)}
 
 
 class PhaseFailure(Exception):
@@ -290,9 +280,23 @@ class CleanupWarning(UserWarning):
     """An evicted or leftover file could not be removed (the next reconcile retries)."""
 
 
-def warn_cleanup(message: str, stacklevel: int = 3) -> None:
-    """Report a clean-up that failed after a commit: it does not undo the commit."""
-    warnings.warn(message, CleanupWarning, stacklevel=stacklevel + 1)
+def warn_cleanup(message: str) -> None:
+    """Report a clean-up that failed: it does not fail the call (the next reconcile retries).
+
+    The warning points at the caller's line (the first frame outside ckptdb),
+    wherever inside the protocol the clean-up ran.
+    """
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and _inside(frame.f_code.co_filename, package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, CleanupWarning, stacklevel=level + 1)
+
+
+def _inside(filename: str, package: str) -> bool:
+    """Whether a frame belongs to ckptdb (its own files, or the context managers
+    its transactions run their post-commit work from)."""
+    return os.path.abspath(filename).startswith(package) or filename == contextlib.__file__
 
 
 # ------------------------------------------------------------------ wire form
@@ -313,12 +317,19 @@ class WireError:
         return int(self.fields.get("stage") or 0)
 
 
+# Internal errors never reach a caller as themselves: they decode as PublishError
+# (with their phase and path), the error a failed boundary raises.
+_INTERNAL = ("PhaseError",)
+
+
 def _error_kinds() -> dict[str, type[CkptDBError]]:
     """Every public error class of this module, by name."""
     found: dict[str, type[CkptDBError]] = {}
     for value in globals().values():
         if isinstance(value, type) and issubclass(value, CkptDBError):
             found[value.__name__] = value
+    for name in _INTERNAL:
+        del found[name]
     return found
 
 
@@ -339,6 +350,7 @@ def decode(wire: WireError) -> CkptDBError:
     message = wire.message if "rank " in wire.message else f"rank {where}: {wire.message}"
     exc = cls.from_wire(message, wire.fields)
     exc.ranks = list(ranks)
+    exc.stage = wire.fields.get("stage")  # declared on every error, restored for all
     return exc
 
 

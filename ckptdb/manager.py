@@ -108,7 +108,7 @@ class CheckpointManager:
         if guard is not None and not isinstance(guard, NonFiniteGradGuard):
             raise ArgumentTypeError(f"guard must be a NonFiniteGradGuard, got {guard!r}")
         self.root = Path(root).resolve()
-        self.guard = guard
+        self._guard = guard
         self._closed = True
         self._coord: Coordinator = coordinator_for(process_group)
         self._writer = BackgroundWriter()
@@ -203,7 +203,7 @@ class CheckpointManager:
         """Compose the parts around one run context."""
         self._ctx = ctx
         self._publisher = Publisher(
-            ctx, self._coord, self.guard, self._writer, self._snapshots, self._inflight
+            ctx, self._coord, self._guard, self._writer, self._snapshots, self._inflight
         )
         self._loader = Loader(ctx, self._coord, self._inflight)
 
@@ -213,6 +213,19 @@ class CheckpointManager:
             raise RunDirectoryError(f"the run root {self.root} is not a directory")
 
     # ------------------------------------------------------------- run identity
+
+    @property
+    def guard(self) -> NonFiniteGradGuard | None:
+        """The guard read once per boundary (it may be replaced between boundaries)."""
+        return self._guard
+
+    @guard.setter
+    def guard(self, guard: NonFiniteGradGuard | None) -> None:
+        if guard is not None and not isinstance(guard, NonFiniteGradGuard):
+            raise ArgumentTypeError(f"guard must be a NonFiniteGradGuard, got {guard!r}")
+        self._guard = guard
+        if hasattr(self, "_publisher"):
+            self._publisher.guard = guard
 
     @property
     def save_dir(self) -> Path:

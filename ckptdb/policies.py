@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
-from .errors import ArgumentTypeError, InvalidArgumentError
+from .errors import ArgumentTypeError, InvalidArgumentError, UnknownStreamError
 
 STREAM_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -302,6 +302,16 @@ def policy_from_record(record: PolicyRecord) -> Policy:
     """The policy a stored record describes (an unknown kind keeps everything)."""
     build = POLICY_KINDS.get(record.kind, Keep.from_record)
     policy: Policy = build(record)
+    return policy
+
+
+def policy_of(policies: Mapping[str, Policy], stream: str) -> Policy:
+    """The policy of ``stream``; an unknown stream is an error naming the known ones."""
+    policy = policies.get(stream)
+    if policy is None:
+        raise UnknownStreamError(
+            f"no stream {stream!r} is configured (streams: {', '.join(policies)})"
+        )
     return policy
 
 

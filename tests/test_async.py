@@ -53,7 +53,7 @@ Opener = Callable[..., CheckpointManager]
 
 WAIT = 30.0  # upper bound for anything the test waits on (a hang fails, never a slow pass)
 PROBE = 0.2  # how long a thread that must be blocked is given to (wrongly) finish
-ASYNC_LOGGER = "ckptdb.protocol.asyncsave"
+ASYNC_LOGGER = "ckptdb.asyncsave"
 STREAMS = {"model": Keep(last=3), "ema": Keep(last=3), "best": TopK(2, "val_loss")}
 
 

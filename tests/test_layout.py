@@ -138,6 +138,24 @@ def test_each_layer_imports_only_the_layers_below_it(part: str) -> None:
     assert not crossing, f"imports across layers: {crossing}"
 
 
+# The protocol reaches payloads only through the seam: the store protocol, payload
+# kinds and names; which store a run uses is decided by the manager alone.
+SEAM = {"ckptdb.storage", "ckptdb.storage.base", "ckptdb.storage.kinds", "ckptdb.storage.naming"}
+SEAM_EXTRAS = {"ckptdb.storage.dcp"}  # resolving a sharded load target's Stateful values
+
+
+def test_the_protocol_uses_only_the_storage_seam() -> None:
+    reaching = {}
+    for module, path in MODULES.items():
+        if part_of(module) != "protocol":
+            continue
+        used = {m for m in ours(imports_of(path)) if part_of(m) == "storage"}
+        beyond = used - SEAM - SEAM_EXTRAS
+        if beyond:
+            reaching[module] = sorted(beyond)
+    assert not reaching, f"the protocol reaches past the storage seam: {reaching}"
+
+
 def test_the_library_never_imports_the_cli_or_the_demo() -> None:
     users = {
         m

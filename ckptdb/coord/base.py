@@ -91,7 +91,7 @@ class Coordinator(Protocol):
     def committed(self, records: dict[str, Any]) -> None:
         """Tell the other ranks the boundary committed (``outcome``)."""
 
-    def rolled_back(self, error: CkptDBError, cause: BaseException) -> None:
+    def rolled_back(self, error: Exception, cause: BaseException) -> None:
         """Tell the other ranks the boundary was rolled back (``outcome``)."""
 
     def outcome(self, local: BaseException | None) -> dict[str, Any]:
@@ -144,7 +144,7 @@ class LocalCoordinator:
     def committed(self, records: dict[str, Any]) -> None:
         return None
 
-    def rolled_back(self, error: CkptDBError, cause: BaseException) -> None:
+    def rolled_back(self, error: Exception, cause: BaseException) -> None:
         return None
 
     def outcome(self, local: BaseException | None) -> dict[str, Any]:

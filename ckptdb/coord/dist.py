@@ -48,9 +48,6 @@ from .base import Coordinator, LocalCoordinator, Objection, Verdict, attach_roll
 T = TypeVar("T")
 
 
-RankError = WireError  # the name the distributed sequence uses for it
-
-
 def capture(rank: int, exc: BaseException, fallback: str = "PublishError") -> WireError:
     """``exc`` as a :class:`WireError`; a non-ckptdb error becomes ``fallback``.
 
@@ -66,37 +63,30 @@ def capture(rank: int, exc: BaseException, fallback: str = "PublishError") -> Wi
     return e.encode(rank, exc, fallback)
 
 
-def rebuild(chosen: WireError) -> e.CkptDBError:
-    """The exception every rank raises for ``chosen`` (same type, same message)."""
-    return e.decode(chosen)
-
-
-def first_error(found: Sequence[RankError | None]) -> RankError | None:
+def first_error(found: Sequence[WireError | None]) -> WireError | None:
     """The error all ranks agree to raise, naming every failing rank.
 
     The earliest check wins (``stage``: bad input, then the guard, then a
     non-finite ranking metric, as in a single process), then the lowest rank.
     """
-    present = sorted(
-        (x for x in found if x is not None), key=lambda x: (x.fields.get("stage", 0), x.rank)
-    )
+    present = sorted((x for x in found if x is not None), key=lambda x: (x.stage, x.rank))
     if not present:
         return None
     ranks = tuple(sorted({r for x in present for r in (x.ranks or (x.rank,))}))
     head = present[0]
     if len(present) == 1:
-        return RankError(head.rank, head.kind, head.message, head.fields, ranks)
+        return WireError(head.rank, head.kind, head.message, head.fields, ranks)
     # ranks that report the same failure (DCP raises one rank's error on all) say it once
     others = "; ".join(
         f"rank {x.rank}: {x.message}" for x in present[1:] if x.message != head.message
     )
     message = f"{head.message} (also {others})" if others else head.message
-    return RankError(head.rank, head.kind, message, head.fields, ranks)
+    return WireError(head.rank, head.kind, message, head.fields, ranks)
 
 
 def objection_of(
-    verdicts: Sequence[tuple[object, list[str], list[str], bool, RankError | None]],
-) -> RankError | None:
+    verdicts: Sequence[tuple[object, list[str], list[str], bool, WireError | None]],
+) -> WireError | None:
     """The preflight objection, if any, from every rank's (step, streams, sharded,
     blocking, error).
 
@@ -112,14 +102,14 @@ def objection_of(
         if any(x != seen[0] for x in seen):
             listed = ", ".join(f"rank {r}: {x!r}" for r, x in enumerate(seen))
             message = f"ranks disagree on the {what} of save() ({listed})"
-            return RankError(0, "InvalidArgumentError", message, {}, every)
+            return WireError(0, "InvalidArgumentError", message, {}, every)
     return None
 
 
-def raise_agreed(chosen: RankError, local: BaseException | None, rank: int) -> NoReturn:
+def raise_agreed(chosen: WireError, local: BaseException | None) -> NoReturn:
     """Raise the agreed error here: the same type and message on every rank, caused
     by this rank's own failure (with its traceback) where it had one."""
-    raise rebuild(chosen) from local
+    raise e.decode(chosen) from local
 
 
 def raise_previous(
@@ -192,7 +182,7 @@ class RankGroup:
     def shared_call(self, name: str, work: Callable[[], T], fallback: str = "LedgerError") -> T:
         """The chief runs ``work`` and shares its result (or its error) with every rank."""
         result: Any = None
-        failure: RankError | None = None
+        failure: WireError | None = None
         local: BaseException | None = None
         if self.is_chief:
             try:
@@ -202,7 +192,7 @@ class RankGroup:
                 failure = capture(self.rank, exc, fallback)
         result, failure = self.share(name, (result, failure))
         if failure is not None:
-            raise_agreed(failure, local, self.rank)
+            raise_agreed(failure, local)
         return result  # type: ignore[no-any-return]
 
     def agree(self, name: str, local: BaseException | None, fallback: str = "PublishError") -> None:
@@ -210,7 +200,7 @@ class RankGroup:
         mine = capture(self.rank, local, fallback) if local is not None else None
         chosen = first_error(self.gather(name, mine))
         if chosen is not None:
-            raise_agreed(chosen, local, self.rank)
+            raise_agreed(chosen, local)
 
 
 class DistCoordinator:
@@ -237,7 +227,7 @@ class DistCoordinator:
     def preflight(
         self, verdict: Verdict, previous: BaseException | None, unfetched: bool
     ) -> Objection | None:
-        mine = _verdict_error(self.rank, verdict)
+        local, mine = _verdict_error(self.rank, verdict)
         shown = verdict.step if isinstance(verdict.step, int) else repr(verdict.step)
         summary = (
             shown,
@@ -252,7 +242,7 @@ class DistCoordinator:
         chosen = objection_of([v for v, _ in gathered])
         if chosen is None:
             return None
-        return Objection(rebuild(chosen), chosen.stage, verdict.error)
+        return Objection(e.decode(chosen), chosen.stage, local)
 
     def agree(self, name: str, local: BaseException | None, fallback: str = "PublishError") -> None:
         self.ranks.agree(name, local, fallback)
@@ -260,7 +250,7 @@ class DistCoordinator:
     def failure(self, name: str, local: BaseException | None) -> BaseException | None:
         mine = capture(self.rank, local) if local is not None else None
         chosen = first_error(self.ranks.gather(name, mine))
-        return rebuild(chosen) if chosen is not None else None
+        return e.decode(chosen) if chosen is not None else None
 
     def abandon(
         self,
@@ -275,13 +265,14 @@ class DistCoordinator:
     def written(self, local: BaseException | None) -> None:
         problem = first_error(self.ranks.gather("write", capture(0, local) if local else None))
         if problem is not None:
-            raise_agreed(problem, local, self.rank)
+            raise_agreed(problem, local)
 
     def committed(self, records: dict[str, Any]) -> None:
         self.ranks.share("outcome", (records, None))
 
-    def rolled_back(self, error: e.CkptDBError, cause: BaseException) -> None:
-        error.ranks = list(getattr(cause, "ranks", None) or [0])
+    def rolled_back(self, error: Exception, cause: BaseException) -> None:
+        if isinstance(error, e.CkptDBError):
+            error.ranks = list(getattr(cause, "ranks", None) or [0])
         self.ranks.share("outcome", (None, capture(0, error)))
 
     def outcome(self, local: BaseException | None) -> dict[str, Any]:
@@ -289,7 +280,7 @@ class DistCoordinator:
         nothing: tuple[dict[str, Any] | None, WireError | None] = (None, None)
         records, failure = self.ranks.share("outcome", nothing)
         if failure is not None:
-            raise_agreed(failure, local, self.rank)
+            raise_agreed(failure, local)
         return records or {}
 
     def background(self, make: Callable[[Any], Any]) -> Coordinator:
@@ -300,18 +291,18 @@ class DistCoordinator:
         return self._background
 
 
-def _verdict_error(rank: int, verdict: Verdict) -> WireError | None:
-    """This rank's objection as data; a failure that is not ours (reading the guard
-    raised, say) is a :class:`RankFailedError` of the same stage."""
+def _verdict_error(rank: int, verdict: Verdict) -> tuple[e.CkptDBError | None, WireError | None]:
+    """This rank's objection, and as data; a failure that is not ours (reading the
+    guard raised, say) is a :class:`RankFailedError` of the same stage, caused by it."""
     error = verdict.error
     if error is None:
-        return None
+        return None, None
     if not isinstance(error, e.CkptDBError):
         wrapped = e.RankFailedError(f"reading the guard failed: {type(error).__name__}: {error}")
         wrapped.__cause__ = error
         error = wrapped
     error.stage = verdict.stage
-    return capture(rank, error, "InvalidArgumentError")
+    return error, capture(rank, error, "InvalidArgumentError")
 
 
 def coordinator_for(process_group: Any) -> Coordinator:

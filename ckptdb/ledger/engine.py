@@ -31,6 +31,7 @@ import contextlib
 import contextvars
 import hashlib
 import importlib.resources
+import logging
 import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,6 +48,8 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..errors import DatabaseError, LedgerError, SchemaVersionError
+
+log = logging.getLogger(__name__)
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 _DURABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptdb_durable", default=True)
@@ -273,8 +276,7 @@ class Ledger:
         finally:
             _READ_ONLY.reset(read_token)
             _DURABLE.reset(token)
-        for work in session.info.pop(_AFTER_COMMIT, []):
-            work()
+        _run_after_commit(session.info.pop(_AFTER_COMMIT, []))
 
     def probe(self) -> None:
         """Connect once, so an unreachable ledger is reported before anything else happens."""
@@ -324,10 +326,33 @@ def after_commit(session: Session, work: Callable[[], None]) -> None:
     """Run ``work`` once ``session``'s transaction has committed (never if it rolls back).
 
     Queued work runs in order, after COMMIT returned and the session closed,
-    so it may open transactions of its own; an error it raises propagates to
-    the caller of the transaction, whose data is committed all the same.
+    so it may open transactions of its own. An error in one piece of work does
+    not stop the pieces after it (the file work a commit queued still
+    happens); the first error is raised once all ran, later ones attached to
+    it as notes. An interrupt (``KeyboardInterrupt``) stops the queue at once:
+    what is left is found by the next reconcile. Either way the transaction's
+    data is committed.
     """
     session.info.setdefault(_AFTER_COMMIT, []).append(work)
+
+
+def _run_after_commit(queue: list[Callable[[], None]]) -> None:
+    failures: list[Exception] = []
+    for work in queue:
+        try:
+            work()
+        except Exception as exc:
+            failures.append(exc)
+    if not failures:
+        return
+    first = failures[0]
+    for later in failures[1:]:
+        note = f"after the same commit, also: {type(later).__name__}: {later}"
+        if hasattr(first, "add_note"):
+            first.add_note(note)
+        else:  # Python 3.10: no notes; the log keeps it
+            log.error("ckptdb: %s", note)
+    raise first
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ from ..errors import (
 )
 from .engine import advisory_key, backend_name, normalize_url, safe_url, translated
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ckptdb.lock")
 
 LOCK_NAME = "ckptdb.lock"
 OWNER_NAME = "ckptdb.owner"

@@ -14,8 +14,8 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from ..errors import DatabaseError, InvalidArgumentError, UnknownStreamError
-from ..policies import Policy
+from ..errors import DatabaseError, InvalidArgumentError
+from ..policies import Policy, policy_of
 from ..record import Checkpoint
 from . import models as m
 from . import rows
@@ -32,12 +32,7 @@ class RunQueries:
 
     def policy(self, stream: str) -> Policy:
         """The stream's policy; an unknown stream is an error naming the known ones."""
-        policy = self.policies.get(stream)
-        if policy is None:
-            raise UnknownStreamError(
-                f"no stream {stream!r} is configured (streams: {', '.join(self.policies)})"
-            )
-        return policy
+        return policy_of(self.policies, stream)
 
     def latest(self, stream: str = "model") -> Checkpoint | None:
         """The newest committed checkpoint of ``stream`` (by publication, not by mtime)."""

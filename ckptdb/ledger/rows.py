@@ -233,15 +233,19 @@ def newest_committed_id(
     The one definition of "latest" (the pointer follows it; ``check`` and a
     dry-run reconcile compare against it), ``excluding`` rows about to change.
     """
-    query = select(func.max(m.Checkpoint.id)).where(
+    where = (
         m.Checkpoint.run_id == run_id,
         m.Checkpoint.stream == stream,
         m.Checkpoint.state == m.COMMITTED,
     )
-    skipped = tuple(excluding)
-    if skipped:
-        query = query.where(m.Checkpoint.id.not_in(skipped))
-    return session.scalar(query)
+    skipped = set(excluding)
+    if not skipped:
+        return session.scalar(select(func.max(m.Checkpoint.id)).where(*where))
+    # newest first, past the excluded ones (no bind parameter per excluded id)
+    newest_first = session.scalars(
+        select(m.Checkpoint.id).where(*where).order_by(m.Checkpoint.id.desc())
+    )
+    return next((i for i in newest_first if i not in skipped), None)
 
 
 def latest_row(session: Session, run_id: int, stream: str) -> m.Checkpoint | None:

@@ -38,7 +38,7 @@ from ..coord.dist import RankGroup
 from ..record import Checkpoint
 from ..storage.kinds import PayloadKind, kind_of
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ckptdb.asyncsave")  # the name users configure (kept across moves)
 
 
 class SaveHandle:

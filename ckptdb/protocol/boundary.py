@@ -39,7 +39,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,16 +61,15 @@ from ..errors import (
     PhaseFailure,
     PublishError,
     RankAgreementError,
-    UnknownStreamError,
     warn_cleanup,
 )
 from ..guard import NonFiniteGradGuard
 from ..ledger import after_commit
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
-from ..policies import Entry
+from ..policies import Entry, policy_of
 from ..record import Checkpoint
-from ..storage.files import FileInfo
+from ..storage.base import FileInfo
 from ..storage.kinds import PayloadKind, kind_named, kind_of
 from ..storage.naming import checkpoint_name, temp_name
 from .asyncsave import BackgroundWriter, InFlight, SaveHandle, Snapshotter, finished
@@ -107,8 +106,8 @@ class _Progress:
     """How far the commit got: once ``committed``, nothing may roll the boundary back."""
 
     committed: bool = False
-    committed_at: dt.datetime | None = None
     evicted: list[Any] = field(default_factory=list)
+    records: dict[str, Checkpoint] = field(default_factory=dict)
 
 
 class Publisher:
@@ -137,7 +136,11 @@ class Publisher:
         rolls_back_itself = False
         try:
             verdict = self._preflight(step, metrics, payloads, blocking)
-            objection = self.coord.preflight(verdict, previous, unfetched)
+            try:
+                objection = self.coord.preflight(verdict, previous, unfetched)
+            except RankAgreementError:
+                reset_guard = True  # the guard was read; the boundary ran into a broken group
+                raise
             reset_guard = objection is None or objection.stage != 0
             plan = self.coord.shared(
                 "plan",
@@ -207,7 +210,7 @@ class Publisher:
                 "save() needs at least one payload, e.g. save(step, model=sd)"
             )
         for stream in payloads:
-            metric = self._policy(stream).ranking_metric
+            metric = policy_of(self.ctx.policies, stream).ranking_metric
             if metric is not None and metric not in values:
                 raise InvalidMetricError(
                     f"stream {stream!r} ranks by metric {metric!r}, which is missing "
@@ -222,14 +225,6 @@ class Publisher:
                     f"(a Stateful's state_dict() raised {type(exc).__name__}: {exc})"
                 ) from exc
         return values
-
-    def _policy(self, stream: str) -> Any:
-        policy = self.ctx.policies.get(stream)
-        if policy is None:
-            raise UnknownStreamError(
-                f"no stream {stream!r} is configured (streams: {', '.join(self.ctx.policies)})"
-            )
-        return policy
 
     def _guard_verdict(self, step: int) -> NonFiniteGradientError | None:
         """This process's guard verdict for the boundary (one host sync), not yet recorded."""
@@ -425,10 +420,18 @@ class Publisher:
     ) -> dict[str, Checkpoint]:
         """Write, place, commit, clean up: everything after the intent, on the chief."""
         progress = _Progress()
+
+        def announce(committed_at: dt.datetime) -> None:
+            """Tell the other ranks, before the clean-up (queued behind it) runs."""
+            progress.records = {
+                s.stream: self._record(s, step, values, committed_at) for s in shares
+            }
+            coord.committed(progress.records)
+
         try:
             coord.written(self._write_here(coord, shares))
             self._place(shares)
-            self._commit(step, shares, metric_limit, progress)
+            self._commit(step, shares, metric_limit, progress, announce)
         except RankAgreementError as broken:  # the group is broken: roll back, share nothing
             if not progress.committed:
                 attach_rollback(broken, functools.partial(self._roll_back, step, shares, broken))
@@ -438,14 +441,11 @@ class Publisher:
                 raise  # an error after COMMIT never undoes it
             try:
                 self._roll_back(step, shares, exc)
-            except CkptDBError as failed:  # the PublishError, or the rollback's own failure
+            except Exception as failed:  # the PublishError, or the rollback's own failure
                 coord.rolled_back(failed, exc)
                 raise
             raise  # an interrupt: rolled back (other ranks time out)
-        assert progress.committed_at is not None
-        records = {s.stream: self._record(s, step, values, progress.committed_at) for s in shares}
-        coord.committed(records)
-        return records
+        return progress.records
 
     def _write_here(self, coord: Coordinator, shares: list[Share]) -> BaseException | None:
         """Phase 3 on the chief; its error is returned for the ``write`` agreement.
@@ -491,9 +491,15 @@ class Publisher:
         faults.point("after_fsync_dir")
 
     def _commit(
-        self, step: int, shares: list[Share], metric_limit: int | None, progress: _Progress
+        self,
+        step: int,
+        shares: list[Share],
+        metric_limit: int | None,
+        progress: _Progress,
+        announce: Callable[[dt.datetime], None],
     ) -> None:
-        """Phase 5, the single commit point; phase 6 is queued to run after COMMIT."""
+        """Phase 5, the single commit point. Queued behind its COMMIT: the outcome is
+        announced (to the other ranks), then phase 6 removes what retention evicted."""
         assert self.ctx.lock is not None
         self.ctx.lock.verify()  # a PostgreSQL lock session may have died with its connection
         now = m.utcnow()
@@ -517,11 +523,12 @@ class Publisher:
                 faults.point("in_commit")
 
                 def committed() -> None:
-                    progress.committed, progress.committed_at = True, now
+                    progress.committed = True
                     ctx.metrics.drop(flushed)
 
                 after_commit(session, committed)
                 after_commit(session, lambda: faults.point("after_commit"))
+                after_commit(session, lambda: announce(now))
                 after_commit(session, lambda: self.clean_up(step, progress.evicted))
         except CkptDBError:
             raise
@@ -582,7 +589,7 @@ class Publisher:
         error_text = f"{phase} failed{where}: {what}"
         self._record_rollback(step, shares, left, error_text, failures, phase)
         for failure in failures:
-            warn_cleanup(f"ckptdb could not {failure}", stacklevel=4)
+            warn_cleanup(f"ckptdb could not {failure}")
         if not isinstance(exc, Exception):
             return  # KeyboardInterrupt & co. propagate unchanged after the cleanup
         path_of = {str(store.location / r): s.stream for s in shares for r in (s.tmp, s.final)}

@@ -26,15 +26,14 @@ from ..ledger import Ledger
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
 from ..policies import Entry, Policy
-from ..storage.base import LOST
+from ..storage.base import LOST, PayloadStore
 from ..storage.kinds import kind_of_path
-from ..storage.local import LocalStore
 from .reconcile import Reconciler
 
 
 class Checker:
     def __init__(
-        self, db: Ledger, run_id: int, root: Path, store: LocalStore, policies: dict[str, Policy]
+        self, db: Ledger, run_id: int, root: Path, store: PayloadStore, policies: dict[str, Policy]
     ) -> None:
         self.db, self.run_id, self.root, self.store = db, run_id, root, store
         self.policies = policies
@@ -73,7 +72,8 @@ class Checker:
         if finding is not None:
             actual = finding.actual
             if finding.state == LOST or actual is None:
-                return [f"{row.path}: committed but unreadable: {finding.detail}"]
+                reason = finding.error if finding.error is not None else finding.detail
+                return [f"{row.path}: committed but unreadable: {reason}"]
             return [
                 f"{row.path}: size/hash {actual.size}/{actual.hash} != ledger {row.size}/{row.hash}"
             ]

@@ -19,7 +19,7 @@ from ..ledger import Ledger, RunQueries
 from ..ledger import rows as ledger_rows
 from ..ledger.lock import RunLock
 from ..policies import Policy
-from ..storage.local import LocalStore
+from ..storage.base import PayloadStore
 
 METRIC_FLUSH_THRESHOLD = 100_000
 
@@ -62,7 +62,7 @@ class RunContext:
     run_id: int
     attempt_id: int
     policies: dict[str, Policy]
-    store: LocalStore
+    store: PayloadStore
     is_writer: bool
     db: Ledger | None = None
     lock: RunLock | None = None

@@ -37,9 +37,9 @@ from ..errors import InvalidArgumentError
 from ..ledger import Ledger
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
-from ..storage.local import LocalStore
+from ..storage.base import PayloadStore
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ckptdb.reconcile")  # the name users configure (kept across moves)
 
 QUARANTINE_NAME = "ckptdb.quarantine"
 
@@ -95,7 +95,7 @@ class Reconciler:
         run_id: int,
         attempt_id: int | None,
         root: Path,
-        store: LocalStore,
+        store: PayloadStore,
     ) -> None:
         self.db, self.run_id, self.attempt_id = db, run_id, attempt_id
         self.root, self.store = root, store
@@ -178,7 +178,7 @@ class Reconciler:
                 continue
             try:
                 if dry_run:
-                    self.store.path(rel)  # refused all the same if it escapes the save dir
+                    self.store.local_path(rel)  # refused all the same if it escapes
                 else:
                     self.store.remove(rel)
             except (OSError, InvalidArgumentError) as exc:

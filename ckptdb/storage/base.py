@@ -27,11 +27,14 @@ first implementation; an object store is a second one, and a payload kind
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from .files import FileInfo
+
+__all__ = ["CORRUPT", "LOST", "FileInfo", "Finding", "Found", "PayloadStore"]
 
 LOST: Literal["lost"] = "lost"
 CORRUPT: Literal["corrupt"] = "corrupt"
@@ -106,7 +109,10 @@ class PayloadStore(Protocol):
         """Check a payload against its row: size always, the hash too with ``full``."""
 
     def local_path(self, rel: str) -> Path:
-        """A confined local path to read ``rel`` from."""
+        """A confined local path to read ``rel`` from (refused if ``rel`` escapes the store)."""
+
+    def memoized(self) -> AbstractContextManager[Any]:
+        """One pass over many names (reconcile): lookups may be cached until it ends."""
 
     def list_ours(self) -> Iterator[Found]:
         """Every entry in our naming, temporaries included (never links, never foreign kinds)."""

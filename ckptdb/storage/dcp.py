@@ -6,7 +6,7 @@ directory with DCP (each rank its own shard files, the coordinator the
 DCP runs its own collectives and its own agreement: an exception on any rank
 inside ``dcp.save``/``dcp.load`` is raised on every rank as a
 ``CheckpointException``, which is why these calls are safe inside the fixed
-collective sequence of :mod:`ckptdb.distributed`.
+collective sequence of :mod:`ckptdb.coord.dist`.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ class LocalStore:
     def local_path(self, rel: str) -> Path:
         return self.path(rel)
 
-    def memoized(self) -> _Memo:
+    def memoized(self) -> AbstractContextManager[Any]:
         """A pass over many rows: directory resolutions are cached until it ends."""
         return _Memo(self)
 
