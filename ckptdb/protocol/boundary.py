@@ -520,7 +520,6 @@ class Publisher:
                     progress.evicted.extend(self._apply_retention(session, s, step))
                     ledger_rows.set_latest(session, ctx.run_id, s.stream, s.row_id)
                 flushed = ctx.metrics.insert_into(session, ctx.run_id, ctx.attempt_id, metric_limit)
-                faults.point("in_commit")
 
                 def committed() -> None:
                     progress.committed = True
@@ -530,6 +529,9 @@ class Publisher:
                 after_commit(session, lambda: faults.point("after_commit"))
                 after_commit(session, lambda: announce(now))
                 after_commit(session, lambda: self.clean_up(step, progress.evicted))
+                # last statement before COMMIT: a failure here finds the work queued,
+                # and must leave it unrun (the rows are still pending, nothing evicted)
+                faults.point("in_commit")
         except CkptDBError:
             raise
         except Exception as exc:  # whatever it is, it failed the commit phase
