@@ -45,6 +45,7 @@ from helpers import boundary, db_locked, digest, disk, files, rows, state
 
 import ckptdb.ledger.engine
 import ckptdb.ledger.rows
+import ckptdb.protocol.disposal
 import ckptdb.storage
 import ckptdb.storage.files
 from ckptdb import CheckpointManager, CleanupWarning, Keep, faults
@@ -286,14 +287,14 @@ def install_commit_locked(inj: Injector, ctx: Ctx) -> None:
             ctx.lock.acquire()
             inj.fire(db_locked("BEGIN IMMEDIATE (commit)"))
 
-    real = Publisher._record_rollback
+    real = ckptdb.protocol.disposal.record_rollback
 
-    def record_rollback(self: Publisher, *args: Any, **kwargs: Any) -> None:
+    def record_rollback(*args: Any, **kwargs: Any) -> None:
         ctx.lock.release()
-        real(self, *args, **kwargs)
+        real(*args, **kwargs)
 
     ctx.hook(hook)
-    ctx.monkeypatch.setattr(Publisher, "_record_rollback", record_rollback)
+    ctx.monkeypatch.setattr(ckptdb.protocol.disposal, "record_rollback", record_rollback)
 
 
 def install_commit_injected(inj: Injector, ctx: Ctx) -> None:

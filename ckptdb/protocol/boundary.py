@@ -29,6 +29,9 @@ A failure in 2-5 rolls the boundary back: what was written is removed, rows
 become ``aborted`` with the error, pointers and retention are untouched, and
 :class:`~ckptdb.errors.PublishError` names the phase and the path.
 
+Phase 1 lives in :mod:`~ckptdb.protocol.preflight`; the rollback and the
+clean-up (payload removal, then the ledger) in :mod:`~ckptdb.protocol.disposal`.
+
 ``save(blocking=False)`` runs 1-2 and a snapshot to host memory at call time
 and 3-6 on the background worker (:mod:`ckptdb.protocol.asyncsave`), with the
 same code and the coordinator of the background thread.
@@ -38,67 +41,37 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import faults
-from ..coord.base import Coordinator, Objection, Verdict, attach_rollback
+from ..coord.base import Coordinator, Objection, attach_rollback
 from ..errors import (
-    ArgumentTypeError,
     CkptDBError,
-    CleanupFailure,
     DatabaseError,
-    InvalidArgumentError,
-    InvalidMetricError,
-    LedgerError,
     NonFiniteGradientError,
     PhaseError,
     PhaseFailure,
     PublishError,
     RankAgreementError,
-    warn_cleanup,
 )
 from ..guard import NonFiniteGradGuard
 from ..ledger import after_commit
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
-from ..policies import Entry, policy_of
+from ..policies import Entry
 from ..record import Checkpoint
-from ..storage.base import FileInfo
-from ..storage.kinds import PayloadKind, kind_named, kind_of
+from ..storage.kinds import kind_named, kind_of
 from ..storage.naming import checkpoint_name, temp_name
+from . import disposal
 from .asyncsave import BackgroundWriter, InFlight, SaveHandle, Snapshotter, finished
 from .context import RunContext
-from .inputs import validate_metrics, validate_step
-
-
-@dataclass
-class Share:
-    """One stream's share of a boundary between intent and commit."""
-
-    stream: str
-    kind: PayloadKind
-    payload: Any
-    row_id: int
-    final: str  # relative to the save directory
-    tmp: str
-    metric: float | None
-    written: FileInfo | None = None
-    info: FileInfo | None = None
-
-
-@dataclass(frozen=True)
-class PlanItem:
-    """One admitted stream of a boundary, as the chief recorded it (sent to every rank)."""
-
-    stream: str
-    tmp: str  # relative to the save directory
-    kind: str
+from .inputs import validate_step
+from .preflight import Preflight
+from .share import PlanItem, Share
 
 
 @dataclass
@@ -135,7 +108,9 @@ class Publisher:
         shares: list[Share] = []
         rolls_back_itself = False
         try:
-            verdict = self._preflight(step, metrics, payloads, blocking)
+            verdict = Preflight(self.ctx.policies, self.guard).verdict(
+                step, metrics, payloads, blocking
+            )
             try:
                 objection = self.coord.preflight(verdict, previous, unfetched)
             except RankAgreementError:
@@ -167,87 +142,6 @@ class Publisher:
         finally:
             if reset_guard and self.guard is not None:
                 self.guard.reset()
-
-    def _preflight(
-        self, step: object, metrics: object, payloads: dict[str, Any], blocking: object
-    ) -> Verdict:
-        """This rank's verdict (input, guard, finite ranking metric), never raised here:
-        the coordinator agrees on it, and the earliest failing check wins."""
-        every_rank = sorted(s for s, p in payloads.items() if kind_of(p).every_rank_writes)
-        shape = functools.partial(
-            Verdict,
-            step=step,
-            streams=sorted(payloads),
-            every_rank_streams=every_rank,
-            blocking=blocking is True,
-        )
-        try:
-            if not isinstance(blocking, bool):
-                raise ArgumentTypeError(f"blocking must be True or False, got {blocking!r}")
-            values = self._validate(step, metrics, payloads)
-        except CkptDBError as exc:
-            return shape({}, exc, 0)
-        try:
-            trip = self._guard_verdict(validate_step(step))
-        except Exception as exc:  # e.g. a CUDA error while reading the guard's flag
-            return shape(values, exc, 1)
-        if trip is not None:
-            return shape(values, trip, 1)
-        try:
-            self._check_finite_metrics(payloads, values)
-        except CkptDBError as exc:
-            return shape(values, exc, 2)
-        return shape(values, None, 0)
-
-    def _validate(
-        self, step: object, metrics: object, payloads: dict[str, Any]
-    ) -> dict[str, float]:
-        """Bad input, checked before the guard (which a typo must not reset)."""
-        validate_step(step)
-        values = validate_metrics(metrics)
-        if not payloads:
-            raise InvalidArgumentError(
-                "save() needs at least one payload, e.g. save(step, model=sd)"
-            )
-        for stream in payloads:
-            metric = policy_of(self.ctx.policies, stream).ranking_metric
-            if metric is not None and metric not in values:
-                raise InvalidMetricError(
-                    f"stream {stream!r} ranks by metric {metric!r}, which is missing "
-                    f"from save(metrics=...) (got {sorted(values)})"
-                )
-        for stream, payload in payloads.items():  # the ``**payloads`` of this call: ours
-            try:
-                payloads[stream] = kind_of(payload).prepared(payload)
-            except Exception as exc:
-                raise InvalidArgumentError(
-                    f"stream {stream!r}: the Sharded state dict could not be resolved "
-                    f"(a Stateful's state_dict() raised {type(exc).__name__}: {exc})"
-                ) from exc
-        return values
-
-    def _guard_verdict(self, step: int) -> NonFiniteGradientError | None:
-        """This process's guard verdict for the boundary (one host sync), not yet recorded."""
-        if self.guard is None or not self.guard.tripped():
-            return None
-        params = self.guard.nonfinite_parameters()
-        which = f" in {', '.join(params)}" if params else ""
-        return NonFiniteGradientError(
-            f"non-finite gradient seen{which} since the last boundary; step {step} not published",
-            step=step,
-            parameters=params,
-        )
-
-    def _check_finite_metrics(self, payloads: Mapping[str, Any], values: dict[str, float]) -> None:
-        """A non-finite ranking metric (checked after the guard: a tripped guard is the
-        root cause of a NaN validation loss, and the more useful error)."""
-        for stream in payloads:
-            metric = self.ctx.policies[stream].ranking_metric
-            if metric is not None and not math.isfinite(values[metric]):
-                raise InvalidMetricError(
-                    f"stream {stream!r} ranks by metric {metric!r}, which must be "
-                    f"finite; got {values[metric]!r}"
-                )
 
     # ------------------------------------------------------------ 2. intent
 
@@ -567,126 +461,13 @@ class Publisher:
             metrics=dict(values),
         )
 
-    # ------------------------------------------------------------ rollback
+    # ------------------------------------------------------------ rollback, clean-up
 
     def _roll_back(self, step: int, shares: list[Share], exc: BaseException) -> None:
-        """Undo a boundary that failed before its commit; raises PublishError for an
-        ordinary error (an interrupt propagates as itself, after the rollback)."""
-        failures: list[CleanupFailure] = []
-        left: set[int] = set()
-        store = self.ctx.store
-        for s in shares:
-            for leftover in (s.tmp, s.final):
-                try:
-                    store.remove(leftover)
-                except (OSError, InvalidArgumentError) as cleanup_exc:
-                    failures.append(CleanupFailure(store.location / leftover, cleanup_exc))
-                    left.add(s.row_id)
-        phase, path, cause = describe(exc)
-        where = f" at {path}" if path is not None else ""
-        if isinstance(cause, CkptDBError) and cause.ranks:
-            what = str(cause)  # another rank's failure, already described
-        else:
-            what = f"{type(cause).__name__}: {cause}"
-        error_text = f"{phase} failed{where}: {what}"
-        self._record_rollback(step, shares, left, error_text, failures, phase)
-        for failure in failures:
-            warn_cleanup(f"ckptdb could not {failure}")
-        if not isinstance(exc, Exception):
-            return  # KeyboardInterrupt & co. propagate unchanged after the cleanup
-        path_of = {str(store.location / r): s.stream for s in shares for r in (s.tmp, s.final)}
-        raise PublishError(
-            f"step {step} not published: {error_text}",
-            phase=phase,
-            step=step,
-            path=path,
-            stream=path_of.get(str(path)),
-            cleanup_failures=failures,
-        ) from cause
-
-    def _record_rollback(
-        self,
-        step: int,
-        shares: list[Share],
-        left: set[int],
-        error: str,
-        failures: list[CleanupFailure],
-        phase: str,
-    ) -> None:
-        """Mark rows aborted (or leave them pending for reconcile if files remain)."""
-        ctx = self.ctx
-        try:
-            with ctx.ledger.transaction() as session:
-                aborted = [s.row_id for s in shares if s.row_id not in left]
-                ledger_rows.set_state(session, aborted, m.ABORTED, error=error)
-                for row_id in left:
-                    ledger_rows.set_state(session, [row_id], m.PENDING, error=error)
-                ledger_rows.add_event(
-                    session,
-                    ctx.run_id,
-                    ctx.attempt_id,
-                    "publish_failed",
-                    step=step,
-                    detail={"phase": phase, "error": error},
-                )
-                for failure in failures:
-                    ledger_rows.add_event(
-                        session,
-                        ctx.run_id,
-                        ctx.attempt_id,
-                        "cleanup_failed",
-                        step=step,
-                        detail={"path": str(failure.path), "error": repr(failure.error)},
-                    )
-        except DatabaseError as db_exc:
-            # Rows stay pending; the next reconcile rolls them back.
-            failures.append(
-                CleanupFailure(
-                    Path(ctx.ledger.database),
-                    db_exc.original or db_exc,
-                    action="record the rollback (rows stay pending for reconcile) in",
-                )
-            )
-
-    # ------------------------------------------------------------ 6. clean up
+        disposal.roll_back(self.ctx, step, shares, exc)
 
     def clean_up(self, step: int | None, evicted: list[Any]) -> None:
-        """Remove evicted payloads and mark them deleted; failures are left for reconcile."""
-        if not evicted:
-            return
-        ctx = self.ctx
-        removed: list[int] = []
-        failures: list[tuple[Any, Path, BaseException]] = []
-        for row in evicted:
-            try:
-                ctx.store.remove(row.path)
-                removed.append(row.id)
-                faults.point("mid_cleanup")
-            except (OSError, InvalidArgumentError) as err:
-                failures.append((row, ctx.save_dir / row.path, err))
-        try:
-            with ctx.ledger.transaction(durable=False) as session:
-                ledger_rows.set_state(session, removed, m.DELETED)
-                for row, path, error in failures:
-                    ledger_rows.add_event(
-                        session,
-                        ctx.run_id,
-                        ctx.attempt_id,
-                        "cleanup_failed",
-                        checkpoint_id=row.id,
-                        step=step,
-                        detail={"path": str(path), "error": repr(error)},
-                    )
-        except DatabaseError as db_exc:
-            warn_cleanup(
-                f"ckptdb could not record the cleanup of step {step}: {db_exc}; "
-                "the next reconcile finishes it",
-            )
-        for _row, path, error in failures:
-            warn_cleanup(
-                f"ckptdb could not remove evicted checkpoint {path}: {error}; it stays "
-                "'deleting' and the next reconcile retries",
-            )
+        disposal.clean_up(self.ctx, step, evicted)
 
     def gc(self) -> list[Checkpoint]:
         """Apply every stream's stored retention policy now (e.g. after lowering ``last``).
@@ -709,16 +490,3 @@ class Publisher:
                 evicted.extend(chosen)
             after_commit(session, lambda: self.clean_up(None, evicted))
         return [ledger_rows.to_record(r, ctx.save_dir) for r in evicted]
-
-
-def describe(exc: BaseException) -> tuple[str, Path | None, BaseException]:
-    """(phase, path, underlying error) of a failure inside a boundary."""
-    if isinstance(exc, PhaseFailure):
-        return exc.phase, None, exc.error
-    if isinstance(exc, PhaseError):
-        return exc.phase, exc.path, exc.error
-    if isinstance(exc, DatabaseError):
-        return "commit", None, exc.original or exc
-    if isinstance(exc, LedgerError):
-        return "commit", None, exc
-    return "write", None, exc
