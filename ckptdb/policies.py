@@ -331,7 +331,13 @@ def validate_policies(streams: object) -> dict[str, Policy]:
         raise ArgumentTypeError(f"streams must be a non-empty dict name -> policy, got {streams!r}")
     for name, policy in streams.items():
         validate_stream_name(name)
-        if not isinstance(policy, Policy) or isinstance(policy, type):
+        # Only kinds the ledger can store and rebuild: a policy read back as something
+        # else would retain (or evict) differently after the next open.
+        if (
+            isinstance(policy, type)
+            or not isinstance(policy, Policy)
+            or POLICY_KINDS.get(policy.kind) is None
+        ):
             raise ArgumentTypeError(
                 f"policy of stream {name!r} must be Keep or TopK, got {policy!r}"
             )

@@ -368,3 +368,64 @@ def test_the_guard_can_be_replaced_between_boundaries(tmp_path: Path) -> None:
             mgr.guard = "not a guard"  # type: ignore[assignment]
         mgr.guard = None
         assert mgr.save(2, model=state(2.0))["model"].step == 2
+
+
+def test_save_handle_is_exported_for_annotations(tmp_path: Path) -> None:
+    import ckptdb
+    from ckptdb.protocol.asyncsave import SaveHandle
+
+    assert ckptdb.SaveHandle is SaveHandle and "SaveHandle" in ckptdb.__all__
+    with CheckpointManager(tmp_path / "run") as mgr:
+        handle = mgr.save(1, model=state(1.0), blocking=False)
+        assert isinstance(handle, ckptdb.SaveHandle)
+        assert handle.result()["model"].step == 1
+
+
+def test_reconcile_logs_under_the_name_users_configure(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, model=state(1.0))
+        stray = mgr.save_dir / "model" / ".step-000000009.pt.tmp-999"
+    stray.write_bytes(b"half")
+    with caplog.at_level("INFO", logger="ckptdb.reconcile"), CheckpointManager(root):
+        pass
+    assert any(
+        r.name == "ckptdb.reconcile" and "removed_temp" in r.getMessage() for r in caplog.records
+    ), [(r.name, r.getMessage()) for r in caplog.records]
+
+
+class _Unstorable:
+    """Implements the Policy protocol, but of a kind the ledger cannot rebuild."""
+
+    kind = "mine"
+    ranking_metric = None
+    capacity = None
+
+    def admits(self, members: Any, candidate: Any) -> bool:
+        return True
+
+    def evictions(self, committed: Any, new: Any) -> list[Entry]:
+        return []
+
+    def window_evictions(self, committed: Any) -> list[Entry]:
+        return []
+
+    def ranked(self, members: Any) -> list[Entry]:
+        return list(members)
+
+    def describe(self) -> str:
+        return "mine"
+
+    def to_record(self) -> Any:
+        from ckptdb.policies import PolicyRecord
+
+        return PolicyRecord(self.kind)
+
+
+def test_a_policy_the_ledger_cannot_rebuild_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with pytest.raises(e.ArgumentTypeError, match="must be Keep or TopK"):
+        CheckpointManager(root, streams={"model": _Unstorable()})  # type: ignore[dict-item]
+    assert not root.exists()  # bad input changes nothing
