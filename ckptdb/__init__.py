@@ -16,6 +16,7 @@ from .protocol.asyncsave import SaveHandle
 from .protocol.reconcile import Action, ReconcileReport
 from .record import Checkpoint
 from .storage.dcp import Sharded
+from .storage.external import External
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointManager",
     "CleanupWarning",
+    "External",
     "Keep",
     "NonFiniteGradGuard",
     "ReconcileReport",

@@ -52,6 +52,7 @@ from ..coord.base import Coordinator, Objection, attach_rollback
 from ..errors import (
     CkptDBError,
     DatabaseError,
+    InvalidArgumentError,
     NonFiniteGradientError,
     PhaseError,
     PhaseFailure,
@@ -64,6 +65,7 @@ from ..ledger import models as m
 from ..ledger import rows as ledger_rows
 from ..policies import Entry
 from ..record import Checkpoint
+from ..storage.external import External, temp_for
 from ..storage.kinds import kind_named, kind_of
 from ..storage.naming import checkpoint_name, temp_name
 from . import disposal
@@ -184,8 +186,11 @@ class Publisher:
         try:
             with self.ctx.ledger.transaction(durable=False) as session:
                 admitted = self._admitted(session, step, values, payloads)
-                for stream in admitted:
-                    self.ctx.store.prepare_stream(stream)
+                for stream, payload in admitted.items():
+                    if isinstance(payload, External):  # under the framework's own name
+                        self.ctx.store.prepare_parent(payload.name)
+                    else:
+                        self.ctx.store.prepare_stream(stream)
                 return [self._intent_row(session, step, values, s, p) for s, p in admitted.items()]
         except PhaseError as exc:
             raise PublishError(
@@ -227,17 +232,39 @@ class Publisher:
         row = ledger_rows.add_pending(
             session, self.ctx.run_id, self.ctx.attempt_id, stream, step, metric, values
         )
-        name = checkpoint_name(step, suffix=kind.suffix)
-        rel = f"{stream}/{name}"
-        store = self.ctx.store
-        if ledger_rows.path_in_use(session, self.ctx.run_id, rel) or store.exists(rel):
-            name = checkpoint_name(step, version=row.id, suffix=kind.suffix)
-            rel = f"{stream}/{name}"
-        tmp = f"{stream}/{temp_name(name, row.id)}"
+        if isinstance(payload, External):
+            rel, tmp = self._external_names(session, stream, payload.name, row.id)
+        else:
+            rel, tmp = self._own_names(session, stream, step, kind.suffix, row.id)
         row.path, row.tmp_path = rel, tmp
-        if kind.every_rank_writes:  # made here, before any rank enters the collective write
+        store = self.ctx.store
+        if kind.temp_dir_first:  # made here, before any rank enters the collective write
             store.make_temp_dir(tmp)
         return Share(stream, kind, payload, row.id, rel, tmp, metric)
+
+    def _own_names(
+        self, session: Any, stream: str, step: int, suffix: str, row_id: int
+    ) -> tuple[str, str]:
+        """Final and temporary name in ckptdb's naming (versioned if the name is taken)."""
+        name = checkpoint_name(step, suffix=suffix)
+        rel = f"{stream}/{name}"
+        if ledger_rows.path_in_use(session, self.ctx.run_id, rel) or self.ctx.store.exists(rel):
+            name = checkpoint_name(step, version=row_id, suffix=suffix)
+            rel = f"{stream}/{name}"
+        return rel, f"{stream}/{temp_name(name, row_id)}"
+
+    def _external_names(self, session: Any, stream: str, name: str, row_id: int) -> tuple[str, str]:
+        """A framework's name is used as given, never versioned by us and never
+        published over something that exists (a live checkpoint, or a file
+        that may be the user's): that is bad input, and the intent is undone."""
+        owner = ledger_rows.path_in_use(session, self.ctx.run_id, name)
+        if owner or self.ctx.store.exists(name):
+            held = "a live checkpoint of this run" if owner else "a file ckptdb does not own"
+            raise InvalidArgumentError(
+                f"stream {stream!r}: {name!r} already exists in {self.ctx.save_dir} "
+                f"({held}); ckptdb never publishes over an existing name"
+            )
+        return name, temp_for(name, row_id)
 
     # ------------------------------------------------------ asynchronous launch
 

@@ -24,6 +24,7 @@ from ..errors import (
 )
 from ..guard import NonFiniteGradGuard
 from ..policies import Policy, policy_of
+from ..storage.external import External
 from ..storage.kinds import kind_of
 from .inputs import validate_metrics, validate_step
 
@@ -51,6 +52,7 @@ class Preflight:
             if not isinstance(blocking, bool):
                 raise ArgumentTypeError(f"blocking must be True or False, got {blocking!r}")
             values = self.validate(step, metrics, payloads)
+            check_external(payloads, blocking is True)
         except CkptDBError as exc:
             return shape({}, exc, 0)
         try:
@@ -83,6 +85,8 @@ class Preflight:
         for stream, payload in payloads.items():  # the ``**payloads`` of this call: ours
             try:
                 payloads[stream] = kind_of(payload).prepared(payload)
+            except CkptDBError:
+                raise
             except Exception as exc:
                 raise InvalidArgumentError(
                     f"stream {stream!r}: the Sharded state dict could not be resolved "
@@ -112,3 +116,21 @@ class Preflight:
                     f"stream {stream!r} ranks by metric {metric!r}, which must be "
                     f"finite; got {values[metric]!r}"
                 )
+
+
+def check_external(payloads: Mapping[str, Any], blocking: bool) -> None:
+    """External payloads are written during the call, each under a name of its own."""
+    names: dict[str, str] = {}
+    for stream, payload in payloads.items():
+        if not isinstance(payload, External):
+            continue
+        if not blocking:
+            raise InvalidArgumentError(
+                f"stream {stream!r}: an External payload is written by its writer during "
+                "save(); it cannot be saved with blocking=False"
+            )
+        if payload.name in names:
+            raise InvalidArgumentError(
+                f"streams {names[payload.name]!r} and {stream!r} both publish {payload.name!r}"
+            )
+        names[payload.name] = stream

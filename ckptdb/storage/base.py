@@ -79,6 +79,9 @@ class PayloadStore(Protocol):
     def prepare_stream(self, stream: str) -> None:
         """Make the stream's place durable before its first intent row commits."""
 
+    def prepare_parent(self, rel: str) -> None:
+        """Create the directory that will hold ``rel`` (an external payload's own name)."""
+
     def exists(self, rel: str) -> bool:
         """Whether anything (even a dangling link) is stored under ``rel``."""
 
@@ -96,6 +99,10 @@ class PayloadStore(Protocol):
 
     def seal(self, rel: str) -> FileInfo:
         """Make a directory written by DCP durable and measure it."""
+
+    def seal_written(self, rel: str) -> FileInfo:
+        """Make what an external writer created at ``rel`` (a file or a directory)
+        durable, every file in it included, and measure it."""
 
     def place(self, tmp: str, final: str) -> None:
         """Atomically make the temporary object visible under its final name."""

@@ -2,9 +2,10 @@
 
 A kind is chosen once per payload (:func:`kind_of`) or per stored path
 (:func:`kind_of_path`); the protocol then asks the kind, never the payload's
-type. Two kinds exist: :data:`TORCH_FILE` (one ``torch.save`` file, written by
-the chief) and :data:`SHARDED` (a ``torch.distributed.checkpoint`` directory,
-written by every rank). A kind writes through a
+type. Three kinds exist: :data:`TORCH_FILE` (one ``torch.save`` file, written by
+the chief), :data:`SHARDED` (a ``torch.distributed.checkpoint`` directory,
+written by every rank) and :data:`EXTERNAL` (a file or directory that a
+framework's own writer creates, under the framework's name). A kind writes through a
 :class:`~ckptdb.storage.base.PayloadStore`, so it works on any store.
 """
 
@@ -19,6 +20,7 @@ from ..errors import InvalidArgumentError
 from . import dcp
 from .base import PayloadStore
 from .dcp import Sharded
+from .external import External
 from .files import FileInfo
 from .naming import SHARDED_SUFFIX
 
@@ -30,6 +32,8 @@ class PayloadKind(Protocol):
     suffix: ClassVar[str]
     #: Every rank writes its part (inside one collective); else the chief alone writes.
     every_rank_writes: ClassVar[bool]
+    #: The chief creates the temporary directory at the intent (the writers fill it).
+    temp_dir_first: ClassVar[bool]
 
     def prepared(self, payload: Any) -> Any:
         """The payload ready to write (resolved in the preflight, where errors are agreed)."""
@@ -73,6 +77,7 @@ class TorchFile:
     name: ClassVar[str] = "torch"
     suffix: ClassVar[str] = ".pt"
     every_rank_writes: ClassVar[bool] = False
+    temp_dir_first: ClassVar[bool] = False
 
     def prepared(self, payload: Any) -> Any:
         return payload
@@ -110,10 +115,17 @@ class TorchFile:
         # torch's own reader on a path is ~3x faster than through a Python file
         # object; the file is ours, confined to the save dir, verified just now.
         path = store.local_path(rel)
+        if path.is_dir():
+            raise InvalidArgumentError(
+                f"{rel} is a directory written by a framework's own writer; ckptdb "
+                "verified it, load it with that framework from checkpoint.path"
+            )
         return torch.load(path, map_location=map_location, weights_only=weights_only)
 
     def check_loadable(self, store: PayloadStore, rel: str) -> None:
-        torch.load(store.local_path(rel), map_location="cpu", weights_only=True)
+        path = store.local_path(rel)
+        if not path.is_dir():  # a framework's directory: only its size and hash are ours
+            torch.load(path, map_location="cpu", weights_only=True)
 
 
 @dataclass(frozen=True)
@@ -123,6 +135,7 @@ class ShardedDirectory:
     name: ClassVar[str] = "dcp"
     suffix: ClassVar[str] = SHARDED_SUFFIX
     every_rank_writes: ClassVar[bool] = True
+    temp_dir_first: ClassVar[bool] = True
 
     def prepared(self, payload: Any) -> Any:
         assert isinstance(payload, Sharded)
@@ -166,20 +179,55 @@ class ShardedDirectory:
         store.dcp_reader(rel).read_metadata()
 
 
+@dataclass(frozen=True)
+class ExternalWriter(TorchFile):
+    """An :class:`External` payload: its writer creates a file or a directory.
+
+    The writer runs on every rank, at the temporary path the chief chose (a
+    framework's save has its own barriers); ckptdb seals what it created. A
+    stored external payload reads back like a ``torch.save`` file (which is
+    what Lightning's ``.ckpt`` is); a directory is verified, not unpickled.
+    """
+
+    name: ClassVar[str] = "external"
+    suffix: ClassVar[str] = ""
+    every_rank_writes: ClassVar[bool] = True
+    temp_dir_first: ClassVar[bool] = False  # the writer creates a file or a directory
+
+    def prepared(self, payload: Any) -> Any:
+        assert isinstance(payload, External)
+        return payload.checked()
+
+    def data(self, payload: Any) -> Any:
+        raise InvalidArgumentError("an External payload is written during save(), never copied")
+
+    def write(self, store: PayloadStore, payload: Any, tmp: str, group: Any) -> FileInfo | None:
+        assert isinstance(payload, External)
+        payload.write(store.local_path(tmp))
+        return None
+
+    def seal(self, store: PayloadStore, tmp: str, written: FileInfo | None) -> FileInfo:
+        return store.seal_written(tmp)
+
+
 TORCH_FILE = TorchFile()
 SHARDED = ShardedDirectory()
-KINDS: tuple[PayloadKind, ...] = (TORCH_FILE, SHARDED)
+EXTERNAL = ExternalWriter()
+KINDS: tuple[PayloadKind, ...] = (TORCH_FILE, SHARDED, EXTERNAL)
 
 
 def kind_of(payload: Any) -> PayloadKind:
-    """The kind that writes ``payload``: sharded if wrapped in :class:`Sharded`."""
-    return SHARDED if isinstance(payload, Sharded) else TORCH_FILE
+    """The kind that writes ``payload``: sharded if wrapped in :class:`Sharded`,
+    a framework's writer if :class:`External`, else one ``torch.save`` file."""
+    if isinstance(payload, Sharded):
+        return SHARDED
+    return EXTERNAL if isinstance(payload, External) else TORCH_FILE
 
 
 def kind_of_path(path: object) -> PayloadKind:
     """The kind of a stored checkpoint, by its name's suffix."""
     text = str(path)
-    return next((k for k in KINDS if text.endswith(k.suffix)), TORCH_FILE)
+    return next((k for k in (TORCH_FILE, SHARDED) if text.endswith(k.suffix)), TORCH_FILE)
 
 
 def kind_named(name: str) -> PayloadKind:

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import ForeignEntryError, InvalidArgumentError
 from ..policies import STREAM_NAME
-from . import dcp, files
+from . import dcp, external, files
 from .base import CORRUPT, LOST, Finding, Found
 from .files import FileInfo
 from .naming import CHECKPOINT_NAME, SHARDED_SUFFIX, TEMP_NAME
@@ -50,6 +50,9 @@ class LocalStore:
     def prepare_stream(self, stream: str) -> None:
         files.make_dir(self.save_dir / stream)
 
+    def prepare_parent(self, rel: str) -> None:
+        files.make_dir(self.path(rel).parent)
+
     def exists(self, rel: str) -> bool:
         return os.path.lexists(self.save_dir / rel)
 
@@ -67,6 +70,9 @@ class LocalStore:
 
     def seal(self, rel: str) -> FileInfo:
         return files.seal_directory(self.save_dir / rel)
+
+    def seal_written(self, rel: str) -> FileInfo:
+        return external.seal_written(self.save_dir / rel)
 
     def place(self, tmp: str, final: str) -> None:
         files.place(self.save_dir / tmp, self.save_dir / final)
