@@ -42,6 +42,33 @@ class NonFiniteGradGuard:
         flag = self._flags.get(bad.device)
         self._flags[bad.device] = bad if flag is None else flag.logical_or(bad)
 
+    def observe(self, parameters: ParametersArg, *, skipped: Tensor | None = None) -> None:
+        """Record the gradients an optimizer step is about to apply, without changing them.
+
+        For frameworks that own the training step (the Lightning callback feeds
+        it from ``on_before_optimizer_step``). ``skipped`` is a boolean tensor
+        saying the step will not be applied (a GradScaler found inf/NaN and
+        skips it): such a step changed no weights, so its gradients count as
+        finite. Everything stays on the device; nothing syncs with the host.
+        """
+        params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+        positions = {id(p): i for i, p in enumerate(params)}
+        params = [p for p in params if p.grad is not None]
+        if not params:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, g in enumerate(grads):
+            groups.setdefault((g.device, g.dtype), []).append(i)
+        per_group = []
+        for idx in groups.values():
+            norms = torch.stack(_tensor_norms([grads[i] for i in idx], 2.0))
+            if skipped is not None:
+                norms = torch.where(skipped.to(norms.device), torch.zeros_like(norms), norms)
+            self._record_params([params[i] for i in idx], norms, positions)
+            per_group.append(norms.to(grads[0].device))
+        self.update(_combine(torch.cat(per_group), 2.0))
+
     def clip_grad_norm_(
         self, parameters: ParametersArg, max_norm: float, norm_type: float = 2.0
     ) -> Tensor:

@@ -407,6 +407,20 @@ class CheckpointManager:
         self._check_open()
         return self._publisher.save(step, metrics, payloads, blocking)
 
+    def protect(self, checkpoint: Checkpoint) -> None:
+        """Never remove ``checkpoint``'s file while this manager is open.
+
+        For the checkpoint a run resumed from (Lightning protects it the same
+        way): retention still evicts it from its stream when its policy says
+        so, but then the row is marked ``deleted`` with a note and the file is
+        left on disk, no longer ckptdb's. On ranks other than the chief (which
+        never remove anything) it does nothing.
+        """
+        self._check_open()
+        if not isinstance(checkpoint, Checkpoint):
+            raise ArgumentTypeError(f"protect() takes a committed Checkpoint, got {checkpoint!r}")
+        self._ctx.protected.add(checkpoint.id)
+
     def gc(self) -> list[Checkpoint]:
         """Apply every stream's stored retention policy now (e.g. after lowering ``last``)."""
         self._require_chief("gc()")

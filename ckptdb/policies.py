@@ -26,6 +26,8 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 from .errors import ArgumentTypeError, InvalidArgumentError, UnknownStreamError
 
 STREAM_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+#: save()'s own keyword arguments: a stream of that name could never receive a payload.
+RESERVED_STREAM_NAMES = frozenset({"step", "metrics", "blocking"})
 
 
 @dataclass(frozen=True)
@@ -116,9 +118,9 @@ class EveryStep:
 
 @dataclass(frozen=True)
 class Best:
-    """Keeps the ``n`` best entries by metric; ties go to the earlier step."""
+    """Keeps the ``n`` best entries by metric (None: all); ties go to the earlier step."""
 
-    n: int
+    n: int | None
     mode: Literal["min", "max"] = "min"
 
     def key(self, entry: Entry) -> tuple[float, int, int]:
@@ -230,18 +232,20 @@ class Keep:
 class TopK:
     """Keep the ``k`` best checkpoints by ``metrics[metric]``; ties go to the earlier step.
 
+    ``k=None`` keeps every checkpoint, ranked (Lightning's ``save_top_k=-1``).
+
     Exempt from the timeline rule: a best model from an abandoned branch is
     still a good model. Re-saving a step already in the top-K replaces it.
     """
 
-    k: int
+    k: int | None
     metric: str
     mode: Literal["min", "max"] = "min"
 
     kind: ClassVar[str] = "topk"
 
     def __post_init__(self) -> None:
-        _positive_int("TopK(k=...)", self.k, allow_none=False)
+        _positive_int("TopK(k=...)", self.k, allow_none=True)
         if not isinstance(self.metric, str):
             raise ArgumentTypeError(f"TopK(metric=...) must be a str, got {self.metric!r}")
         if not self.metric:
@@ -273,6 +277,8 @@ class TopK:
 
     def evictions(self, committed: Sequence[Entry], new: Entry) -> list[Entry]:
         replaced = [m for m in committed if m.step == new.step and m.id != new.id]
+        if self.k is None:
+            return replaced
         return replaced + self._ranked(committed, new)[self.k :]
 
     def window_evictions(self, committed: Sequence[Entry]) -> list[Entry]:
@@ -284,14 +290,15 @@ class TopK:
         return sorted(members, key=self.rule.key)
 
     def describe(self) -> str:
-        return f"top-{self.k} by {self.metric} ({self.mode})"
+        size = "all" if self.k is None else f"top-{self.k}"
+        return f"{size} by {self.metric} ({self.mode})"
 
     def to_record(self) -> PolicyRecord:
         return PolicyRecord(self.kind, k=self.k, metric=self.metric, mode=self.mode)
 
     @classmethod
     def from_record(cls, record: PolicyRecord) -> TopK:
-        assert record.k is not None and record.metric is not None
+        assert record.metric is not None
         return cls(k=record.k, metric=record.metric, mode="max" if record.mode == "max" else "min")
 
 
@@ -322,6 +329,11 @@ def validate_stream_name(name: object) -> str:
         raise InvalidArgumentError(
             f"invalid stream name {name!r}: use 1-64 letters, digits, '_', '-', '.' "
             "(not '.', '..' or a name starting with 'ckptdb.')"
+        )
+    if name in RESERVED_STREAM_NAMES:
+        raise InvalidArgumentError(
+            f"invalid stream name {name!r}: it is an argument of save(), so no payload "
+            f"could be passed for it ({', '.join(sorted(RESERVED_STREAM_NAMES))} are taken)"
         )
     return name
 

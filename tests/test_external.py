@@ -409,3 +409,37 @@ def test_a_writer_failing_on_one_rank_fails_the_boundary_on_every_rank(tmp_path:
     assert [o.value[:2] for o in outcomes] == [("error", "write")] * 2
     assert outcomes[0].value[2] == []  # the chief rolled its file back
     assert LedgerClient(tmp_path / "run").rows("SELECT state FROM checkpoints") == [("aborted",)]
+
+
+# ------------------------------------------------------------------ protection
+
+
+def test_a_protected_checkpoint_leaves_its_stream_but_its_file_stays(
+    open_manager: Opener, root: Path, save_dir: Path
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    first = mgr.save(1, model=External(torch_writer(1.0), name="one.ckpt"))["model"]
+    mgr.protect(first)
+    mgr.save(2, model=External(torch_writer(2.0), name="two.ckpt"))
+    mgr.save(3, model=External(torch_writer(3.0), name="three.ckpt"))
+    assert sorted(os.listdir(save_dir)) == ["one.ckpt", "three.ckpt"]
+    assert [c.step for c in mgr.checkpoints("model")] == [3]
+    kept = LedgerClient(root).rows("SELECT state, error FROM checkpoints WHERE path = 'one.ckpt'")
+    assert kept[0][0] == "deleted" and "kept on disk" in kept[0][1]
+    assert mgr.check() == [] and mgr.reconcile(verify=True).actions == []
+    with pytest.raises(ArgumentTypeError):
+        mgr.protect("one.ckpt")  # type: ignore[arg-type]
+
+
+def test_gc_keeps_a_protected_file_too(open_manager: Opener, save_dir: Path) -> None:
+    mgr = open_manager(streams={"model": Keep(last=3)})
+    saved = [
+        mgr.save(s, model=External(torch_writer(s), name=f"{s}.ckpt"))["model"] for s in (1, 2)
+    ]
+    mgr.protect(saved[0])
+    mgr.close()
+    with CheckpointManager(mgr.root, streams={"model": Keep(last=1)}) as again:
+        again.protect(saved[0])
+        assert [c.step for c in again.gc()] == []  # nothing to remove: the file is kept
+        assert sorted(os.listdir(save_dir)) == ["1.ckpt", "2.ckpt"]
+        assert [c.step for c in again.checkpoints("model")] == [2]

@@ -12,10 +12,11 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from helpers import state
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptdb import Keep, TopK
+from ckptdb import CheckpointManager, Keep, TopK
 from ckptdb.errors import ArgumentTypeError, CkptDBError, InvalidArgumentError
 from ckptdb.policies import Entry, validate_policies, validate_stream_name
 
@@ -302,7 +303,6 @@ def test_policy_constructor_rejects_bad_values(make) -> None:  # type: ignore[no
         lambda: Keep(every=True),
         lambda: TopK(k=True, metric="loss"),
         lambda: TopK(k=1.0, metric="loss"),
-        lambda: TopK(k=None, metric="loss"),
         lambda: TopK(k="2", metric="loss"),
     ],
 )
@@ -442,7 +442,7 @@ def test_topk_window_evictions(
 
 
 def topk_reference(policy: TopK, committed: list[Entry], new: Entry) -> set[int]:
-    """Brute force: survivors are the entries fewer than k others beat."""
+    """Brute force: survivors are the entries fewer than k others beat (k=None: all)."""
 
     def beats(a: Entry, b: Entry) -> bool:
         assert a.metric is not None and b.metric is not None
@@ -450,7 +450,8 @@ def topk_reference(policy: TopK, committed: list[Entry], new: Entry) -> set[int]
         return better or (a.metric == b.metric and a.step < b.step)
 
     pool = [e for e in committed if e.step != new.step] + [new]
-    return {e.id for e in pool if sum(beats(o, e) for o in pool if o is not e) < policy.k}
+    limit = len(pool) if policy.k is None else policy.k
+    return {e.id for e in pool if sum(beats(o, e) for o in pool if o is not e) < limit}
 
 
 metrics = st.sampled_from([-1.0, -0.0, 0.0, 0.25, 0.5, 1.0, 2.5, 1e300, -1e300])
@@ -461,11 +462,11 @@ metrics = st.sampled_from([-1.0, -0.0, 0.0, 0.25, 0.5, 1.0, 2.5, 1e300, -1e300])
     members=st.dictionaries(st.integers(0, 30), metrics, max_size=9),
     new_step=st.integers(0, 32),
     new_metric=metrics,
-    k=st.integers(1, 5),
+    k=st.one_of(st.none(), st.integers(1, 5)),
     mode=st.sampled_from(["min", "max"]),
 )
 def test_topk_matches_brute_force(
-    members: dict[int, float], new_step: int, new_metric: float, k: int, mode: str
+    members: dict[int, float], new_step: int, new_metric: float, k: int | None, mode: str
 ) -> None:
     policy = TopK(k, "m", mode)  # type: ignore[arg-type]
     committed = scored(*members.items())
@@ -480,7 +481,7 @@ def test_topk_matches_brute_force(
     assert policy.admits(committed, candidate) is (NEW_ID in survivors)
     if NEW_ID in survivors:  # the manager only commits an admitted candidate
         assert evicted == {e.id for e in committed} - survivors
-        assert len(committed) + 1 - len(evicted) <= k
+        assert k is None or len(committed) + 1 - len(evicted) <= k
         assert NEW_ID not in evicted
 
 
@@ -519,6 +520,9 @@ def test_valid_stream_names(name: str) -> None:
         "a*b",
         "nul\x00",
         "modèle",
+        "step",
+        "metrics",
+        "blocking",
         "模型",
     ],
 )
@@ -558,3 +562,19 @@ def test_validate_policies_accepts_and_copies() -> None:
 def test_validate_policies_rejects(streams: object) -> None:
     with pytest.raises(InvalidArgumentError):
         validate_policies(streams)
+
+
+def test_topk_without_k_keeps_everything_ranked_and_survives_the_ledger(
+    tmp_path: Path,
+) -> None:
+    """``TopK(None, ...)`` (Lightning's ``save_top_k=-1``): nothing is evicted,
+    ``best`` ranks every checkpoint, and the policy reads back from the ledger."""
+    policy = TopK(None, "loss", "max")
+    assert policy.describe() == "all by loss (max)"
+    with CheckpointManager(tmp_path / "run", streams={"best": policy}) as mgr:
+        for step, loss in enumerate([0.5, 0.9, 0.1, 0.7]):
+            mgr.save(step, metrics={"loss": loss}, best=state(loss))
+        assert [c.metric for c in mgr.best("best")] == [0.9, 0.7, 0.5, 0.1]
+        assert mgr.gc() == []
+    with CheckpointManager(tmp_path / "run") as mgr:
+        assert mgr.policies["best"] == policy

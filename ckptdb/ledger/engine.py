@@ -67,8 +67,12 @@ def advisory_key(name: str) -> int:
 MIGRATION_LOCK_KEY = advisory_key("ckptdb:migrations")
 
 
+#: The file name of a run's own SQLite ledger, in its root.
+LEDGER_FILE = "ckptdb.sqlite"
+
+
 def default_sqlite_url(root: Path) -> str:
-    return f"sqlite:///{root / 'ckptdb.sqlite'}"
+    return f"sqlite:///{root / LEDGER_FILE}"
 
 
 def readonly_sqlite_url(path: Path) -> str:

@@ -75,6 +75,8 @@ from .inputs import validate_step
 from .preflight import Preflight
 from .share import PlanItem, Share
 
+KEPT_ON_DISK = "evicted; the file was kept on disk (this attempt resumed from it)"
+
 
 @dataclass
 class _Progress:
@@ -465,9 +467,21 @@ class Publisher:
         others = [e for e in entries if e.id != s.row_id]
         new = Entry(id=s.row_id, step=step, metric=s.metric)
         doomed = {e.id for e in self.ctx.policies[s.stream].evictions(others, new)}
-        evicted = [r for r in found if r.id in doomed]
-        # deleted_at records the eviction (the file goes later, maybe at a reconcile)
-        ledger_rows.set_state(session, [r.id for r in evicted], m.DELETING, deleted_at=m.utcnow())
+        return self._evict(session, [r for r in found if r.id in doomed])
+
+    def _evict(self, session: Any, chosen: list[Any]) -> list[Any]:
+        """Mark ``chosen`` evicted; the rows whose files are to be removed after COMMIT.
+
+        ``deleted_at`` records the eviction (the file goes later, maybe at a
+        reconcile). A protected row (the checkpoint this attempt resumed from)
+        leaves its stream the same way, but its file stays: the row becomes
+        ``deleted`` at once, saying so, and the file is the user's from then on.
+        """
+        now = m.utcnow()
+        kept = [r.id for r in chosen if r.id in self.ctx.protected]
+        ledger_rows.set_state(session, kept, m.DELETED, deleted_at=now, error=KEPT_ON_DISK)
+        evicted = [r for r in chosen if r.id not in self.ctx.protected]
+        ledger_rows.set_state(session, [r.id for r in evicted], m.DELETING, deleted_at=now)
         return evicted
 
     def _record(
@@ -509,11 +523,7 @@ class Publisher:
             for stream, policy in ctx.policies.items():
                 found, entries = ledger_rows.committed_entries(session, ctx.run_id, stream)
                 doomed = {e.id for e in policy.window_evictions(entries)}
-                chosen = [r for r in found if r.id in doomed]
-                ledger_rows.set_state(
-                    session, [r.id for r in chosen], m.DELETING, deleted_at=m.utcnow()
-                )
+                evicted.extend(self._evict(session, [r for r in found if r.id in doomed]))
                 ledger_rows.repoint_latest(session, ctx.run_id, stream)
-                evicted.extend(chosen)
             after_commit(session, lambda: self.clean_up(None, evicted))
         return [ledger_rows.to_record(r, ctx.save_dir) for r in evicted]

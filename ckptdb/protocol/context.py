@@ -67,6 +67,8 @@ class RunContext:
     db: Ledger | None = None
     lock: RunLock | None = None
     metrics: MetricBuffer = field(default_factory=MetricBuffer)
+    #: Row ids whose files stay on disk if retention evicts them (see ``mgr.protect``).
+    protected: set[int] = field(default_factory=set)
 
     @property
     def ledger(self) -> Ledger:

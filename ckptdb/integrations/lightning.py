@@ -1,0 +1,566 @@
+"""PyTorch Lightning: a drop-in ``ModelCheckpoint`` whose checkpoints become visible at commit.
+
+``from ckptdb.integrations.lightning import ModelCheckpoint`` and use it as
+Lightning's own: same arguments, same file names (``filename=``,
+``auto_insert_metric_name``, ``-v1`` suffixes), same attributes
+(``best_model_path``, ``best_k_models``, ``last_model_path``). What changes is
+what decides:
+
+- **Visibility.** Every checkpoint is written by ``trainer.save_checkpoint``
+  into a temporary path ckptdb hands out (an :class:`~ckptdb.External`
+  payload), fsynced, placed under Lightning's name and committed as one
+  ledger row. ``best_model_path``, ``best_k_models`` and ``fit(ckpt_path=
+  "last")`` only ever name committed checkpoints.
+- **Retention.** Top-k is a ledger stream (``TopK(save_top_k, monitor,
+  mode)``; ``Keep`` without a monitor); a file goes only after the commit
+  that evicted it. The checkpoint a run resumed from stays on disk.
+- **``last.ckpt``** is an alias derived from the ledger: a hard link to the
+  newest committed checkpoint, swapped in atomically after the commit and
+  rebuilt on resume. ``save_last=True`` writes a checkpoint of its own only
+  at a step where no top-k checkpoint was committed.
+- **The guard.** With ``guard=True`` the gradients each optimizer step
+  applies feed a :class:`~ckptdb.NonFiniteGradGuard` (on the device, no host
+  sync); a non-finite one refuses the next checkpoint on every rank
+  (``guard="raise"`` also stops training). A step a GradScaler skipped
+  changed no weights and does not count.
+- **Metrics.** ``trainer.callback_metrics`` at each checkpoint are stored
+  with its row and in the ledger's ``metrics`` table.
+
+The ledger lives outside ``dirpath`` (which holds checkpoints only): by
+default in ``.<dirpath name>.ckptdb/`` next to it, unique to that
+``dirpath``. Several ckptdb callbacks of one Trainer with the same
+``dirpath`` share it, each as its own streams.
+"""
+
+import logging
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal, Union
+from weakref import proxy
+
+import torch
+from torch import Tensor
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "ckptdb.integrations.lightning needs Lightning: pip install 'ckptdb[lightning]'"
+    ) from exc
+
+from ..errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    NonFiniteGradientError,
+    RunDirectoryError,
+)
+from ..guard import NonFiniteGradGuard
+from ..ledger.engine import LEDGER_FILE
+from ..manager import CheckpointManager
+from ..policies import RESERVED_STREAM_NAMES, Keep, Policy, TopK, validate_stream_name
+from ..reader import RunReader, ledger_url, run_exists
+from ..record import Checkpoint
+from ..storage.alias import point_alias, remove_alias
+from ..storage.external import External
+from ..storage.files import hash_checkpoint
+
+__all__ = ["ModelCheckpoint", "default_ledger", "newest_committed"]
+
+log = logging.getLogger("ckptdb.lightning")
+
+_LAST = ".last"
+
+
+def default_ledger(dirpath: str | os.PathLike[str]) -> Path:
+    """Where a callback's ledger lives unless ``ledger=`` says otherwise.
+
+    ``<parent>/.<name>.ckptdb`` for ``dirpath`` ``<parent>/<name>``: outside
+    ``dirpath`` (so it holds checkpoints only) and unique to it (two sibling
+    directories have different names; a shared parent would mix up runs).
+    """
+    path = Path(dirpath).resolve()
+    if path.parent == path:
+        raise RunDirectoryError(f"dirpath {path} has no parent to hold its ledger; pass ledger=")
+    return path.parent / f".{path.name}.ckptdb"
+
+
+def newest_committed(
+    ledger: str | os.PathLike[str], *, db_url: str | None = None
+) -> Checkpoint | None:
+    """The newest committed checkpoint of any stream whose file is whole (size and hash).
+
+    What ``fit(ckpt_path="last")`` resumes from. Read-only: it never takes
+    the writer lock, so every rank may ask before the process group exists.
+    """
+    root = Path(ledger).resolve()
+    if db_url is None and not (root / LEDGER_FILE).exists():
+        return None  # a first run: nothing to resume from
+    if not run_exists(root, ledger_url(root, db_url, readonly=True)):
+        return None
+    with RunReader(root, db_url=db_url) as reader:
+        found = reader.checkpoints()
+    for record in sorted(found, key=lambda c: (c.committed_at, c.id), reverse=True):
+        try:
+            actual = hash_checkpoint(record.path)
+        except OSError as exc:
+            log.warning("not resuming from %s: %s", record.path, exc)
+            continue
+        if (actual.size, actual.hash) == (record.size, record.hash):
+            return record
+        log.warning("not resuming from %s: its size or hash differs from the ledger", record.path)
+    return None
+
+
+@dataclass
+class _Session:
+    """One open ledger, shared by the ckptdb callbacks of a Trainer that use it."""
+
+    manager: CheckpointManager
+    guard: NonFiniteGradGuard | None
+    users: set[int] = field(default_factory=set)
+    refused_step: int | None = None  # a guard trip refuses every save at that step
+    fed: tuple[int, int] | None = None  # (global step, optimizer) the guard last saw
+
+
+#: Open ledgers by (ledger root, db_url, Trainer): one Trainer's callbacks share
+#: one; another Trainer on the same ledger meets its writer lock.
+_SESSIONS: dict[tuple[str, str | None, int], _Session] = {}
+
+
+class ModelCheckpoint(_LightningModelCheckpoint):
+    """Lightning's ``ModelCheckpoint``, backed by a ckptdb ledger (see the module docstring).
+
+    Extra arguments: ``ledger`` (the run root holding ``ckptdb.sqlite`` and
+    the writer lock; default :func:`default_ledger` of ``dirpath``),
+    ``db_url`` (e.g. PostgreSQL), ``guard`` (``True``, ``False`` or
+    ``"raise"``) and ``stream`` (the ledger stream's name; default the
+    monitor's name, or ``checkpoints`` without one).
+    """
+
+    def __init__(
+        self,
+        dirpath: Union[str, Path] | None = None,  # noqa: UP007 (Lightning's CLI reads these)
+        filename: str | None = None,
+        monitor: str | None = None,
+        verbose: bool = False,
+        save_last: Union[bool, Literal["link"]] | None = None,  # noqa: UP007
+        save_top_k: int = 1,
+        save_on_exception: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
+        every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        enable_version_counter: bool = True,
+        *,
+        ledger: Union[str, Path] | None = None,  # noqa: UP007
+        db_url: str | None = None,
+        guard: Union[bool, Literal["raise"]] = True,  # noqa: UP007
+        stream: str | None = None,
+    ) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            monitor=monitor,
+            verbose=verbose,
+            save_last=save_last,
+            save_top_k=save_top_k,
+            save_on_exception=save_on_exception,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            auto_insert_metric_name=auto_insert_metric_name,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+            enable_version_counter=enable_version_counter,
+        )
+        if guard not in (True, False, "raise"):
+            raise InvalidArgumentError(f"guard must be True, False or 'raise', got {guard!r}")
+        if ledger is not None and not isinstance(ledger, (str, os.PathLike)):
+            raise ArgumentTypeError(f"ledger must be a path, got {ledger!r}")
+        if db_url is not None and not isinstance(db_url, str):
+            raise ArgumentTypeError(f"db_url must be a str, got {db_url!r}")
+        self.ledger = os.fspath(ledger) if ledger is not None else None
+        self.db_url = db_url
+        self.guard = guard
+        self.stream = validate_stream_name(stream) if stream is not None else None
+        self._session_key: tuple[str, str | None, int] | None = None
+
+    # ----------------------------------------------------------------- the ledger
+
+    @property
+    def main_stream(self) -> str:
+        """The ledger stream of this callback's top-k (or every-n) checkpoints."""
+        if self.stream is not None:
+            return self.stream
+        if self.monitor is None:
+            return "checkpoints"
+        name = re.sub(r"[^A-Za-z0-9_.\-]", "_", self.monitor).strip(".")[:56] or "monitor"
+        return f"by_{name}" if name in RESERVED_STREAM_NAMES else name
+
+    @property
+    def last_stream(self) -> str:
+        """The stream of checkpoints written for ``last`` (or on an exception) alone."""
+        return f"{self.main_stream}{_LAST}"
+
+    def streams(self) -> dict[str, Policy]:
+        """This callback's ledger streams and their policies."""
+        found: dict[str, Policy] = {}
+        if self.save_top_k != 0:
+            k = None if self.save_top_k == -1 else self.save_top_k
+            found[self.main_stream] = (
+                TopK(k, self.monitor, "max" if self.mode == "max" else "min")
+                if self.monitor is not None
+                else Keep(last=k)
+            )
+        found[self.last_stream] = Keep(last=1)
+        return found
+
+    def _key(self, trainer: pl.Trainer) -> tuple[str, str | None]:
+        dirpath = str(self._ModelCheckpoint__resolve_ckpt_dir(trainer))  # type: ignore[attr-defined]
+        if "://" in dirpath and not dirpath.startswith("file://"):
+            raise InvalidArgumentError(
+                f"dirpath {dirpath!r}: the ckptdb ModelCheckpoint keeps checkpoints on a "
+                "local or network filesystem path"
+            )
+        root = Path(self.ledger).resolve() if self.ledger is not None else default_ledger(dirpath)
+        return str(root), self.db_url
+
+    def _session(self, trainer: pl.Trainer) -> _Session:
+        """The open ledger (opened at setup, or lazily at the first save)."""
+        key = (*self._key(trainer), id(trainer))
+        session = _SESSIONS.get(key)
+        if session is None:
+            session = _SESSIONS[key] = self._open(trainer, key[:2])
+        session.users.add(id(self))
+        self._session_key = key
+        return session
+
+    def _open(self, trainer: pl.Trainer, key: tuple[str, str | None]) -> _Session:
+        peers = [
+            cb
+            for cb in trainer.checkpoint_callbacks
+            if isinstance(cb, ModelCheckpoint) and cb._key(trainer) == key
+        ] or [self]
+        dirpath = Path(self._ModelCheckpoint__resolve_ckpt_dir(trainer)).resolve()  # type: ignore[attr-defined]
+        streams: dict[str, Policy] = {}
+        for cb in peers:
+            other = Path(cb._ModelCheckpoint__resolve_ckpt_dir(trainer)).resolve()  # type: ignore[attr-defined]
+            if other != dirpath:
+                raise InvalidArgumentError(
+                    f"two ckptdb ModelCheckpoint callbacks share the ledger {key[0]} but not "
+                    f"their dirpath ({dirpath} and {other}); give each its own ledger="
+                )
+            for name, policy in cb.streams().items():
+                if name in streams:
+                    raise InvalidArgumentError(
+                        f"two ckptdb ModelCheckpoint callbacks would both use the ledger "
+                        f"stream {name!r}; pass stream= to tell them apart"
+                    )
+                streams[name] = policy
+        guard = None
+        if any(cb.guard for cb in peers):
+            guard = NonFiniteGradGuard(trainer.lightning_module)
+        manager = CheckpointManager(
+            key[0], streams=streams, save_dir=dirpath, db_url=key[1], guard=guard
+        )
+        return _Session(manager, guard)
+
+    def _release(self, failed: BaseException | None = None) -> None:
+        key, self._session_key = self._session_key, None
+        session = _SESSIONS.get(key) if key is not None else None
+        if session is None:
+            return
+        session.users.discard(id(self))
+        if not session.users:
+            del _SESSIONS[key]  # type: ignore[arg-type]
+            if failed is None:
+                session.manager.close()
+            else:
+                session.manager.__exit__(type(failed), failed, failed.__traceback__)
+
+    # ------------------------------------------------------------ Lightning hooks
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._sync(self._session(trainer))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._release()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        try:
+            super().on_exception(trainer, pl_module, exception)
+        finally:
+            self._release(exception)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Protect the files this run must not delete; re-point ``last`` after a resume.
+
+        Like Lightning, a run never deletes the checkpoint it resumed from. A
+        run that starts afresh in a ``dirpath`` with earlier checkpoints (a
+        rerun: Lightning gives its files ``-v1`` names) never deletes those
+        either, though they leave its streams when its retention says so.
+        """
+        super().on_train_start(trainer, pl_module)
+        session = self._session(trainer)
+        resumed = trainer.ckpt_path
+        for record in session.manager.checkpoints():
+            if resumed is None or os.path.abspath(record.path) == os.path.abspath(resumed):
+                session.manager.protect(record)
+        if self.save_last and self.last_model_path and trainer.is_global_zero:
+            target = self._last_target(session, None)
+            if target is not None:
+                point_alias(target.path, Path(self.last_model_path))
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        """Feed the guard the gradients this step applies (once per step and optimizer)."""
+        key = self._session_key
+        session = _SESSIONS.get(key) if key is not None else None
+        if session is None or session.guard is None:
+            return
+        fed = (trainer.global_step, id(optimizer))
+        if session.fed == fed:
+            return
+        session.fed = fed
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        session.guard.observe(params, skipped=_skipped_by_scaler(trainer, optimizer))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning's restore, then the ledger's word: no path it no longer has survives."""
+        super().load_state_dict(state_dict)
+        key = self._session_key
+        session = _SESSIONS.get(key) if key is not None else None
+        if session is not None:
+            self._sync(session)
+            if self.last_model_path and not self.save_last:
+                self.last_model_path = ""
+
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """``fit(ckpt_path="last")``: the newest committed, whole checkpoint, never an mtime."""
+        root, db_url = self._key(trainer)
+        newest = newest_committed(root, db_url=db_url)
+        return {str(newest.path)} if newest is not None else set()
+
+    # ------------------------------------------------------------------ saving
+
+    def _save_monitor_checkpoint(
+        self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
+    ) -> None:
+        """The ledger decides admission to the top-k (agreed by every rank)."""
+        assert self.monitor is not None
+        current = monitor_candidates.get(self.monitor)
+        if current is None:
+            return
+        score = _score(current, self.mode)
+        filepath = self._get_metric_interpolated_filepath_name(monitor_candidates, trainer)
+        self.current_score = score
+        record = self._publish(trainer, self.main_stream, filepath, monitor_candidates, score)
+        if record is None and self.verbose:
+            log.info(
+                "step %d: %r was not in top %d", trainer.global_step, self.monitor, self.save_top_k
+            )
+
+    def _update_best_and_save(
+        self, current: Tensor, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
+    ) -> None:
+        self._save_monitor_checkpoint(trainer, {**monitor_candidates, str(self.monitor): current})
+
+    def _save_none_monitor_checkpoint(
+        self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
+    ) -> None:
+        filepath = self._get_metric_interpolated_filepath_name(monitor_candidates, trainer)
+        self._publish(trainer, self.main_stream, filepath, monitor_candidates, None)
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        """A save outside top-k (``save_on_exception``): the ``last`` stream's."""
+        candidates = self._monitor_candidates(trainer)
+        self._publish(trainer, self.last_stream, filepath, candidates, None)
+
+    def _save_last_checkpoint(
+        self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
+    ) -> None:
+        """Point the ``last`` alias at the newest committed checkpoint, writing one if needed."""
+        if not self.save_last:
+            return
+        session = self._session(trainer)
+        if session.refused_step == trainer.global_step:
+            return
+        alias = self._alias_path(monitor_candidates, trainer)
+        previous, self.last_model_path = self.last_model_path, alias
+        target = self._last_target(session, trainer.global_step)
+        if target is None:
+            own = Path(alias)
+            backing = own.with_name(f"{own.stem}-step={trainer.global_step}{own.suffix}")
+            target = self._publish(
+                trainer, self.last_stream, str(backing), monitor_candidates, None
+            )
+        if target is None or not trainer.is_global_zero:
+            return
+        point_alias(target.path, Path(alias))
+        if (
+            previous
+            and previous != alias
+            and self._should_remove_checkpoint(trainer, previous, alias)
+        ):
+            remove_alias(Path(previous))
+
+    def _last_target(self, session: _Session, step: int | None) -> Checkpoint | None:
+        """What ``last`` names: with ``"link"``, the newest top-k checkpoint; otherwise
+        the newest committed checkpoint of this callback, if it is of this ``step``."""
+        manager = session.manager
+        main = manager.latest(self.main_stream) if self.save_top_k != 0 else None
+        if self.save_last == "link" and main is not None:
+            return main
+        own = [c for c in (main, manager.latest(self.last_stream)) if c is not None]
+        newest = max(own, key=lambda c: (c.committed_at, c.id), default=None)
+        if newest is None or (step is not None and newest.step != step):
+            return None
+        return newest
+
+    def _alias_path(self, monitor_candidates: dict[str, Tensor], trainer: pl.Trainer) -> str:
+        filepath = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
+        if self._enable_version_counter:
+            version = self.STARTING_VERSION
+            while self.file_exists(filepath, trainer) and filepath != self.last_model_path:
+                filepath = self.format_checkpoint_name(
+                    monitor_candidates, self.CHECKPOINT_NAME_LAST, ver=version
+                )
+                version += 1
+        return filepath
+
+    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        """Never: retention is the ledger's, and a file goes after the commit that evicted it."""
+
+    def _publish(
+        self,
+        trainer: pl.Trainer,
+        stream: str,
+        filepath: str,
+        monitor_candidates: dict[str, Tensor],
+        score: Tensor | None,
+    ) -> Checkpoint | None:
+        """One boundary: Lightning writes ``filepath`` through the ledger; None if not published."""
+        session = self._session(trainer)
+        step = trainer.global_step
+        if session.refused_step == step:
+            return None
+        name = self._name_in_dirpath(filepath)
+        weights_only = self.save_weights_only
+
+        def write(path: Path) -> None:
+            trainer.save_checkpoint(path, weights_only)
+
+        metrics = _boundary_metrics(monitor_candidates, self.monitor, score)
+        try:
+            payloads: dict[str, Any] = {stream: External(write, name)}
+            saved = session.manager.save(step, metrics=metrics, blocking=True, **payloads)
+        except NonFiniteGradientError as exc:
+            session.refused_step = step
+            if self.guard == "raise":
+                raise
+            log.warning("ckptdb: %s", exc)
+            return None
+        record = saved.get(stream)
+        if record is not None:
+            self._last_global_step_saved = step
+            self._last_checkpoint_saved = str(record.path)
+            if trainer.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.after_save_checkpoint(proxy(self))
+        self._sync(session)
+        return record
+
+    def _name_in_dirpath(self, filepath: str) -> str:
+        assert self.dirpath is not None
+        dirpath = Path(self.dirpath).resolve()
+        target = Path(filepath)
+        target = target if target.is_absolute() else dirpath / target
+        try:
+            return target.resolve().relative_to(dirpath).as_posix()
+        except ValueError:
+            raise InvalidArgumentError(
+                f"{filepath} is outside dirpath {dirpath}; the ckptdb ModelCheckpoint only "
+                "publishes inside it"
+            ) from None
+
+    def _sync(self, session: _Session) -> None:
+        """Lightning's top-k bookkeeping, as the ledger says (committed checkpoints only)."""
+        if self.save_top_k == 0:
+            return
+        manager = session.manager
+        if self.monitor is None:
+            latest = manager.latest(self.main_stream)
+            self.best_model_path = str(latest.path) if latest is not None else ""
+            return
+        members = manager.best(self.main_stream)
+        self.best_k_models = {str(c.path): _tensor(c.metric) for c in members}
+        if not members:
+            self.best_model_path, self.best_model_score = "", None
+            self.kth_best_model_path = ""
+            return
+        self.best_model_path = str(members[0].path)
+        self.best_model_score = _tensor(members[0].metric)
+        if self.save_top_k == -1 or len(members) == self.save_top_k:
+            self.kth_best_model_path = str(members[-1].path)
+            self.kth_value = _tensor(members[-1].metric)
+
+
+def _score(current: Tensor, mode: str) -> Tensor:
+    """Lightning's score: NaN ranks worst (``inf`` for ``min``, ``-inf`` for ``max``)."""
+    if isinstance(current, Tensor) and torch.isnan(current):
+        return torch.tensor(math.inf if mode == "min" else -math.inf, device=current.device)
+    return current if isinstance(current, Tensor) else torch.tensor(float(current))
+
+
+def _finite(value: float) -> float:
+    """The ledger ranks by finite metrics: an infinite score is stored as the largest float."""
+    return max(min(value, sys.float_info.max), -sys.float_info.max)
+
+
+def _tensor(metric: float | None) -> Tensor:
+    value = 0.0 if metric is None else metric
+    if abs(value) == sys.float_info.max:
+        value = math.copysign(math.inf, value)
+    return torch.tensor(value)
+
+
+def _boundary_metrics(
+    candidates: dict[str, Tensor], monitor: str | None, score: Tensor | None
+) -> dict[str, float]:
+    """The scalar metrics Lightning has at this boundary (with the score as ranked)."""
+    metrics: dict[str, float] = {}
+    for name, value in candidates.items():
+        if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
+            metrics[name] = float(value.item())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            metrics[name] = float(value)
+    if monitor is not None and score is not None:
+        metrics[monitor] = _finite(float(score.item()))
+    return metrics
+
+
+def _skipped_by_scaler(trainer: pl.Trainer, optimizer: Any) -> Tensor | None:
+    """A boolean tensor: the GradScaler found inf/NaN and will skip this step."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None:
+        return None
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    found = state.get("found_inf_per_device") if state else None
+    if not found:
+        return None
+    flags = [f.to(next(iter(found.values())).device) for f in found.values()]
+    return torch.stack(flags).sum() > 0

@@ -1,0 +1,85 @@
+"""Aliases: names such as Lightning's ``last.ckpt`` that other tools open.
+
+An alias is derived from the ledger and never read by ckptdb to decide
+anything. It is written only after the commit of what it names, and swapped
+in atomically: a new hard link (the same inode as the committed file, so it
+stays whole even after retention removes the file it was linked from) is
+made under a temporary name and renamed over the alias, then the directory is
+fsynced. Where hard links are not possible (a filesystem without them) the
+alias is a durable copy. A directory checkpoint is aliased by a tree of hard
+links. Symlinks are never used: they break on Windows, in cloud backups and
+when their target is evicted.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+from .files import fsync_dir
+
+_NO_LINKS = {errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
+def point_alias(target: Path, alias: Path) -> None:
+    """Make ``alias`` name the same bytes as ``target``, atomically and durably."""
+    if target.is_file() and alias.is_file() and os.path.samefile(target, alias):
+        return  # already the same inode (renaming a link over itself would do nothing)
+    tmp = alias.with_name(f".{alias.name}.ckptdb-alias-{os.getpid()}")
+    _remove(tmp)
+    try:
+        if target.is_dir():
+            _link_tree(target, tmp)
+        else:
+            _link_or_copy(target, tmp)
+        if alias.is_dir() and not alias.is_symlink():
+            old = alias.with_name(f".{alias.name}.ckptdb-old-{os.getpid()}")
+            os.replace(alias, old)  # a directory cannot be renamed over a non-empty one
+            os.replace(tmp, alias)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, alias)
+    except BaseException:
+        _remove(tmp)
+        raise
+    fsync_dir(alias.parent)
+
+
+def remove_alias(alias: Path) -> None:
+    _remove(alias)
+    fsync_dir(alias.parent)
+
+
+def _link_or_copy(source: Path, dest: Path) -> None:
+    try:
+        os.link(source, dest)
+    except OSError as exc:
+        if exc.errno not in _NO_LINKS:
+            raise
+        shutil.copyfile(source, dest)
+        fd = os.open(dest, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _link_tree(source: Path, dest: Path) -> None:
+    dest.mkdir()
+    for path in sorted(source.rglob("*")):
+        target = dest / path.relative_to(source)
+        if path.is_dir():
+            target.mkdir()
+        else:
+            _link_or_copy(path, target)
+    for directory in [p for p in dest.rglob("*") if p.is_dir()] + [dest]:
+        fsync_dir(directory)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)

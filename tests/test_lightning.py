@@ -1,0 +1,525 @@
+"""The Lightning integration, with a real ``lightning.Trainer`` on the CPU.
+
+Our own tests for the scenarios Lightning's ModelCheckpoint tests describe
+(top-k with and without ``save_last``, ``save_top_k`` 0/-1/k, a NaN first
+score, every-n triggers, resuming, ``last``/``"link"``, version suffixes,
+state round trip, pickling, an unknown monitor), and for what the ledger
+adds: visibility at commit, the ledger's location, the guard, metrics,
+shared ledgers and crashes. Deliberate differences from Lightning are
+listed in docs/lightning.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from crashlib import tail, wait_child
+from helpers import LedgerClient
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.plugins import MixedPrecision
+from lightninglib import Tiny, trainer
+
+from ckptdb import CheckpointManager
+from ckptdb.errors import (
+    InvalidArgumentError,
+    LedgerLockedError,
+    NonFiniteGradientError,
+    RunDirectoryError,
+)
+from ckptdb.integrations.lightning import ModelCheckpoint, default_ledger, newest_committed
+from ckptdb.reader import RunReader
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.timeout(180),
+]
+
+
+def files(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+def ledger_of(dirpath: Path) -> LedgerClient:
+    return LedgerClient(default_ledger(dirpath))
+
+
+def committed(dirpath: Path) -> list[tuple[str, int, str]]:
+    return [
+        (stream, step, path)
+        for stream, step, path in ledger_of(dirpath).rows(
+            "SELECT stream, step, path FROM checkpoints WHERE state = 'committed' ORDER BY id"
+        )
+    ]
+
+
+def check_clean(dirpath: Path) -> None:
+    with CheckpointManager(default_ledger(dirpath), maintenance=True) as mgr:
+        assert mgr.check() == []
+
+
+# --------------------------------------------------------------------- top-k
+
+
+def test_top_k_with_save_last_names_committed_checkpoints_only(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, monitor="val_loss", save_top_k=2, save_last=True)
+    trainer(tmp_path, [cb], max_epochs=4).fit(Tiny(val_losses=[3, 1, 2, 4]))
+    assert files(d) == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"]
+    assert cb.best_model_path == str(d / "epoch=1-step=8.ckpt")
+    assert float(cb.best_model_score) == 1.0  # type: ignore[arg-type]
+    assert {Path(p).name: float(v) for p, v in cb.best_k_models.items()} == {
+        "epoch=1-step=8.ckpt": 1.0,
+        "epoch=2-step=12.ckpt": 2.0,
+    }
+    assert cb.kth_best_model_path == str(d / "epoch=2-step=12.ckpt")
+    assert cb.last_model_path == str(d / "last.ckpt")
+    # last is a hard link to the newest committed checkpoint (epoch 3 was not admitted)
+    assert not (d / "last.ckpt").is_symlink()
+    assert os.path.samefile(d / "last.ckpt", d / "epoch=2-step=12.ckpt")
+    assert [p for _, _, p in committed(d)] == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+    check_clean(d)
+
+
+def test_without_save_last_there_is_no_alias(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, monitor="val_loss", save_top_k=1)
+    trainer(tmp_path, [cb], max_epochs=3).fit(Tiny(val_losses=[2, 1, 3]))
+    assert files(d) == ["epoch=1-step=8.ckpt"]
+    assert cb.last_model_path == ""
+
+
+def test_save_top_k_zero_keeps_only_last(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, save_top_k=0, save_last=True)
+    trainer(tmp_path, [cb], max_epochs=2).fit(Tiny())
+    # Lightning writes last.ckpt once, at the end; ours is an alias of a committed row
+    assert files(d) == ["last-step=8.ckpt", "last.ckpt"]
+    assert os.path.samefile(d / "last.ckpt", d / "last-step=8.ckpt")
+    assert cb.best_model_path == "" and cb.best_model_score is None and cb.best_k_models == {}
+    assert [s for s, _, _ in committed(d)] == ["checkpoints.last"]
+
+
+def test_save_top_k_minus_one_keeps_everything_ranked(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, filename="{epoch}", monitor="val_loss", save_top_k=-1)
+    trainer(tmp_path, [cb], max_epochs=3).fit(Tiny(val_losses=[2, 1, 3]))
+    assert files(d) == ["epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt"]
+    assert cb.best_model_path == str(d / "epoch=1.ckpt")
+    assert cb.kth_best_model_path == str(d / "epoch=2.ckpt")
+    assert len(cb.best_k_models) == 3
+    with RunReader(default_ledger(d)) as reader:
+        assert reader.policies["val_loss"].describe() == "all by val_loss (min)"
+
+
+@pytest.mark.parametrize("top_k, kept", [(1, ["epoch=2-step=12.ckpt"]), (-1, None)])
+def test_without_a_monitor_the_newest_are_kept(
+    tmp_path: Path, top_k: int, kept: list[str] | None
+) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, save_top_k=top_k)
+    trainer(tmp_path, [cb], max_epochs=3).fit(Tiny())
+    everything = ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+    assert files(d) == (kept or everything)
+    assert cb.best_model_path == str(d / "epoch=2-step=12.ckpt")
+    assert cb.best_k_models == {}
+
+
+@pytest.mark.parametrize(
+    "mode, losses, best", [("min", [math.nan, 8, 7, 5], 5.0), ("max", [math.nan, 5, 7, 8], 8.0)]
+)
+def test_a_nan_first_score_ranks_worst(
+    tmp_path: Path, mode: str, losses: list[float], best: float
+) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, monitor="val_loss", mode=mode, save_top_k=1)
+    trainer(tmp_path, [cb], max_epochs=4).fit(Tiny(val_losses=losses))
+    assert float(cb.best_model_score) == best  # type: ignore[arg-type]
+    assert files(d) == ["epoch=3-step=16.ckpt"]
+    stored = ledger_of(d).rows("SELECT metric, state FROM checkpoints ORDER BY id")
+    assert len(stored) == 4 and math.isfinite(stored[0][0])  # NaN ranked as the worst float
+
+
+def test_a_nan_score_alone_is_best_as_infinity(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, monitor="val_loss", save_top_k=1)
+    trainer(tmp_path, [cb], max_epochs=1).fit(Tiny(val_losses=[math.nan]))
+    assert cb.best_model_score is not None and math.isinf(float(cb.best_model_score))
+    assert cb.current_score is not None and math.isinf(float(cb.current_score))
+
+
+# ----------------------------------------------------------------- triggers
+
+
+def test_every_n_train_steps(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    trainer(tmp_path, [cb], max_epochs=3).fit(Tiny())
+    assert files(d) == ["step=12.ckpt", "step=3.ckpt", "step=6.ckpt", "step=9.ckpt"]
+
+
+@pytest.mark.parametrize("n", [0, 2])
+def test_every_n_epochs(tmp_path: Path, n: int) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, filename="{epoch}", every_n_epochs=n, save_top_k=-1)
+    trainer(tmp_path, [cb], max_epochs=4).fit(Tiny())
+    expected = [f"epoch={e}.ckpt" for e in range(4) if n and (e + 1) % n == 0]
+    assert (files(d) if d.exists() else []) == expected
+
+
+# ------------------------------------------------------------------- resume
+
+
+def test_fit_last_resumes_from_the_newest_committed_and_keeps_that_file(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    first = ModelCheckpoint(
+        dirpath=d, monitor="step", mode="max", save_top_k=2, every_n_train_steps=2
+    )
+    trainer(tmp_path, [first], max_steps=4).fit(Tiny())
+    assert files(d) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    second = ModelCheckpoint(
+        dirpath=d, monitor="step", mode="max", save_top_k=2, every_n_train_steps=2
+    )
+    t = trainer(tmp_path, [second], max_steps=8)
+    t.fit(Tiny(), ckpt_path="last")
+    assert t.ckpt_path == str(d / "epoch=0-step=4.ckpt")
+    # step=4 is evicted from the top-2 but stays on disk: the run resumed from it
+    assert files(d) == ["epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt"]
+    assert set(second.best_k_models) == {
+        str(d / "epoch=1-step=6.ckpt"),
+        str(d / "epoch=1-step=8.ckpt"),
+    }
+    check_clean(d)
+
+
+def test_fit_last_ignores_a_newer_file_that_never_committed(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, save_top_k=-1, save_last=True)
+    trainer(tmp_path, [cb], max_epochs=2).fit(Tiny())
+    time.sleep(0.01)
+    torch.save({"not": "a checkpoint"}, d / "last-v1.ckpt")  # newest by mtime, no row
+    torch.save({"not": "a checkpoint"}, d / "epoch=9-step=99.ckpt")
+    assert newest_committed(default_ledger(d)).path == d / "epoch=1-step=8.ckpt"  # type: ignore[union-attr]
+    t = trainer(tmp_path, [ModelCheckpoint(dirpath=d, save_top_k=-1, save_last=True)], max_epochs=3)
+    t.fit(Tiny(), ckpt_path="last")
+    assert t.ckpt_path == str(d / "epoch=1-step=8.ckpt")
+    assert (d / "epoch=9-step=99.ckpt").exists()  # not ours: left alone
+
+
+def test_fit_last_skips_a_corrupt_newest_checkpoint(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, save_top_k=-1)
+    trainer(tmp_path, [cb], max_epochs=2).fit(Tiny())
+    with open(d / "epoch=1-step=8.ckpt", "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    t = trainer(tmp_path, [ModelCheckpoint(dirpath=d, save_top_k=-1)], max_epochs=3)
+    t.fit(Tiny(), ckpt_path="last")
+    assert t.ckpt_path == str(d / "epoch=0-step=4.ckpt")
+
+
+def test_restored_state_never_names_a_path_the_ledger_no_longer_has(tmp_path: Path) -> None:
+    """The checkpoint resumed from carries the top-k of its own time; the ledger's wins."""
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, filename="{epoch}", monitor="val_loss", save_top_k=1)
+    trainer(tmp_path, [cb], max_epochs=3).fit(Tiny(val_losses=[3, 2, 1]))
+    assert files(d) == ["epoch=2.ckpt"]
+    old = torch.load(d / "epoch=2.ckpt", weights_only=False)["callbacks"][cb.state_key]
+    assert str(d / "epoch=1.ckpt") in old["best_k_models"]  # Lightning's state is one behind
+    seen: dict[str, Any] = {}
+
+    class Spy(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            seen["best_k"] = dict(again.best_k_models)
+            seen["best"] = again.best_model_path
+
+    again = ModelCheckpoint(dirpath=d, filename="{epoch}", monitor="val_loss", save_top_k=1)
+    trainer(tmp_path, [again, Spy()], max_epochs=4).fit(Tiny(val_losses=[9]), ckpt_path="last")
+    assert list(seen["best_k"]) == [str(d / "epoch=2.ckpt")]
+    assert seen["best"] == str(d / "epoch=2.ckpt")
+
+
+# --------------------------------------------------------------------- last
+
+
+def test_save_last_link_aliases_the_newest_top_k_checkpoint(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, monitor="val_loss", save_top_k=1, save_last="link")
+    trainer(tmp_path, [cb], max_epochs=3).fit(Tiny(val_losses=[1, 2, 3]))
+    # epochs 1 and 2 were not admitted: last names epoch 0, and no extra file was written
+    assert files(d) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert os.path.samefile(d / "last.ckpt", d / "epoch=0-step=4.ckpt")
+    assert not (d / "last.ckpt").is_symlink()
+
+
+def test_the_alias_outlives_the_eviction_of_its_target(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, monitor="val_loss", save_top_k=1, save_last=True)
+    trainer(tmp_path, [cb], max_epochs=2).fit(Tiny(val_losses=[2, 1]))
+    loaded = torch.load(d / "last.ckpt", weights_only=False)
+    assert loaded["global_step"] == 8
+    assert files(d) == ["epoch=1-step=8.ckpt", "last.ckpt"]
+
+
+def test_a_custom_last_name_and_its_previous_alias(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ModelCheckpoint, "CHECKPOINT_NAME_LAST", "last-{epoch}")
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, save_top_k=-1, save_last=True)
+    trainer(tmp_path, [cb], max_epochs=3).fit(Tiny())
+    assert files(d) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=1-step=8.ckpt",
+        "epoch=2-step=12.ckpt",
+        "last-epoch=2.ckpt",
+    ]
+    assert cb.last_model_path == str(d / "last-epoch=2.ckpt")
+
+
+def test_version_suffixes_after_a_rerun(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    for _ in range(2):
+        cb = ModelCheckpoint(dirpath=d, filename="{epoch}", save_top_k=-1)
+        trainer(tmp_path, [cb], max_epochs=2).fit(Tiny())
+    assert files(d) == ["epoch=0-v1.ckpt", "epoch=0.ckpt", "epoch=1-v1.ckpt", "epoch=1.ckpt"]
+    assert cb.best_model_path == str(d / "epoch=1-v1.ckpt")
+    check_clean(d)
+
+
+# ------------------------------------------------------- the callback itself
+
+
+def test_state_dict_round_trip_and_state_key(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, monitor="val_loss", save_top_k=2, save_last=True)
+    trainer(tmp_path, [cb], max_epochs=3).fit(Tiny(val_losses=[3, 1, 2]))
+    state = cb.state_dict()
+    fresh = ModelCheckpoint(dirpath=d, monitor="val_loss", save_top_k=2, save_last=True)
+    fresh.load_state_dict(state)  # no ledger open: Lightning's own restore
+    for key in ("best_model_path", "best_model_score", "best_k_models", "last_model_path"):
+        assert fresh.state_dict()[key] == state[key]
+    assert cb.state_key.startswith("ModelCheckpoint{'monitor': 'val_loss'")
+
+
+def test_nothing_on_disk_in_init_and_the_callback_pickles(tmp_path: Path) -> None:
+    cb = ModelCheckpoint(
+        dirpath=tmp_path / "ckpts", monitor="val_loss", ledger=tmp_path / "ledger", guard="raise"
+    )
+    assert files(tmp_path) == []
+    assert vars(pickle.loads(pickle.dumps(cb))) == vars(cb)
+
+
+def test_the_signature_keeps_lightnings_arguments_plus_ours() -> None:
+    import inspect
+
+    from lightning.pytorch.callbacks import ModelCheckpoint as Stock
+
+    ours = inspect.signature(ModelCheckpoint).parameters
+    stock = inspect.signature(Stock).parameters
+    assert list(ours)[: len(stock)] == list(stock)
+    assert ours["save_last"].annotation == stock["save_last"].annotation
+    assert {"ledger", "db_url", "guard", "stream"} <= set(ours)
+
+
+def test_an_unknown_monitor_is_reported_as_lightning_reports_it(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, monitor="nope")
+    with pytest.raises(MisconfigurationException, match="could not find the monitored key"):
+        trainer(tmp_path, [cb], max_epochs=1).fit(Tiny())
+    assert not d.exists() or files(d) == []
+
+
+def test_bad_callback_arguments_are_typed_errors(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError):
+        ModelCheckpoint(guard="maybe")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError):
+        ModelCheckpoint(stream="no spaces")
+
+
+# ------------------------------------------------------------------ the ledger
+
+
+def test_the_default_ledger_is_outside_dirpath_and_unique_to_it(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        trainer(tmp_path, [ModelCheckpoint(dirpath=d)], max_epochs=1).fit(Tiny())
+    assert default_ledger(a) == tmp_path / ".a.ckptdb" != default_ledger(b)
+    assert files(a) == ["epoch=0-step=4.ckpt"]  # checkpoints only
+    assert (tmp_path / ".a.ckptdb" / "ckptdb.sqlite").exists()
+    assert committed(a) == [("checkpoints", 4, "epoch=0-step=4.ckpt")]
+    assert committed(b) == [("checkpoints", 4, "epoch=0-step=4.ckpt")]
+
+
+def test_a_ledger_that_cannot_hold_a_run_fails_before_training(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    steps: list[int] = []
+
+    class Count(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            steps.append(trainer.global_step)
+
+    cb = ModelCheckpoint(dirpath=tmp_path / "ckpts", ledger=tmp_path / "a-file")
+    with pytest.raises(RunDirectoryError):
+        trainer(tmp_path, [cb, Count()], max_epochs=1).fit(Tiny())
+    assert steps == []
+
+
+def test_a_dirpath_shared_by_two_trainers_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    pid = os.fork()
+    if pid == 0:  # another trainer's process holding the run
+        code = 1
+        try:
+            with CheckpointManager(default_ledger(d), save_dir=d):
+                ready.touch()
+                deadline = time.monotonic() + 60
+                while not release.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert time.monotonic() < deadline, "the holder never opened the run"
+            time.sleep(0.01)
+        with pytest.raises(LedgerLockedError, match=f"pid {pid}"):
+            trainer(tmp_path, [ModelCheckpoint(dirpath=d)], max_epochs=1).fit(Tiny())
+    finally:
+        release.touch()
+        assert wait_child(pid, timeout=30) == 0
+
+
+def test_metrics_are_stored_with_each_checkpoint_and_as_history(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, monitor="val_loss", save_top_k=3)
+    trainer(tmp_path, [cb], max_epochs=3).fit(Tiny(val_losses=[3, 2, 1]))
+    with RunReader(default_ledger(d)) as reader:
+        assert [v for _, v, _ in reader.metric_history("val_loss")] == [3.0, 2.0, 1.0]
+        assert "train_loss" in reader.metric_names()
+        assert reader.best("val_loss")[0].metrics["val_loss"] == 1.0
+
+
+def test_two_callbacks_share_one_ledger_as_separate_streams(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    best = ModelCheckpoint(dirpath=d, filename="best-{epoch}", monitor="val_loss")
+    every = ModelCheckpoint(
+        dirpath=d, filename="{step}", every_n_train_steps=4, save_top_k=-1, stream="every"
+    )
+    trainer(tmp_path, [best, every], max_epochs=2).fit(Tiny(val_losses=[1, 2]))
+    assert files(d) == ["best-epoch=0.ckpt", "step=4.ckpt", "step=8.ckpt"]
+    assert {s for s, _, _ in committed(d)} == {"val_loss", "every"}
+    check_clean(d)
+
+
+def test_two_callbacks_on_one_stream_are_refused(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    one, two = ModelCheckpoint(dirpath=d), ModelCheckpoint(dirpath=d, every_n_train_steps=2)
+    with pytest.raises(InvalidArgumentError, match="pass stream="):
+        trainer(tmp_path, [one, two], max_epochs=1).fit(Tiny())
+
+
+# ------------------------------------------------------------------ the guard
+
+
+def test_a_nan_gradient_refuses_the_next_checkpoint_and_training_goes_on(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, save_top_k=-1, save_last=True)
+    trainer(tmp_path, [cb], max_epochs=3).fit(Tiny(nan_grad_at=5))
+    # epoch 1 (steps 4-7) saw the NaN: its checkpoint (and its last) is refused;
+    # the model zeroes the NaN after the guard saw it, so training goes on finite
+    assert [step for _, step, _ in committed(d)] == [4, 12]
+    events = ledger_of(d).rows("SELECT kind, step FROM events WHERE kind = 'guard_tripped'")
+    assert events == [("guard_tripped", 8)]
+
+
+def test_guard_raise_stops_training(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, save_top_k=-1, guard="raise")
+    with pytest.raises(NonFiniteGradientError):
+        trainer(tmp_path, [cb], max_epochs=3).fit(Tiny(nan_grad_at=1))
+    assert committed(d) == []
+
+
+def test_guard_false_publishes_regardless(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, save_top_k=-1, guard=False)
+    trainer(tmp_path, [cb], max_epochs=2).fit(Tiny(nan_grad_at=1))
+    assert [step for _, step, _ in committed(d)] == [4, 8]
+
+
+def test_a_step_the_grad_scaler_skipped_does_not_trip_the_guard(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, save_top_k=-1)
+    model = Tiny(nan_grad_at=1)  # the scaler finds the NaN and skips the step
+    model.on_before_optimizer_step = lambda optimizer: None  # type: ignore[method-assign]
+    scaler = torch.amp.GradScaler("cpu")
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    t = trainer(tmp_path, [cb], max_epochs=2, plugins=[plugin])
+    t.fit(model)
+    assert scaler.get_scale() < 65536.0  # the scaler did skip a step (and backed off)
+    assert [step for _, step, _ in committed(d)] == [4, 8]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert ledger_of(d).rows("SELECT kind FROM events WHERE kind = 'guard_tripped'") == []
+
+
+# ------------------------------------------------------------------ crashes
+
+
+def _train_forever(d: Path, log: Path) -> None:
+    """Child: resume from "last" and train until killed."""
+    import logging
+
+    logging.disable(logging.WARNING)
+    cb = ModelCheckpoint(
+        dirpath=d, monitor="step", mode="max", every_n_train_steps=1, save_top_k=3, save_last=True
+    )
+    t = trainer(d.parent, [cb], max_epochs=10_000, limit_val_batches=0)
+    t.fit(Tiny(width=64), ckpt_path="last")
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_at_random_points_always_resumes_from_a_committed_checkpoint(
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / "ckpts"
+    rng = __import__("random").Random(7)
+    resumed_steps: list[int] = []
+    for _ in range(6):
+        log = tmp_path / "child.log"
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                _train_forever(d, log)
+                code = 0
+            except BaseException:
+                log.write_text(traceback.format_exc())
+            finally:
+                os._exit(code)
+        time.sleep(rng.uniform(2.0, 4.0))
+        os.kill(pid, signal.SIGKILL)
+        assert wait_child(pid, timeout=30) == -signal.SIGKILL, tail(log)
+        newest = newest_committed(default_ledger(d))
+        assert newest is not None
+        loaded = torch.load(newest.path, weights_only=False)  # whole: it loads
+        assert loaded["global_step"] == newest.step
+        resumed_steps.append(newest.step)
+        with CheckpointManager(default_ledger(d), save_dir=d) as mgr:
+            assert mgr.check() == []  # after the open's reconcile: nothing partial is left
+            assert not [n for n in files(d) if ".ckptdb-tmp-" in n]
+    assert resumed_steps == sorted(resumed_steps) and resumed_steps[-1] > resumed_steps[0]
