@@ -74,6 +74,7 @@ def _loader(width: int, n: int = 8) -> DataLoader[Any]:
 def trainer(tmp: Any, callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
     """A quiet CPU Trainer (no logger, no progress bar) with ``callbacks``."""
     kwargs.setdefault("max_epochs", 3)
+    kwargs.setdefault("devices", 1)
     return pl.Trainer(
         default_root_dir=tmp,
         callbacks=callbacks,
@@ -81,7 +82,6 @@ def trainer(tmp: Any, callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         accelerator="cpu",
-        devices=1,
         num_sanity_val_steps=0,
         **kwargs,
     )

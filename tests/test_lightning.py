@@ -11,10 +11,13 @@ listed in docs/lightning.md.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -523,3 +526,149 @@ def test_sigkill_at_random_points_always_resumes_from_a_committed_checkpoint(
             assert mgr.check() == []  # after the open's reconcile: nothing partial is left
             assert not [n for n in files(d) if ".ckptdb-tmp-" in n]
     assert resumed_steps == sorted(resumed_steps) and resumed_steps[-1] > resumed_steps[0]
+
+
+# -------------------------------------------------------------------- DDP
+
+
+class RankReport(pl.Callback):
+    """Each rank writes what its ckptdb callback believes, to compare across ranks."""
+
+    def __init__(self, out: Path, cb: ModelCheckpoint) -> None:
+        self.out, self.cb = out, cb
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = {
+            "best": self.cb.best_model_path,
+            "best_k": sorted(self.cb.best_k_models),
+            "last_saved": self.cb._last_global_step_saved,
+            "steps": trainer.global_step,
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(state))
+
+
+class NaNOnRank(Tiny):
+    """A NaN gradient on one rank only, after DDP's all-reduce (then zeroed)."""
+
+    def __init__(self, rank: int, step: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.bad_rank, self.bad_step = rank, step
+
+    def on_after_backward(self) -> None:
+        if self.global_rank == self.bad_rank and self.global_step == self.bad_step:
+            assert self.layer.weight.grad is not None
+            self.layer.weight.grad.fill_(math.nan)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.global_step == self.bad_step:
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.nan_to_num_(0.0)
+
+
+def ddp_fit(
+    tmp_path: Path, model: Tiny, epochs: int = 3, resume: str | None = None, **kwargs: Any
+) -> tuple[Path, list[dict[str, Any]]]:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, **kwargs)
+    t = trainer(
+        tmp_path, [cb, RankReport(tmp_path, cb)], max_epochs=epochs, strategy="ddp_fork", devices=2
+    )
+    t.fit(model, ckpt_path=resume)
+    return d, [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_ddp_two_ranks_commit_one_row_per_checkpoint(tmp_path: Path) -> None:
+    d, ranks = ddp_fit(tmp_path, Tiny(val_losses=[3, 1, 2]), monitor="val_loss", save_top_k=2)
+    assert files(d) == ["epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt"]
+    assert [step for _, step, _ in committed(d)] == [4, 6]  # epoch 0 evicted after commit
+    assert ranks[0] == ranks[1]  # every rank holds the ledger's top-k
+    assert ranks[0]["best"] == str(d / "epoch=1-step=4.ckpt")
+    check_clean(d)
+    # resume on both ranks from the ledger's newest (every rank asks before the group exists)
+    _, ranks = ddp_fit(
+        tmp_path,
+        Tiny(val_losses=[3, 1, 2, 0.5]),
+        4,
+        "last",
+        monitor="val_loss",
+        save_top_k=2,
+        save_last=True,
+    )
+    assert ranks[0] == ranks[1] and ranks[0]["steps"] == 8
+    assert files(d) == [
+        "epoch=1-step=4.ckpt",
+        "epoch=2-step=6.ckpt",
+        "epoch=3-step=8.ckpt",
+        "last.ckpt",
+    ]
+    assert ranks[0]["best_k"] == [str(d / "epoch=1-step=4.ckpt"), str(d / "epoch=3-step=8.ckpt")]
+    check_clean(d)
+
+
+def test_ddp_a_nan_gradient_on_one_rank_refuses_the_checkpoint_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    d, ranks = ddp_fit(tmp_path, NaNOnRank(rank=1, step=3), save_top_k=-1, save_last=True)
+    assert [step for _, step, _ in committed(d)] == [2, 6]  # step 4 refused
+    assert files(d) == ["epoch=0-step=2.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"]
+    assert ranks[0] == ranks[1] and ranks[0]["steps"] == 6
+    detail = ledger_of(d).rows("SELECT step, detail FROM events WHERE kind = 'guard_tripped'")
+    assert len(detail) == 1 and detail[0][0] == 4 and json.loads(detail[0][1])["ranks"] == [1]
+
+
+MODEL_PARALLEL_SCRIPT = """
+import sys
+from pathlib import Path
+
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightninglib import Tiny, trainer
+from torch.distributed.fsdp import fully_shard
+
+from ckptdb.integrations.lightning import ModelCheckpoint
+
+
+class FullyShardedTiny(Tiny):
+    def configure_model(self):
+        fully_shard(self.layer, mesh=self.device_mesh["data_parallel"])
+
+
+d, epochs = Path(sys.argv[1]), int(sys.argv[2])
+cb = ModelCheckpoint(dirpath=d / "ckpts", monitor="step", mode="max", save_top_k=2, save_last=True)
+strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+t = trainer(d, [cb], max_epochs=epochs, strategy=strategy, devices=2)
+t.fit(FullyShardedTiny(), ckpt_path=sys.argv[3] if len(sys.argv) > 3 else None)
+"""
+
+
+def test_model_parallel_directory_checkpoints_commit_as_one_row_and_resume(
+    tmp_path: Path,
+) -> None:
+    """FSDP2 (``fully_shard``) under Lightning's ModelParallelStrategy: every rank
+    writes its shards into a checkpoint *directory*, bypassing the CheckpointIO.
+    Lightning launches the ranks by re-running the script, hence a subprocess."""
+    script = tmp_path / "train_sharded.py"
+    script.write_text(MODEL_PARALLEL_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+
+    def fit(*args: str) -> None:
+        done = subprocess.run(
+            [sys.executable, str(script), str(tmp_path), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    d = tmp_path / "ckpts"
+    fit("2")
+    assert files(d) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+    assert (d / "epoch=1-step=4.ckpt" / ".metadata").is_file()  # a DCP directory
+    shard = next(p.name for p in (d / "last.ckpt").iterdir() if p.suffix == ".distcp")
+    assert os.path.samefile(d / "last.ckpt" / shard, d / "epoch=1-step=4.ckpt" / shard)
+    fit("3", "last")
+    assert [step for _, step, _ in committed(d)] == [4, 6]
+    # resumed from step 4 (which stays), a fresh directory for step 6; step 2 evicted
+    assert files(d) == ["epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"]
+    check_clean(d)

@@ -319,9 +319,9 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         for record in session.manager.checkpoints():
             if resumed is None or os.path.abspath(record.path) == os.path.abspath(resumed):
                 session.manager.protect(record)
-        if self.save_last and self.last_model_path and trainer.is_global_zero:
-            target = self._last_target(session, None)
-            if target is not None:
+        if self.save_last and self.last_model_path:
+            target = self._last_target(session, None)  # collective: asked on every rank
+            if target is not None and trainer.is_global_zero:
                 point_alias(target.path, Path(self.last_model_path))
 
     def on_before_optimizer_step(
