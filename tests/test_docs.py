@@ -35,6 +35,7 @@ DOC_PAGES = {
     "ledger.md",
     "guarantees.md",
     "distributed.md",
+    "lightning.md",
     "postgres.md",
     "performance.md",
     "development.md",

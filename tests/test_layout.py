@@ -48,6 +48,17 @@ ALLOWED = {
         "protocol",
     },
     "reader": {"errors", "policies", "record", "ledger"},
+    # each integration is an addition on top of the public parts
+    "integrations": {
+        "errors",
+        "guard",
+        "ledger",
+        "manager",
+        "policies",
+        "reader",
+        "record",
+        "storage",
+    },
 }
 
 
@@ -140,7 +151,13 @@ def test_each_layer_imports_only_the_layers_below_it(part: str) -> None:
 
 # The protocol reaches payloads only through the seam: the store protocol, payload
 # kinds and names; which store a run uses is decided by the manager alone.
-SEAM = {"ckptdb.storage", "ckptdb.storage.base", "ckptdb.storage.kinds", "ckptdb.storage.naming"}
+SEAM = {
+    "ckptdb.storage",
+    "ckptdb.storage.base",
+    "ckptdb.storage.kinds",
+    "ckptdb.storage.naming",
+    "ckptdb.storage.external",  # the External payload and its names
+}
 SEAM_EXTRAS = {"ckptdb.storage.dcp"}  # resolving a sharded load target's Stateful values
 
 
@@ -164,6 +181,17 @@ def test_the_library_never_imports_the_cli_or_the_demo() -> None:
         and any(i.startswith("ckptdb.cli") for i in ours(imports_of(p)))
     }
     assert not users, f"the library imports the CLI/demo: {sorted(users)}"
+
+
+def test_nothing_in_the_library_imports_an_integration() -> None:
+    """Integrations need their framework installed; the core must import without it."""
+    users = {
+        m
+        for m, p in MODULES.items()
+        if not m.startswith("ckptdb.integrations")
+        and any(i.startswith("ckptdb.integrations") for i in ours(imports_of(p)))
+    }
+    assert not users, f"the library imports an integration: {sorted(users)}"
 
 
 def test_the_layout_checks_see_every_part() -> None:

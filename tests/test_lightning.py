@@ -234,24 +234,39 @@ def test_fit_last_skips_a_corrupt_newest_checkpoint(tmp_path: Path) -> None:
 
 
 def test_restored_state_never_names_a_path_the_ledger_no_longer_has(tmp_path: Path) -> None:
-    """The checkpoint resumed from carries the top-k of its own time; the ledger's wins."""
+    """Resuming from an older checkpoint: the top-k saved inside it names a file that a
+    later checkpoint evicted; after the restore the callback holds the ledger's top-k."""
     d = tmp_path / "ckpts"
-    cb = ModelCheckpoint(dirpath=d, filename="{epoch}", monitor="val_loss", save_top_k=1)
-    trainer(tmp_path, [cb], max_epochs=3).fit(Tiny(val_losses=[3, 2, 1]))
-    assert files(d) == ["epoch=2.ckpt"]
-    old = torch.load(d / "epoch=2.ckpt", weights_only=False)["callbacks"][cb.state_key]
-    assert str(d / "epoch=1.ckpt") in old["best_k_models"]  # Lightning's state is one behind
+    cb = ModelCheckpoint(dirpath=d, filename="{epoch}", monitor="val_loss", save_top_k=2)
+    trainer(tmp_path, [cb], max_epochs=5).fit(Tiny(val_losses=[3, 2, 1, 0.5, 0.4]))
+    assert files(d) == ["epoch=3.ckpt", "epoch=4.ckpt"]
+    inside = torch.load(d / "epoch=3.ckpt", weights_only=False)["callbacks"][cb.state_key]
+    assert set(inside["best_k_models"]) == {str(d / "epoch=2.ckpt"), str(d / "epoch=3.ckpt")}
     seen: dict[str, Any] = {}
 
     class Spy(pl.Callback):
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            seen["best_k"] = dict(again.best_k_models)
+            seen["best_k"] = sorted(again.best_k_models)
             seen["best"] = again.best_model_path
+            seen["kth"] = again.kth_best_model_path
 
-    again = ModelCheckpoint(dirpath=d, filename="{epoch}", monitor="val_loss", save_top_k=1)
-    trainer(tmp_path, [again, Spy()], max_epochs=4).fit(Tiny(val_losses=[9]), ckpt_path="last")
-    assert list(seen["best_k"]) == [str(d / "epoch=2.ckpt")]
-    assert seen["best"] == str(d / "epoch=2.ckpt")
+    again = ModelCheckpoint(dirpath=d, filename="{epoch}", monitor="val_loss", save_top_k=2)
+    t = trainer(tmp_path, [again, Spy()], max_epochs=5)
+    t.fit(Tiny(val_losses=[9]), ckpt_path=str(d / "epoch=3.ckpt"))
+    assert seen["best_k"] == [str(d / "epoch=3.ckpt"), str(d / "epoch=4.ckpt")]
+    assert seen["best"] == str(d / "epoch=4.ckpt") and seen["kth"] == str(d / "epoch=3.ckpt")
+
+
+def test_the_state_saved_inside_a_checkpoint_names_that_checkpoint(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    top = ModelCheckpoint(dirpath=d, filename="top-{epoch}", monitor="val_loss", save_top_k=1)
+    every = ModelCheckpoint(dirpath=d, filename="every-{epoch}", save_top_k=-1, stream="every")
+    trainer(tmp_path, [top, every], max_epochs=2).fit(Tiny(val_losses=[2, 1]))
+    inside = torch.load(d / "top-epoch=1.ckpt", weights_only=False)["callbacks"][top.state_key]
+    assert inside["best_model_path"] == str(d / "top-epoch=1.ckpt")
+    assert list(inside["best_k_models"]) == [str(d / "top-epoch=1.ckpt")]
+    inside = torch.load(d / "every-epoch=1.ckpt", weights_only=False)["callbacks"][every.state_key]
+    assert inside["best_model_path"] == str(d / "every-epoch=1.ckpt")
 
 
 # --------------------------------------------------------------------- last
@@ -290,6 +305,22 @@ def test_a_custom_last_name_and_its_previous_alias(
         "last-epoch=2.ckpt",
     ]
     assert cb.last_model_path == str(d / "last-epoch=2.ckpt")
+
+
+@pytest.mark.parametrize("save_last, top_k", [(True, 0), ("link", 1)])
+def test_a_rerun_never_aliases_last_to_the_earlier_runs_checkpoint(
+    tmp_path: Path, save_last: Any, top_k: int
+) -> None:
+    """A fresh fit in the same dirpath: ``last`` names this run's final state."""
+    d = tmp_path / "ckpts"
+    for losses in ([1.0], [5.0]):  # the rerun's score never enters the top-1
+        cb = ModelCheckpoint(dirpath=d, monitor="val_loss", save_top_k=top_k, save_last=save_last)
+        model = Tiny(val_losses=losses)
+        trainer(tmp_path, [cb], max_epochs=1).fit(model)
+    assert Path(cb.last_model_path).name == "last-v1.ckpt"
+    saved = torch.load(cb.last_model_path, weights_only=False)["state_dict"]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(saved[name], tensor), name
 
 
 def test_version_suffixes_after_a_rerun(tmp_path: Path) -> None:
@@ -405,6 +436,20 @@ def test_a_dirpath_shared_by_two_trainers_is_refused(tmp_path: Path) -> None:
     finally:
         release.touch()
         assert wait_child(pid, timeout=30) == 0
+
+
+def test_validate_never_takes_the_writer_lock(tmp_path: Path) -> None:
+    """Validation or testing in another process while a run trains into dirpath."""
+    d = tmp_path / "ckpts"
+    trainer(tmp_path, [ModelCheckpoint(dirpath=d)], max_epochs=1).fit(Tiny())
+    with CheckpointManager(default_ledger(d), save_dir=d):  # the training run holds the lock
+        cb = ModelCheckpoint(dirpath=d)
+        t = trainer(tmp_path, [cb], max_epochs=1)
+        t.validate(Tiny(), ckpt_path=str(d / "epoch=0-step=4.ckpt"))
+        t.test(Tiny(), dataloaders=Tiny().val_dataloader(), ckpt_path="last")
+    fresh = tmp_path / "fresh"
+    trainer(tmp_path, [ModelCheckpoint(dirpath=fresh)]).validate(Tiny())
+    assert not default_ledger(fresh).exists()  # nothing created for a validation
 
 
 def test_metrics_are_stored_with_each_checkpoint_and_as_history(tmp_path: Path) -> None:
@@ -672,3 +717,36 @@ def test_model_parallel_directory_checkpoints_commit_as_one_row_and_resume(
     # resumed from step 4 (which stays), a fresh directory for step 6; step 2 evicted
     assert files(d) == ["epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"]
     check_clean(d)
+
+
+@pytest.mark.parametrize("counter", [True, False])
+def test_a_fixed_filename_is_never_written_over(tmp_path: Path, counter: bool) -> None:
+    d = tmp_path / "ckpts"
+    seen: list[list[str]] = []
+
+    class Listing(pl.Callback):
+        def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            seen.append(files(d) if d.exists() else [])
+
+    cb = ModelCheckpoint(dirpath=d, filename="model", enable_version_counter=counter)
+    trainer(tmp_path, [cb, Listing()], max_epochs=3).fit(Tiny())
+    # one file at a time (the older goes after the newer commits), never rewritten in place
+    assert seen == [[], ["model.ckpt"], ["model-v1.ckpt"]]
+    assert files(d) == ["model.ckpt"]
+    assert cb.best_model_path == str(d / "model.ckpt")
+    check_clean(d)
+
+
+def test_a_guard_trip_refuses_every_callbacks_checkpoint_at_that_step(tmp_path: Path) -> None:
+    """The guard is read (and reset) by the first save at a step; the other
+    callbacks' saves at that step are refused too."""
+    d = tmp_path / "ckpts"
+    top = ModelCheckpoint(dirpath=d, filename="top-{epoch}", monitor="val_loss", save_top_k=-1)
+    every = ModelCheckpoint(dirpath=d, filename="every-{epoch}", save_top_k=-1, stream="every")
+    trainer(tmp_path, [top, every], max_epochs=3).fit(Tiny(val_losses=[3, 2, 1], nan_grad_at=5))
+    assert sorted((s, step) for s, step, _ in committed(d)) == [
+        ("every", 4),
+        ("every", 12),
+        ("val_loss", 4),
+        ("val_loss", 12),
+    ]

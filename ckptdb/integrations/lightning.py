@@ -194,6 +194,8 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self.guard = guard
         self.stream = validate_stream_name(stream) if stream is not None else None
         self._session_key: tuple[str, str | None, int] | None = None
+        #: Ids of the checkpoints this callback committed in the current fit.
+        self._published: set[int] = set()
 
     # ----------------------------------------------------------------- the ledger
 
@@ -291,8 +293,12 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     # ------------------------------------------------------------ Lightning hooks
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Open the ledger for ``fit`` (validate/test/predict save nothing and must not
+        take the writer lock of a run another process may be training)."""
         super().setup(trainer, pl_module, stage)
-        self._sync(self._session(trainer))
+        self._published = set()
+        if stage == "fit":
+            self._sync(self._session(trainer))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()
@@ -368,6 +374,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         score = _score(current, self.mode)
         filepath = self._get_metric_interpolated_filepath_name(monitor_candidates, trainer)
         self.current_score = score
+        self._expect(filepath, score)  # the state inside the file includes the file itself
         record = self._publish(trainer, self.main_stream, filepath, monitor_candidates, score)
         if record is None and self.verbose:
             log.info(
@@ -383,7 +390,10 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
     ) -> None:
         filepath = self._get_metric_interpolated_filepath_name(monitor_candidates, trainer)
-        self._publish(trainer, self.main_stream, filepath, monitor_candidates, None)
+        # the state saved inside the checkpoint names the checkpoint itself, as in Lightning
+        previous, self.best_model_path = self.best_model_path, filepath
+        if self._publish(trainer, self.main_stream, filepath, monitor_candidates, None) is None:
+            self.best_model_path = previous
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         """A save outside top-k (``save_on_exception``): the ``last`` stream's."""
@@ -419,17 +429,47 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             remove_alias(Path(previous))
 
     def _last_target(self, session: _Session, step: int | None) -> Checkpoint | None:
-        """What ``last`` names: with ``"link"``, the newest top-k checkpoint; otherwise
-        the newest committed checkpoint of this callback, if it is of this ``step``."""
+        """What ``last`` names.
+
+        At a save (``step`` given), only what this fit committed counts, as in
+        Lightning (a rerun never links ``last`` to an earlier run's file): with
+        ``"link"``, the newest top-k checkpoint; otherwise the checkpoint this
+        callback committed at ``step``. On resume (``step`` None): the newest
+        committed checkpoint of this callback's streams.
+        """
         manager = session.manager
         main = manager.latest(self.main_stream) if self.save_top_k != 0 else None
+        last = manager.latest(self.last_stream)
+        if step is not None:
+            main, last = (
+                c if c is not None and c.id in self._published else None for c in (main, last)
+            )
         if self.save_last == "link" and main is not None:
             return main
-        own = [c for c in (main, manager.latest(self.last_stream)) if c is not None]
+        own = [c for c in (main, last) if c is not None]
         newest = max(own, key=lambda c: (c.committed_at, c.id), default=None)
         if newest is None or (step is not None and newest.step != step):
             return None
         return newest
+
+    def _get_metric_interpolated_filepath_name(
+        self,
+        monitor_candidates: dict[str, Tensor],
+        trainer: pl.Trainer,
+        del_filepath: str | None = None,
+    ) -> str:
+        """Lightning's name, with a ``-vN`` suffix whenever it is taken.
+
+        Lightning may reuse the name of the file it is about to delete (or,
+        with ``enable_version_counter=False``, overwrite any); ckptdb never
+        publishes over a checkpoint, so a taken name always gets a version.
+        """
+        filepath = self.format_checkpoint_name(monitor_candidates)
+        version = self.STARTING_VERSION
+        while self.file_exists(filepath, trainer):
+            filepath = self.format_checkpoint_name(monitor_candidates, ver=version)
+            version += 1
+        return filepath
 
     def _alias_path(self, monitor_candidates: dict[str, Tensor], trainer: pl.Trainer) -> str:
         filepath = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
@@ -476,6 +516,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             return None
         record = saved.get(stream)
         if record is not None:
+            self._published.add(record.id)
             self._last_global_step_saved = step
             self._last_checkpoint_saved = str(record.path)
             if trainer.is_global_zero:
@@ -496,6 +537,26 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                 f"{filepath} is outside dirpath {dirpath}; the ckptdb ModelCheckpoint only "
                 "publishes inside it"
             ) from None
+
+    def _expect(self, filepath: str, score: Tensor) -> None:
+        """Lightning's bookkeeping as it will be if ``filepath`` enters the top-k.
+
+        Set before the write (Lightning's order), so the state saved inside
+        the checkpoint names it; the ledger's outcome replaces it right after
+        the commit (or the refusal).
+        """
+        ranked = sorted(
+            [*self.best_k_models.items(), (filepath, score)],
+            key=lambda item: float(item[1]),
+            reverse=self.mode == "max",
+        )
+        kept = ranked if self.save_top_k == -1 else ranked[: self.save_top_k]
+        if filepath not in dict(kept):
+            return
+        self.best_k_models = dict(kept)
+        self.best_model_path, self.best_model_score = kept[0][0], kept[0][1]
+        if self.save_top_k == -1 or len(kept) == self.save_top_k:
+            self.kth_best_model_path, self.kth_value = kept[-1][0], kept[-1][1]
 
     def _sync(self, session: _Session) -> None:
         """Lightning's top-k bookkeeping, as the ledger says (committed checkpoints only)."""
