@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import cases
+from . import cases, lightning_case
 from .harness import Comparison, markdown
 
 # (publish sizes MB, repetitions, restart sizes, metric points, guard steps, load MB)
@@ -70,6 +70,9 @@ def run(profile: dict[str, Any], work: Path) -> list[Comparison]:
     results.append(cases.guard(reps, profile["guard_steps"]))
     results.append(cases.load(work / "load", profile["load_mb"], reps))
     results.append(cases.async_save(work / "async", profile["load_mb"], reps))
+    results.append(
+        lightning_case.lightning_checkpoint(work / "lightning", profile["load_mb"], reps)
+    )
     return results
 
 

@@ -43,7 +43,7 @@ import torch
 from click.testing import CliRunner
 from helpers import boundary, cli_subprocess, digest, state
 
-from ckptdb import CheckpointManager, Keep, NonFiniteGradGuard, TopK
+from ckptdb import CheckpointManager, External, Keep, NonFiniteGradGuard, TopK
 from ckptdb.cli import main
 from ckptdb.errors import (
     ArgumentTypeError,
@@ -465,6 +465,26 @@ API_CORPUS = [
             ("tensor-vector", torch.tensor([0.5, 0.5])),
         )
     ),
+    *(
+        saving(
+            f"external-name-{key}",
+            InvalidArgumentError,
+            ValueError,
+            payloads={"model": External(lambda p: torch.save({}, p), name=name)},
+        )
+        for key, name in (
+            ("escapes", "../outside.ckpt"),
+            ("absolute", "/tmp/x.ckpt"),
+            ("hidden", ".x.ckpt"),
+            ("ours", "model/step-000000003.pt"),
+        )
+    ),
+    saving(
+        "external-async",
+        InvalidArgumentError,
+        ValueError,
+        payloads={"model": External(lambda p: torch.save({}, p), name="a.ckpt"), "blocking": False},
+    ),
     saving("metrics-list", ArgumentTypeError, TypeError, metrics=[("val_loss", 0.5)]),
     saving("metrics-str", ArgumentTypeError, TypeError, metrics="val_loss"),
     saving("metrics-float", ArgumentTypeError, TypeError, metrics=0.5),
@@ -478,7 +498,6 @@ API_CORPUS = [
             ("-1", -1, InvalidArgumentError, ValueError),
             ("1.5", 1.5, ArgumentTypeError, TypeError),
             ("true", True, ArgumentTypeError, TypeError),
-            ("none", None, ArgumentTypeError, TypeError),
         )
     ),
     api("topk-metric-empty", lambda e: TopK(2, ""), InvalidArgumentError, ValueError, on="pure"),

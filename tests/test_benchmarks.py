@@ -25,6 +25,7 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
         "training step with clipping",
         "load",
         "async save",
+        "Lightning checkpoint",
     ):
         assert any(n.startswith(expected) for n in names), (expected, names)
     for result in report["results"]:

@@ -37,6 +37,7 @@ from ckptdb.errors import (
     InvalidArgumentError,
     LedgerLockedError,
     NonFiniteGradientError,
+    PublishError,
     RunDirectoryError,
 )
 from ckptdb.integrations.lightning import ModelCheckpoint, default_ledger, newest_committed
@@ -750,3 +751,53 @@ def test_a_guard_trip_refuses_every_callbacks_checkpoint_at_that_step(tmp_path: 
         ("val_loss", 4),
         ("val_loss", 12),
     ]
+
+
+# ------------------------------------------------------------------ write path
+
+
+def test_a_custom_checkpoint_io_is_used_and_sealed_by_ckptdb(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    calls: list[str] = []
+
+    class Recording(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+            calls.append(Path(path).name)
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, save_top_k=-1)
+    trainer(tmp_path, [cb], max_epochs=2, plugins=[Recording()]).fit(Tiny())
+    assert calls == [".epoch=0-step=4.ckpt.ckptdb-tmp-1", ".epoch=1-step=8.ckpt.ckptdb-tmp-2"]
+    assert files(d) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
+    check_clean(d)  # sizes and hashes measured after the IO wrote
+
+
+def test_a_failed_write_stops_fit_and_the_next_run_resumes_from_the_last_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = tmp_path / "ckpts"
+    real_save = torch.save
+    saves: list[int] = []
+
+    def failing_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        saves.append(1)
+        if len(saves) == 2 and not isinstance(f, (str, os.PathLike)):
+            f.write(b"half a checkpoint")
+            raise OSError(28, "No space left on device")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    cb = ModelCheckpoint(dirpath=d, save_top_k=-1)
+    with pytest.raises(PublishError) as caught:
+        trainer(tmp_path, [cb], max_epochs=3).fit(Tiny())
+    assert caught.value.phase == "write" and isinstance(caught.value.__cause__, OSError)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert files(d) == ["epoch=0-step=4.ckpt"]  # nothing partial, under any name
+    states = ledger_of(d).rows("SELECT state FROM checkpoints ORDER BY id")
+    assert states == [("committed",), ("aborted",)]
+    t = trainer(tmp_path, [ModelCheckpoint(dirpath=d, save_top_k=-1)], max_epochs=3)
+    t.fit(Tiny(), ckpt_path="last")
+    assert t.ckpt_path == str(d / "epoch=0-step=4.ckpt")
+    check_clean(d)

@@ -49,6 +49,8 @@ from torch import Tensor
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+    from lightning.pytorch.strategies import Strategy
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "ckptdb.integrations.lightning needs Lightning: pip install 'ckptdb[lightning]'"
@@ -68,7 +70,7 @@ from ..reader import RunReader, ledger_url, run_exists
 from ..record import Checkpoint
 from ..storage.alias import point_alias, remove_alias
 from ..storage.external import External
-from ..storage.files import hash_checkpoint
+from ..storage.files import FileInfo, hash_checkpoint, write_stream
 
 __all__ = ["ModelCheckpoint", "default_ledger", "newest_committed"]
 
@@ -501,8 +503,8 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         name = self._name_in_dirpath(filepath)
         weights_only = self.save_weights_only
 
-        def write(path: Path) -> None:
-            trainer.save_checkpoint(path, weights_only)
+        def write(path: Path) -> FileInfo | None:
+            return _save_checkpoint(trainer, path, weights_only)
 
         metrics = _boundary_metrics(monitor_candidates, self.monitor, score)
         try:
@@ -612,6 +614,36 @@ def _boundary_metrics(
     if monitor is not None and score is not None:
         metrics[monitor] = _finite(float(score.item()))
     return metrics
+
+
+def _save_checkpoint(trainer: pl.Trainer, path: Path, weights_only: bool) -> FileInfo | None:
+    """``trainer.save_checkpoint(path)``, streamed straight to the file where possible.
+
+    With a strategy that writes one file on rank 0 through the stock
+    ``TorchCheckpointIO`` (single device, DDP), the checkpoint is dumped as
+    Lightning dumps it and ``torch.save``-d straight into the file, hashed and
+    fsynced as the bytes stream out (the stock IO serializes into memory
+    first, then copies). Every other strategy or IO runs Lightning's own
+    ``save_checkpoint`` and ckptdb seals what it wrote.
+    """
+    strategy = trainer.strategy
+    plain = (
+        type(strategy).save_checkpoint is Strategy.save_checkpoint
+        and type(strategy.checkpoint_io) is TorchCheckpointIO
+        and trainer.model is not None
+    )
+    if not plain:
+        trainer.save_checkpoint(path, weights_only)
+        return None
+    info = None
+    with trainer.profiler.profile("save_checkpoint"):  # type: ignore[attr-defined]
+        try:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
+            if trainer.is_global_zero:
+                info = write_stream(lambda f: torch.save(checkpoint, f), path)
+        finally:  # a rank that failed still meets the others; ckptdb agrees on the outcome
+            strategy.barrier("Trainer.save_checkpoint")
+    return info
 
 
 def _skipped_by_scaler(trainer: pl.Trainer, optimizer: Any) -> Tensor | None:

@@ -36,7 +36,10 @@ class External:
     does not exist yet and must create a file or a directory there; it runs
     on every rank (as framework savers with barriers inside need), so a writer
     that only the chief should run checks its rank itself. ckptdb fsyncs what
-    was written; the writer need not.
+    was written; the writer need not. (A writer that wrote a single file
+    through ckptdb's own durable writer, :func:`ckptdb.storage.files.write_stream`,
+    which fsyncs and hashes as the bytes stream out, returns its ``FileInfo``;
+    ckptdb then skips the second pass.)
     """
 
     write: Callable[[Path], object]

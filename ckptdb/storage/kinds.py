@@ -203,11 +203,12 @@ class ExternalWriter(TorchFile):
 
     def write(self, store: PayloadStore, payload: Any, tmp: str, group: Any) -> FileInfo | None:
         assert isinstance(payload, External)
-        payload.write(store.local_path(tmp))
-        return None
+        result = payload.write(store.local_path(tmp))
+        # a writer that wrote through ckptdb's own durable writer says so (see External)
+        return result if isinstance(result, FileInfo) else None
 
     def seal(self, store: PayloadStore, tmp: str, written: FileInfo | None) -> FileInfo:
-        return store.seal_written(tmp)
+        return written if written is not None else store.seal_written(tmp)
 
 
 TORCH_FILE = TorchFile()

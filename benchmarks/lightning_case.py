@@ -1,0 +1,122 @@
+"""The Lightning case: ckptdb's ModelCheckpoint beside Lightning's stock one.
+
+Every contender is a real ``lightning.Trainer`` fit in which each epoch ends
+with one checkpoint (``save_top_k=1`` without a monitor: every save also
+evicts the previous one). What is timed is the callback's own save call, as
+the training loop waits for it: Lightning's checkpoint dump, the write, and
+for ckptdb the fsyncs, the hash, the rename, the commit and the eviction.
+The contenders:
+
+- **durable publish (hand-written)**: Lightning's decisions and dump, then
+  the file written as it should be: temp file, fsync, rename, directory
+  fsync (the baseline);
+- **Lightning ModelCheckpoint (TorchCheckpointIO)**: stock, which does not
+  fsync;
+- **ckptdb ModelCheckpoint**: ours.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from .cases import durable_publish
+from .harness import Comparison, compare
+
+
+def lightning_checkpoint(work: Path, megabytes: float, reps: int, epochs: int = 4) -> Comparison:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint as Stock
+
+    from ckptdb.integrations.lightning import ModelCheckpoint as Ours
+
+    width = max(8, int((megabytes * 2**20 / 4) ** 0.5))
+
+    class Wide(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(width, width, bias=False)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.layer(batch[0]).square().mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-6)
+
+        def train_dataloader(self) -> DataLoader[Any]:
+            return DataLoader(TensorDataset(torch.randn(1, width)), batch_size=1)
+
+    class DurableStock(Stock):
+        """Lightning's decisions; the file written durably by hand."""
+
+        def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
+            Path(filepath).parent.mkdir(parents=True, exist_ok=True)
+            durable_publish(checkpoint, Path(filepath))
+            self._last_global_step_saved = trainer.global_step
+            self._last_checkpoint_saved = filepath
+
+    counter = iter(range(10**9))
+
+    def contender(make: Callable[[Path], Any]) -> Callable[[], float]:
+        def run() -> float:
+            where = work / str(next(counter))
+            callback = make(where / "checkpoints")
+            spent: list[float] = []
+            save = callback._save_topk_checkpoint
+
+            def timed(*args: Any) -> None:
+                start = time.perf_counter()
+                save(*args)
+                spent.append(time.perf_counter() - start)
+
+            callback._save_topk_checkpoint = timed
+            trainer = pl.Trainer(
+                default_root_dir=where,
+                callbacks=[callback],
+                max_epochs=epochs,
+                logger=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                accelerator="cpu",
+                devices=1,
+            )
+            trainer.fit(Wide())
+            shutil.rmtree(where)
+            return sum(spent) / len(spent)
+
+        return run
+
+    contenders = {
+        "durable publish (hand-written)": contender(lambda d: DurableStock(dirpath=d)),
+        "Lightning ModelCheckpoint (TorchCheckpointIO)": contender(lambda d: Stock(dirpath=d)),
+        "ckptdb ModelCheckpoint": contender(lambda d: Ours(dirpath=d)),
+    }
+    import logging
+    import warnings
+
+    quiet = logging.getLogger("lightning.pytorch")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = compare(
+                f"Lightning checkpoint {megabytes:g} MB",
+                contenders,
+                baseline="durable publish (hand-written)",
+                reps=reps,
+            )
+    finally:
+        quiet.setLevel(level)
+        shutil.rmtree(work, ignore_errors=True)
+    result.notes["target"] = "ckptdb ModelCheckpoint <= Lightning ModelCheckpoint"
+    result.notes["per"] = "one save_top_k=1 checkpoint (write + eviction of the previous one)"
+    return result
