@@ -232,6 +232,7 @@ BAD_NAMES = [
     ".step-000000001.pt.tmp-3",
     " x.ckpt",
     "a\\b.ckpt",
+    "sharded.dcp",
 ]
 
 
@@ -443,3 +444,103 @@ def test_gc_keeps_a_protected_file_too(open_manager: Opener, save_dir: Path) -> 
         assert [c.step for c in again.gc()] == []  # nothing to remove: the file is kept
         assert sorted(os.listdir(save_dir)) == ["1.ckpt", "2.ckpt"]
         assert [c.step for c in again.checkpoints("model")] == [2]
+
+
+def test_a_name_through_a_symlinked_directory_is_refused(
+    open_manager: Opener, root: Path, save_dir: Path, tmp_path: Path
+) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    mgr = open_manager()
+    save_dir.mkdir(parents=True, exist_ok=True)
+    (save_dir / "link").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        mgr.save(1, model=External(torch_writer(1.0), name="link/x.ckpt"))
+    assert os.listdir(outside) == [] and ckpt_rows(root) == []
+
+
+def test_a_leftover_at_the_temporary_name_is_removed_never_written_through(
+    open_manager: Opener, root: Path, save_dir: Path, tmp_path: Path
+) -> None:
+    """Row ids restart when a ledger is recreated; a link planted at the predictable
+    temporary name must not make the writer write outside the save directory."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    save_dir.mkdir(parents=True, exist_ok=True)
+    (save_dir / ".x.ckpt.ckptdb-tmp-1").symlink_to(victim)
+    (save_dir / ".y.ckpt.ckptdb-tmp-2").mkdir()
+    (save_dir / ".y.ckpt.ckptdb-tmp-2" / "stale-shard").write_bytes(b"old")
+    mgr = open_manager(streams={"model": Keep(last=None)})
+    mgr.save(1, model=External(torch_writer(1.0), name="x.ckpt"))
+    mgr.save(2, model=External(dir_writer({"new-shard": b"new"}), name="y.ckpt"))
+    assert victim.read_text() == "precious"
+    assert sorted(os.listdir(save_dir / "y.ckpt")) == ["new-shard"]
+    assert sorted(os.listdir(save_dir)) == ["x.ckpt", "y.ckpt"]
+
+
+def test_a_file_that_appears_at_the_name_during_the_write_is_never_replaced_or_removed(
+    open_manager: Opener, root: Path, save_dir: Path
+) -> None:
+    mgr = open_manager()
+
+    def racing_writer(path: Path) -> None:
+        torch.save(state(1.0), path)
+        (save_dir / "a.ckpt").write_bytes(b"someone else's")
+
+    with pytest.raises(PublishError) as caught:
+        mgr.save(1, model=External(racing_writer, name="a.ckpt"))
+    assert caught.value.phase == "replace"
+    assert (save_dir / "a.ckpt").read_bytes() == b"someone else's"
+    assert os.listdir(save_dir) == ["a.ckpt"] and [r[3] for r in ckpt_rows(root)] == ["aborted"]
+
+    def failing_writer(path: Path) -> None:
+        (save_dir / "b.ckpt").write_bytes(b"theirs too")
+        raise OSError(5, "I/O error")
+
+    with pytest.raises(PublishError):
+        mgr.save(2, model=External(failing_writer, name="b.ckpt"))
+    assert (save_dir / "b.ckpt").read_bytes() == b"theirs too"  # never placed: not ours
+
+
+def test_reconcile_of_a_crash_before_placement_keeps_what_is_at_the_final_name(
+    root: Path, save_dir: Path, tmp_path: Path
+) -> None:
+    def body() -> int:
+        def die(path: Path) -> None:
+            path.write_bytes(b"partial")
+            (save_dir / "c.ckpt").write_bytes(b"not ours")
+            os._exit(9)
+
+        with CheckpointManager(root) as mgr:
+            mgr.save(1, model=External(die, name="c.ckpt"))
+        return 0
+
+    log = tmp_path / "child.log"
+    assert wait_child(fork_running(tmp_path, log, body), timeout=60) == 9, tail(log)
+    with CheckpointManager(root) as mgr:
+        assert [a.kind for a in mgr.last_reconcile.actions] == ["rolled_back"]
+    assert os.listdir(save_dir) == ["c.ckpt"]
+    assert (save_dir / "c.ckpt").read_bytes() == b"not ours"
+
+
+def test_a_refused_name_records_no_metrics(open_manager: Opener, root: Path) -> None:
+    mgr = open_manager()
+    mgr.save(1, metrics={"loss": 1.0}, model=External(torch_writer(1.0), name="a.ckpt"))
+    with pytest.raises(InvalidArgumentError):
+        mgr.save(2, metrics={"loss": 2.0}, model=External(torch_writer(2.0), name="a.ckpt"))
+    mgr.flush()
+    assert LedgerClient(root).rows("SELECT step, value FROM metrics") == [(1, 1.0)]
+
+
+def test_a_protected_checkpoint_in_ckptdbs_own_naming_is_not_quarantined(
+    open_manager: Opener, root: Path, save_dir: Path
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    first = mgr.save(1, model=state(1.0))["model"]
+    mgr.protect(first)
+    mgr.save(2, model=state(2.0))
+    mgr.close()
+    with CheckpointManager(root) as again:
+        assert again.last_reconcile.actions == []
+        assert again.check() == []
+    assert first.path.exists()

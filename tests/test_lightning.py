@@ -30,6 +30,7 @@ from crashlib import tail, wait_child
 from helpers import LedgerClient
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightninglib import Tiny, trainer
 
 from ckptdb import CheckpointManager
@@ -571,6 +572,9 @@ def test_sigkill_at_random_points_always_resumes_from_a_committed_checkpoint(
         with CheckpointManager(default_ledger(d), save_dir=d) as mgr:
             assert mgr.check() == []  # after the open's reconcile: nothing partial is left
             assert not [n for n in files(d) if ".ckptdb-tmp-" in n]
+        if (d / "last.ckpt").exists():  # an alias is swapped in whole, or not at all
+            assert torch.load(d / "last.ckpt", weights_only=False)["global_step"] > 0
+        assert len([n for n in files(d) if ".ckptdb-alias" in n]) <= 1
     assert resumed_steps == sorted(resumed_steps) and resumed_steps[-1] > resumed_steps[0]
 
 
@@ -680,7 +684,7 @@ class FullyShardedTiny(Tiny):
 
 
 d, epochs = Path(sys.argv[1]), int(sys.argv[2])
-cb = ModelCheckpoint(dirpath=d / "ckpts", monitor="step", mode="max", save_top_k=2, save_last=True)
+cb = ModelCheckpoint(dirpath=d / "ckpts", monitor="step", mode="max", save_top_k=1, save_last=True)
 strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
 t = trainer(d, [cb], max_epochs=epochs, strategy=strategy, devices=2)
 t.fit(FullyShardedTiny(), ckpt_path=sys.argv[3] if len(sys.argv) > 3 else None)
@@ -709,13 +713,13 @@ def test_model_parallel_directory_checkpoints_commit_as_one_row_and_resume(
 
     d = tmp_path / "ckpts"
     fit("2")
-    assert files(d) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+    assert files(d) == ["epoch=1-step=4.ckpt", "last.ckpt"]  # step 2 evicted after commit
     assert (d / "epoch=1-step=4.ckpt" / ".metadata").is_file()  # a DCP directory
     shard = next(p.name for p in (d / "last.ckpt").iterdir() if p.suffix == ".distcp")
     assert os.path.samefile(d / "last.ckpt" / shard, d / "epoch=1-step=4.ckpt" / shard)
     fit("3", "last")
-    assert [step for _, step, _ in committed(d)] == [4, 6]
-    # resumed from step 4 (which stays), a fresh directory for step 6; step 2 evicted
+    assert [step for _, step, _ in committed(d)] == [6]
+    # step 4 left the top-1 but stays on disk: the run resumed from it
     assert files(d) == ["epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"]
     check_clean(d)
 
@@ -801,3 +805,133 @@ def test_a_failed_write_stops_fit_and_the_next_run_resumes_from_the_last_commit(
     t.fit(Tiny(), ckpt_path="last")
     assert t.ckpt_path == str(d / "epoch=0-step=4.ckpt")
     check_clean(d)
+
+
+# ---------------------------------------------------------------- failure paths
+
+
+def test_a_refused_checkpoint_leaves_no_phantom_in_the_callback(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, monitor="val_loss", save_top_k=2)
+    trainer(tmp_path, [cb], max_epochs=3).fit(Tiny(val_losses=[3, 2, 1], nan_grad_at=9))
+    assert [step for _, step, _ in committed(d)] == [4, 8]  # epoch 2 refused
+    assert sorted(cb.best_k_models) == [
+        str(d / "epoch=0-step=4.ckpt"),
+        str(d / "epoch=1-step=8.ckpt"),
+    ]
+    assert cb.best_model_path == str(d / "epoch=1-step=8.ckpt")
+    assert all(Path(p).exists() for p in [*cb.best_k_models, cb.best_model_path])
+
+
+def test_a_refused_last_keeps_last_model_path(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, save_top_k=0, save_last=True)
+    trainer(tmp_path, [cb], max_epochs=2).fit(Tiny(nan_grad_at=7))  # the only save, at the end
+    assert committed(d) == [] and cb.last_model_path == ""
+
+
+def test_save_on_exception_saves_under_a_free_name_and_keeps_the_error(tmp_path: Path) -> None:
+    d = tmp_path / "ckpts"
+
+    class Boom(Tiny):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.global_step == 6:
+                raise RuntimeError("the training's own error")
+            return super().training_step(batch, batch_idx)
+
+    cb = ModelCheckpoint(dirpath=d, filename="model", save_on_exception=True)
+    with pytest.raises(RuntimeError, match="the training's own error"):
+        trainer(tmp_path, [cb], max_epochs=3).fit(Boom())
+    assert files(d) == ["model-v1.ckpt", "model.ckpt"]  # epoch 0's, and the exception's
+    assert [(s, step) for s, step, _ in committed(d)] == [
+        ("checkpoints", 4),
+        ("checkpoints.last", 6),
+    ]
+    with CheckpointManager(default_ledger(d), save_dir=d) as mgr:  # the ledger was released
+        assert mgr.check() == []
+
+
+def test_a_failed_exception_checkpoint_is_noted_on_the_training_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = tmp_path / "ckpts"
+
+    class Boom(Tiny):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.global_step == 2:
+
+                def broken(*args: Any, **kwargs: Any) -> None:
+                    raise OSError(28, "No space left on device")
+
+                monkeypatch.setattr(torch, "save", broken)
+                raise RuntimeError("the training's own error")
+            return super().training_step(batch, batch_idx)
+
+    cb = ModelCheckpoint(dirpath=d, save_on_exception=True)
+    with pytest.raises(RuntimeError, match="the training's own error") as caught:
+        trainer(tmp_path, [cb], max_epochs=3).fit(Boom())
+    assert any("the checkpoint on this exception failed" in n for n in caught.value.__notes__)
+    monkeypatch.undo()
+    states = ledger_of(d).rows("SELECT state FROM checkpoints ORDER BY id")
+    assert states == [("aborted",)]
+
+
+@pytest.mark.parametrize("url", ["file:///tmp/c", "memory://c", "s3://bucket/c"])
+def test_a_url_dirpath_is_refused_at_construction(url: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="plain path"):
+        ModelCheckpoint(dirpath=url)
+
+
+def test_callbacks_sharing_a_ledger_must_agree_on_the_guard(tmp_path: Path) -> None:
+    callbacks = [
+        ModelCheckpoint(dirpath=tmp_path / "c", guard=True),
+        ModelCheckpoint(dirpath=tmp_path / "c", guard=False, every_n_train_steps=2, stream="o"),
+    ]
+    with pytest.raises(InvalidArgumentError, match="must agree on guard"):
+        trainer(tmp_path, callbacks, max_epochs=1).fit(Tiny())
+    assert not (tmp_path / "c").exists()
+
+
+def test_async_checkpoint_io_is_refused_before_training(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    cb = ModelCheckpoint(dirpath=tmp_path / "c")
+    with pytest.raises(InvalidArgumentError, match="AsyncCheckpointIO"):
+        trainer(tmp_path, [cb], max_epochs=1, plugins=[AsyncCheckpointIO()]).fit(Tiny())
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_stream_name_too_long_for_its_last_stream_is_refused() -> None:
+    ModelCheckpoint(stream="s" * 59)
+    with pytest.raises(InvalidArgumentError, match="too long"):
+        ModelCheckpoint(stream="s" * 60)
+
+
+class FailingIO(TorchCheckpointIO):
+    """A CheckpointIO that fails on its second save (on rank 0, the only writer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            raise OSError(5, "the storage went away")
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+@pytest.mark.timeout(120)
+def test_ddp_a_checkpoint_io_failing_on_rank_0_fails_every_rank_without_a_hang(
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, save_top_k=-1)
+    t = trainer(tmp_path, [cb], max_epochs=3, strategy="ddp_fork", devices=2, plugins=[FailingIO()])
+    with pytest.raises(Exception, match=r"PublishError|the storage went away"):
+        t.fit(Tiny())
+    assert ledger_of(d).rows("SELECT step, state FROM checkpoints ORDER BY id") == [
+        (2, "committed"),
+        (4, "aborted"),
+    ]
+    assert files(d) == ["epoch=0-step=2.ckpt"]

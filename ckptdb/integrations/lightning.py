@@ -49,7 +49,7 @@ from torch import Tensor
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
-    from lightning.pytorch.plugins.io import TorchCheckpointIO
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
     from lightning.pytorch.strategies import Strategy
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -168,6 +168,11 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         guard: Union[bool, Literal["raise"]] = True,  # noqa: UP007
         stream: str | None = None,
     ) -> None:
+        if dirpath is not None and "://" in str(dirpath):
+            raise InvalidArgumentError(
+                f"dirpath {str(dirpath)!r}: the ckptdb ModelCheckpoint keeps checkpoints on a "
+                "local or network filesystem path; pass it as a plain path"
+            )
         super().__init__(
             dirpath=dirpath,
             filename=filename,
@@ -194,7 +199,11 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self.ledger = os.fspath(ledger) if ledger is not None else None
         self.db_url = db_url
         self.guard = guard
-        self.stream = validate_stream_name(stream) if stream is not None else None
+        if stream is not None and len(validate_stream_name(stream)) > 64 - len(_LAST):
+            raise InvalidArgumentError(
+                f"stream {stream!r} is too long: its '{_LAST}' stream must fit in 64 characters"
+            )
+        self.stream = stream
         self._session_key: tuple[str, str | None, int] | None = None
         #: Ids of the checkpoints this callback committed in the current fit.
         self._published: set[int] = set()
@@ -231,10 +240,10 @@ class ModelCheckpoint(_LightningModelCheckpoint):
 
     def _key(self, trainer: pl.Trainer) -> tuple[str, str | None]:
         dirpath = str(self._ModelCheckpoint__resolve_ckpt_dir(trainer))  # type: ignore[attr-defined]
-        if "://" in dirpath and not dirpath.startswith("file://"):
+        if "://" in dirpath:
             raise InvalidArgumentError(
                 f"dirpath {dirpath!r}: the ckptdb ModelCheckpoint keeps checkpoints on a "
-                "local or network filesystem path"
+                "local or network filesystem path; pass it as a plain path"
             )
         root = Path(self.ledger).resolve() if self.ledger is not None else default_ledger(dirpath)
         return str(root), self.db_url
@@ -271,8 +280,20 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                         f"stream {name!r}; pass stream= to tell them apart"
                     )
                 streams[name] = policy
+        if len({cb.guard for cb in peers}) > 1:
+            raise InvalidArgumentError(
+                f"ckptdb ModelCheckpoint callbacks sharing the ledger {key[0]} must agree on "
+                f"guard= (got {sorted({repr(cb.guard) for cb in peers})}): one guard decides "
+                "for every checkpoint of a step"
+            )
+        if isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
+            raise InvalidArgumentError(
+                "AsyncCheckpointIO writes after save_checkpoint returns, so ckptdb could not "
+                "commit what it wrote; remove the AsyncCheckpointIO plugin (the ckptdb "
+                "ModelCheckpoint writes and commits in the training loop)"
+            )
         guard = None
-        if any(cb.guard for cb in peers):
+        if self.guard:
             guard = NonFiniteGradGuard(trainer.lightning_module)
         manager = CheckpointManager(
             key[0], streams=streams, save_dir=dirpath, db_url=key[1], guard=guard
@@ -308,8 +329,22 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        """Lightning's ``save_on_exception``, which never replaces the training's own error.
+
+        A save that fails here is logged and noted on ``exception`` (which
+        Lightning re-raises), then the ledger is released as failed.
+        """
         try:
-            super().on_exception(trainer, pl_module, exception)
+            if self._should_save_on_exception(trainer) and self._session_key is not None:
+                candidates = self._monitor_candidates(trainer)
+                filepath = self._get_metric_interpolated_filepath_name(candidates, trainer)
+                self._publish(trainer, self.last_stream, filepath, candidates, None)
+                self._save_last_checkpoint(trainer, candidates)
+        except Exception as failed:
+            log.error("ckptdb: the checkpoint on %s failed: %s", type(exception).__name__, failed)
+            note = f"ckptdb: the checkpoint on this exception failed: {failed!r}"
+            if hasattr(exception, "add_note"):  # Python >= 3.11
+                exception.add_note(note)
         finally:
             self._release(exception)
 
@@ -376,8 +411,13 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         score = _score(current, self.mode)
         filepath = self._get_metric_interpolated_filepath_name(monitor_candidates, trainer)
         self.current_score = score
+        before = self._bookkeeping()
         self._expect(filepath, score)  # the state inside the file includes the file itself
-        record = self._publish(trainer, self.main_stream, filepath, monitor_candidates, score)
+        try:
+            record = self._publish(trainer, self.main_stream, filepath, monitor_candidates, score)
+        except BaseException:
+            self._restore(before)
+            raise
         if record is None and self.verbose:
             log.info(
                 "step %d: %r was not in top %d", trainer.global_step, self.monitor, self.save_top_k
@@ -394,12 +434,19 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         filepath = self._get_metric_interpolated_filepath_name(monitor_candidates, trainer)
         # the state saved inside the checkpoint names the checkpoint itself, as in Lightning
         previous, self.best_model_path = self.best_model_path, filepath
-        if self._publish(trainer, self.main_stream, filepath, monitor_candidates, None) is None:
+        try:
+            published = self._publish(trainer, self.main_stream, filepath, monitor_candidates, None)
+        except BaseException:
+            self.best_model_path = previous
+            raise
+        if published is None:
             self.best_model_path = previous
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        """A save outside top-k (``save_on_exception``): the ``last`` stream's."""
+        """Any other save Lightning asks for: the ``last`` stream's, under a free name."""
         candidates = self._monitor_candidates(trainer)
+        if self.file_exists(filepath, trainer):
+            filepath = self._get_metric_interpolated_filepath_name(candidates, trainer)
         self._publish(trainer, self.last_stream, filepath, candidates, None)
 
     def _save_last_checkpoint(
@@ -413,14 +460,21 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             return
         alias = self._alias_path(monitor_candidates, trainer)
         previous, self.last_model_path = self.last_model_path, alias
-        target = self._last_target(session, trainer.global_step)
-        if target is None:
-            own = Path(alias)
-            backing = own.with_name(f"{own.stem}-step={trainer.global_step}{own.suffix}")
-            target = self._publish(
-                trainer, self.last_stream, str(backing), monitor_candidates, None
-            )
-        if target is None or not trainer.is_global_zero:
+        try:
+            target = self._last_target(session, trainer.global_step)
+            if target is None:
+                own = Path(alias)
+                backing = own.with_name(f"{own.stem}-step={trainer.global_step}{own.suffix}")
+                target = self._publish(
+                    trainer, self.last_stream, str(backing), monitor_candidates, None
+                )
+        except BaseException:
+            self.last_model_path = previous
+            raise
+        if target is None:  # refused: last still names what it named
+            self.last_model_path = previous
+            return
+        if not trainer.is_global_zero:
             return
         point_alias(target.path, Path(alias))
         if (
@@ -495,10 +549,17 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         monitor_candidates: dict[str, Tensor],
         score: Tensor | None,
     ) -> Checkpoint | None:
-        """One boundary: Lightning writes ``filepath`` through the ledger; None if not published."""
+        """One boundary: Lightning writes ``filepath`` through the ledger; None if not published.
+
+        The bookkeeping set for the write (:meth:`_expect`) is replaced by the
+        ledger's outcome afterwards, whatever happened: a refused or failed
+        save never leaves a path behind that was not committed.
+        """
         session = self._session(trainer)
         step = trainer.global_step
+        before = self._bookkeeping(exclude_best=score is None)
         if session.refused_step == step:
+            self._restore(before)
             return None
         name = self._name_in_dirpath(filepath)
         weights_only = self.save_weights_only
@@ -512,10 +573,14 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             saved = session.manager.save(step, metrics=metrics, blocking=True, **payloads)
         except NonFiniteGradientError as exc:
             session.refused_step = step
+            self._sync(session)  # the refusal is agreed by every rank: the query is too
             if self.guard == "raise":
                 raise
             log.warning("ckptdb: %s", exc)
             return None
+        except BaseException:
+            self._restore(before)  # no collective here: a rank may be failing alone
+            raise
         record = saved.get(stream)
         if record is not None:
             self._published.add(record.id)
@@ -539,6 +604,17 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                 f"{filepath} is outside dirpath {dirpath}; the ckptdb ModelCheckpoint only "
                 "publishes inside it"
             ) from None
+
+    def _bookkeeping(self, exclude_best: bool = False) -> dict[str, Any]:
+        """Lightning's top-k attributes, to put back when a save does not happen."""
+        names = ["best_k_models", "best_model_score", "kth_best_model_path", "kth_value"]
+        if not exclude_best:
+            names.append("best_model_path")
+        return {name: getattr(self, name) for name in names}
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
 
     def _expect(self, filepath: str, score: Tensor) -> None:
         """Lightning's bookkeeping as it will be if ``filepath`` enters the top-k.
@@ -617,30 +693,34 @@ def _boundary_metrics(
 
 
 def _save_checkpoint(trainer: pl.Trainer, path: Path, weights_only: bool) -> FileInfo | None:
-    """``trainer.save_checkpoint(path)``, streamed straight to the file where possible.
+    """``trainer.save_checkpoint(path)``, as its parts, so that no rank is left waiting.
 
-    With a strategy that writes one file on rank 0 through the stock
-    ``TorchCheckpointIO`` (single device, DDP), the checkpoint is dumped as
-    Lightning dumps it and ``torch.save``-d straight into the file, hashed and
-    fsynced as the bytes stream out (the stock IO serializes into memory
-    first, then copies). Every other strategy or IO runs Lightning's own
-    ``save_checkpoint`` and ckptdb seals what it wrote.
+    With a strategy that writes one file on rank 0 (single device, DDP: they
+    keep ``Strategy.save_checkpoint``), the checkpoint is dumped as Lightning
+    dumps it and rank 0 writes it; the barrier that ends Lightning's save is
+    reached even when the write failed, so every rank gets to ckptdb's
+    agreement on the outcome instead of hanging. The stock
+    ``TorchCheckpointIO`` is replaced by a direct ``torch.save`` into the file,
+    hashed and fsynced as the bytes stream out (the stock IO serializes into
+    memory first, then copies); another ``CheckpointIO`` writes as it would.
+    Strategies with a save of their own (FSDP, DeepSpeed, ModelParallel: every
+    rank writes its shards, with their own agreement) run Lightning's
+    ``save_checkpoint`` and ckptdb seals what they wrote.
     """
     strategy = trainer.strategy
-    plain = (
-        type(strategy).save_checkpoint is Strategy.save_checkpoint
-        and type(strategy.checkpoint_io) is TorchCheckpointIO
-        and trainer.model is not None
-    )
-    if not plain:
+    if type(strategy).save_checkpoint is not Strategy.save_checkpoint or trainer.model is None:
         trainer.save_checkpoint(path, weights_only)
         return None
     info = None
+    io = strategy.checkpoint_io
     with trainer.profiler.profile("save_checkpoint"):  # type: ignore[attr-defined]
         try:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
             if trainer.is_global_zero:
-                info = write_stream(lambda f: torch.save(checkpoint, f), path)
+                if type(io) is TorchCheckpointIO:
+                    info = write_stream(lambda f: torch.save(checkpoint, f), path)
+                else:
+                    io.save_checkpoint(checkpoint, path)
         finally:  # a rank that failed still meets the others; ckptdb agrees on the outcome
             strategy.barrier("Trainer.save_checkpoint")
     return info

@@ -190,6 +190,23 @@ def entries(rows: Sequence[m.Checkpoint]) -> list[Entry]:
     return [Entry(id=r.id, step=r.step, metric=r.metric) for r in rows]
 
 
+#: The error note of an evicted row whose file was kept (``mgr.protect``).
+KEPT_ON_DISK = "evicted; its file was kept on disk (protected)"
+
+
+def kept_on_disk(session: Session, run_id: int) -> set[str]:
+    """Paths of evicted rows whose files were kept (protected): the user's now,
+    never quarantined or reported as unowned."""
+    found = session.scalars(
+        select(m.Checkpoint.path).where(
+            m.Checkpoint.run_id == run_id,
+            m.Checkpoint.state == m.DELETED,
+            m.Checkpoint.error == KEPT_ON_DISK,
+        )
+    )
+    return set(found)
+
+
 def path_in_use(session: Session, run_id: int, path: str) -> bool:
     """Whether a live row (anything not deleted or aborted) owns ``path``."""
     found = session.scalar(

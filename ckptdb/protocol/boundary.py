@@ -75,8 +75,6 @@ from .inputs import validate_step
 from .preflight import Preflight
 from .share import PlanItem, Share
 
-KEPT_ON_DISK = "evicted; the file was kept on disk (this attempt resumed from it)"
-
 
 @dataclass
 class _Progress:
@@ -166,11 +164,18 @@ class Publisher:
         if objection is not None and objection.stage == 0:
             return None
         at = validate_step(step)
-        self.ctx.metrics.add(at, values)
         if objection is not None:
+            self.ctx.metrics.add(at, values)
             self._record_objection(objection)
             return None
-        shares.extend(self._intent(at, values, payloads))
+        try:
+            shares.extend(self._intent(at, values, payloads))
+        except InvalidArgumentError:
+            raise  # a name that cannot be published is bad input: nothing is recorded
+        except BaseException:
+            self.ctx.metrics.add(at, values)
+            raise
+        self.ctx.metrics.add(at, values)
         return [PlanItem(s.stream, s.tmp, s.kind.name) for s in shares]
 
     def _record_objection(self, objection: Objection) -> None:
@@ -190,6 +195,7 @@ class Publisher:
                 admitted = self._admitted(session, step, values, payloads)
                 for stream, payload in admitted.items():
                     if isinstance(payload, External):  # under the framework's own name
+                        self._check_free(session, stream, payload.name)
                         self.ctx.store.prepare_parent(payload.name)
                     else:
                         self.ctx.store.prepare_stream(stream)
@@ -235,7 +241,7 @@ class Publisher:
             session, self.ctx.run_id, self.ctx.attempt_id, stream, step, metric, values
         )
         if isinstance(payload, External):
-            rel, tmp = self._external_names(session, stream, payload.name, row.id)
+            rel, tmp = self._external_names(payload.name, row.id)
         else:
             rel, tmp = self._own_names(session, stream, step, kind.suffix, row.id)
         row.path, row.tmp_path = rel, tmp
@@ -255,7 +261,7 @@ class Publisher:
             rel = f"{stream}/{name}"
         return rel, f"{stream}/{temp_name(name, row_id)}"
 
-    def _external_names(self, session: Any, stream: str, name: str, row_id: int) -> tuple[str, str]:
+    def _check_free(self, session: Any, stream: str, name: str) -> None:
         """A framework's name is used as given, never versioned by us and never
         published over something that exists (a live checkpoint, or a file
         that may be the user's): that is bad input, and the intent is undone."""
@@ -266,7 +272,14 @@ class Publisher:
                 f"stream {stream!r}: {name!r} already exists in {self.ctx.save_dir} "
                 f"({held}); ckptdb never publishes over an existing name"
             )
-        return name, temp_for(name, row_id)
+
+    def _external_names(self, name: str, row_id: int) -> tuple[str, str]:
+        """The framework's name, and a temporary path that surely does not exist:
+        a leftover under that name (ckptdb's own, e.g. from a ledger that was
+        recreated, or a link planted there) is removed, never written through."""
+        tmp = temp_for(name, row_id)
+        self.ctx.store.remove(tmp)
+        return name, tmp
 
     # ------------------------------------------------------ asynchronous launch
 
@@ -408,7 +421,14 @@ class Publisher:
     def _place(self, shares: list[Share]) -> None:
         store = self.ctx.store
         for s in shares:
+            if isinstance(s.payload, External) and store.exists(s.final):
+                raise PhaseError(
+                    "replace",
+                    store.location / s.final,
+                    FileExistsError(17, "appeared after the intent; not published over"),
+                )
             store.place(s.tmp, s.final)
+            s.placed = True
         faults.point("after_replace")
         store.sync_placed([s.final for s in shares])
         faults.point("after_fsync_dir")
@@ -479,7 +499,9 @@ class Publisher:
         """
         now = m.utcnow()
         kept = [r.id for r in chosen if r.id in self.ctx.protected]
-        ledger_rows.set_state(session, kept, m.DELETED, deleted_at=now, error=KEPT_ON_DISK)
+        ledger_rows.set_state(
+            session, kept, m.DELETED, deleted_at=now, error=ledger_rows.KEPT_ON_DISK
+        )
         evicted = [r for r in chosen if r.id not in self.ctx.protected]
         ledger_rows.set_state(session, [r.id for r in evicted], m.DELETING, deleted_at=now)
         return evicted

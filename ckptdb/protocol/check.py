@@ -47,11 +47,12 @@ class Checker:
                 s: ledger_rows.newest_committed_id(session, self.run_id, s) for s in self.policies
             }
             integrity = ledger_rows.integrity(session)
+            kept = ledger_rows.kept_on_disk(session, self.run_id)
         problems = [f"integrity_check: {integrity}"] if integrity != "ok" else []
         committed = [r for r in rows if r.state == m.COMMITTED]
         for row in committed:
             problems.extend(self._check_file(row, load))
-        live = {r.path for r in rows if r.state in ledger_rows.LIVE_STATES}
+        live = {r.path for r in rows if r.state in ledger_rows.LIVE_STATES} | kept
         problems.extend(self._check_disk(live))
         for stream in self.policies:
             pointer = pointers[stream]

@@ -36,7 +36,9 @@ def roll_back(ctx: RunContext, step: int, shares: list[Share], exc: BaseExceptio
     left: set[int] = set()
     store = ctx.store
     for s in shares:
-        for leftover in (s.tmp, s.final):
+        # the final name is removed only if this boundary placed it: before that,
+        # whatever is there (a framework-named file) is not ours
+        for leftover in (s.tmp, s.final) if s.placed else (s.tmp,):
             try:
                 store.remove(leftover)
             except (OSError, InvalidArgumentError) as cleanup_exc:

@@ -116,8 +116,9 @@ class Reconciler:
         with self.db.transaction(read=True) as session:
             rows = ledger_rows.rows_in_state(session, self.run_id, ledger_rows.LIVE_STATES)
             streams = ledger_rows.stream_names(session, self.run_id)
+            kept = ledger_rows.kept_on_disk(session, self.run_id)
         plan = _Plan()
-        keep_paths: set[str] = set()
+        keep_paths: set[str] = set(kept)  # protected files stay where they are
         with self.store.memoized():  # each stream directory is resolved once per pass
             for done, row in enumerate(rows, 1):
                 self._check_row(row, plan, report, keep_paths, verify=verify, dry_run=dry_run)
@@ -149,7 +150,10 @@ class Reconciler:
         if row.tmp_path:
             keep.add(row.tmp_path)
         if row.state == m.PENDING:
-            if self._remove(row, [row.tmp_path, row.path], report, dry_run):
+            # while its temporary exists, the final name was never placed: not ours to remove
+            placed = not (row.tmp_path and self.store.exists(row.tmp_path))
+            doomed = [row.tmp_path, row.path] if placed else [row.tmp_path]
+            if self._remove(row, doomed, report, dry_run):
                 plan.state[row.id] = m.ABORTED
                 plan.errors[row.id] = row.error or "crashed before commit"
                 report.actions.append(

@@ -23,6 +23,8 @@ class Share:
     metric: float | None
     written: FileInfo | None = None
     info: FileInfo | None = None
+    #: The payload was moved onto its final name (a rollback removes that name only then).
+    placed: bool = False
 
 
 @dataclass(frozen=True)

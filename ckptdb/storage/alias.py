@@ -7,8 +7,12 @@ stays whole even after retention removes the file it was linked from) is
 made under a temporary name and renamed over the alias, then the directory is
 fsynced. Where hard links are not possible (a filesystem without them) the
 alias is a durable copy. A directory checkpoint is aliased by a tree of hard
-links. Symlinks are never used: they break on Windows, in cloud backups and
-when their target is evicted.
+links; it is swapped in two renames (a directory cannot be renamed over a
+non-empty one), so a crash between them leaves no alias until the next one
+is made. Symlinks are never used: they break on Windows, in cloud backups and
+when their target is evicted. The temporary names are fixed
+(``.<alias>.ckptdb-alias``, ``.<alias>.ckptdb-old``): a crash's leftover is
+removed by the next update.
 """
 
 from __future__ import annotations
@@ -27,15 +31,16 @@ def point_alias(target: Path, alias: Path) -> None:
     """Make ``alias`` name the same bytes as ``target``, atomically and durably."""
     if target.is_file() and alias.is_file() and os.path.samefile(target, alias):
         return  # already the same inode (renaming a link over itself would do nothing)
-    tmp = alias.with_name(f".{alias.name}.ckptdb-alias-{os.getpid()}")
+    tmp = alias.with_name(f".{alias.name}.ckptdb-alias")  # fixed: a crash's leftover is
+    old = alias.with_name(f".{alias.name}.ckptdb-old")  # found and removed next time
     _remove(tmp)
+    _remove(old)
     try:
         if target.is_dir():
             _link_tree(target, tmp)
         else:
             _link_or_copy(target, tmp)
         if alias.is_dir() and not alias.is_symlink():
-            old = alias.with_name(f".{alias.name}.ckptdb-old-{os.getpid()}")
             os.replace(alias, old)  # a directory cannot be renamed over a non-empty one
             os.replace(tmp, alias)
             shutil.rmtree(old)

@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, PhaseError
 from .files import FileInfo, fsync_dir, hash_checkpoint, hash_open_file, tree_files
-from .naming import CHECKPOINT_NAME, TEMP_NAME
+from .naming import CHECKPOINT_NAME, SHARDED_SUFFIX, TEMP_NAME
 
 #: The temporary name's marker: ``.<name>.ckptdb-tmp-<row id>`` next to the final name.
 EXTERNAL_TEMP = re.compile(r"\..+\.ckptdb-tmp-(\d+)")
@@ -63,7 +63,8 @@ def check_name(name: str) -> str:
     Allowed: relative names of plain components (``epoch=3-step=40.ckpt``,
     ``run1/checkpoint-500``). Refused: absolute names, ``..``, empty or
     hidden components (ckptdb's temporaries start with a dot), ``ckptdb.*``
-    (the ledger's own files) and ckptdb's own naming scheme (``step-….pt``).
+    (the ledger's own files), ckptdb's own naming scheme (``step-….pt``) and
+    its sharded suffix ``.dcp``.
     """
     if not name or name != name.strip() or "\\" in name or "\x00" in name:
         raise InvalidArgumentError(f"External name {name!r} is not a usable file name")
@@ -82,6 +83,11 @@ def check_name(name: str) -> str:
     if CHECKPOINT_NAME.fullmatch(path.name) or TEMP_NAME.fullmatch(path.name):
         raise InvalidArgumentError(
             f"External name {name!r} is in ckptdb's own naming; choose another name"
+        )
+    if path.name.endswith(SHARDED_SUFFIX):
+        raise InvalidArgumentError(
+            f"External name {name!r}: the suffix {SHARDED_SUFFIX!r} marks ckptdb's own "
+            "sharded checkpoints, which are read back differently; choose another name"
         )
     return name
 
