@@ -421,6 +421,20 @@ class CheckpointManager:
             raise ArgumentTypeError(f"protect() takes a committed Checkpoint, got {checkpoint!r}")
         self._ctx.protected.add(checkpoint.id)
 
+    def resumed_from(self, checkpoint: Checkpoint) -> None:
+        """Record that this attempt resumed from ``checkpoint``, which something else loaded.
+
+        For frameworks that load checkpoints themselves (Lightning's
+        ``fit(ckpt_path=...)``): the same record a ``load`` makes, a
+        ``resumed`` event and the attempt's ``resumed_from_id``, once per
+        attempt. Nothing to do on a rank other than the chief.
+        """
+        self._check_open()
+        if not isinstance(checkpoint, Checkpoint):
+            raise ArgumentTypeError(f"resumed_from() takes a Checkpoint, got {checkpoint!r}")
+        if self._ctx.is_writer:
+            self._loader.note_resume(checkpoint)
+
     def gc(self) -> list[Checkpoint]:
         """Apply every stream's stored retention policy now (e.g. after lowering ``last``)."""
         self._require_chief("gc()")

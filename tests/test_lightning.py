@@ -198,6 +198,12 @@ def test_fit_last_resumes_from_the_newest_committed_and_keeps_that_file(tmp_path
     t = trainer(tmp_path, [second], max_steps=8)
     t.fit(Tiny(), ckpt_path="last")
     assert t.ckpt_path == str(d / "epoch=0-step=4.ckpt")
+    resumed = ledger_of(d).rows(
+        "SELECT a.resumed_from_id, c.step FROM attempts a JOIN checkpoints c "
+        "ON c.id = a.resumed_from_id"
+    )
+    assert [step for _, step in resumed] == [4]  # recorded as Lightning loaded it
+    assert ledger_of(d).rows("SELECT step FROM events WHERE kind = 'resumed'") == [(4,)]
     # step=4 is evicted from the top-2 but stays on disk: the run resumed from it
     assert files(d) == ["epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt"]
     assert set(second.best_k_models) == {

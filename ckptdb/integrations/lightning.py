@@ -360,8 +360,11 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         session = self._session(trainer)
         resumed = trainer.ckpt_path
         for record in session.manager.checkpoints():
-            if resumed is None or os.path.abspath(record.path) == os.path.abspath(resumed):
+            if resumed is None:
                 session.manager.protect(record)
+            elif os.path.abspath(record.path) == os.path.abspath(resumed):
+                session.manager.protect(record)
+                session.manager.resumed_from(record)
         if self.save_last and self.last_model_path:
             target = self._last_target(session, None)  # collective: asked on every rank
             if target is not None and trainer.is_global_zero:

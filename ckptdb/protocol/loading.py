@@ -75,7 +75,7 @@ class Loader:
                 group=self.coord.group,
             )
             if self.ctx.is_writer:
-                self._note_resume(target)
+                self.note_resume(target)
         except (Exception, CheckpointException) as exc:
             problem = exc
         self.coord.agree("loaded", problem, fallback="RankFailedError")
@@ -168,7 +168,8 @@ class Loader:
                 detail={"path": str(target.path), "detail": problem},
             )
 
-    def _note_resume(self, target: Checkpoint) -> None:
+    def note_resume(self, target: Checkpoint) -> None:
+        """Record the checkpoint this attempt resumed from (the first one only)."""
         if self._resumed:
             return
         self._resumed = True

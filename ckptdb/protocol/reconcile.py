@@ -38,6 +38,7 @@ from ..ledger import Ledger
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
 from ..storage.base import PayloadStore
+from ..storage.naming import is_own_name
 
 log = logging.getLogger("ckptdb.reconcile")  # the name users configure (kept across moves)
 
@@ -150,9 +151,10 @@ class Reconciler:
         if row.tmp_path:
             keep.add(row.tmp_path)
         if row.state == m.PENDING:
-            # while its temporary exists, the final name was never placed: not ours to remove
-            placed = not (row.tmp_path and self.store.exists(row.tmp_path))
-            doomed = [row.tmp_path, row.path] if placed else [row.tmp_path]
+            doomed = [row.tmp_path, row.path]
+            if not is_own_name(row.path) and row.tmp_path and self.store.exists(row.tmp_path):
+                # a framework's name not yet placed onto: what is there is not ours
+                doomed = [row.tmp_path]
             if self._remove(row, doomed, report, dry_run):
                 plan.state[row.id] = m.ABORTED
                 plan.errors[row.id] = row.error or "crashed before commit"

@@ -32,3 +32,8 @@ def is_sharded(path: str | Path) -> bool:
 
 def temp_name(final_name: str, row_id: int) -> str:
     return f".{final_name}.tmp-{row_id}"
+
+
+def is_own_name(rel: str | Path) -> bool:
+    """Whether a stored path is in ckptdb's own naming (not a framework's name)."""
+    return CHECKPOINT_NAME.fullmatch(Path(rel).name) is not None
