@@ -73,6 +73,9 @@ def run(profile: dict[str, Any], work: Path) -> list[Comparison]:
     results.append(
         lightning_case.lightning_checkpoint(work / "lightning", profile["load_mb"], reps)
     )
+    results.append(
+        lightning_case.lightning_guard(work / "lightning-guard", reps, profile["guard_steps"] * 20)
+    )
     return results
 
 

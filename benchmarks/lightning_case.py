@@ -120,3 +120,85 @@ def lightning_checkpoint(work: Path, megabytes: float, reps: int, epochs: int = 
     result.notes["target"] = "ckptdb ModelCheckpoint <= Lightning ModelCheckpoint"
     result.notes["per"] = "one save_top_k=1 checkpoint (write + eviction of the previous one)"
     return result
+
+
+def lightning_guard(work: Path, reps: int, steps: int) -> Comparison:
+    """What feeding the guard costs a training step (the callback saves nothing here).
+
+    The same fit of ``steps`` optimizer steps on a small MLP (CPU, 1 thread)
+    with Lightning's stock callback, and with ckptdb's with the guard on
+    (every step's gradients go through ``NonFiniteGradGuard.observe``) and off.
+    """
+    import logging
+    import warnings
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint as Stock
+
+    from ckptdb.integrations.lightning import ModelCheckpoint as Ours
+
+    class MLP(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 128))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self) -> DataLoader[Any]:
+            return DataLoader(TensorDataset(torch.randn(steps * 32, 256)), batch_size=32)
+
+    counter = iter(range(10**9))
+
+    def contender(make: Callable[[Path], Any]) -> Callable[[], None]:
+        def run() -> None:
+            where = work / str(next(counter))
+            trainer = pl.Trainer(
+                default_root_dir=where,
+                callbacks=[make(where / "checkpoints")],
+                max_epochs=1,
+                logger=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                accelerator="cpu",
+                devices=1,
+            )
+            trainer.fit(MLP())
+            shutil.rmtree(where, ignore_errors=True)  # the stock callback made nothing
+
+        return run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    quiet = logging.getLogger("lightning.pytorch")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = compare(
+                f"Lightning fit, {steps} steps (small MLP, CPU, 1 thread)",
+                {
+                    "Lightning ModelCheckpoint": contender(
+                        lambda d: Stock(dirpath=d, save_top_k=0)
+                    ),
+                    "ckptdb ModelCheckpoint, guard=False": contender(
+                        lambda d: Ours(dirpath=d, save_top_k=0, guard=False)
+                    ),
+                    "ckptdb ModelCheckpoint, guard=True": contender(
+                        lambda d: Ours(dirpath=d, save_top_k=0)
+                    ),
+                },
+                baseline="Lightning ModelCheckpoint",
+                reps=reps,
+            )
+    finally:
+        torch.set_num_threads(threads)
+        quiet.setLevel(level)
+        shutil.rmtree(work, ignore_errors=True)
+    result.notes["what"] = "the guard's per-step cost; no checkpoint is written"
+    return result

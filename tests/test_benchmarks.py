@@ -26,6 +26,7 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
         "load",
         "async save",
         "Lightning checkpoint",
+        "Lightning fit",
     ):
         assert any(n.startswith(expected) for n in names), (expected, names)
     for result in report["results"]:

@@ -528,3 +528,54 @@ def test_finite_grads_name_nothing() -> None:
         guard.clip_grad_norm_(model.parameters(), 1e-3)
     assert guard.tripped() is False
     assert guard.nonfinite_parameters() == []
+
+
+# ------------------------------------------------------------------ observe
+
+
+@pytest.mark.parametrize(
+    "bad, trips",
+    [
+        (float("nan"), True),
+        (float("inf"), True),
+        (-float("inf"), True),
+        (3e38, False),  # finite, though its square would overflow float32
+        (-1e30, False),
+    ],
+)
+def test_observe_trips_exactly_on_non_finite_gradients(bad: float, trips: bool) -> None:
+    model = torch.nn.Linear(3, 2)
+    guard = NonFiniteGradGuard(model)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    assert model.weight.grad is not None
+    model.weight.grad[1, 2] = bad
+    before = model.weight.grad.clone()
+    guard.observe(model.parameters())
+    assert guard.tripped() is trips
+    assert guard.nonfinite_parameters() == (["weight"] if trips else [])
+    assert torch.equal(model.weight.grad.nan_to_num(), before.nan_to_num())  # unchanged
+
+
+def test_observe_of_a_half_precision_gradient_near_its_limit_does_not_trip() -> None:
+    p = torch.nn.Parameter(torch.zeros(8, dtype=torch.float16))
+    p.grad = torch.full((8,), 65000.0, dtype=torch.float16)
+    guard = NonFiniteGradGuard([("p", p)])
+    guard.observe([p])
+    assert not guard.tripped()
+
+
+def test_observe_ignores_a_step_the_scaler_skips() -> None:
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.tensor([1.0, float("inf"), 0.0, 0.0])
+    guard = NonFiniteGradGuard([("p", p)])
+    guard.observe([p], skipped=torch.tensor(True))
+    assert not guard.tripped()
+    guard.observe([p], skipped=torch.tensor(False))
+    assert guard.tripped() and guard.nonfinite_parameters() == ["p"]
+
+
+def test_observe_without_gradients_records_nothing() -> None:
+    guard = NonFiniteGradGuard()
+    guard.observe([torch.nn.Parameter(torch.zeros(2))])
+    assert not guard.tripped()
