@@ -26,14 +26,14 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from crashlib import tail, wait_child
+from crashlib import fork_running, tail, wait_child
 from helpers import LedgerClient
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightninglib import Tiny, trainer
 
-from ckptdb import CheckpointManager
+from ckptdb import CheckpointManager, faults
 from ckptdb.errors import (
     InvalidArgumentError,
     LedgerLockedError,
@@ -941,3 +941,56 @@ def test_ddp_a_checkpoint_io_failing_on_rank_0_fails_every_rank_without_a_hang(
         (4, "aborted"),
     ]
     assert files(d) == ["epoch=0-step=2.ckpt"]
+
+
+CRASH_POINTS = [
+    "after_intent",
+    "mid_write",
+    "after_fsync",
+    "after_replace",
+    "after_fsync_dir",
+    "in_commit",
+    "after_commit",
+    "mid_cleanup",
+]
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_a_crash_at_each_point_of_the_third_save_resumes_from_a_committed_checkpoint(
+    tmp_path: Path, point: str
+) -> None:
+    """Deterministic kills inside a Lightning save, at every fault point of the protocol."""
+    d = tmp_path / "ckpts"
+    log = tmp_path / "child.log"
+
+    def body() -> int:
+        saves = {"n": 0}
+        save = CheckpointManager.save
+
+        def counted(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
+            saves["n"] += 1
+            return save(self, *args, **kwargs)
+
+        def crash(name: str) -> None:
+            if name == point and saves["n"] == 3:
+                os._exit(9)
+
+        CheckpointManager.save = counted  # type: ignore[method-assign]  # (a forked child)
+        faults.set_hook(crash)
+        cb = ModelCheckpoint(dirpath=d, save_top_k=1, save_last=True)
+        trainer(tmp_path, [cb], max_epochs=5).fit(Tiny())
+        return 0
+
+    pid = fork_running(tmp_path, log, body)
+    assert wait_child(pid, timeout=120) == 9, tail(log)
+    committed_before = point in ("after_commit", "mid_cleanup")
+    newest = newest_committed(default_ledger(d))
+    assert newest is not None and newest.step == (12 if committed_before else 8)
+    t = trainer(tmp_path, [ModelCheckpoint(dirpath=d, save_top_k=1, save_last=True)], max_epochs=5)
+    t.fit(Tiny(), ckpt_path="last")
+    assert t.ckpt_path == str(newest.path) and t.global_step == 20
+    assert [step for _, step, _ in committed(d)] == [20]
+    leftovers = [n for n in files(d) if ".ckptdb-" in n]
+    assert leftovers == []
+    assert os.path.samefile(d / "last.ckpt", d / "epoch=4-step=20.ckpt")
+    check_clean(d)
