@@ -17,9 +17,12 @@ The contenders:
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import shutil
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,36 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from .cases import durable_publish
 from .harness import Comparison, compare
+
+
+@contextlib.contextmanager
+def _silenced() -> Iterator[None]:
+    """Lightning's info lines and warnings off while contenders run."""
+    quiet = logging.getLogger("lightning.pytorch")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        quiet.setLevel(level)
+
+
+def _quiet_trainer(where: Path, callback: Any, epochs: int) -> Any:
+    """A CPU Trainer with ``callback`` and nothing else (no logger, no progress bar)."""
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
+        default_root_dir=where,
+        callbacks=[callback],
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+    )
 
 
 def lightning_checkpoint(work: Path, megabytes: float, reps: int, epochs: int = 4) -> Comparison:
@@ -78,17 +111,7 @@ def lightning_checkpoint(work: Path, megabytes: float, reps: int, epochs: int = 
                 spent.append(time.perf_counter() - start)
 
             callback._save_topk_checkpoint = timed
-            trainer = pl.Trainer(
-                default_root_dir=where,
-                callbacks=[callback],
-                max_epochs=epochs,
-                logger=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                accelerator="cpu",
-                devices=1,
-            )
-            trainer.fit(Wide())
+            _quiet_trainer(where, callback, epochs).fit(Wide())
             shutil.rmtree(where)
             return sum(spent) / len(spent)
 
@@ -99,15 +122,8 @@ def lightning_checkpoint(work: Path, megabytes: float, reps: int, epochs: int = 
         "Lightning ModelCheckpoint (TorchCheckpointIO)": contender(lambda d: Stock(dirpath=d)),
         "ckptdb ModelCheckpoint": contender(lambda d: Ours(dirpath=d)),
     }
-    import logging
-    import warnings
-
-    quiet = logging.getLogger("lightning.pytorch")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with _silenced():
             result = compare(
                 f"Lightning checkpoint {megabytes:g} MB",
                 contenders,
@@ -115,7 +131,6 @@ def lightning_checkpoint(work: Path, megabytes: float, reps: int, epochs: int = 
                 reps=reps,
             )
     finally:
-        quiet.setLevel(level)
         shutil.rmtree(work, ignore_errors=True)
     result.notes["target"] = "ckptdb ModelCheckpoint <= Lightning ModelCheckpoint"
     result.notes["per"] = "one save_top_k=1 checkpoint (write + eviction of the previous one)"
@@ -129,9 +144,6 @@ def lightning_guard(work: Path, reps: int, steps: int) -> Comparison:
     with Lightning's stock callback, and with ckptdb's with the guard on
     (every step's gradients go through ``NonFiniteGradGuard.observe``) and off.
     """
-    import logging
-    import warnings
-
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint as Stock
 
@@ -157,29 +169,15 @@ def lightning_guard(work: Path, reps: int, steps: int) -> Comparison:
     def contender(make: Callable[[Path], Any]) -> Callable[[], None]:
         def run() -> None:
             where = work / str(next(counter))
-            trainer = pl.Trainer(
-                default_root_dir=where,
-                callbacks=[make(where / "checkpoints")],
-                max_epochs=1,
-                logger=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                accelerator="cpu",
-                devices=1,
-            )
-            trainer.fit(MLP())
+            _quiet_trainer(where, make(where / "checkpoints"), 1).fit(MLP())
             shutil.rmtree(where, ignore_errors=True)  # the stock callback made nothing
 
         return run
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    quiet = logging.getLogger("lightning.pytorch")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with _silenced():
             result = compare(
                 f"Lightning fit, {steps} steps (small MLP, CPU, 1 thread)",
                 {
@@ -198,7 +196,6 @@ def lightning_guard(work: Path, reps: int, steps: int) -> Comparison:
             )
     finally:
         torch.set_num_threads(threads)
-        quiet.setLevel(level)
         shutil.rmtree(work, ignore_errors=True)
     result.notes["what"] = "the guard's per-step cost; no checkpoint is written"
     return result

@@ -22,7 +22,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .files import fsync_dir
+from .files import fsync_dir, fsync_file
 
 _NO_LINKS = {errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
 
@@ -64,11 +64,7 @@ def _link_or_copy(source: Path, dest: Path) -> None:
         if exc.errno not in _NO_LINKS:
             raise
         shutil.copyfile(source, dest)
-        fd = os.open(dest, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(dest)
 
 
 def _link_tree(source: Path, dest: Path) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, PhaseError
-from .files import FileInfo, fsync_dir, hash_checkpoint, hash_open_file, tree_files
+from .files import FileInfo, fsync_dir, fsync_file, hash_checkpoint, hash_open_file, tree_files
 from .naming import CHECKPOINT_NAME, SHARDED_SUFFIX, TEMP_NAME
 
 #: The temporary name's marker: ``.<name>.ckptdb-tmp-<row id>`` next to the final name.
@@ -120,7 +120,7 @@ def seal_written(path: Path) -> FileInfo:
                 os.fsync(f.fileno())
                 return hash_open_file(f)
         for _, file in tree_files(path):
-            _fsync_file(file)
+            fsync_file(file)
         for sub in [p for p in path.rglob("*") if p.is_dir()]:
             fsync_dir(sub)
         fsync_dir(path)
@@ -129,17 +129,3 @@ def seal_written(path: Path) -> FileInfo:
         raise
     except OSError as exc:
         raise PhaseError("write", path, exc) from exc
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def parent_of(name: str) -> str:
-    """The directory (relative to the save directory) that holds ``name``; '' for the top."""
-    parent = str(PurePosixPath(name).parent)
-    return "" if parent == "." else parent

@@ -106,6 +106,15 @@ def place(tmp: Path, final: Path) -> None:
         raise PhaseError("replace", final, exc) from exc
 
 
+def fsync_file(path: Path) -> None:
+    """Make a file's data durable (one that something else wrote and closed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(directory: Path) -> None:
     """Make a directory's entries (a rename, a new file) durable."""
     try:
