@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 POINTS = (
-    "after_intent",  # pending rows committed, nothing written yet
+    "after_intent",  # pending rows committed; nothing written yet but what every rank
+    # writes (Sharded, External), which is written first, inside its collective
     "mid_write",  # inside torch.save, part of the temporary file written
     "after_fsync",  # every temporary file written and fsynced
     "after_replace",  # final names in place, directory not yet fsynced
