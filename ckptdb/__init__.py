@@ -14,6 +14,7 @@ from .manager import CheckpointManager
 from .policies import Keep, TopK
 from .protocol.asyncsave import SaveHandle
 from .protocol.reconcile import Action, ReconcileReport
+from .reader import RunReader, resolve
 from .record import Checkpoint
 from .storage.dcp import Sharded
 from .storage.external import External
@@ -29,8 +30,10 @@ __all__ = [
     "Keep",
     "NonFiniteGradGuard",
     "ReconcileReport",
+    "RunReader",
     "SaveHandle",
     "Sharded",
     "TopK",
     "__version__",
+    "resolve",
 ]

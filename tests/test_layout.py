@@ -47,7 +47,7 @@ ALLOWED = {
         "coord",
         "protocol",
     },
-    "reader": {"errors", "policies", "record", "ledger"},
+    "reader": {"errors", "policies", "record", "ledger", "storage"},
     # each integration is an addition on top of the public parts
     "integrations": {
         "errors",

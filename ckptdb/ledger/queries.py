@@ -8,13 +8,19 @@ each in one snapshot transaction (``read=True``: on SQLite a deferred
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
 
-from ..errors import DatabaseError, InvalidArgumentError
+from ..errors import (
+    ArgumentTypeError,
+    CheckpointNotFoundError,
+    DatabaseError,
+    InvalidArgumentError,
+)
 from ..policies import Policy, policy_of
 from ..record import Checkpoint
 from . import models as m
@@ -68,6 +74,52 @@ class RunQueries:
             query = select(m.Checkpoint).filter_by(run_id=self.run_id, state=m.COMMITTED, **where)
             row = session.scalars(query.order_by(m.Checkpoint.id.desc()).limit(1)).first()
             return rows.to_record(row, self.save_dir) if row is not None else None
+
+    def resolve(self, which: object, stream: str | None, run: object = None) -> Checkpoint:
+        """The committed checkpoint ``which`` names in this run.
+
+        ``which``: ``"latest"`` (of ``stream``, default ``model``), ``"best"``
+        (of ``stream``, default ``best``), a step (of ``stream``, default
+        ``model``), a :class:`Checkpoint` or a path inside the save directory.
+        ``run`` names the run in error messages.
+        """
+        where = run if run is not None else self.save_dir
+        if isinstance(which, Checkpoint):
+            return self._committed_by_path(which.path, where)
+        if which == "latest":
+            found = self.latest(stream or "model")
+            if found is None:
+                raise CheckpointNotFoundError(f"stream {stream or 'model'!r} has no checkpoint yet")
+            return found
+        if which == "best":
+            best = self.best(stream or "best")
+            if not best:
+                raise CheckpointNotFoundError(f"stream {stream or 'best'!r} has no checkpoint yet")
+            return best[0]
+        if isinstance(which, int) and not isinstance(which, bool):
+            name = stream or "model"
+            self.policy(name)
+            found = self.find_committed(stream=name, step=which)
+            if found is None:
+                raise CheckpointNotFoundError(
+                    f"stream {name!r} has no committed checkpoint at step {which}"
+                )
+            return found
+        if isinstance(which, (str, os.PathLike)):
+            return self._committed_by_path(Path(which), where)
+        raise ArgumentTypeError(
+            f"which must be 'latest', 'best', a step, a Checkpoint or a path; got {which!r}"
+        )
+
+    def _committed_by_path(self, path: Path, where: object) -> Checkpoint:
+        resolved = (Path.cwd() / path).resolve()
+        save_dir = self.save_dir.resolve()
+        found = None
+        if resolved.is_relative_to(save_dir):
+            found = self.find_committed(path=resolved.relative_to(save_dir).as_posix())
+        if found is None:
+            raise CheckpointNotFoundError(f"{path} is not a committed checkpoint of run {where}")
+        return found
 
     # ------------------------------------------------------------ history (readers)
 

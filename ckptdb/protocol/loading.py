@@ -12,21 +12,16 @@ outcome itself.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..coord.base import Coordinator
 from ..errors import (
-    ArgumentTypeError,
     CheckpointLostError,
-    CheckpointNotFoundError,
     CorruptCheckpointError,
 )
 from ..ledger import rows as ledger_rows
-from ..ledger.queries import RunQueries
 from ..record import Checkpoint
 from ..storage.base import LOST
 from ..storage.dcp import resolve_stateful
@@ -112,45 +107,7 @@ class Loader:
         raise CorruptCheckpointError(f"{target.path}: {finding.detail}; refusing to load it")
 
     def resolve(self, which: object, stream: str | None) -> Checkpoint:
-        queries = self.ctx.queries()
-        if isinstance(which, Checkpoint):
-            return self._committed_by_path(queries, which.path)
-        if which == "latest":
-            found = queries.latest(stream or "model")
-            if found is None:
-                raise CheckpointNotFoundError(f"stream {stream or 'model'!r} has no checkpoint yet")
-            return found
-        if which == "best":
-            best = queries.best(stream or "best")
-            if not best:
-                raise CheckpointNotFoundError(f"stream {stream or 'best'!r} has no checkpoint yet")
-            return best[0]
-        if isinstance(which, int) and not isinstance(which, bool):
-            name = stream or "model"
-            queries.policy(name)
-            found = queries.find_committed(stream=name, step=which)
-            if found is None:
-                raise CheckpointNotFoundError(
-                    f"stream {name!r} has no committed checkpoint at step {which}"
-                )
-            return found
-        if isinstance(which, (str, os.PathLike)):
-            return self._committed_by_path(queries, Path(which))
-        raise ArgumentTypeError(
-            f"which must be 'latest', 'best', a step, a Checkpoint or a path; got {which!r}"
-        )
-
-    def _committed_by_path(self, queries: RunQueries, path: Path) -> Checkpoint:
-        resolved = (Path.cwd() / path).resolve()
-        save_dir = self.ctx.save_dir.resolve()
-        found = None
-        if resolved.is_relative_to(save_dir):
-            found = queries.find_committed(path=resolved.relative_to(save_dir).as_posix())
-        if found is None:
-            raise CheckpointNotFoundError(
-                f"{path} is not a committed checkpoint of run {self.ctx.root}"
-            )
-        return found
+        return self.ctx.queries().resolve(which, stream, self.ctx.root)
 
     def _mark_bad(self, target: Checkpoint, state: str, problem: str) -> None:
         """Record a lost/corrupt payload found at load time, as reconcile would."""
