@@ -12,7 +12,8 @@ READ ONLY``: one snapshot of committed data, and the server refuses writes.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -26,10 +27,12 @@ from .errors import (
     InvalidArgumentError,
     LedgerError,
 )
-from .ledger import RunQueries, open_ledger
+from .ledger import RunQueries, follow, open_ledger
 from .ledger import models as m
 from .ledger.engine import LEDGER_FILE
+from .ledger.follow import Waiter
 from .ledger.queries import run_sql
+from .ledger.rows import to_record
 from .ledger.runs import ledger_url, open_as_reader, run_exists
 from .policies import Policy
 from .record import Checkpoint
@@ -38,6 +41,11 @@ from .storage.kinds import kind_of_path
 from .storage.local import LocalStore
 
 __all__ = ["RunReader", "ledger_url", "resolve", "run_exists"]
+
+#: How often a follower of a SQLite ledger looks for new checkpoints (seconds).
+POLL_INTERVAL = 0.5
+#: On PostgreSQL commits wake followers; this recheck only bounds a missed wake-up.
+NOTIFIED_RECHECK = 5.0
 
 
 class RunReader:
@@ -136,6 +144,58 @@ class RunReader:
             weights_only=weights_only,
             into=into,
         )
+
+    def follow(
+        self,
+        stream: str = "model",
+        *,
+        since: int | None = None,
+        timeout: float | None = None,
+        poll: float = POLL_INTERVAL,
+    ) -> Iterator[Checkpoint]:
+        """Each checkpoint of ``stream`` published from now on, in commit order, once.
+
+        ``since`` is a cursor, a checkpoint id: only checkpoints after it are
+        yielded (``since=0``: the stream's whole history; None: what commits
+        after this call). Pass the last id you handled to continue after a
+        restart without missing or repeating any. A checkpoint evicted (or
+        found lost or corrupt) before the follower got to it is still yielded,
+        with its ``state`` saying so (``deleting``, ``deleted``, ...): check
+        ``checkpoint.state == "committed"`` before loading it.
+
+        On PostgreSQL the writer's commit wakes the follower (``LISTEN/NOTIFY``);
+        on SQLite the follower polls every ``poll`` seconds with one indexed
+        query. ``timeout``: stop after that many seconds without a new
+        checkpoint (None: follow until the caller stops iterating).
+        """
+        queries = self._open()
+        queries.policy(stream)
+        waiter = Waiter(self._db, self.run_id)
+        try:
+            with self._db.transaction(read=True) as session:
+                cursor = (
+                    since if since is not None else follow.newest_id(session, self.run_id, stream)
+                )
+            idle_since = time.monotonic()
+            while True:
+                with self._db.transaction(read=True) as session:
+                    found, cursor = follow.published_after(session, self.run_id, stream, cursor)
+                    records = [to_record(row, self.save_dir) for row in found]
+                yield from records
+                now = time.monotonic()
+                if records:
+                    idle_since = now
+                left = None if timeout is None else timeout - (now - idle_since)
+                if left is not None and left <= 0:
+                    return
+                nap = poll if not waiter.notified else NOTIFIED_RECHECK
+                waiter.wait(nap if left is None else min(nap, left))
+        finally:
+            waiter.close()
+
+    def _newest_id(self, stream: str) -> int:
+        with self._db.transaction(read=True) as session:
+            return follow.newest_id(session, self.run_id, stream)
 
     def state_counts(self) -> dict[str, int]:
         return self._open().state_counts()

@@ -63,6 +63,7 @@ from ..guard import NonFiniteGradGuard
 from ..ledger import after_commit
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
+from ..ledger.follow import notify_commit
 from ..policies import Entry
 from ..record import Checkpoint
 from ..storage.external import External, temp_for
@@ -463,6 +464,7 @@ class Publisher:
                     progress.evicted.extend(self._apply_retention(session, s, step))
                     ledger_rows.set_latest(session, ctx.run_id, s.stream, s.row_id)
                 flushed = ctx.metrics.insert_into(session, ctx.run_id, ctx.attempt_id, metric_limit)
+                notify_commit(session, ctx.run_id)  # delivered to followers once COMMIT returns
 
                 def committed() -> None:
                     progress.committed = True
