@@ -12,8 +12,8 @@ READ ONLY``: one snapshot of committed data, and the server refuses writes.
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -23,20 +23,18 @@ from .errors import (
     CheckpointLostError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    ForeignEntryError,
     InvalidArgumentError,
     LedgerError,
 )
-from .ledger import RunQueries, follow, open_ledger
+from .ledger import RunQueries, open_ledger
 from .ledger import models as m
 from .ledger.engine import LEDGER_FILE
-from .ledger.follow import Waiter
+from .ledger.follow import Follower
 from .ledger.queries import run_sql
-from .ledger.rows import to_record
 from .ledger.runs import ledger_url, open_as_reader, run_exists
 from .policies import Policy
 from .record import Checkpoint
-from .storage.files import hash_checkpoint
+from .storage.base import LOST
 from .storage.kinds import kind_of_path
 from .storage.local import LocalStore
 
@@ -44,8 +42,6 @@ __all__ = ["RunReader", "ledger_url", "resolve", "run_exists"]
 
 #: How often a follower of a SQLite ledger looks for new checkpoints (seconds).
 POLL_INTERVAL = 0.5
-#: On PostgreSQL commits wake followers; this recheck only bounds a missed wake-up.
-NOTIFIED_RECHECK = 5.0
 
 
 class RunReader:
@@ -54,6 +50,7 @@ class RunReader:
     def __init__(self, root: str | os.PathLike[str], *, db_url: str | None = None) -> None:
         self.root = Path(root).resolve()
         self._db_url = db_url
+        self._followers: weakref.WeakSet[Follower] = weakref.WeakSet()
         self._db = open_ledger(ledger_url(self.root, db_url, readonly=True), readonly=True)
         self._closed = False
         try:
@@ -79,6 +76,8 @@ class RunReader:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            for follower in list(self._followers):
+                follower.close()
             self._db.dispose()
 
     def _open(self) -> RunQueries:
@@ -108,16 +107,27 @@ class RunReader:
     ) -> Checkpoint:
         """The committed checkpoint ``which`` names (see :func:`ckptdb.resolve`).
 
-        A path outside this run's save directory (the root of *another* run,
-        which names that run's latest, or another run's checkpoint) resolves
-        through that run's own ledger; everything else in this run's.
+        A run root (this one's or another's) names that run's latest; a
+        checkpoint (or path) outside this run's save directory resolves
+        through the ledger of the run that holds it; everything else in this
+        run's ledger.
         """
+        return self._resolve(which, stream)[0]
+
+    def _resolve(self, which: object, stream: str | None) -> tuple[Checkpoint, Path]:
+        """The checkpoint, and the save directory of the run that holds it."""
         queries = self._open()
-        if isinstance(which, (str, os.PathLike)) and which not in ("latest", "best"):
-            path = (Path.cwd() / Path(which).expanduser()).resolve()
-            if not path.is_relative_to(self.save_dir.resolve()):  # another run's root or file
-                return resolve(path, db_url=self._db_url, stream=stream)
-        return queries.resolve(which, stream, self.root)
+        which = _step_or_spec(which)
+        if isinstance(which, (str, os.PathLike, Checkpoint)) and which not in ("latest", "best"):
+            path = which.path if isinstance(which, Checkpoint) else Path(which).expanduser()
+            run = _run_root(path, self._db_url)
+            if run is not None and run[0] != self.root:
+                return _resolve(path, None, self._db_url, stream)
+            if run is not None:
+                return _latest_of(self, stream), self.save_dir
+            if not _inside(path, self.save_dir):
+                return _resolve(path, None, self._db_url, stream)
+        return queries.resolve(which, stream, self.root), self.save_dir
 
     def load(
         self,
@@ -138,11 +148,9 @@ class RunReader:
         or ``reconcile(verify=True)`` (``ckptdb reconcile --verify``), and
         ``ckptdb check`` reports it meanwhile.
         """
+        target, save_dir = self._resolve(which, stream)
         return load_verified(
-            self.resolve(which, stream=stream),
-            map_location=map_location,
-            weights_only=weights_only,
-            into=into,
+            target, save_dir, map_location=map_location, weights_only=weights_only, into=into
         )
 
     def follow(
@@ -152,50 +160,42 @@ class RunReader:
         since: int | None = None,
         timeout: float | None = None,
         poll: float = POLL_INTERVAL,
-    ) -> Iterator[Checkpoint]:
+    ) -> Follower:
         """Each checkpoint of ``stream`` published from now on, in commit order, once.
 
         ``since`` is a cursor, a checkpoint id: only checkpoints after it are
-        yielded (``since=0``: the stream's whole history; None: what commits
-        after this call). Pass the last id you handled to continue after a
-        restart without missing or repeating any. A checkpoint evicted (or
-        found lost or corrupt) before the follower got to it is still yielded,
-        with its ``state`` saying so (``deleting``, ``deleted``, ...): check
-        ``checkpoint.state == "committed"`` before loading it.
+        yielded (``since=0``: the stream's whole history; None: from this
+        call on, including a boundary already in flight). Pass the last id
+        you handled to continue after a restart without missing or repeating
+        any. A checkpoint evicted (or found lost or corrupt) before the
+        follower got to it is still yielded, its ``state`` saying so
+        (``deleting``, ``deleted``, ...): check ``checkpoint.state ==
+        "committed"`` before loading it.
 
-        On PostgreSQL the writer's commit wakes the follower (``LISTEN/NOTIFY``);
-        on SQLite the follower polls every ``poll`` seconds with one indexed
-        query. ``timeout``: stop after that many seconds without a new
-        checkpoint (None: follow until the caller stops iterating).
+        On PostgreSQL (psycopg 3) the writer's commit wakes the follower
+        (``LISTEN/NOTIFY``); on SQLite it polls every ``poll`` seconds with
+        one query. ``timeout``: stop after that many seconds without a new
+        checkpoint (None: until the caller stops). The cursor and the stream
+        are settled by this call; the returned iterator holds a connection
+        until it is closed (``with reader.follow(...) as f:``) or the reader is.
         """
-        queries = self._open()
-        queries.policy(stream)
-        waiter = Waiter(self._db, self.run_id)
-        try:
-            with self._db.transaction(read=True) as session:
-                cursor = (
-                    since if since is not None else follow.newest_id(session, self.run_id, stream)
-                )
-            idle_since = time.monotonic()
-            while True:
-                with self._db.transaction(read=True) as session:
-                    found, cursor = follow.published_after(session, self.run_id, stream, cursor)
-                    records = [to_record(row, self.save_dir) for row in found]
-                yield from records
-                now = time.monotonic()
-                if records:
-                    idle_since = now
-                left = None if timeout is None else timeout - (now - idle_since)
-                if left is not None and left <= 0:
-                    return
-                nap = poll if not waiter.notified else NOTIFIED_RECHECK
-                waiter.wait(nap if left is None else min(nap, left))
-        finally:
-            waiter.close()
-
-    def _newest_id(self, stream: str) -> int:
-        with self._db.transaction(read=True) as session:
-            return follow.newest_id(session, self.run_id, stream)
+        self._open().policy(stream)
+        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not poll > 0:
+            raise InvalidArgumentError(f"poll must be a positive number of seconds, got {poll!r}")
+        if since is not None and (isinstance(since, bool) or not isinstance(since, int)):
+            raise ArgumentTypeError(f"since must be a checkpoint id (an int), got {since!r}")
+        follower = Follower(
+            self._db,
+            self.run_id,
+            stream,
+            self.save_dir,
+            since,
+            timeout,
+            float(poll),
+            lambda: not self._closed,
+        )
+        self._followers.add(follower)
+        return follower
 
     def state_counts(self) -> dict[str, int]:
         return self._open().state_counts()
@@ -231,20 +231,28 @@ def resolve(
 
     ``spec`` may be:
 
-    - ``"latest"``, ``"best"`` or a step: in the run at ``root`` (of
-      ``stream``; ``"latest"`` and steps default to ``model``, ``"best"`` to
-      ``best``);
+    - ``"latest"``, ``"best"`` or a step (an int, or a string of digits that
+      is not an existing path): in the run at ``root`` (of ``stream``;
+      ``"latest"`` and steps default to ``model``, ``"best"`` to ``best``);
     - a :class:`Checkpoint`, or the path of a checkpoint: in the run that
-      holds it, found from the path (its run root, or a Lightning-style
-      ``.<dirpath>.ckptdb`` ledger beside a directory), or ``root``;
-    - the root of a run (a directory with its ledger): that run's latest
-      (of ``stream``; else ``model``; else its newest committed checkpoint).
+      holds it, found from the path (a run root above it, its ledger there
+      or in ``db_url``, or a Lightning-style ``.<dirpath>.ckptdb`` ledger
+      beside a directory), else ``root``;
+    - the root of a run: that run's latest (of ``stream``; else ``model``;
+      else its newest committed checkpoint).
 
     Every answer comes from the ledger of the run that owns it, never from
     another run's ledger and never from file names or mtimes. Raises
     :class:`~ckptdb.errors.CheckpointNotFoundError` when nothing committed
     matches.
     """
+    return _resolve(spec, root, db_url, stream)[0]
+
+
+def _resolve(
+    spec: object, root: str | os.PathLike[str] | None, db_url: str | None, stream: str | None
+) -> tuple[Checkpoint, Path]:
+    spec = _step_or_spec(spec)
     if isinstance(spec, bool) or not isinstance(spec, (str, int, Checkpoint, os.PathLike)):
         raise ArgumentTypeError(
             f"spec must be 'latest', 'best', a step, a Checkpoint or a path; got {spec!r}"
@@ -253,47 +261,61 @@ def resolve(
         if root is None:
             raise InvalidArgumentError(f"resolve({spec!r}) needs root=, the run to look in")
         with RunReader(root, db_url=db_url) as reader:
-            return reader._open().resolve(spec, stream, reader.root)
+            return reader._open().resolve(spec, stream, reader.root), reader.save_dir
     path = spec.path if isinstance(spec, Checkpoint) else Path(spec).expanduser()
-    run_root = _run_root(path, db_url)
-    if run_root is not None:
-        with RunReader(run_root, db_url=db_url) as reader:
-            return _latest_of(reader, stream)
-    owner = _owner_of(path, root, db_url)
-    with RunReader(owner, db_url=db_url) as reader:
-        return reader._open().resolve(path, stream, reader.root)
+    run = _run_root(path, db_url)
+    if run is not None:
+        with RunReader(run[0], db_url=run[1]) as reader:
+            return _latest_of(reader, stream), reader.save_dir
+    owner, url = _owner_of(path, root, db_url)
+    with RunReader(owner, db_url=url) as reader:
+        return reader._open().resolve(path, stream, reader.root), reader.save_dir
+
+
+def _step_or_spec(spec: object) -> object:
+    """A string of digits that names no existing path is a step (from a command line)."""
+    if isinstance(spec, str) and spec.isdigit() and not os.path.lexists(spec):
+        return int(spec)
+    return spec
 
 
 def load_verified(
-    target: Checkpoint, *, map_location: Any, weights_only: bool, into: dict[str, Any] | None
+    target: Checkpoint,
+    save_dir: Path,
+    *,
+    map_location: Any,
+    weights_only: bool,
+    into: dict[str, Any] | None,
 ) -> Any:
-    """Read a committed checkpoint after checking it against its row; never writes the ledger."""
-    path = target.path
-    try:
-        actual = hash_checkpoint(path)
-    except FileNotFoundError as exc:
-        raise CheckpointLostError(
-            f"{path} is gone (its run's writer marks it lost at its next load or reconcile)"
-        ) from exc
-    except ForeignEntryError as exc:
-        raise CorruptCheckpointError(f"{path}: {exc}; refusing to load it") from exc
-    if (actual.size, actual.hash) != (target.size, target.hash):
+    """Read a committed checkpoint after checking it against its row, through its run's
+    store (confined to the save directory, links refused); never writes the ledger."""
+    store = LocalStore(save_dir)
+    try:  # as recorded: save_dir / rel (the store then refuses what escapes it)
+        rel = Path(os.path.abspath(target.path)).relative_to(os.path.abspath(save_dir)).as_posix()
+    except ValueError:
+        raise CheckpointNotFoundError(f"{target.path} is not in {save_dir}") from None
+    finding = store.verify(rel, target.size, target.hash, full=True)
+    if finding is not None:
+        if finding.state == LOST and finding.missing:
+            raise CheckpointLostError(
+                f"{target.path} is gone (its run's writer marks it lost at its next load or "
+                "reconcile)"
+            ) from finding.error
+        if finding.state == LOST:
+            assert finding.error is not None
+            raise finding.error  # unreadable now (a permission?) is not proof that it is gone
         raise CorruptCheckpointError(
-            f"{path}: size/hash {actual.size}/{actual.hash} != ledger {target.size}/{target.hash}; "
-            "refusing to load it (its run's writer marks it corrupt at its next load or "
-            "reconcile --verify)"
+            f"{target.path}: {finding.detail}; refusing to load it (its run's writer marks it "
+            "corrupt at its next load or reconcile --verify)"
         )
-    kind = kind_of_path(path)
-    kind.check_into(str(path), into)
-    store = LocalStore(path.parent)
-    return kind.load(
-        store,
-        path.name,
-        map_location=map_location,
-        weights_only=weights_only,
-        into=into,
-        group=None,
-    )
+    kind = kind_of_path(rel)
+    kind.check_into(str(target.path), into)
+    try:
+        return kind.load(
+            store, rel, map_location=map_location, weights_only=weights_only, into=into, group=None
+        )
+    except FileNotFoundError as exc:  # evicted between the check and the read
+        raise CheckpointLostError(f"{target.path} was removed while it was being loaded") from exc
 
 
 def _latest_of(reader: RunReader, stream: str | None) -> Checkpoint:
@@ -306,30 +328,44 @@ def _latest_of(reader: RunReader, stream: str | None) -> Checkpoint:
     return max(found, key=lambda c: (c.committed_at, c.id))
 
 
-def _run_root(path: Path, db_url: str | None) -> Path | None:
-    """``path`` itself, if it is the root of a run (its ledger is there, or in db_url)."""
+def _inside(path: Path, directory: Path) -> bool:
+    absolute = Path(os.path.abspath(path))
+    return absolute.is_relative_to(Path(os.path.abspath(directory))) or (
+        Path.cwd() / path
+    ).resolve().is_relative_to(directory.resolve())
+
+
+def _run_root(path: Path, db_url: str | None) -> tuple[Path, str | None] | None:
+    """(root, db_url) of the run whose root ``path`` is: its SQLite ledger there (or,
+    for a Lightning dirpath, beside it), or a run registered in ``db_url``."""
     if not path.is_dir():
         return None
-    resolved = path.resolve()
-    if (resolved / LEDGER_FILE).is_file():
-        return resolved
-    beside = resolved.parent / f".{resolved.name}.ckptdb"  # a Lightning-style dirpath
+    absolute = Path(os.path.abspath(path))
+    if (absolute / LEDGER_FILE).is_file():
+        return absolute.resolve(), None
+    beside = absolute.parent / f".{absolute.name}.ckptdb"
     if (beside / LEDGER_FILE).is_file():
-        return beside
-    if db_url is not None and run_exists(resolved, ledger_url(resolved, db_url, readonly=True)):
-        return resolved
+        return beside.resolve(), None
+    if db_url is not None:
+        resolved = absolute.resolve()
+        if run_exists(resolved, ledger_url(resolved, db_url, readonly=True)):
+            return resolved, db_url
     return None
 
 
-def _owner_of(path: Path, root: str | os.PathLike[str] | None, db_url: str | None) -> Path:
-    """The root of the run that holds the checkpoint at ``path``."""
-    resolved = (Path.cwd() / path).resolve()
-    for ancestor in resolved.parents:
-        found = _run_root(ancestor, None)
+def _owner_of(
+    path: Path, root: str | os.PathLike[str] | None, db_url: str | None
+) -> tuple[Path, str | None]:
+    """(root, db_url) of the run that holds the checkpoint at ``path``: the first
+    run root among its ancestors, as written (a symlinked directory is the
+    run's own path) and then resolved; else ``root``."""
+    absolute = Path(os.path.abspath(path))
+    for ancestor in [*absolute.parents, *absolute.resolve().parents]:
+        found = _run_root(ancestor, db_url)
         if found is not None:
             return found
     if root is not None:
-        return Path(root).resolve()
+        return Path(root).resolve(), db_url
     raise CheckpointNotFoundError(
         f"{path} is in no ckptdb run (no ledger above it); pass root= to name the run"
     )

@@ -16,11 +16,17 @@ from typing import Any
 
 import pytest
 from crashlib import fork_running, tail, wait_child
-from helpers import state
+from helpers import LedgerClient, state
 
-import ckptdb.reader
+import ckptdb.ledger.follow
 from ckptdb import CheckpointManager, Keep, RunReader, faults
-from ckptdb.errors import UnknownStreamError
+from ckptdb.errors import (
+    ArgumentTypeError,
+    CkptDBError,
+    InvalidArgumentError,
+    LedgerError,
+    UnknownStreamError,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,6 +120,10 @@ def test_a_pending_checkpoint_stops_the_read_until_it_is_resolved(tmp_path: Path
     with RunReader(root) as reader:
         after = list(reader.follow(since=cursor, timeout=0.2, poll=0.05))
     assert [(c.step, c.state) for c in after] == [(3, "committed")]  # the aborted one never was
+    # a pending row that nobody could roll back, with later rows behind it, is dead: passed over
+    LedgerClient(root).execute("UPDATE checkpoints SET state = 'pending' WHERE state = 'aborted'")
+    with RunReader(root) as reader:
+        assert [c.step for c in reader.follow(since=0, timeout=0.2, poll=0.05)] == [1, 3]
 
 
 def test_following_an_unknown_stream_is_refused(tmp_path: Path) -> None:
@@ -128,7 +138,7 @@ def test_on_postgresql_the_commit_wakes_the_follower(
     pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the recheck far beyond the follow's timeout, only NOTIFY can deliver."""
-    monkeypatch.setattr(ckptdb.reader, "NOTIFIED_RECHECK", 3600.0)
+    monkeypatch.setattr(ckptdb.ledger.follow, "NOTIFIED_RECHECK", 3600.0)
     root = tmp_path / "run"
     CheckpointManager(root, streams=STREAMS, db_url=pg_url).close()
     committed_at: list[float] = []
@@ -160,3 +170,70 @@ def test_on_postgresql_the_commit_wakes_the_follower(
     assert [c.step for c, _ in woken] == [0, 1, 2]
     latency = [at - done for (_, at), done in zip(woken, committed_at, strict=True)]
     print(f"NOTIFY wake-up latency after commit: {[f'{x * 1000:.1f} ms' for x in latency]}")
+
+
+def test_a_follower_made_before_a_commit_sees_it(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root, streams=STREAMS) as mgr, RunReader(root) as reader:
+        follower = reader.follow(timeout=0.5, poll=0.05)  # settled here, not at next()
+        mgr.save(1, model=state(1.0))
+        assert [c.step for c in follower] == [1]
+
+
+def test_since_none_includes_a_boundary_already_in_flight(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    release = threading.Event()
+    held = threading.Event()
+
+    def hold(name: str) -> None:
+        if name == "after_fsync":
+            held.set()
+            release.wait(30)
+
+    with CheckpointManager(root, streams=STREAMS) as mgr:
+        mgr.save(1, model=state(1.0))
+        faults.set_hook(hold)
+        try:
+            handle = mgr.save(2, blocking=False, model=state(2.0))
+            assert held.wait(30)
+            with RunReader(root) as reader:
+                follower = reader.follow(timeout=1, poll=0.05)  # step 2 is pending now
+                release.set()
+                handle.result(30)
+                assert [c.step for c in follower] == [2]
+        finally:
+            release.set()
+            faults.set_hook(None)
+
+
+def test_closing_the_reader_stops_its_followers(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root, streams=STREAMS) as mgr:
+        mgr.save(1, model=state(1.0))
+    reader = RunReader(root)
+    follower = reader.follow(since=0, timeout=5, poll=0.05)
+    assert next(follower).step == 1
+    reader.close()
+    with pytest.raises(LedgerError, match="closed"):
+        next(follower)
+
+
+@pytest.mark.parametrize("poll, since", [(0, None), (-1, None), (0.1, "3"), (0.1, True)])
+def test_bad_follow_arguments_are_refused(tmp_path: Path, poll: Any, since: Any) -> None:
+    root = tmp_path / "run"
+    CheckpointManager(root, streams=STREAMS).close()
+    with RunReader(root) as reader, pytest.raises((InvalidArgumentError, ArgumentTypeError)):
+        reader.follow(poll=poll, since=since)
+
+
+@pytest.mark.postgres
+def test_a_postgresql_follower_leaves_the_reader_read_only(pg_url: str, tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root, streams=STREAMS, db_url=pg_url) as mgr:
+        mgr.save(1, model=state(1.0))
+    with RunReader(root, db_url=pg_url) as reader:
+        for _ in range(3):  # the listening connection never returns to the pool
+            assert [c.step for c in reader.follow(since=0, timeout=0.2)] == [1]
+        with pytest.raises(CkptDBError):
+            reader.sql("UPDATE checkpoints SET error = 'written by a reader'")
+    assert LedgerClient(root, pg_url).rows("SELECT error FROM checkpoints") == [(None,)]

@@ -181,4 +181,64 @@ def test_a_lightning_style_dirpath_resolves_through_the_ledger_beside_it(tmp_pat
             m.save(step, val_loss=External(lambda p, s=step: torch.save(state(s), p), name=name))
     assert ckptdb.resolve(dirpath).path == dirpath / "epoch=1-step=8.ckpt"
     assert ckptdb.resolve(dirpath / "epoch=0-step=4.ckpt").step == 4
-    assert value(RunReader(ledger).load(dirpath / "epoch=0-step=4.ckpt")) == 4.0
+    with RunReader(ledger) as reader:
+        assert value(reader.load(dirpath / "epoch=0-step=4.ckpt")) == 4.0
+
+
+# ----------------------------------------------------------- the review's cases
+
+
+def test_a_run_whose_checkpoints_directory_is_a_symlink_resolves(tmp_path: Path) -> None:
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "checkpoints").symlink_to(scratch, target_is_directory=True)
+    with CheckpointManager(root, save_dir=root / "checkpoints") as mgr:
+        saved = mgr.save(1, model=state(1.0))["model"]
+    # through the run's own (linked) path the run is found; the recorded path is the
+    # link's target, outside the run root: then root= names the run
+    assert ckptdb.resolve(root / "checkpoints" / "model" / saved.path.name).step == 1
+    assert ckptdb.resolve(saved.path, root=root).step == 1
+    with pytest.raises(CheckpointNotFoundError, match="pass root="):
+        ckptdb.resolve(saved.path)
+
+
+def test_a_steps_from_a_command_line_string(run_a: Path) -> None:
+    assert ckptdb.resolve("10", root=run_a).step == 10
+    with RunReader(run_a) as reader:
+        assert value(reader.load("10")) == 1.0
+
+
+def test_a_readers_own_root_and_another_runs_checkpoint_object(run_a: Path, run_b: Path) -> None:
+    b_latest = ckptdb.resolve(run_b)
+    with RunReader(run_a) as reader:
+        assert reader.resolve(run_a).step == 20  # its own root: its latest
+        assert reader.resolve(b_latest) == b_latest  # B's record, through B's ledger
+        assert value(reader.load(b_latest)) == 8.0
+
+
+def test_a_reader_refuses_a_file_reached_through_a_link_out_of_the_save_dir(
+    run_a: Path, tmp_path: Path
+) -> None:
+    outside = tmp_path / "outside"
+    model_dir = run_a / "checkpoints" / "model"
+    model_dir.rename(outside)
+    model_dir.symlink_to(outside, target_is_directory=True)
+    with RunReader(run_a) as reader, pytest.raises(InvalidArgumentError, match="outside"):
+        reader.load()
+
+
+@pytest.mark.postgres
+def test_paths_resolve_through_a_postgresql_ledger_and_a_sqlite_one(
+    pg_url: str, tmp_path: Path, run_a: Path
+) -> None:
+    root = tmp_path / "pg-run"
+    with CheckpointManager(root, db_url=pg_url, streams=STREAMS) as mgr:
+        saved = mgr.save(5, metrics={"loss": 1.0}, model=state(5.0), best=state(5.0))["model"]
+    assert ckptdb.resolve(saved.path, db_url=pg_url) == saved  # found by walking up, in db_url
+    assert ckptdb.resolve(saved, db_url=pg_url) == saved
+    assert ckptdb.resolve(root, db_url=pg_url) == saved
+    with RunReader(root, db_url=pg_url) as reader:
+        assert reader.resolve(run_a).step == 20  # a SQLite run, through its own ledger
+        assert value(reader.load(run_a)) == 2.0

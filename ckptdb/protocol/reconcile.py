@@ -36,6 +36,7 @@ from .. import faults
 from ..errors import InvalidArgumentError
 from ..ledger import Ledger
 from ..ledger import models as m
+from ..ledger.follow import notify_commit
 from ..ledger import rows as ledger_rows
 from ..storage.base import PayloadStore
 from ..storage.naming import is_own_name
@@ -226,6 +227,8 @@ class Reconciler:
     def _apply(self, plan: _Plan, report: ReconcileReport, streams: list[str]) -> None:
         now = m.utcnow()
         with self.db.transaction() as session:
+            if plan.state:  # a rolled-back pending row unblocks followers waiting on it
+                notify_commit(session, self.run_id)
             for row_id, state in plan.state.items():
                 extra: dict[str, object] = {}
                 if row_id in plan.errors:
