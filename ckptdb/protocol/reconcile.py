@@ -36,8 +36,8 @@ from .. import faults
 from ..errors import InvalidArgumentError
 from ..ledger import Ledger
 from ..ledger import models as m
-from ..ledger.follow import notify_commit
 from ..ledger import rows as ledger_rows
+from ..ledger.follow import notify_commit
 from ..storage.base import PayloadStore
 from ..storage.naming import is_own_name
 
