@@ -65,6 +65,12 @@ class Policy(Protocol):
     def capacity(self) -> int | None:
         """The most checkpoints the stream holds after a commit (None: no fixed bound)."""
 
+    @property
+    def keeps_all(self) -> bool:
+        """Whether the policy never evicts by its window: a commit then evicts only the
+        checkpoints the new one supersedes (a later step, or the same one), so retention
+        reads only those rows, however long the history."""
+
     def admits(self, members: Sequence[Entry], candidate: Entry) -> bool:
         """Whether ``candidate`` is worth writing (decided before any byte is written)."""
 
@@ -195,6 +201,10 @@ class Keep:
         return self.last if self.every is None else None
 
     @property
+    def keeps_all(self) -> bool:
+        return self.last is None
+
+    @property
     def rule(self) -> Preserve:
         """The window as preservation rules: the newest ``last``, or any ``every``-th step."""
         newest = Newest(self.last)
@@ -262,6 +272,10 @@ class TopK:
     @property
     def capacity(self) -> int | None:
         return self.k
+
+    @property
+    def keeps_all(self) -> bool:
+        return self.k is None
 
     @property
     def rule(self) -> Best:

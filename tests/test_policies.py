@@ -578,3 +578,38 @@ def test_topk_without_k_keeps_everything_ranked_and_survives_the_ledger(
         assert mgr.gc() == []
     with CheckpointManager(tmp_path / "run") as mgr:
         assert mgr.policies["best"] == policy
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    members=st.dictionaries(st.integers(0, 30), metrics, max_size=12),
+    new_step=st.integers(0, 32),
+    new_metric=metrics,
+    policy=st.sampled_from(
+        [Keep(last=None), Keep(last=None, every=3), TopK(None, "m"), TopK(None, "m", "max")]
+    ),
+)
+def test_a_policy_that_keeps_all_evicts_only_from_the_new_step_on(
+    members: dict[int, float], new_step: int, new_metric: float, policy: Keep | TopK
+) -> None:
+    """Why retention may read only the rows at the new step or later for such a policy
+    (the boundary's commit relies on it: its cost must not grow with the history)."""
+    assert policy.keeps_all
+    committed = scored(*members.items())
+    new = Entry(id=NEW_ID, step=new_step, metric=new_metric)
+    later = [e for e in committed if e.step >= new_step]
+    assert policy.evictions(committed, new) == policy.evictions(later, new)
+
+
+def test_only_unbounded_policies_keep_all() -> None:
+    assert not Keep(last=5).keeps_all and not Keep(last=5, every=10).keeps_all
+    assert not TopK(3, "m").keeps_all
+
+
+def test_a_keep_all_stream_still_supersedes_a_later_timeline(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run", streams={"model": Keep(last=None)}) as mgr:
+        for step in range(10):
+            mgr.save(step, model=state(float(step)))
+        mgr.save(5, model=state(50.0))  # restarted from step 4: steps 5-9 are abandoned
+        assert [c.step for c in mgr.checkpoints("model")] == [0, 1, 2, 3, 4, 5]
+        assert mgr.check() == []

@@ -207,16 +207,21 @@ def kept_on_disk(session: Session, run_id: int) -> set[str]:
     return set(found)
 
 
-def path_in_use(session: Session, run_id: int, path: str) -> bool:
-    """Whether a live row (anything not deleted or aborted) owns ``path``."""
+def path_in_use(
+    session: Session, run_id: int, path: str, *, stream: str | None = None, step: int | None = None
+) -> bool:
+    """Whether a live row (anything not deleted or aborted) owns ``path``.
+
+    A name in ckptdb's own naming can only belong to its stream and step:
+    given them, the ``(run_id, stream, state, step)`` index answers without
+    reading the run's history (a framework's name is checked run-wide).
+    """
+    query = select(func.count()).select_from(m.Checkpoint)
+    query = query.where(m.Checkpoint.run_id == run_id)
+    if stream is not None and step is not None:
+        query = query.where(m.Checkpoint.stream == stream, m.Checkpoint.step == step)
     found = session.scalar(
-        select(func.count())
-        .select_from(m.Checkpoint)
-        .where(
-            m.Checkpoint.run_id == run_id,
-            m.Checkpoint.path == path,
-            m.Checkpoint.state.in_(LIVE_STATES),
-        )
+        query.where(m.Checkpoint.state.in_(LIVE_STATES), m.Checkpoint.path == path)
     )
     return bool(found)
 
@@ -356,10 +361,25 @@ def add_pending(
 
 
 def committed_entries(
-    session: Session, run_id: int, stream: str
+    session: Session, run_id: int, stream: str, *, from_step: int | None = None
 ) -> tuple[list[m.Checkpoint], list[Entry]]:
-    """A stream's committed rows and the policy's view of them."""
-    found = rows_in_state(session, run_id, [m.COMMITTED], stream)
+    """A stream's committed rows (those at ``from_step`` or later, by the
+    ``(run_id, stream, state, step)`` index) and the policy's view of them."""
+    if from_step is None:
+        found = rows_in_state(session, run_id, [m.COMMITTED], stream)
+    else:
+        found = list(
+            session.scalars(
+                select(m.Checkpoint)
+                .where(
+                    m.Checkpoint.run_id == run_id,
+                    m.Checkpoint.stream == stream,
+                    m.Checkpoint.state == m.COMMITTED,
+                    m.Checkpoint.step >= from_step,
+                )
+                .order_by(m.Checkpoint.step, m.Checkpoint.id)
+            )
+        )
     return found, entries(found)
 
 

@@ -225,8 +225,8 @@ class Publisher:
         for stream in payloads:
             policy = self.ctx.policies[stream]
             metric = policy.ranking_metric
-            if metric is None:
-                continue  # unranked: every candidate is written, no members to read
+            if metric is None or policy.keeps_all:
+                continue  # every candidate is written: no members to read
             _, members = ledger_rows.committed_entries(session, self.ctx.run_id, stream)
             if not policy.admits(members, Entry(id=-1, step=step, metric=values[metric])):
                 del admitted[stream]
@@ -257,7 +257,8 @@ class Publisher:
         """Final and temporary name in ckptdb's naming (versioned if the name is taken)."""
         name = checkpoint_name(step, suffix=suffix)
         rel = f"{stream}/{name}"
-        if ledger_rows.path_in_use(session, self.ctx.run_id, rel) or self.ctx.store.exists(rel):
+        in_use = ledger_rows.path_in_use(session, self.ctx.run_id, rel, stream=stream, step=step)
+        if in_use or self.ctx.store.exists(rel):
             name = checkpoint_name(step, version=row_id, suffix=suffix)
             rel = f"{stream}/{name}"
         return rel, f"{stream}/{temp_name(name, row_id)}"
@@ -485,10 +486,16 @@ class Publisher:
             raise PhaseFailure("commit", exc) from exc
 
     def _apply_retention(self, session: Any, s: Share, step: int) -> list[Any]:
-        found, entries = ledger_rows.committed_entries(session, self.ctx.run_id, s.stream)
+        policy = self.ctx.policies[s.stream]
+        # a policy that keeps everything evicts only what the new checkpoint supersedes
+        # (its step or later): those rows alone are read, whatever the history's length
+        since = step if policy.keeps_all else None
+        found, entries = ledger_rows.committed_entries(
+            session, self.ctx.run_id, s.stream, from_step=since
+        )
         others = [e for e in entries if e.id != s.row_id]
         new = Entry(id=s.row_id, step=step, metric=s.metric)
-        doomed = {e.id for e in self.ctx.policies[s.stream].evictions(others, new)}
+        doomed = {e.id for e in policy.evictions(others, new)}
         return self._evict(session, [r for r in found if r.id in doomed])
 
     def _evict(self, session: Any, chosen: list[Any]) -> list[Any]:
