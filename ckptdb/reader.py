@@ -31,7 +31,7 @@ from .ledger import models as m
 from .ledger.engine import LEDGER_FILE
 from .ledger.follow import Follower
 from .ledger.queries import run_sql
-from .ledger.runs import ledger_url, open_as_reader, run_exists
+from .ledger.runs import ledger_beside, ledger_url, open_as_reader, run_exists
 from .policies import Policy
 from .record import Checkpoint
 from .storage.base import LOST
@@ -343,7 +343,7 @@ def _run_root(path: Path, db_url: str | None) -> tuple[Path, str | None] | None:
     absolute = Path(os.path.abspath(path))
     if (absolute / LEDGER_FILE).is_file():
         return absolute.resolve(), None
-    beside = absolute.parent / f".{absolute.name}.ckptdb"
+    beside = ledger_beside(absolute)
     if (beside / LEDGER_FILE).is_file():
         return beside.resolve(), None
     if db_url is not None:

@@ -64,13 +64,15 @@ from ..errors import (
 )
 from ..guard import NonFiniteGradGuard
 from ..ledger.engine import LEDGER_FILE
+from ..ledger.runs import ledger_beside
 from ..manager import CheckpointManager
 from ..policies import RESERVED_STREAM_NAMES, Keep, Policy, TopK, validate_stream_name
 from ..reader import RunReader, ledger_url, run_exists
 from ..record import Checkpoint
 from ..storage.alias import point_alias, remove_alias
 from ..storage.external import External
-from ..storage.files import FileInfo, hash_checkpoint, write_stream
+from ..storage.files import FileInfo, write_stream
+from ..storage.local import LocalStore
 
 __all__ = ["ModelCheckpoint", "default_ledger", "newest_committed"]
 
@@ -89,7 +91,7 @@ def default_ledger(dirpath: str | os.PathLike[str]) -> Path:
     path = Path(dirpath).resolve()
     if path.parent == path:
         raise RunDirectoryError(f"dirpath {path} has no parent to hold its ledger; pass ledger=")
-    return path.parent / f".{path.name}.ckptdb"
+    return ledger_beside(path)
 
 
 def newest_committed(
@@ -106,16 +108,13 @@ def newest_committed(
     if not run_exists(root, ledger_url(root, db_url, readonly=True)):
         return None
     with RunReader(root, db_url=db_url) as reader:
-        found = reader.checkpoints()
+        found, store = reader.checkpoints(), LocalStore(reader.save_dir)
     for record in sorted(found, key=lambda c: (c.committed_at, c.id), reverse=True):
-        try:
-            actual = hash_checkpoint(record.path)
-        except OSError as exc:
-            log.warning("not resuming from %s: %s", record.path, exc)
-            continue
-        if (actual.size, actual.hash) == (record.size, record.hash):
+        rel = os.path.relpath(record.path, store.save_dir)
+        finding = store.verify(rel, record.size, record.hash, full=True)  # the one sorter
+        if finding is None:
             return record
-        log.warning("not resuming from %s: its size or hash differs from the ledger", record.path)
+        log.warning("not resuming from %s: %s", record.path, finding.detail)
     return None
 
 

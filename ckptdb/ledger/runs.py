@@ -100,3 +100,14 @@ def run_exists(root: Path, db_url: str) -> bool:
             return found is not None
     finally:
         db.dispose()
+
+
+def ledger_beside(dirpath: Path) -> Path:
+    """The run root kept next to a checkpoint directory ``<parent>/<name>``:
+    ``<parent>/.<name>.ckptdb`` (the Lightning integration's default ledger).
+
+    Outside the directory, so it holds checkpoints only, and unique to it
+    (two sibling directories have different names). Restart resolution
+    looks for it the same way.
+    """
+    return dirpath.parent / f".{dirpath.name}.ckptdb"
