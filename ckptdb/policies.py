@@ -71,6 +71,14 @@ class Policy(Protocol):
         checkpoints the new one supersedes (a later step, or the same one), so retention
         reads only those rows, however long the history."""
 
+    @property
+    def writes_every_candidate(self) -> bool:
+        """Whether every candidate is written (no admission decision to read members for)."""
+
+    @property
+    def requires_metric(self) -> bool:
+        """Whether every save to the stream must carry the ranking metric."""
+
     def admits(self, members: Sequence[Entry], candidate: Entry) -> bool:
         """Whether ``candidate`` is worth writing (decided before any byte is written)."""
 
@@ -205,6 +213,14 @@ class Keep:
         return self.last is None
 
     @property
+    def writes_every_candidate(self) -> bool:
+        return True
+
+    @property
+    def requires_metric(self) -> bool:
+        return False
+
+    @property
     def rule(self) -> Preserve:
         """The window as preservation rules: the newest ``last``, or any ``every``-th step."""
         newest = Newest(self.last)
@@ -246,16 +262,27 @@ class TopK:
 
     Exempt from the timeline rule: a best model from an abandoned branch is
     still a good model. Re-saving a step already in the top-K replaces it.
+
+    ``last=N`` also keeps the newest ``N`` checkpoints, whatever their
+    metric: the Hugging Face Trainer's ``save_total_limit`` with
+    ``metric_for_best_model``, one directory per save that is both "recent"
+    and maybe "best". Every candidate is then written, and a save may omit
+    the metric (a checkpoint without it is never among the best). The
+    newest ``N`` follow the timeline rule: after a resume from an earlier
+    step, checkpoints of the abandoned steps stay only if they are among the
+    ``k`` best.
     """
 
     k: int | None
     metric: str
     mode: Literal["min", "max"] = "min"
+    last: int | None = None
 
     kind: ClassVar[str] = "topk"
 
     def __post_init__(self) -> None:
         _positive_int("TopK(k=...)", self.k, allow_none=True)
+        _positive_int("TopK(last=...)", self.last, allow_none=True)
         if not isinstance(self.metric, str):
             raise ArgumentTypeError(f"TopK(metric=...) must be a str, got {self.metric!r}")
         if not self.metric:
@@ -271,11 +298,21 @@ class TopK:
 
     @property
     def capacity(self) -> int | None:
-        return self.k
+        if self.k is None or self.last is None:
+            return self.k
+        return self.k + self.last
 
     @property
     def keeps_all(self) -> bool:
         return self.k is None
+
+    @property
+    def writes_every_candidate(self) -> bool:
+        return self.k is None or self.last is not None
+
+    @property
+    def requires_metric(self) -> bool:
+        return self.last is None
 
     @property
     def rule(self) -> Best:
@@ -287,33 +324,51 @@ class TopK:
 
     def admits(self, members: Sequence[Entry], candidate: Entry) -> bool:
         """Whether ``candidate`` would enter the top-K (decided before writing)."""
+        if self.writes_every_candidate:
+            return True
         return candidate in self._ranked(members, candidate)[: self.k]
 
     def evictions(self, committed: Sequence[Entry], new: Entry) -> list[Entry]:
         replaced = [m for m in committed if m.step == new.step and m.id != new.id]
         if self.k is None:
             return replaced
-        return replaced + self._ranked(committed, new)[self.k :]
+        if self.last is None:
+            return replaced + self._ranked(committed, new)[self.k :]
+        pool = [e for e in committed if e.step != new.step] + [new]
+        current = [e for e in pool if e.step < new.step] + [new]  # the timeline rule
+        kept = self._best(pool) | Newest(self.last).keeps(current)
+        return replaced + [e for e in self.ranked(pool) if e.id not in kept]
 
     def window_evictions(self, committed: Sequence[Entry]) -> list[Entry]:
-        kept = self.rule.keeps(committed)
+        kept = self._best(committed)
+        if self.last is not None:
+            kept |= Newest(self.last).keeps(committed)
         return [e for e in self.ranked(committed) if e.id not in kept]
 
+    def _best(self, entries: Sequence[Entry]) -> set[int]:
+        """The ids of the ``k`` best entries among those that carry the metric."""
+        return self.rule.keeps([e for e in entries if e.metric is not None])
+
     def ranked(self, members: Sequence[Entry]) -> list[Entry]:
-        """Members best first."""
-        return sorted(members, key=self.rule.key)
+        """Members best first; those saved without the metric last, newest first."""
+        scored = sorted((m for m in members if m.metric is not None), key=self.rule.key)
+        return scored + _newest_first([m for m in members if m.metric is None])
 
     def describe(self) -> str:
         size = "all" if self.k is None else f"top-{self.k}"
-        return f"{size} by {self.metric} ({self.mode})"
+        recent = f", and the last {self.last}" if self.last is not None else ""
+        return f"{size} by {self.metric} ({self.mode}){recent}"
 
     def to_record(self) -> PolicyRecord:
-        return PolicyRecord(self.kind, k=self.k, metric=self.metric, mode=self.mode)
+        return PolicyRecord(
+            self.kind, keep_last=self.last, k=self.k, metric=self.metric, mode=self.mode
+        )
 
     @classmethod
     def from_record(cls, record: PolicyRecord) -> TopK:
         assert record.metric is not None
-        return cls(k=record.k, metric=record.metric, mode="max" if record.mode == "max" else "min")
+        mode: Literal["min", "max"] = "max" if record.mode == "max" else "min"
+        return cls(k=record.k, metric=record.metric, mode=mode, last=record.keep_last)
 
 
 POLICY_KINDS: dict[str, Any] = {Keep.kind: Keep.from_record, TopK.kind: TopK.from_record}

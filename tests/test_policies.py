@@ -12,12 +12,17 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
-from helpers import state
+from helpers import LedgerClient, state
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptdb import CheckpointManager, Keep, TopK
-from ckptdb.errors import ArgumentTypeError, CkptDBError, InvalidArgumentError
+from ckptdb.errors import (
+    ArgumentTypeError,
+    CkptDBError,
+    InvalidArgumentError,
+    InvalidMetricError,
+)
 from ckptdb.policies import Entry, validate_policies, validate_stream_name
 
 NEW_ID = 999
@@ -613,3 +618,151 @@ def test_a_keep_all_stream_still_supersedes_a_later_timeline(tmp_path: Path) -> 
         mgr.save(5, model=state(50.0))  # restarted from step 4: steps 5-9 are abandoned
         assert [c.step for c in mgr.checkpoints("model")] == [0, 1, 2, 3, 4, 5]
         assert mgr.check() == []
+
+
+# ------------------------------------------------------- TopK(last=N): best and recent
+
+
+def best_and_recent_reference(policy: TopK, committed: list[Entry], new: Entry) -> set[int]:
+    """Brute force for ``TopK(k, last=N)``: survivors are the entries fewer than k
+    scored others beat, plus the N newest of the steps before the new one and the new
+    one (k=None: every entry)."""
+
+    def beats(a: Entry, b: Entry) -> bool:
+        assert a.metric is not None and b.metric is not None
+        better = a.metric < b.metric if policy.mode == "min" else a.metric > b.metric
+        return better or (a.metric == b.metric and a.step < b.step)
+
+    assert policy.last is not None
+    pool = [e for e in committed if e.step != new.step] + [new]
+    if policy.k is None:
+        return {e.id for e in pool}  # keeps everything, scored or not
+    scored_pool = [e for e in pool if e.metric is not None]
+    best = {
+        e.id for e in scored_pool if sum(beats(o, e) for o in scored_pool if o is not e) < policy.k
+    }
+    current = sorted((e for e in pool if e.step <= new.step), key=lambda e: e.step, reverse=True)
+    return best | {e.id for e in current[: policy.last]}
+
+
+maybe_metrics = st.one_of(st.none(), metrics)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    members=st.dictionaries(st.integers(0, 30), maybe_metrics, max_size=10),
+    new_step=st.integers(0, 32),
+    new_metric=maybe_metrics,
+    k=st.one_of(st.none(), st.integers(1, 4)),
+    last=st.integers(1, 4),
+    mode=st.sampled_from(["min", "max"]),
+)
+def test_best_and_recent_matches_brute_force(
+    members: dict[int, float | None],
+    new_step: int,
+    new_metric: float | None,
+    k: int | None,
+    last: int,
+    mode: str,
+) -> None:
+    policy = TopK(k, "m", mode, last=last)  # type: ignore[arg-type]
+    committed = [Entry(id=100 + s, step=s, metric=v) for s, v in members.items()]
+    new = Entry(id=NEW_ID, step=new_step, metric=new_metric)
+    survivors = best_and_recent_reference(policy, committed, new)
+    found = policy.evictions(committed, new)
+    evicted = {e.id for e in found}
+    assert len(evicted) == len(found)
+    assert policy.admits(committed, Entry(id=-1, step=new_step, metric=new_metric))
+    assert NEW_ID in survivors and NEW_ID not in evicted  # the newest is always kept
+    assert evicted == {e.id for e in committed} - survivors
+    if k is not None:
+        assert len(committed) + 1 - len(evicted) <= k + last
+
+
+def test_best_and_recent_keeps_the_best_whatever_its_age() -> None:
+    """The Hugging Face Trainer's save_total_limit=2 with a best model: the best and
+    the newest stay, whatever order they came in."""
+    policy = TopK(1, "loss", "min", last=1)
+    committed = [Entry(1, 10, 0.1), Entry(2, 20, 0.5)]
+    new = Entry(3, 30, 0.9)
+    assert steps_of(policy.evictions(committed, new)) == [20]
+    assert steps_of(policy.window_evictions([*committed, new])) == [20]
+    assert [e.step for e in policy.ranked([*committed, new, Entry(4, 40, None)])] == [
+        10,
+        20,
+        30,
+        40,
+    ]
+
+
+def test_best_and_recent_allows_saves_without_the_metric() -> None:
+    recent = TopK(1, "loss", last=2)
+    assert recent.writes_every_candidate and not recent.requires_metric
+    assert TopK(1, "loss").requires_metric and not TopK(1, "loss").writes_every_candidate
+    committed = [Entry(1, 1, None), Entry(2, 2, None)]
+    assert steps_of(recent.evictions(committed, Entry(3, 3, None))) == [1]
+
+
+def test_best_and_recent_applies_the_timeline_rule_to_recency_only() -> None:
+    """Resumed from step 20: step 30 (abandoned) stays only because it is the best."""
+    policy = TopK(1, "loss", "min", last=1)
+    committed = [Entry(1, 10, 0.5), Entry(2, 20, 0.4), Entry(3, 30, 0.1), Entry(4, 40, 0.3)]
+    assert steps_of(policy.evictions(committed, Entry(5, 25, 0.9))) == [10, 20, 40]
+
+
+def test_best_and_recent_stream_through_the_manager(tmp_path: Path) -> None:
+    """Saves with and without the metric, the ledger's record of the policy, ``best``
+    and ``check`` (which knows recent members are not top-K members)."""
+    policy = TopK(1, "loss", "min", last=2)
+    assert policy.describe() == "top-1 by loss (min), and the last 2"
+    with CheckpointManager(tmp_path / "run", streams={"ckpt": policy}) as mgr:
+        for step, loss in [(1, 0.5), (2, 0.1), (3, None), (4, 0.7), (5, 0.9), (6, None)]:
+            metrics = {} if loss is None else {"loss": loss}
+            mgr.save(step, metrics=metrics, ckpt=state(float(step)))
+        assert [c.step for c in mgr.checkpoints("ckpt")] == [2, 5, 6]
+        assert [c.step for c in mgr.best("ckpt")] == [2, 5, 6]
+        assert mgr.best("ckpt")[0].metric == 0.1
+        assert mgr.check() == []
+        with pytest.raises(InvalidMetricError):
+            mgr.save(7, metrics={"loss": math.nan}, ckpt=state(7.0))
+    with CheckpointManager(tmp_path / "run") as mgr:
+        assert mgr.policies["ckpt"] == policy
+
+
+def test_a_keep_stream_can_become_best_and_recent_with_unscored_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """Re-ranking a stream whose checkpoints lack the metric is refused for a plain
+    top-K, allowed for TopK(last=...): those checkpoints are simply never best."""
+    with CheckpointManager(tmp_path / "run", streams={"ckpt": Keep(last=None)}) as mgr:
+        mgr.save(1, ckpt=state(1.0))
+        mgr.save(2, metrics={"loss": 0.3}, ckpt=state(2.0))
+    with pytest.raises(InvalidArgumentError, match="without a finite"):
+        CheckpointManager(tmp_path / "run", streams={"ckpt": TopK(1, "loss")})
+    with CheckpointManager(tmp_path / "run", streams={"ckpt": TopK(1, "loss", last=1)}) as mgr:
+        assert [(c.step, c.metric) for c in mgr.best("ckpt")] == [(2, 0.3), (1, None)]
+        mgr.save(3, ckpt=state(3.0))
+        assert [c.step for c in mgr.checkpoints("ckpt")] == [2, 3]
+        assert mgr.check() == []
+
+
+def test_check_finds_a_best_checkpoint_evicted_from_a_best_and_recent_stream(
+    tmp_path: Path,
+) -> None:
+    """An eviction retention would never make (the best of the stream marked deleted
+    while nothing ranks above it) is a finding; the recent member that outranks no
+    one is not."""
+    policy = TopK(1, "loss", "min", last=1)
+    root = tmp_path / "run"
+    with CheckpointManager(root, streams={"ckpt": policy}) as mgr:
+        for step, loss in [(1, 0.1), (2, 0.5), (3, 0.6)]:
+            mgr.save(step, metrics={"loss": loss}, ckpt=state(float(step)))
+        assert mgr.check() == []
+        best = mgr.best("ckpt")[0]
+        LedgerClient(root).execute(
+            "UPDATE checkpoints SET state = 'deleted', deleted_at = ? WHERE id = ?",
+            "2999-01-01 00:00:00.000000",
+            best.id,
+        )
+        best.path.unlink()
+        assert any("step 1 was evicted while among the 1 best" in p for p in mgr.check())

@@ -94,21 +94,26 @@ def sync_streams(
         elif policy.ranking_metric is not None and (
             row.kind != policy.kind or row.metric != policy.ranking_metric
         ):
-            _rerank(session, run_id, name, policy.ranking_metric)
+            _rerank(session, run_id, name, policy.ranking_metric, policy.requires_metric)
         _write_policy(row, policy)
     session.flush()
     return {name: policy_from_row(row) for name, row in sorted(rows.items())}
 
 
-def _rerank(session: Session, run_id: int, stream: str, metric: str) -> None:
+def _rerank(session: Session, run_id: int, stream: str, metric: str, required: bool) -> None:
     """A stream now ranks by ``metric``: take each checkpoint's value from its metrics.
 
     Ranking old checkpoints by another metric's stored values would evict the
     real best; a checkpoint saved without the new metric makes the change
-    impossible, and it is refused (use a new stream name instead).
+    impossible, and it is refused (use a new stream name instead), unless the
+    policy lets saves omit the metric (``TopK(last=...)``): such a checkpoint
+    then ranks as one saved without it.
     """
     for row in rows_in_state(session, run_id, (m.COMMITTED, m.DELETING), stream):
         value = json.loads(row.metrics).get(metric) if row.metrics else None
+        if value is None and not required:
+            row.metric = None
+            continue
         if (
             not isinstance(value, (int, float))
             or value != value

@@ -225,7 +225,7 @@ class Publisher:
         for stream in payloads:
             policy = self.ctx.policies[stream]
             metric = policy.ranking_metric
-            if metric is None or policy.keeps_all:
+            if metric is None or policy.writes_every_candidate:
                 continue  # every candidate is written: no members to read
             _, members = ledger_rows.committed_entries(session, self.ctx.run_id, stream)
             if not policy.admits(members, Entry(id=-1, step=step, metric=values[metric])):
@@ -236,7 +236,7 @@ class Publisher:
         self, session: Any, step: int, values: dict[str, float], stream: str, payload: Any
     ) -> Share:
         metric_name = self.ctx.policies[stream].ranking_metric
-        metric = values[metric_name] if metric_name is not None else None
+        metric = values.get(metric_name) if metric_name is not None else None
         kind = kind_of(payload)
         row = ledger_rows.add_pending(
             session, self.ctx.run_id, self.ctx.attempt_id, stream, step, metric, values

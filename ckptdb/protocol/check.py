@@ -25,7 +25,7 @@ from typing import Any
 from ..ledger import Ledger
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
-from ..policies import Entry, Policy
+from ..policies import Entry, Policy, TopK
 from ..storage.base import LOST, PayloadStore
 from ..storage.kinds import kind_of_path
 from .reconcile import Reconciler
@@ -105,6 +105,8 @@ class Checker:
         (Replaced re-saves of a step are exempt: the newer entry wins whatever
         its metric. Rows still 'deleting' carry no eviction time and are skipped.)
         """
+        if isinstance(policy, TopK) and policy.last is not None:
+            return self._check_best_and_recent(stream, policy, rows)
         mine = [r for r in rows if r.stream == stream and r.metric is not None]
         members = [r for r in mine if r.state == m.COMMITTED]
         limit = policy.capacity
@@ -129,5 +131,34 @@ class Checker:
                 worst = policy.ranked(outranked)[-1]
                 problems.append(
                     f"{stream}: evicted step {gone.step} ranks above member step {worst.step}"
+                )
+        return problems
+
+    def _check_best_and_recent(self, stream: str, policy: TopK, rows: list[Any]) -> list[str]:
+        """``TopK(last=N)``: at most k + N members, and no checkpoint evicted while it was
+        among the k best of the checkpoints then live (its stream held k better ones)."""
+        mine = [r for r in rows if r.stream == stream]
+        members = [r for r in mine if r.state == m.COMMITTED]
+        limit = policy.capacity
+        if limit is not None and len(members) > limit:
+            return [f"{stream}: {len(members)} members, more than k+last={limit}"]
+        published = [r for r in mine if r.committed_at is not None and r.metric is not None]
+        problems: list[str] = []
+        for gone in published:
+            replaced = any(r.step == gone.step and r.id > gone.id for r in mine)
+            if gone.state != m.DELETED or gone.deleted_at is None or replaced:
+                continue
+            gone_entry = Entry(gone.id, gone.step, gone.metric)
+            better = [
+                r
+                for r in published
+                if r.id != gone.id
+                and r.committed_at <= gone.deleted_at
+                and (r.deleted_at is None or r.deleted_at > gone.deleted_at)
+                and policy.ranked([gone_entry, Entry(r.id, r.step, r.metric)])[0] is not gone_entry
+            ]
+            if policy.k is not None and len(better) < policy.k:
+                problems.append(
+                    f"{stream}: step {gone.step} was evicted while among the {policy.k} best"
                 )
         return problems

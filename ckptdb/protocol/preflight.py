@@ -76,8 +76,9 @@ class Preflight:
                 "save() needs at least one payload, e.g. save(step, model=sd)"
             )
         for stream in payloads:
-            metric = policy_of(self.policies, stream).ranking_metric
-            if metric is not None and metric not in values:
+            policy = policy_of(self.policies, stream)
+            metric = policy.ranking_metric
+            if metric is not None and policy.requires_metric and metric not in values:
                 raise InvalidMetricError(
                     f"stream {stream!r} ranks by metric {metric!r}, which is missing "
                     f"from save(metrics=...) (got {sorted(values)})"
@@ -111,7 +112,7 @@ class Preflight:
         root cause of a NaN validation loss, and the more useful error)."""
         for stream in payloads:
             metric = self.policies[stream].ranking_metric
-            if metric is not None and not math.isfinite(values[metric]):
+            if metric is not None and metric in values and not math.isfinite(values[metric]):
                 raise InvalidMetricError(
                     f"stream {stream!r} ranks by metric {metric!r}, which must be "
                     f"finite; got {values[metric]!r}"
