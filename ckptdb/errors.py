@@ -250,6 +250,14 @@ class CheckpointNotFoundError(CkptDBError, LookupError):
     """No committed checkpoint matches the request."""
 
 
+class NoCheckpointToResumeError(CheckpointNotFoundError, ValueError):
+    """A resume was asked for and the ledger has no committed checkpoint that fits.
+
+    Also a ``ValueError``: the Hugging Face Trainer raises one when
+    ``resume_from_checkpoint=True`` finds nothing, and callers catch that.
+    """
+
+
 class CheckpointLostError(CheckpointNotFoundError, FileNotFoundError):
     """A committed checkpoint's file is gone (the row is marked ``lost``)."""
 

@@ -360,6 +360,25 @@ class CheckpointManager:
         self._check_open()
         return self._loader.load(which, stream, map_location, weights_only, into)
 
+    def verify(
+        self,
+        which: str | int | Checkpoint | os.PathLike[str] = "latest",
+        *,
+        stream: str | None = None,
+    ) -> Checkpoint:
+        """The committed checkpoint ``which`` names, its size and hash checked, not loaded.
+
+        For frameworks that read their checkpoints themselves (a Hugging Face
+        ``checkpoint-N/`` directory, Accelerate's ``load_state``): resolve and
+        verify exactly as :meth:`load` does, then hand the path over. A
+        mismatch is recorded the same way (``corrupt`` or ``lost``, latest
+        falls back) and raised. Collective under torch.distributed.
+        """
+        self._check_open()
+        if self._inflight.writes(Loader._stream_of(which, stream)):
+            self._inflight.wait()
+        return self._coord.shared("resolve", lambda: self._loader.verified(which, stream))
+
     # ------------------------------------------------------------------- saving
 
     @overload

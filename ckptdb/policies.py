@@ -263,14 +263,15 @@ class TopK:
     Exempt from the timeline rule: a best model from an abandoned branch is
     still a good model. Re-saving a step already in the top-K replaces it.
 
-    ``last=N`` also keeps the newest ``N`` checkpoints, whatever their
-    metric: the Hugging Face Trainer's ``save_total_limit`` with
-    ``metric_for_best_model``, one directory per save that is both "recent"
-    and maybe "best". Every candidate is then written, and a save may omit
-    the metric (a checkpoint without it is never among the best). The
-    newest ``N`` follow the timeline rule: after a resume from an earlier
-    step, checkpoints of the abandoned steps stay only if they are among the
-    ``k`` best.
+    ``last=N`` makes the stream hold ``N`` checkpoints in all: the ``k``
+    best, whatever their age, and the newest ones, as many as fit (the
+    newest is always kept, so a stream may hold ``k + 1``). This is the
+    Hugging Face Trainer's ``save_total_limit`` with ``metric_for_best_model``:
+    one directory per save, recent and maybe best. Every candidate is then
+    written, and a save may omit the metric (a checkpoint without it is never
+    among the best). Recency follows the timeline rule: after a resume from
+    an earlier step, checkpoints of the abandoned steps stay only if they are
+    among the ``k`` best.
     """
 
     k: int | None
@@ -300,7 +301,7 @@ class TopK:
     def capacity(self) -> int | None:
         if self.k is None or self.last is None:
             return self.k
-        return self.k + self.last
+        return max(self.k + 1, self.last)
 
     @property
     def keeps_all(self) -> bool:
@@ -336,18 +337,33 @@ class TopK:
             return replaced + self._ranked(committed, new)[self.k :]
         pool = [e for e in committed if e.step != new.step] + [new]
         current = [e for e in pool if e.step < new.step] + [new]  # the timeline rule
-        kept = self._best(pool) | Newest(self.last).keeps(current)
+        kept = self._best_and_newest(pool, current)
         return replaced + [e for e in self.ranked(pool) if e.id not in kept]
 
     def window_evictions(self, committed: Sequence[Entry]) -> list[Entry]:
-        kept = self._best(committed)
-        if self.last is not None:
-            kept |= Newest(self.last).keeps(committed)
+        if self.last is None:
+            kept = self._best(committed)
+        elif not committed:
+            return []
+        else:
+            kept = self._best_and_newest(committed, committed)
         return [e for e in self.ranked(committed) if e.id not in kept]
 
     def _best(self, entries: Sequence[Entry]) -> set[int]:
         """The ids of the ``k`` best entries among those that carry the metric."""
         return self.rule.keeps([e for e in entries if e.metric is not None])
+
+    def _best_and_newest(self, pool: Sequence[Entry], current: Sequence[Entry]) -> set[int]:
+        """``last`` in all: the best of ``pool``, the newest of ``current``, then the
+        next newest of ``current`` while there is room."""
+        assert self.last is not None
+        newest = _newest_first(current)
+        kept = self._best(pool) | {newest[0].id}
+        for entry in newest:
+            if len(kept) >= self.last:
+                break
+            kept.add(entry.id)
+        return kept
 
     def ranked(self, members: Sequence[Entry]) -> list[Entry]:
         """Members best first; those saved without the metric last, newest first."""
@@ -356,7 +372,7 @@ class TopK:
 
     def describe(self) -> str:
         size = "all" if self.k is None else f"top-{self.k}"
-        recent = f", and the last {self.last}" if self.last is not None else ""
+        recent = f", {self.last} in all with the newest" if self.last is not None else ""
         return f"{size} by {self.metric} ({self.mode}){recent}"
 
     def to_record(self) -> PolicyRecord:

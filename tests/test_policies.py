@@ -624,9 +624,9 @@ def test_a_keep_all_stream_still_supersedes_a_later_timeline(tmp_path: Path) -> 
 
 
 def best_and_recent_reference(policy: TopK, committed: list[Entry], new: Entry) -> set[int]:
-    """Brute force for ``TopK(k, last=N)``: survivors are the entries fewer than k
-    scored others beat, plus the N newest of the steps before the new one and the new
-    one (k=None: every entry)."""
+    """Brute force for ``TopK(k, last=N)``: the entries fewer than k scored others beat,
+    the new one, then the newest of the earlier steps until N are kept in all
+    (k=None: every entry)."""
 
     def beats(a: Entry, b: Entry) -> bool:
         assert a.metric is not None and b.metric is not None
@@ -638,11 +638,15 @@ def best_and_recent_reference(policy: TopK, committed: list[Entry], new: Entry) 
     if policy.k is None:
         return {e.id for e in pool}  # keeps everything, scored or not
     scored_pool = [e for e in pool if e.metric is not None]
-    best = {
+    kept = {
         e.id for e in scored_pool if sum(beats(o, e) for o in scored_pool if o is not e) < policy.k
     }
-    current = sorted((e for e in pool if e.step <= new.step), key=lambda e: e.step, reverse=True)
-    return best | {e.id for e in current[: policy.last]}
+    kept.add(new.id)
+    for e in sorted((e for e in pool if e.step < new.step), key=lambda e: e.step, reverse=True):
+        if len(kept) >= policy.last:
+            break
+        kept.add(e.id)
+    return kept
 
 
 maybe_metrics = st.one_of(st.none(), metrics)
@@ -676,23 +680,32 @@ def test_best_and_recent_matches_brute_force(
     assert NEW_ID in survivors and NEW_ID not in evicted  # the newest is always kept
     assert evicted == {e.id for e in committed} - survivors
     if k is not None:
-        assert len(committed) + 1 - len(evicted) <= k + last
+        assert len(committed) + 1 - len(evicted) <= max(k + 1, last)
 
 
 def test_best_and_recent_keeps_the_best_whatever_its_age() -> None:
     """The Hugging Face Trainer's save_total_limit=2 with a best model: the best and
-    the newest stay, whatever order they came in."""
-    policy = TopK(1, "loss", "min", last=1)
+    the newest stay, whatever order they came in; two newest when the newest is best."""
+    policy = TopK(1, "loss", "min", last=2)
     committed = [Entry(1, 10, 0.1), Entry(2, 20, 0.5)]
-    new = Entry(3, 30, 0.9)
-    assert steps_of(policy.evictions(committed, new)) == [20]
-    assert steps_of(policy.window_evictions([*committed, new])) == [20]
-    assert [e.step for e in policy.ranked([*committed, new, Entry(4, 40, None)])] == [
+    assert steps_of(policy.evictions(committed, Entry(3, 30, 0.9))) == [20]
+    assert steps_of(policy.window_evictions([*committed, Entry(3, 30, 0.9)])) == [20]
+    assert steps_of(policy.evictions(committed, Entry(3, 30, 0.05))) == [10]
+    assert [e.step for e in policy.ranked([*committed, Entry(3, 30, 0.9), Entry(4, 40, None)])] == [
         10,
         20,
         30,
         40,
     ]
+
+
+def test_best_and_recent_with_one_slot_keeps_the_newest_beside_the_best() -> None:
+    """save_total_limit=1: the newest is the resume source and is never evicted."""
+    policy = TopK(1, "loss", "min", last=1)
+    committed = [Entry(1, 10, 0.1), Entry(2, 20, 0.5)]
+    assert steps_of(policy.evictions(committed, Entry(3, 30, 0.9))) == [20]
+    assert steps_of(policy.evictions(committed, Entry(3, 30, 0.01))) == [10, 20]
+    assert policy.capacity == 2
 
 
 def test_best_and_recent_allows_saves_without_the_metric() -> None:
@@ -701,11 +714,12 @@ def test_best_and_recent_allows_saves_without_the_metric() -> None:
     assert TopK(1, "loss").requires_metric and not TopK(1, "loss").writes_every_candidate
     committed = [Entry(1, 1, None), Entry(2, 2, None)]
     assert steps_of(recent.evictions(committed, Entry(3, 3, None))) == [1]
+    assert steps_of(recent.window_evictions([])) == []
 
 
 def test_best_and_recent_applies_the_timeline_rule_to_recency_only() -> None:
     """Resumed from step 20: step 30 (abandoned) stays only because it is the best."""
-    policy = TopK(1, "loss", "min", last=1)
+    policy = TopK(1, "loss", "min", last=2)
     committed = [Entry(1, 10, 0.5), Entry(2, 20, 0.4), Entry(3, 30, 0.1), Entry(4, 40, 0.3)]
     assert steps_of(policy.evictions(committed, Entry(5, 25, 0.9))) == [10, 20, 40]
 
@@ -713,8 +727,8 @@ def test_best_and_recent_applies_the_timeline_rule_to_recency_only() -> None:
 def test_best_and_recent_stream_through_the_manager(tmp_path: Path) -> None:
     """Saves with and without the metric, the ledger's record of the policy, ``best``
     and ``check`` (which knows recent members are not top-K members)."""
-    policy = TopK(1, "loss", "min", last=2)
-    assert policy.describe() == "top-1 by loss (min), and the last 2"
+    policy = TopK(1, "loss", "min", last=3)
+    assert policy.describe() == "top-1 by loss (min), 3 in all with the newest"
     with CheckpointManager(tmp_path / "run", streams={"ckpt": policy}) as mgr:
         for step, loss in [(1, 0.5), (2, 0.1), (3, None), (4, 0.7), (5, 0.9), (6, None)]:
             metrics = {} if loss is None else {"loss": loss}
@@ -739,7 +753,7 @@ def test_a_keep_stream_can_become_best_and_recent_with_unscored_checkpoints(
         mgr.save(2, metrics={"loss": 0.3}, ckpt=state(2.0))
     with pytest.raises(InvalidArgumentError, match="without a finite"):
         CheckpointManager(tmp_path / "run", streams={"ckpt": TopK(1, "loss")})
-    with CheckpointManager(tmp_path / "run", streams={"ckpt": TopK(1, "loss", last=1)}) as mgr:
+    with CheckpointManager(tmp_path / "run", streams={"ckpt": TopK(1, "loss", last=2)}) as mgr:
         assert [(c.step, c.metric) for c in mgr.best("ckpt")] == [(2, 0.3), (1, None)]
         mgr.save(3, ckpt=state(3.0))
         assert [c.step for c in mgr.checkpoints("ckpt")] == [2, 3]
@@ -752,7 +766,7 @@ def test_check_finds_a_best_checkpoint_evicted_from_a_best_and_recent_stream(
     """An eviction retention would never make (the best of the stream marked deleted
     while nothing ranks above it) is a finding; the recent member that outranks no
     one is not."""
-    policy = TopK(1, "loss", "min", last=1)
+    policy = TopK(1, "loss", "min", last=2)
     root = tmp_path / "run"
     with CheckpointManager(root, streams={"ckpt": policy}) as mgr:
         for step, loss in [(1, 0.1), (2, 0.5), (3, 0.6)]:

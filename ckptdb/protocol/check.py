@@ -135,13 +135,13 @@ class Checker:
         return problems
 
     def _check_best_and_recent(self, stream: str, policy: TopK, rows: list[Any]) -> list[str]:
-        """``TopK(last=N)``: at most k + N members, and no checkpoint evicted while it was
+        """``TopK(last=N)``: at most max(k + 1, N) members, and no checkpoint evicted while it was
         among the k best of the checkpoints then live (its stream held k better ones)."""
         mine = [r for r in rows if r.stream == stream]
         members = [r for r in mine if r.state == m.COMMITTED]
         limit = policy.capacity
         if limit is not None and len(members) > limit:
-            return [f"{stream}: {len(members)} members, more than k+last={limit}"]
+            return [f"{stream}: {len(members)} members, more than {limit}"]
         published = [r for r in mine if r.committed_at is not None and r.metric is not None]
         problems: list[str] = []
         for gone in published:

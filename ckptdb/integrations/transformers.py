@@ -1,0 +1,463 @@
+"""Hugging Face Transformers: a ``Trainer`` whose checkpoints become visible at commit.
+
+``from ckptdb.integrations.transformers import Trainer`` (or
+``ledger_trainer(SFTTrainer)`` for any ``transformers.Trainer`` subclass) and
+train as usual. What changes is what decides:
+
+- **Visibility.** Each ``checkpoint-N/`` is written by the Trainer's own
+  savers (model, optimizer, scheduler, scaler, RNG state per rank, trainer
+  state) into a temporary directory ckptdb hands out (an
+  :class:`~ckptdb.External` payload), fsynced, placed under its usual name
+  and committed as one ledger row after every rank has written. No rename
+  happens before every rank is done, so no rank can race it.
+- **Resume.** ``train(resume_from_checkpoint=True)`` resumes from the newest
+  *committed* checkpoint whose size and hash still match, never from the
+  highest-numbered directory. A partial ``checkpoint-N`` left by a crash is
+  rolled back when the ledger opens.
+- **Retention.** ``save_total_limit`` and ``metric_for_best_model`` become the
+  policy of the ledger stream ``checkpoints``; the Trainer's own rotation
+  never runs, a directory goes only after the commit that evicted it, and
+  the checkpoint a run resumed from stays on disk. ``state.best_model_checkpoint``
+  (and so ``load_best_model_at_end``) is the ledger's best.
+- **The guard.** With ``guard=True`` the gradients of every step the
+  optimizer applies feed a :class:`~ckptdb.NonFiniteGradGuard`; a non-finite
+  one refuses the next checkpoint on every rank and logs a warning
+  (``guard="raise"`` stops training instead).
+- **Metrics.** Everything the Trainer logs (``state.log_history``) reaches the
+  ledger's ``metrics`` table; the evaluation metrics of a step are stored with
+  its checkpoint's row.
+
+The ledger lives in ``args.output_dir`` (``ckptdb.sqlite`` beside the
+checkpoints) unless ``ledger=`` names another run root; ``db_url=`` puts it in
+PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+try:
+    import transformers
+    from transformers.trainer_callback import ExportableState, TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "ckptdb.integrations.transformers needs transformers: pip install 'ckptdb[transformers]'"
+    ) from exc
+
+from ..errors import (
+    ArgumentTypeError,
+    CheckpointLostError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    NoCheckpointToResumeError,
+    NonFiniteGradientError,
+)
+from ..guard import NonFiniteGradGuard
+from ..manager import CheckpointManager
+from ..policies import Keep, Policy, TopK
+from ..record import Checkpoint
+from ..storage.external import External
+
+__all__ = ["STREAM", "Trainer", "ledger_trainer", "streams_for"]
+
+log = logging.getLogger("ckptdb.transformers")
+
+#: The ledger stream that holds the Trainer's ``checkpoint-N`` directories.
+STREAM = "checkpoints"
+TRAINER_STATE_NAME = "trainer_state.json"
+
+GuardSetting = bool | Literal["raise"]
+T = TypeVar("T", bound=type)
+
+
+def best_metric_name(args: Any) -> str | None:
+    """The key ``metric_for_best_model`` names in the evaluation metrics (the Trainer's rule)."""
+    name = args.metric_for_best_model
+    if name is None:
+        return None
+    return name if name.startswith("eval_") else f"eval_{name}"
+
+
+def streams_for(args: Any) -> dict[str, Policy]:
+    """The ledger policy for a Trainer's arguments.
+
+    ``save_total_limit=N`` keeps the ``N`` newest; with ``metric_for_best_model``
+    the best is kept as well, whatever its age, and counts towards ``N`` as in
+    the Trainer (the best and the ``N-1`` newest when the best is older; with
+    ``N=1`` the best and the newest). No limit keeps everything.
+    """
+    limit = args.save_total_limit
+    last = limit if isinstance(limit, int) and limit > 0 else None
+    metric = best_metric_name(args)
+    if metric is None:
+        return {STREAM: Keep(last=last)}
+    mode: Literal["min", "max"] = "max" if args.greater_is_better else "min"
+    if last is None:
+        return {STREAM: TopK(None, metric, mode, last=1)}  # everything, ranked
+    return {STREAM: TopK(1, metric, mode, last=last)}
+
+
+@dataclass
+class _Run:
+    """The ledger a ``train()`` call holds, and what the callbacks learned for it."""
+
+    manager: CheckpointManager
+    guard: NonFiniteGradGuard | None
+    evaluated: tuple[int, dict[str, float]] | None = None  # (global step, eval metrics)
+    refused_step: int | None = None
+    resumed: Checkpoint | None = None
+    published: list[Checkpoint] = field(default_factory=list)
+
+
+class _LedgerCallback(TrainerCallback):
+    """Feeds the ledger from the Trainer's events: state on train begin, the guard
+    before each applied optimizer step, logs and evaluation metrics."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        run = self.trainer._ckptdb_run
+        if run is not None:
+            self.trainer._ckptdb_sync_best(run)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        run = self.trainer._ckptdb_run
+        if run is None or run.guard is None:
+            return
+        optimizer = self.trainer.optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        run.guard.observe(params, skipped=_skipped_by_scaler(self.trainer.accelerator))
+
+    def on_evaluate(
+        self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None, **kw: Any
+    ) -> None:
+        run = self.trainer._ckptdb_run
+        if run is not None and metrics is not None:
+            run.evaluated = (state.global_step, _numbers(metrics))
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
+    ) -> None:
+        run = self.trainer._ckptdb_run
+        if run is not None and logs:
+            values = _numbers(logs)
+            if values:
+                run.manager.log_metrics(state.global_step, values)
+
+
+def ledger_trainer(cls: T) -> T:
+    """A subclass of ``cls`` (``transformers.Trainer`` or any subclass of it) whose
+    checkpoints go through the ledger. Extra keyword arguments: ``ledger=``
+    (the run root; default ``args.output_dir``), ``db_url=`` and ``guard=``."""
+    if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
+        raise ArgumentTypeError(
+            f"ledger_trainer() takes transformers.Trainer or a subclass, got {cls!r}"
+        )
+    if issubclass(cls, _LedgerTrainerMixin):
+        return cls
+    name = f"Ledger{cls.__name__}"
+    made = type(name, (_LedgerTrainerMixin, cls), {"__module__": cls.__module__})
+    made.__doc__ = f"{cls.__qualname__} whose checkpoints commit through a ckptdb ledger."
+    return made  # type: ignore[return-value]
+
+
+class _LedgerTrainerMixin:
+    """The overrides; mixed in before the user's Trainer class by :func:`ledger_trainer`."""
+
+    args: Any
+    state: Any
+    model: Any
+    accelerator: Any
+    callback_handler: Any
+    control: Any
+    hp_search_backend: Any
+
+    def __init__(
+        self,
+        *args: Any,
+        ledger: str | os.PathLike[str] | None = None,
+        db_url: str | None = None,
+        guard: GuardSetting = False,
+        **kwargs: Any,
+    ) -> None:
+        if guard not in (True, False, "raise"):
+            raise InvalidArgumentError(f"guard must be True, False or 'raise', got {guard!r}")
+        if ledger is not None and not isinstance(ledger, (str, os.PathLike)):
+            raise ArgumentTypeError(f"ledger must be a path, got {ledger!r}")
+        if db_url is not None and not isinstance(db_url, str):
+            raise ArgumentTypeError(f"db_url must be a str, got {db_url!r}")
+        super().__init__(*args, **kwargs)
+        self.ckptdb_ledger = ledger
+        self.ckptdb_db_url = db_url
+        self.ckptdb_guard: GuardSetting = guard
+        self._ckptdb_run: _Run | None = None
+        self.add_callback(_LedgerCallback(self))  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------- paths
+
+    @property
+    def ckptdb_save_dir(self) -> Path:
+        """Where the ``checkpoint-N`` directories are: the Trainer's output directory."""
+        return Path(self.args.output_dir).resolve()
+
+    @property
+    def ckptdb_root(self) -> Path:
+        """The run root that holds the ledger."""
+        return Path(self.ckptdb_ledger or self.args.output_dir).resolve()
+
+    def _ckptdb_open(self) -> _Run:
+        guard = NonFiniteGradGuard(self.model) if self.ckptdb_guard else None
+        manager = CheckpointManager(
+            self.ckptdb_root,
+            streams=streams_for(self.args),
+            save_dir=self.ckptdb_save_dir,
+            db_url=self.ckptdb_db_url,
+            guard=guard,
+        )
+        return _Run(manager, guard)
+
+    # ----------------------------------------------------------------- training
+
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        """The Trainer's ``train``, holding the ledger: it opens (reconciling what a
+        crash left), ``resume_from_checkpoint`` resolves through it, and it closes
+        when training ends (as failed if training raised)."""
+        if self._ckptdb_run is not None:
+            raise InvalidArgumentError("train() is already running on this Trainer")
+        if not isinstance(resume_from_checkpoint, (str, os.PathLike, bool, type(None))):
+            raise ArgumentTypeError(
+                f"resume_from_checkpoint must be a path, a bool or None, got "
+                f"{resume_from_checkpoint!r}"
+            )
+        run = self._ckptdb_run = self._ckptdb_open()
+        try:
+            source = self._ckptdb_resume_source(run, resume_from_checkpoint)
+            result = super().train(source, *args, **kwargs)  # type: ignore[misc]
+        except BaseException as exc:
+            self._ckptdb_run = None
+            run.manager.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._ckptdb_run = None
+        run.manager.close()
+        return result
+
+    def _ckptdb_resume_source(
+        self, run: _Run, requested: str | os.PathLike[str] | bool | None
+    ) -> str | None:
+        """What ``train`` resumes from, as the ledger says; protected while this run lasts."""
+        if requested is None or requested is False:
+            for record in run.manager.checkpoints(STREAM):  # a rerun keeps what it found
+                run.manager.protect(record)
+            return None
+        if requested is True:
+            found = self._ckptdb_newest_whole(run.manager)
+            if found is None:
+                raise NoCheckpointToResumeError(
+                    f"No valid checkpoint found in output directory ({self.args.output_dir}): "
+                    "the ledger has no committed checkpoint to resume from"
+                )
+        else:
+            found = self._ckptdb_named(run.manager, Path(requested))
+            if found is None:
+                return os.fspath(requested)  # outside this run: the user's own files
+        run.manager.protect(found)
+        run.manager.resumed_from(found)
+        run.resumed = found
+        return str(found.path)
+
+    @staticmethod
+    def _ckptdb_newest_whole(manager: CheckpointManager) -> Checkpoint | None:
+        """The newest committed checkpoint whose size and hash match (bad ones are marked)."""
+        while True:
+            try:
+                return manager.verify("latest", stream=STREAM)
+            except (CorruptCheckpointError, CheckpointLostError) as exc:
+                log.warning("ckptdb: not resuming from it: %s", exc)
+            except CheckpointNotFoundError:
+                return None
+
+    def _ckptdb_named(self, manager: CheckpointManager, path: Path) -> Checkpoint | None:
+        """The committed checkpoint at ``path`` (verified), None if ``path`` is outside
+        the save directory; a path inside it that is not committed is refused."""
+        resolved = path.resolve()
+        if not resolved.is_relative_to(self.ckptdb_save_dir):
+            return None
+        try:
+            return manager.verify(resolved, stream=STREAM)
+        except CheckpointLostError:
+            raise
+        except CheckpointNotFoundError as exc:
+            raise NoCheckpointToResumeError(
+                f"{path} is not a committed checkpoint of this run (a partial save, or one "
+                "retention removed); resume_from_checkpoint=True takes the newest committed one"
+            ) from exc
+
+    # ------------------------------------------------------------------- saving
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """One boundary: the Trainer's savers write ``checkpoint-N`` through the ledger."""
+        run = self._ckptdb_run
+        if run is None or trial is not None:
+            if trial is not None:
+                log.warning("ckptdb: hyperparameter-search trials are saved without the ledger")
+            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+            return
+        step = self.state.global_step
+        if run.refused_step == step:
+            return
+        if self.hp_search_backend is None:
+            self.store_flos()  # type: ignore[attr-defined]
+        name = self._ckptdb_free_name(step)
+        final = self.ckptdb_save_dir / name
+        previous_best = self.state.best_model_checkpoint
+        if self.state.best_global_step == step:  # the state saved inside names itself
+            self.state.best_model_checkpoint = str(final)
+
+        def write(path: Path) -> None:
+            self._ckptdb_write(path)
+
+        try:
+            payloads: dict[str, Any] = {STREAM: External(write, name)}
+            metrics = self._ckptdb_metrics(run, step)
+            saved = run.manager.save(step, metrics=metrics, blocking=True, **payloads)
+        except NonFiniteGradientError as exc:
+            run.refused_step = step
+            self.state.best_model_checkpoint = previous_best
+            self._ckptdb_sync_best(run)
+            if self.ckptdb_guard == "raise":
+                raise
+            log.warning("ckptdb: %s", exc)
+            return
+        except BaseException:
+            self.state.best_model_checkpoint = previous_best
+            raise
+        record = saved.get(STREAM)
+        if record is not None:
+            run.published.append(record)
+        self._ckptdb_sync_best(run)
+        if self.args.push_to_hub and record is not None:
+            self._push_from_checkpoint(str(record.path))  # type: ignore[attr-defined]
+
+    def _ckptdb_free_name(self, step: int) -> str:
+        """``checkpoint-N``; ``checkpoint-N-vK`` when that name is taken (a checkpoint
+        of an abandoned timeline, or a directory that is not ckptdb's)."""
+        name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        version = 0
+        while os.path.lexists(self.ckptdb_save_dir / name):
+            version += 1
+            name = f"{PREFIX_CHECKPOINT_DIR}-{step}-v{version}"
+        return name
+
+    def _ckptdb_write(self, path: Path) -> None:
+        """The Trainer's checkpoint, written into ``path`` (every rank its part).
+
+        The same savers, in the same order, as the Trainer's own
+        ``_save_checkpoint``, minus its rotation (the ledger evicts) and its
+        push (done from the final name, after the commit).
+        """
+        output_dir = str(path)
+        os.makedirs(output_dir, exist_ok=True)
+        self.save_model(output_dir, _internal_call=True)  # type: ignore[attr-defined]
+        if not self.args.save_only_model:
+            self._save_optimizer_and_scheduler(output_dir)  # type: ignore[attr-defined]
+            self._save_scaler(output_dir)  # type: ignore[attr-defined]
+            self._save_rng_state(output_dir)  # type: ignore[attr-defined]
+        if self.args.should_save:
+            handler = self.callback_handler
+            for cb in [
+                c for c in [*handler.callbacks, self.control] if isinstance(c, ExportableState)
+            ]:
+                cb_name, cb_state = cb.__class__.__name__, cb.state()
+                if isinstance(self.state.stateful_callbacks[cb_name], list):
+                    self.state.stateful_callbacks[cb_name].append(cb_state)
+                else:
+                    self.state.stateful_callbacks[cb_name] = cb_state
+            self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
+
+    def _ckptdb_metrics(self, run: _Run, step: int) -> dict[str, float]:
+        """The evaluation metrics of this step, for the row (a non-finite ranking metric
+        is left out: that checkpoint is then never the best, as in the Trainer)."""
+        if run.evaluated is None or run.evaluated[0] != step:
+            return {}
+        values = dict(run.evaluated[1])
+        metric = best_metric_name(self.args)
+        if metric is not None and metric in values and not math.isfinite(values[metric]):
+            del values[metric]
+        return values
+
+    def _ckptdb_sync_best(self, run: _Run) -> None:
+        """``state.best_*`` as the ledger says: only ever a committed checkpoint."""
+        if best_metric_name(self.args) is None:
+            return
+        ranked = [c for c in run.manager.best(STREAM) if c.metric is not None]
+        if not ranked:
+            self.state.best_model_checkpoint = None
+            self.state.best_metric = None
+            self.state.best_global_step = None
+            return
+        best = ranked[0]
+        self.state.best_model_checkpoint = str(best.path)
+        self.state.best_metric = best.metric
+        self.state.best_global_step = best.step
+
+    # ------------------------------------------------------------ end of training
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the ledger's best, verified before it is read."""
+        run = self._ckptdb_run
+        if run is not None and self.state.best_model_checkpoint is not None:
+            verified = run.manager.verify(Path(self.state.best_model_checkpoint), stream=STREAM)
+            self.state.best_model_checkpoint = str(verified.path)
+        super()._load_best_model()  # type: ignore[misc]
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's end of training without its ``save_total_limit == 1`` clean-up
+        (which deletes every checkpoint but the best): only the ledger removes files."""
+        limit = self.args.save_total_limit
+        if self._ckptdb_run is not None:
+            self.args.save_total_limit = None
+        try:
+            return super()._finalize_training(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.args.save_total_limit = limit
+
+
+def _numbers(values: dict[str, Any]) -> dict[str, float]:
+    """The real-valued entries of a Trainer log (strings, lists and bools left out)."""
+    found: dict[str, float] = {}
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        found[str(name)] = float(value)
+    return found
+
+
+def _skipped_by_scaler(accelerator: Any) -> Any:
+    """A boolean tensor: the GradScaler found inf/NaN and will skip this step."""
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is None:
+        return None
+    import torch
+
+    states = getattr(scaler, "_per_optimizer_states", {})
+    flags = [
+        flag
+        for state in states.values()
+        for flag in (state.get("found_inf_per_device") or {}).values()
+    ]
+    if not flags:
+        return None
+    return torch.stack([f.to(flags[0].device) for f in flags]).sum() > 0
+
+
+Trainer = ledger_trainer(transformers.Trainer)

@@ -1,0 +1,72 @@
+"""A ckptdb Trainer run in a process of its own: for crashes and for torchrun.
+
+``python hf_train.py OUT [--max-steps N] [--resume] [--kill-in-write STEP]
+[--crash-at POINT --crash-step STEP] [--fail-rank R --fail-step STEP]``.
+``--kill-in-write`` SIGKILLs the process while ``checkpoint-STEP`` is being
+written (model and optimizer written, RNG state not yet); ``--crash-at`` exits
+at one of ckptdb's fault points during that step's boundary; ``--fail-rank``
+makes one rank's write raise. Prints ``RESULT <json>`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch.distributed as dist
+from hflib import dataset, tiny_model, training_args
+
+from ckptdb import faults
+from ckptdb.integrations.transformers import Trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--max-steps", type=int, default=12)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--kill-in-write", type=int)
+    parser.add_argument("--crash-at")
+    parser.add_argument("--crash-step", type=int)
+    parser.add_argument("--fail-rank", type=int)
+    parser.add_argument("--fail-step", type=int)
+    parser.add_argument("--gloo", action="store_true")
+    opts = parser.parse_args()
+    extra = {"ddp_backend": "gloo", "ddp_timeout": 60} if opts.gloo else {}
+    args = training_args(Path(opts.out), max_steps=opts.max_steps, **extra)
+    trainer = Trainer(model=tiny_model(), args=args, train_dataset=dataset())
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    original = trainer._save_rng_state
+
+    def save_rng_state(output_dir: str) -> None:
+        step = trainer.state.global_step
+        if opts.kill_in_write == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if opts.fail_rank == rank and opts.fail_step == step:
+            raise OSError(28, "No space left on device (injected)", output_dir)
+        original(output_dir)
+
+    trainer._save_rng_state = save_rng_state  # type: ignore[method-assign]
+    if opts.crash_at is not None:
+
+        def crash(name: str) -> None:
+            if name == opts.crash_at and trainer.state.global_step == opts.crash_step:
+                os._exit(17)
+
+        faults.set_hook(crash)
+    try:
+        trainer.train(resume_from_checkpoint=True if opts.resume else None)
+        outcome = {"step": trainer.state.global_step, "error": None}
+    except Exception as exc:
+        outcome = {"step": trainer.state.global_step, "error": type(exc).__name__}
+    print("RESULT " + json.dumps({**outcome, "rank": rank}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
