@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import cases, lightning_case
+from . import cases, lightning_case, transformers_case
 from .harness import Comparison, markdown
 
 # (publish sizes MB, repetitions, restart sizes, metric points, guard steps, load MB)
@@ -75,6 +75,9 @@ def run(profile: dict[str, Any], work: Path) -> list[Comparison]:
     )
     results.append(
         lightning_case.lightning_guard(work / "lightning-guard", reps, profile["guard_steps"] * 20)
+    )
+    results.append(
+        transformers_case.transformers_checkpoint(work / "transformers", profile["load_mb"], reps)
     )
     return results
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -64,6 +65,7 @@ from ..manager import CheckpointManager
 from ..policies import Keep, Policy, TopK
 from ..record import Checkpoint
 from ..storage.external import External
+from ..storage.files import fsync_file
 
 __all__ = ["STREAM", "Trainer", "ledger_trainer", "streams_for"]
 
@@ -367,11 +369,15 @@ class _LedgerTrainerMixin:
         """
         output_dir = str(path)
         os.makedirs(output_dir, exist_ok=True)
-        self.save_model(output_dir, _internal_call=True)  # type: ignore[attr-defined]
-        if not self.args.save_only_model:
-            self._save_optimizer_and_scheduler(output_dir)  # type: ignore[attr-defined]
-            self._save_scaler(output_dir)  # type: ignore[attr-defined]
-            self._save_rng_state(output_dir)  # type: ignore[attr-defined]
+        with ThreadPoolExecutor(1, thread_name_prefix="ckptdb-flush") as flusher:
+            self.save_model(output_dir, _internal_call=True)  # type: ignore[attr-defined]
+            # the model's files start going to disk while the optimizer is serialized
+            flushed = flusher.submit(_flush_files, path)
+            if not self.args.save_only_model:
+                self._save_optimizer_and_scheduler(output_dir)  # type: ignore[attr-defined]
+                self._save_scaler(output_dir)  # type: ignore[attr-defined]
+                self._save_rng_state(output_dir)  # type: ignore[attr-defined]
+            flushed.result()
         if self.args.should_save:
             handler = self.callback_handler
             for cb in [
@@ -430,6 +436,13 @@ class _LedgerTrainerMixin:
             return super()._finalize_training(*args, **kwargs)  # type: ignore[misc]
         finally:
             self.args.save_total_limit = limit
+
+
+def _flush_files(path: Path) -> None:
+    """fsync the files written so far under ``path`` (the seal's fsync then finds them
+    clean): disk writeback overlaps the next saver's serialization."""
+    for file in [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]:
+        fsync_file(file)
 
 
 def _numbers(values: dict[str, Any]) -> dict[str, float]:
