@@ -412,6 +412,33 @@ def test_a_writer_failing_on_one_rank_fails_the_boundary_on_every_rank(tmp_path:
     assert LedgerClient(tmp_path / "run").rows("SELECT state FROM checkpoints") == [("aborted",)]
 
 
+def _late_rank_directory(rank: int, world: int, root: str) -> Any:
+    """A directory saver with no barrier at its end (Accelerate's ``save_state``, the
+    Trainer's savers): rank 1 writes its file a second after rank 0 returned."""
+    import time
+
+    def write(path: Path) -> None:
+        path.mkdir(exist_ok=True)
+        if rank == 1:
+            time.sleep(1.0)
+        (path / f"rank{rank}.bin").write_bytes(bytes([rank]) * 1000)
+
+    with CheckpointManager(root) as mgr:
+        saved = mgr.save(5, model=External(write, name="state-5"))["model"]
+        problems = mgr.check() if rank == 0 else []
+        return sorted(os.listdir(saved.path)), saved.size, problems
+
+
+@pytest.mark.timeout(90)
+def test_the_chief_seals_only_after_every_rank_wrote(tmp_path: Path) -> None:
+    outcomes = run_ranks(_late_rank_directory, 2, tmp_path, str(tmp_path / "run"))
+    assert all(o.error is None for o in outcomes), outcomes
+    names, size, problems = outcomes[0].value
+    assert names == ["rank0.bin", "rank1.bin"]
+    assert size == 2000  # the committed size counts rank 1's late file
+    assert problems == []
+
+
 # ------------------------------------------------------------------ protection
 
 

@@ -295,6 +295,24 @@ def test_a_rerun_without_resume_never_deletes_the_earlier_runs_directories(
     check_clean(out)
 
 
+def test_a_name_held_by_a_lost_checkpoint_is_not_reused(tmp_path: Path) -> None:
+    """checkpoint-8's directory vanished (its row is marked lost at the next open);
+    training through step 8 again publishes checkpoint-8-v1 instead of failing."""
+    out = tmp_path / "out"
+    trainer(out).train()
+    shutil.rmtree(out / "checkpoint-8")
+    t = trainer(out)
+    t.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    with RunReader(out) as reader:
+        lost = [c.path.name for c in reader.checkpoints(STREAM, states=("lost",))]
+    assert lost == ["checkpoint-8"]
+    assert [name for _, name, _ in committed(out)] == [
+        "checkpoint-4",
+        "checkpoint-8-v1",
+        "checkpoint-12",  # the abandoned step 12 went when step 8 was saved again
+    ]
+
+
 def test_streams_follow_the_training_arguments(tmp_path: Path) -> None:
     assert streams_for(training_args(tmp_path)) == {STREAM: Keep(last=None)}
     assert streams_for(training_args(tmp_path, save_total_limit=3)) == {STREAM: Keep(last=3)}

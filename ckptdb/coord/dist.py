@@ -12,8 +12,13 @@ a different collective:
 2. ``plan`` — broadcast from the chief: the streams it admitted (top-K) and
    recorded as ``pending``, with their temporary paths, or the error that
    stops the boundary (a preflight objection, a failed intent);
-3. write — sharded payloads by every rank through DCP (which agrees on its
-   own failures), then plain payloads by the chief alone;
+3. write — payloads every rank writes (sharded ones through DCP, which
+   agrees on its own failures and returns when every rank has written; a
+   framework's through its own saver), then ``wrote`` when the plan has a
+   framework's payload: an all-gather of each rank's outcome, so the chief
+   seals nothing before the last rank has finished (a framework's saver may
+   end without a barrier); then plain payloads by the chief alone, and the
+   chief seals;
 4. ``write`` — all-gather of each rank's write outcome;
 5. ``outcome`` — broadcast from the chief after it placed and committed the
    boundary, or rolled it back: the committed records or the error.

@@ -19,7 +19,7 @@ train as usual. What changes is what decides:
   never runs, a directory goes only after the commit that evicted it, and
   the checkpoint a run resumed from stays on disk. ``state.best_model_checkpoint``
   (and so ``load_best_model_at_end``) is the ledger's best.
-- **The guard.** With ``guard=True`` the gradients of every step the
+- **The guard** (on unless ``guard=False``): the gradients of every step the
   optimizer applies feed a :class:`~ckptdb.NonFiniteGradGuard`; a non-finite
   one refuses the next checkpoint on every rank and logs a warning
   (``guard="raise"`` stops training instead).
@@ -61,6 +61,7 @@ from ..errors import (
     NonFiniteGradientError,
 )
 from ..guard import NonFiniteGradGuard
+from ..ledger.rows import LIVE_STATES
 from ..manager import CheckpointManager
 from ..policies import Keep, Policy, TopK
 from ..record import Checkpoint
@@ -187,7 +188,7 @@ class _LedgerTrainerMixin:
         *args: Any,
         ledger: str | os.PathLike[str] | None = None,
         db_url: str | None = None,
-        guard: GuardSetting = False,
+        guard: GuardSetting = True,
         **kwargs: Any,
     ) -> None:
         if guard not in (True, False, "raise"):
@@ -319,7 +320,7 @@ class _LedgerTrainerMixin:
             return
         if self.hp_search_backend is None:
             self.store_flos()  # type: ignore[attr-defined]
-        name = self._ckptdb_free_name(step)
+        name = self._ckptdb_free_name(run, step)
         final = self.ckptdb_save_dir / name
         previous_best = self.state.best_model_checkpoint
         if self.state.best_global_step == step:  # the state saved inside names itself
@@ -350,12 +351,14 @@ class _LedgerTrainerMixin:
         if self.args.push_to_hub and record is not None:
             self._push_from_checkpoint(str(record.path))  # type: ignore[attr-defined]
 
-    def _ckptdb_free_name(self, step: int) -> str:
-        """``checkpoint-N``; ``checkpoint-N-vK`` when that name is taken (a checkpoint
-        of an abandoned timeline, or a directory that is not ckptdb's)."""
+    def _ckptdb_free_name(self, run: _Run, step: int) -> str:
+        """``checkpoint-N``; ``checkpoint-N-vK`` when that name is taken: by a live row
+        (a checkpoint of an abandoned timeline, one whose directory was lost) or by
+        anything on disk (a directory that is not ckptdb's)."""
+        held = {c.path.name for c in run.manager.checkpoints(STREAM, states=LIVE_STATES)}
         name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
         version = 0
-        while os.path.lexists(self.ckptdb_save_dir / name):
+        while name in held or os.path.lexists(self.ckptdb_save_dir / name):
             version += 1
             name = f"{PREFIX_CHECKPOINT_DIR}-{step}-v{version}"
         return name

@@ -390,12 +390,22 @@ class Publisher:
 
         Payloads every rank writes come first, with every rank inside the
         collective write: nothing fallible runs before them, so no rank waits
-        there for a chief that failed early.
+        there for a chief that failed early. Then every rank reports that its
+        part is written (``wrote``), before anything is sealed: a framework's
+        saver may return on the chief while another rank is still writing.
         """
+        local: BaseException | None = None
         try:
             for s in shares:
                 if s.kind.every_rank_writes:
                     s.written = s.kind.write(self.ctx.store, s.payload, s.tmp, coord.group)
+        except (Exception, CheckpointException) as exc:
+            local = exc
+        if any(s.kind.agree_written for s in shares):
+            local = coord.failure("wrote", local)
+        if local is not None:
+            return local
+        try:
             faults.point("after_intent")
             for s in sorted(shares, key=lambda s: not s.kind.every_rank_writes):
                 if not s.kind.every_rank_writes:
@@ -411,13 +421,15 @@ class Publisher:
     ) -> dict[str, Checkpoint]:
         """Phases 3-6 on a rank other than the chief: write its part, learn the outcome."""
         local: BaseException | None = None
+        kinds = [kind_named(item.kind) for item in plan]
         try:
-            for item in plan:
-                kind = kind_named(item.kind)
+            for item, kind in zip(plan, kinds, strict=True):
                 if kind.every_rank_writes:
                     kind.write(self.ctx.store, payloads[item.stream], item.tmp, coord.group)
         except (Exception, CheckpointException) as exc:
             local = exc
+        if any(kind.agree_written for kind in kinds):
+            coord.failure("wrote", local)  # the chief seals only after this
         return coord.outcome(local)
 
     def _place(self, shares: list[Share]) -> None:

@@ -34,6 +34,8 @@ class PayloadKind(Protocol):
     every_rank_writes: ClassVar[bool]
     #: The chief creates the temporary directory at the intent (the writers fill it).
     temp_dir_first: ClassVar[bool]
+    #: Every rank reports that its part is written before the chief seals (``wrote``).
+    agree_written: ClassVar[bool]
 
     def prepared(self, payload: Any) -> Any:
         """The payload ready to write (resolved in the preflight, where errors are agreed)."""
@@ -78,6 +80,7 @@ class TorchFile:
     suffix: ClassVar[str] = ".pt"
     every_rank_writes: ClassVar[bool] = False
     temp_dir_first: ClassVar[bool] = False
+    agree_written: ClassVar[bool] = False
 
     def prepared(self, payload: Any) -> Any:
         return payload
@@ -136,6 +139,7 @@ class ShardedDirectory:
     suffix: ClassVar[str] = SHARDED_SUFFIX
     every_rank_writes: ClassVar[bool] = True
     temp_dir_first: ClassVar[bool] = True
+    agree_written: ClassVar[bool] = False  # DCP's own finish step waits for every rank
 
     def prepared(self, payload: Any) -> Any:
         assert isinstance(payload, Sharded)
@@ -193,6 +197,7 @@ class ExternalWriter(TorchFile):
     suffix: ClassVar[str] = ""
     every_rank_writes: ClassVar[bool] = True
     temp_dir_first: ClassVar[bool] = False  # the writer creates a file or a directory
+    agree_written: ClassVar[bool] = True  # a framework's saver may end without a barrier
 
     def prepared(self, payload: Any) -> Any:
         assert isinstance(payload, External)
