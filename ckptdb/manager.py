@@ -42,6 +42,8 @@ from .ledger.lock import writer_lock
 from .ledger.netfs import check_ledger_location
 from .ledger.runs import open_as_writer
 from .policies import Keep, Policy, validate_policies
+from .protocol.adopt import Adopter, Candidate
+from .protocol.adopt import Outcome as AdoptOutcome
 from .protocol.asyncsave import BackgroundWriter, InFlight, SaveHandle, Snapshotter
 from .protocol.boundary import Publisher
 from .protocol.check import Checker
@@ -459,6 +461,26 @@ class CheckpointManager:
         self._require_chief("gc()")
         self._inflight.wait()  # its pending rows are not a crash
         return self._publisher.gc()
+
+    def adopt(
+        self,
+        candidates: Iterable[Candidate],
+        *,
+        move: bool = False,
+        report: Callable[[AdoptOutcome], None] | None = None,
+    ) -> list[AdoptOutcome]:
+        """Commit rows for checkpoints that already sit at their final names (``ckptdb adopt``).
+
+        Each candidate (a file or directory a framework wrote, with the stream,
+        step and metrics its layout read) is measured and committed in a
+        transaction of its own, without retention: adopting never evicts. A
+        stream the run lacks is created as ``Keep(last=None)``. See
+        :mod:`ckptdb.protocol.adopt` for the rules; ``move`` moves a checkpoint
+        that lies outside the save directory into it first.
+        """
+        self._require_chief("adopt()")
+        self._inflight.wait()  # its pending rows are not ours to judge
+        return Adopter(self._ctx).run(candidates, move=move, report=report)
 
     # ------------------------------------------------------------------ metrics
 

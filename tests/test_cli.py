@@ -238,6 +238,8 @@ WRITE_COMMANDS = [
 NOT_RUN_ON_A_RUN = {
     ("demo",): "creates its own run (--fresh removes a previous one): tested end to end below",
     ("db",): "a group: its commands (db upgrade, db current) are in the lists",
+    ("adopt",): "takes a framework's checkpoint directory (its ledger may not exist yet): "
+    "tests/test_adopt.py covers it, bad input and a trainer holding the lock included",
 }
 
 

@@ -397,6 +397,112 @@ def gc(root: Path, db_url: str | None) -> None:
     click.echo(f"{len(evicted)} checkpoint(s) evicted")
 
 
+@main.command()
+@click.argument("root", type=click.Path(path_type=Path))  # a file or nothing: adopt says so
+@click.option(
+    "--layout",
+    required=True,
+    metavar="LAYOUT",
+    help="Whose checkpoints ROOT holds: lightning, transformers, accelerate, deepmd or glob.",
+)
+@click.option(
+    "--pattern",
+    default=None,
+    help="glob layout: the checkpoints, relative to ROOT (e.g. 'ckpt_*.pt', 'old/**/*.pt').",
+)
+@click.option(
+    "--step-regex",
+    default=None,
+    metavar="REGEX",
+    help="glob layout: the step is this regex's group (its only one, or the one named "
+    "'step') in the file name. Default: the name's first integer.",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Only report what would be done; write nothing, create no ledger.",
+)
+@click.option(
+    "--move",
+    is_flag=True,
+    help="Move checkpoints outside the run's save directory into it, under their own "
+    "names (a rename: same filesystem only). Without it they are skipped.",
+)
+@DB_URL
+def adopt(
+    root: Path,
+    layout: str,
+    pattern: str | None,
+    step_regex: str | None,
+    dry_run: bool,
+    move: bool,
+    db_url: str | None,
+) -> None:
+    """Register the checkpoints of an existing run in a new or existing ledger.
+
+    \b
+    Example:
+      ckptdb adopt runs/exp/checkpoints --layout lightning --dry-run
+
+    Every complete checkpoint ROOT holds is hashed (size and hash, as a save
+    records them) and committed with its step and the metrics its framework
+    stored. Partial or unreadable ones are listed and skipped, never deleted.
+    One line per checkpoint (adopted, already, skipped: why), then a summary.
+    Running it again adopts nothing and changes nothing. No file changes,
+    except with --move and DeePMD's aliases.
+
+    \b
+    Layouts: ROOT; where the ledger goes (the integration's place); stream
+      lightning     a ModelCheckpoint dirpath; <parent>/.<name>.ckptdb beside it;
+                    the monitor's name (else 'checkpoints'), last*.ckpt in
+                    '<stream>.last'; last.ckpt is an alias, never adopted
+      transformers  a Trainer output_dir with checkpoint-<N>/; ROOT; 'checkpoints'
+      accelerate    a project_dir with checkpoints/checkpoint_<N>/; ROOT; 'checkpoints'
+      deepmd        a directory with model.ckpt-<N>.pt; ROOT; 'model'; then
+                    model.ckpt.pt and 'checkpoint' name the newest committed one
+      glob          --pattern under ROOT, step from the name; ROOT; 'model'
+
+    A stream adopt creates keeps everything (keep all). Adopting only appends
+    steps after a stream's newest and never evicts: a checkpoint that a
+    stream's stored policy would not hold now (a full top-K) is skipped, as is
+    one lacking the metric a top-K stream ranks by. Details: docs/api.md.
+    """
+    from .adopt import AdoptReport
+    from .adopt import adopt as adopt_run
+
+    base = root.resolve()
+    verbs = {"adopted": "would adopt" if dry_run else "adopted", "already": "already"}
+
+    def show(outcome: Any) -> None:
+        source = outcome.candidate.source
+        shown = source.relative_to(base) if source.is_relative_to(base) else source
+        if outcome.status == "skipped":
+            click.echo(f"{'skipped':<12} {shown}: {outcome.detail}")
+        else:
+            click.echo(f"{verbs[outcome.status]:<12} {shown}  ({outcome.detail})")
+
+    result: AdoptReport = adopt_run(
+        root,
+        layout,
+        pattern=pattern,
+        step_regex=step_regex,
+        dry_run=dry_run,
+        move=move,
+        db_url=db_url,
+        report=show,
+    )
+    for change in result.aliases:
+        click.echo(f"{'would point' if dry_run else 'pointed':<12} {change}")
+    counts = (
+        f"{result.count('adopted')} {'to adopt' if dry_run else 'adopted'}, "
+        f"{result.count('already')} already in the ledger, {result.count('skipped')} skipped"
+    )
+    if dry_run:
+        click.echo(f"dry run: {counts}; nothing was written (ledger: {result.ledger})")
+    else:
+        click.echo(f"{counts} (ledger: {result.ledger})")
+
+
 @main.group()
 def db() -> None:
     """Show or run ledger migrations.

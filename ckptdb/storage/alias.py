@@ -9,10 +9,13 @@ fsynced. Where hard links are not possible (a filesystem without them) the
 alias is a durable copy. A directory checkpoint is aliased by a tree of hard
 links; it is swapped in two renames (a directory cannot be renamed over a
 non-empty one), so a crash between them leaves no alias until the next one
-is made. Symlinks are never used: they break on Windows, in cloud backups and
-when their target is evicted. The temporary names are fixed
-(``.<alias>.ckptdb-alias``, ``.<alias>.ckptdb-old``): a crash's leftover is
-removed by the next update.
+is made. ckptdb's own aliases are never symlinks: they break on Windows, in
+cloud backups and when their target is evicted. A framework that uses a
+symlink itself (DeePMD's ``model.ckpt.pt``) keeps one: :func:`point_symlink`
+swaps a new relative symlink in the same way, and :func:`write_pointer`
+replaces a small pointer file (DeePMD's ``checkpoint``) with a new one. The
+temporary names are fixed (``.<alias>.ckptdb-alias``, ``.<alias>.ckptdb-old``):
+a crash's leftover is removed by the next update.
 """
 
 from __future__ import annotations
@@ -50,6 +53,42 @@ def point_alias(target: Path, alias: Path) -> None:
         _remove(tmp)
         raise
     fsync_dir(alias.parent)
+
+
+def point_symlink(target: Path, alias: Path) -> None:
+    """Make ``alias`` a symlink to ``target`` (relative to the alias's directory),
+    atomically and durably: a new link under a temporary name, renamed over it."""
+    link = os.path.relpath(target, alias.parent)
+    if alias.is_symlink() and os.readlink(alias) == link:
+        return
+    tmp = alias.with_name(f".{alias.name}.ckptdb-alias")
+    _remove(tmp)
+    try:
+        os.symlink(link, tmp)
+        os.replace(tmp, alias)
+    except BaseException:
+        _remove(tmp)
+        raise
+    fsync_dir(alias.parent)
+
+
+def write_pointer(path: Path, text: str) -> None:
+    """Replace the small text file ``path`` with ``text``, atomically and durably
+    (written and fsynced under a temporary name, renamed over it)."""
+    if path.is_file() and not path.is_symlink() and path.read_text(errors="replace") == text:
+        return
+    tmp = path.with_name(f".{path.name}.ckptdb-alias")
+    _remove(tmp)
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    fsync_dir(path.parent)
 
 
 def remove_alias(alias: Path) -> None:

@@ -129,3 +129,8 @@ class PayloadStore(Protocol):
 
     def quarantine(self, rel: str, into: Path) -> Path:
         """Move ``rel`` aside into ``into`` under a free name; where it went."""
+
+    def move_in(self, source: Path, rel: str) -> Callable[[], None]:
+        """Move ``source`` (a file or directory outside the store, a checkpoint being
+        adopted) onto the free name ``rel``, atomically and durably; returns the undo
+        (moving it back), for when its ledger row could not be committed."""

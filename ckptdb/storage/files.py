@@ -106,6 +106,26 @@ def place(tmp: Path, final: Path) -> None:
         raise PhaseError("replace", final, exc) from exc
 
 
+def rename_durably(source: Path, target: Path) -> None:
+    """Rename ``source`` to ``target`` (same filesystem; nothing is copied) and fsync
+    both directories; a rename that could not be made durable is renamed back.
+    Raises :class:`PhaseError` naming ``move`` (or ``fsync_dir``)."""
+    try:
+        os.rename(source, target)
+    except OSError as exc:
+        raise PhaseError("move", source, exc) from exc
+    try:
+        fsync_dir(target.parent)
+        if source.parent != target.parent:
+            fsync_dir(source.parent)
+    except PhaseError as exc:
+        try:
+            os.rename(target, source)
+        except OSError as undo:
+            exc.cleanup_error = undo
+        raise
+
+
 def fsync_file(path: Path) -> None:
     """Make a file's data durable (one that something else wrote and closed)."""
     fd = os.open(path, os.O_RDONLY)

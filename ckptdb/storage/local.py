@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from ..errors import ForeignEntryError, InvalidArgumentError
+from ..errors import ForeignEntryError, InvalidArgumentError, PhaseError
 from ..policies import STREAM_NAME
 from . import dcp, external, files
 from .base import CORRUPT, LOST, Finding, Found
@@ -140,6 +140,18 @@ class LocalStore:
 
     def quarantine(self, rel: str, into: Path) -> Path:
         return files.move_aside(self.save_dir / rel, into)
+
+    def move_in(self, source: Path, rel: str) -> Callable[[], None]:
+        """A rename on one filesystem (``EXDEV`` across two: nothing is copied), never
+        over an existing name; both directories are fsynced."""
+        target = self.path(rel)
+        if os.path.lexists(target):
+            raise PhaseError(
+                "move", target, FileExistsError(17, "a file of that name exists", str(target))
+            )
+        files.make_dir(target.parent)
+        files.rename_durably(source, target)
+        return lambda: files.rename_durably(target, source)
 
 
 def _right_kind(entry: os.DirEntry[str]) -> bool:
