@@ -341,6 +341,8 @@ class TopK:
         return replaced + [e for e in self.ranked(pool) if e.id not in kept]
 
     def window_evictions(self, committed: Sequence[Entry]) -> list[Entry]:
+        if self.k is None:
+            return []  # keeps everything, scored or not
         if self.last is None:
             kept = self._best(committed)
         elif not committed:

@@ -1,7 +1,10 @@
 """Read-only access to a run: for the CLI, notebooks and dashboards.
 
 A reader takes no writer lock, starts no attempt and never reconciles, so it
-works while a trainer holds the run. SQLite ledgers are opened with
+works while a trainer holds the run. It changes nothing the trainer owns; the
+two things it may write are its own rows, each in a short transaction on a
+connection of its own: pins (leases that keep a checkpoint's file on disk
+while it is read) and evaluations (values computed for a checkpoint). SQLite ledgers are opened with
 ``mode=ro`` and ``PRAGMA query_only`` (a write is refused by SQLite itself, not
 by inspecting the statement), each query runs in one snapshot transaction,
 and only committed data is visible (WAL readers never see a transaction in
@@ -11,12 +14,14 @@ READ ONLY``: one snapshot of committed data, and the server refuses writes.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
+import socket
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from .errors import (
     ArgumentTypeError,
@@ -26,12 +31,13 @@ from .errors import (
     InvalidArgumentError,
     LedgerError,
 )
-from .ledger import RunQueries, open_ledger
+from .ledger import Ledger, RunQueries, evaluations, open_ledger, pins, rows
 from .ledger import models as m
 from .ledger.engine import LEDGER_FILE
 from .ledger.follow import Follower
 from .ledger.queries import run_sql
 from .ledger.runs import ledger_beside, ledger_url, open_as_reader, run_exists
+from .pinning import Pin
 from .policies import Policy
 from .record import Checkpoint
 from .storage.base import LOST
@@ -51,6 +57,8 @@ class RunReader:
         self.root = Path(root).resolve()
         self._db_url = db_url
         self._followers: weakref.WeakSet[Follower] = weakref.WeakSet()
+        self._pins: weakref.WeakSet[Pin] = weakref.WeakSet()
+        self._side: Ledger | None = None  # opened at the first pin or evaluation
         self._db = open_ledger(ledger_url(self.root, db_url, readonly=True), readonly=True)
         self._closed = False
         try:
@@ -78,7 +86,13 @@ class RunReader:
             self._closed = True
             for follower in list(self._followers):
                 follower.close()
-            self._db.dispose()
+            try:
+                for pin in list(self._pins):
+                    pin.release()
+            finally:
+                if self._side is not None:
+                    self._side.dispose()
+                self._db.dispose()
 
     def _open(self) -> RunQueries:
         if self._closed:
@@ -131,7 +145,7 @@ class RunReader:
 
     def load(
         self,
-        which: str | int | Checkpoint | os.PathLike[str] = "latest",
+        which: str | int | Checkpoint | os.PathLike[str] | Pin = "latest",
         *,
         stream: str | None = None,
         map_location: Any = "cpu",
@@ -146,9 +160,15 @@ class RunReader:
         anything is unpickled. A reader never writes to the ledger: the row
         is marked by the run's writer, at its next ``load`` of that checkpoint
         or ``reconcile(verify=True)`` (``ckptdb reconcile --verify``), and
-        ``ckptdb check`` reports it meanwhile.
+        ``ckptdb check`` reports it meanwhile. A :class:`~ckptdb.pinning.Pin`
+        loads the checkpoint it holds, even after retention evicted it.
         """
-        target, save_dir = self._resolve(which, stream)
+        if isinstance(which, Pin):
+            if which.released:
+                raise InvalidArgumentError(f"{which!r} is released: its file may be gone")
+            target, save_dir = which.checkpoint, self.save_dir
+        else:
+            target, save_dir = self._resolve(which, stream)
         return load_verified(
             target, save_dir, map_location=map_location, weights_only=weights_only, into=into
         )
@@ -196,6 +216,117 @@ class RunReader:
         )
         self._followers.add(follower)
         return follower
+
+    # ------------------------------------------------- the reader's own rows
+
+    def _writable(self) -> Ledger:
+        """The connection for the reader's own rows (pins, evaluations); never the
+        read-only one, which the server (or SQLite) keeps from writing."""
+        self._open()
+        if self._side is None:
+            self._side = open_ledger(ledger_url(self.root, self._db_url, readonly=False))
+        return self._side
+
+    def pin(
+        self,
+        which: str | int | Checkpoint | os.PathLike[str] = "latest",
+        *,
+        stream: str | None = None,
+        ttl: float = 600.0,
+        holder: str | None = None,
+    ) -> Pin:
+        """Keep a committed checkpoint's file on disk while you use it: a lease.
+
+        ``with reader.pin(ckpt, ttl=600):`` pins it (``which`` as for
+        :meth:`resolve`, in this run); retention may evict it meanwhile, but
+        its file stays (its row ``deleting``) until the last pin is released
+        or has expired. The lease is renewed every ``ttl / 3`` seconds while
+        held, so a reader that crashes pins for at most ``ttl``. A checkpoint
+        already evicted (or lost, corrupt) cannot be pinned:
+        :class:`~ckptdb.errors.CheckpointNotFoundError`.
+        """
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < 10**7:
+            raise InvalidArgumentError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        if holder is not None and not isinstance(holder, str):
+            raise ArgumentTypeError(f"holder must be a str, got {holder!r}")
+        target = self._open().resolve(_step_or_spec(which), stream, self.root)
+        side = self._writable()
+        who = f"{socket.gethostname()}:{os.getpid()}" + (f" {holder}" if holder else "")
+        with side.transaction() as session:
+            pin_id, expires = pins.add(session, self.run_id, target.id, who, float(ttl))
+
+        def renew(ident: int, seconds: float) -> dt.datetime | None:
+            with side.transaction(durable=False) as session:
+                return pins.renew(session, ident, seconds)
+
+        def release(ident: int) -> None:
+            with side.transaction(durable=False) as session:
+                pins.release(session, ident)
+
+        pin = Pin(target, pin_id, expires, float(ttl), renew, release)
+        self._pins.add(pin)
+        return pin
+
+    def pins(self) -> list[tuple[m.Pin, Checkpoint]]:
+        """The run's pins (live, released or expired but not yet cleared), oldest first."""
+        queries = self._open()
+        with self._db.transaction(read=True) as session:
+            found = pins.listing(session, self.run_id)
+            return [(pin, rows.to_record(row, queries.save_dir)) for pin, row in found]
+
+    def record_evaluation(
+        self,
+        checkpoint: Checkpoint | int,
+        values: Mapping[str, float],
+        *,
+        evaluator: str,
+    ) -> None:
+        """Store values an evaluator computed for ``checkpoint`` (a Checkpoint or its id).
+
+        One row per value in the ``evaluations`` table (view
+        ``checkpoint_evaluations``); recording a name again for the same
+        checkpoint and evaluator replaces it. Several evaluators may score
+        one checkpoint. NaN is stored as NULL and never ranks.
+        """
+        ident = checkpoint.id if isinstance(checkpoint, Checkpoint) else checkpoint
+        if isinstance(ident, bool) or not isinstance(ident, int):
+            raise ArgumentTypeError(f"checkpoint must be a Checkpoint or an id, got {checkpoint!r}")
+        if not isinstance(evaluator, str) or not evaluator or len(evaluator) > 255:
+            raise InvalidArgumentError(f"evaluator must be a name (1-255 chars), got {evaluator!r}")
+        checked = evaluations.checked_values(values)
+        with self._writable().transaction() as session:
+            evaluations.record(session, self.run_id, ident, evaluator, checked)
+
+    def evaluations(self, checkpoint: Checkpoint | int) -> dict[str, dict[str, float | None]]:
+        """What was recorded for ``checkpoint``: evaluator -> name -> value (NaN as None)."""
+        ident = checkpoint.id if isinstance(checkpoint, Checkpoint) else checkpoint
+        self._open()
+        found: dict[str, dict[str, float | None]] = {}
+        with self._db.transaction(read=True) as session:
+            for row in evaluations.of_checkpoint(session, ident):
+                found.setdefault(row.evaluator, {})[row.name] = row.value
+        return found
+
+    def best_by(
+        self,
+        name: str,
+        *,
+        mode: Literal["min", "max"] = "max",
+        evaluator: str | None = None,
+        stream: str | None = None,
+    ) -> list[tuple[Checkpoint, float, str]]:
+        """Committed checkpoints ranked by an evaluated value, best first:
+        (checkpoint, value, evaluator). Ties go to the earlier step."""
+        if mode not in ("min", "max"):
+            raise InvalidArgumentError(f"mode must be 'min' or 'max', got {mode!r}")
+        queries = self._open()
+        if stream is not None:
+            queries.policy(stream)
+        with self._db.transaction(read=True) as session:
+            found = evaluations.best(
+                session, self.run_id, name, mode, evaluator=evaluator, stream=stream
+            )
+            return [(rows.to_record(row, queries.save_dir), v, who) for row, v, who in found]
 
     def state_counts(self) -> dict[str, int]:
         return self._open().state_counts()

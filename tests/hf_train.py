@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--fail-rank", type=int)
     parser.add_argument("--fail-step", type=int)
     parser.add_argument("--gloo", action="store_true")
+    parser.add_argument("--slow-rank", type=int)
     opts = parser.parse_args()
     extra = {"ddp_backend": "gloo", "ddp_timeout": 60} if opts.gloo else {}
     args = training_args(Path(opts.out), max_steps=opts.max_steps, **extra)
@@ -50,6 +52,8 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if opts.fail_rank == rank and opts.fail_step == step:
             raise OSError(28, "No space left on device (injected)", output_dir)
+        if opts.slow_rank == rank:
+            time.sleep(1.0)  # this rank's RNG file arrives after rank 0 has returned
         original(output_dir)
 
     trainer._save_rng_state = save_rng_state  # type: ignore[method-assign]

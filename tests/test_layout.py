@@ -47,7 +47,8 @@ ALLOWED = {
         "coord",
         "protocol",
     },
-    "reader": {"errors", "policies", "record", "ledger", "storage"},
+    "pinning": {"record"},
+    "reader": {"errors", "policies", "record", "ledger", "storage", "pinning"},
     # each integration is an addition on top of the public parts
     "integrations": {
         "errors",

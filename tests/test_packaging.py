@@ -19,6 +19,10 @@ SHIPPED = (
     "ckptdb/migrations/env.py",
     "ckptdb/migrations/script.py.mako",
     "ckptdb/migrations/versions/0001_initial.py",
+    "ckptdb/migrations/versions/0002_pins_evaluations.py",
+    "ckptdb/integrations/lightning.py",
+    "ckptdb/integrations/transformers.py",
+    "ckptdb/integrations/accelerate.py",
     "ckptdb/py.typed",
 )
 # What is never part of a source tree that gets built (see .gitignore).

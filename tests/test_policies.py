@@ -780,3 +780,31 @@ def test_check_finds_a_best_checkpoint_evicted_from_a_best_and_recent_stream(
         )
         best.path.unlink()
         assert any("step 1 was evicted while among the 1 best" in p for p in mgr.check())
+
+
+def test_gc_of_a_keep_everything_best_and_recent_stream_keeps_everything(tmp_path: Path) -> None:
+    """TopK(None, last=1) (everything, ranked; saves may omit the metric): gc evicts
+    nothing, scored or not."""
+    policy = TopK(None, "loss", last=1)
+    assert policy.window_evictions([Entry(1, 1, None), Entry(2, 2, 0.5), Entry(3, 3, None)]) == []
+    with CheckpointManager(tmp_path / "run", streams={"ckpt": policy}) as mgr:
+        mgr.save(1, ckpt=state(1.0))
+        mgr.save(2, metrics={"loss": 0.5}, ckpt=state(2.0))
+        mgr.save(3, ckpt=state(3.0))
+        assert mgr.gc() == []
+        assert [c.step for c in mgr.checkpoints("ckpt")] == [1, 2, 3]
+
+
+def test_dropping_last_from_a_topk_stream_with_unscored_checkpoints_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Without ``last`` every member must carry the metric: a stream holding
+    checkpoints saved without it cannot become a plain top-K (saves would break)."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, streams={"ckpt": TopK(1, "loss", last=2)}) as mgr:
+        mgr.save(1, ckpt=state(1.0))
+        mgr.save(2, metrics={"loss": 0.3}, ckpt=state(2.0))
+    with pytest.raises(InvalidArgumentError, match="without a finite"):
+        CheckpointManager(root, streams={"ckpt": TopK(1, "loss")})
+    with CheckpointManager(root, streams={"ckpt": TopK(1, "loss", last=2)}) as mgr:
+        assert [c.step for c in mgr.checkpoints("ckpt")] == [1, 2]

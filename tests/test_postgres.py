@@ -53,6 +53,7 @@ from ckptdb.ledger.engine import (
     alembic_config,
     default_sqlite_url,
     migrate,
+    newest_revision,
     open_ledger,
 )
 from ckptdb.ledger.lock import AdvisoryWriterLock, FileWriterLock, writer_lock
@@ -62,7 +63,8 @@ from ckptdb.reader import RunReader
 Opener = Callable[..., CheckpointManager]
 TESTS = Path(__file__).resolve().parent
 STREAMS = {"model": Keep(last=3), "ema": Keep(last=2), "best": TopK(2, "val_loss")}
-TABLES = {"runs", "attempts", "streams", "checkpoints", "pointers", "metrics", "events"}
+TABLES_0001 = {"runs", "attempts", "streams", "checkpoints", "pointers", "metrics", "events"}
+TABLES = TABLES_0001 | {"pins", "evaluations"}
 
 
 @pytest.fixture
@@ -277,15 +279,20 @@ def test_views_answer_on_both_backends(ledger: Opener, root: Path, backend: str 
         mgr.log_metrics(step, {"loss": 1.0 / step})
         mgr.save(step, metrics={"val_loss": 1.0 / step}, **boundary(step))
     with RunReader(root, db_url=backend) as reader:
+        reader.record_evaluation(reader.latest(), {"eval/acc": 0.9}, evaluator="sidecar")
         for view in VIEW_NAMES:
             headers, found = reader.sql(f"SELECT * FROM {view}")
             assert headers and found, view
+        _, scored = reader.sql(
+            "SELECT stream, step, evaluator, name, value FROM checkpoint_evaluations"
+        )
         _, latest = reader.sql("SELECT stream, step FROM latest_checkpoints ORDER BY stream")
         _, restarts = reader.sql("SELECT attempts, restarts, crashes FROM run_restarts")
         _, summary = reader.sql("SELECT last_step_seen, end_state FROM attempt_summary")
     assert latest == [("best", 3), ("ema", 3), ("model", 3)]
     assert [tuple(int(v) for v in r) for r in restarts] == [(1, 0, 0)]
     assert summary == [(3, "running")]
+    assert scored == [("model", 3, "sidecar", "eval/acc", 0.9)]
 
 
 # ---------------------------------------------------------------- schema and migrations
@@ -310,9 +317,10 @@ def test_downgrade_of_the_last_revision_then_upgrade(
         with engine.begin() as conn:
             cfg.attributes["connection"] = conn
             command.downgrade(cfg, "-1")
-        with engine.connect() as conn:
-            assert set(inspect(conn).get_table_names()) & TABLES == set()
-            assert inspect(conn).get_view_names() == []
+        with engine.connect() as conn:  # 0002 undone: 0001's tables and views remain
+            assert set(inspect(conn).get_table_names()) & TABLES == TABLES_0001
+            views = set(VIEW_NAMES) - {"checkpoint_evaluations"}
+            assert set(inspect(conn).get_view_names()) == views
         with engine.begin() as conn:
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, "head")
@@ -430,8 +438,8 @@ def test_every_cli_command_takes_the_db_url(
     ok(cli("reconcile", root, *url))
     assert "consistent" in ok(cli("check", root, *url))
     assert "0 checkpoint(s) evicted" in ok(cli("gc", root, *url))
-    assert "ledger 0001" in ok(cli("db", "current", root, *url))
-    assert "schema 0001" in ok(cli("db", "upgrade", root, *url))
+    assert f"ledger {newest_revision()}" in ok(cli("db", "current", root, *url))
+    assert f"schema {newest_revision()}" in ok(cli("db", "upgrade", root, *url))
     if backend:  # the environment variable works as well
         monkeypatch.setenv("CKPTDB_DB_URL", backend)
         assert ok(cli("latest", root)).strip().endswith("model/step-000000003.pt")
@@ -505,7 +513,7 @@ def test_the_lock_is_released_when_open_fails(pg_url: str, root: Path) -> None:
     with pytest.raises(SchemaVersionError):
         CheckpointManager(root, db_url=pg_url)
     with pg_admin(pg_url) as conn:
-        conn.exec_driver_sql("UPDATE alembic_version SET version_num = '0001'")
+        conn.exec_driver_sql(f"UPDATE alembic_version SET version_num = '{newest_revision()}'")
     CheckpointManager(root, db_url=pg_url).close()
 
 
@@ -612,7 +620,8 @@ def test_first_opens_of_an_empty_database_do_not_race(pg_url: str, tmp_path: Pat
         mgr.close()
     assert errors == []
     assert len(managers) == 4
-    assert ledger_rows(pg_url, "SELECT version_num FROM alembic_version") == [("0001",)]
+    versions = ledger_rows(pg_url, "SELECT version_num FROM alembic_version")
+    assert versions == [(newest_revision(),)]
 
 
 def test_migrate_waits_for_a_migration_in_progress(pg_url: str) -> None:

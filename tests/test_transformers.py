@@ -313,6 +313,52 @@ def test_a_name_held_by_a_lost_checkpoint_is_not_reused(tmp_path: Path) -> None:
     ]
 
 
+def test_every_eval_dataset_of_a_step_reaches_its_checkpoint(tmp_path: Path) -> None:
+    """With a dict of eval datasets the Trainer evaluates each in turn (one on_evaluate
+    each); the ranking metric of the first must not be lost to the second's."""
+    out = tmp_path / "out"
+    args = with_scores(
+        out, metric_for_best_model="a_score", save_total_limit=2, load_best_model_at_end=True
+    )
+    scores = scripted_scores([0.1, 0.9, 0.5, 0.9, 0.4, 0.9])  # a, b, a, b, a, b
+    evals = {"a": dataset(8), "b": dataset(8, seed=1)}
+    t = trainer(out, args, eval_dataset=evals, compute_metrics=scores)
+    t.train()
+    rows = committed(out)
+    assert [(step, metric) for step, _, metric in rows] == [(4, 0.1), (12, 0.4)]
+    assert t.state.best_model_checkpoint == str(out / "checkpoint-4")
+    with RunReader(out) as reader:
+        kept = reader.checkpoints(STREAM)
+    assert {"eval_a_score", "eval_b_score"} <= set(kept[0].metrics)
+
+
+def test_a_warm_start_never_deletes_the_runs_earlier_checkpoints(tmp_path: Path) -> None:
+    other, out = tmp_path / "other", tmp_path / "out"
+    trainer(other, training_args(other, max_steps=4)).train()
+    trainer(out).train()
+    t = trainer(out, training_args(out, save_total_limit=1))
+    t.train(resume_from_checkpoint=str(other / "checkpoint-4"))
+    assert [name for _, name, _ in committed(out)] == ["checkpoint-12-v1"]
+    assert {"checkpoint-4", "checkpoint-8", "checkpoint-12"} <= set(dirs(out))
+
+
+def test_push_to_hub_with_the_ledger_in_output_dir_is_refused(tmp_path: Path) -> None:
+    """The Hub upload of output_dir would take the ledger with it."""
+    out = tmp_path / "out"
+    args = training_args(out, push_to_hub=True, hub_model_id="me/x")
+    with pytest.raises(InvalidArgumentError, match="push_to_hub"):
+        Trainer(model=tiny_model(), args=args, train_dataset=dataset())
+    assert not out.exists()
+
+
+def test_a_trainer_class_without_the_overridden_methods_is_refused() -> None:
+    class Odd(transformers.Trainer):
+        _save_scaler = None  # type: ignore[assignment]
+
+    with pytest.raises(ArgumentTypeError, match="_save_scaler"):
+        ledger_trainer(Odd)
+
+
 def test_streams_follow_the_training_arguments(tmp_path: Path) -> None:
     assert streams_for(training_args(tmp_path)) == {STREAM: Keep(last=None)}
     assert streams_for(training_args(tmp_path, save_total_limit=3)) == {STREAM: Keep(last=3)}
@@ -340,6 +386,13 @@ def test_a_nan_gradient_refuses_the_next_checkpoint(
     )
     ref.append(t)
     t.add_callback(Definite(ref))
+    announced: list[int] = []
+
+    class Uploader(transformers.TrainerCallback):  # what the hub loggers do in on_save
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            announced.append(state.global_step)
+
+    t.add_callback(Uploader())
     if guard == "raise":
         with pytest.raises(NonFiniteGradientError):
             t.train()
@@ -349,6 +402,7 @@ def test_a_nan_gradient_refuses_the_next_checkpoint(
             t.train()
         assert "non-finite gradient" in caplog.text
         assert [step for step, _, _ in committed(out)] == [4, 12]
+        assert announced == [4, 12]  # on_save never hears of the refused step 8
     assert dirs(out) == ["checkpoint-12", "checkpoint-4"][guard == "raise" :]
     with RunReader(out) as reader:
         kinds = [e.kind for e in reader.events(limit=50)]
@@ -516,10 +570,12 @@ def test_two_ranks_commit_only_after_both_wrote(tmp_path: Path) -> None:
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= {
         p.name for p in (out / "checkpoint-4").iterdir()
     }
-    results = torchrun(out, "--resume")
+    results = torchrun(out, "--resume", "--slow-rank", "1")
     assert [r["error"] for r in results] == [None, None]
     assert [step for step, _, _ in committed(out)] == [4, 8, 12]
-    check_clean(out)
+    for name in ("checkpoint-8", "checkpoint-12"):  # rank 1 wrote late, and is in the commit
+        assert (out / name / "rng_state_1.pth").is_file()
+    check_clean(out)  # the committed hashes cover rank 1's late files
 
 
 # ------------------------------------------------------------------ PostgreSQL

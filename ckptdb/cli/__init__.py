@@ -208,21 +208,169 @@ def latest(root: Path, stream: str, db_url: str | None) -> None:
 @main.command()
 @ROOT
 @click.option("--stream", default=None, help="Top-K stream (default: 'best' or the only one).")
+@click.option(
+    "--by",
+    "by",
+    default=None,
+    metavar="NAME",
+    help="Rank committed checkpoints by a recorded evaluation instead (e.g. eval/acc).",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["min", "max"]),
+    default="max",
+    show_default=True,
+    help="With --by: whether lower or higher is better.",
+)
+@click.option("--evaluator", default=None, help="With --by: only this evaluator's values.")
 @DB_URL
-def best(root: Path, stream: str | None, db_url: str | None) -> None:
+def best(
+    root: Path,
+    stream: str | None,
+    by: str | None,
+    mode: str,
+    evaluator: str | None,
+    db_url: str | None,
+) -> None:
     """Print the paths of the top-K checkpoints, best first.
+
+    With --by, the committed checkpoints ranked by a value an evaluator
+    recorded after the fact (see ckptdb follow), best first.
 
     \b
     Example:
       ckptdb best runs/exp1 | head -n 1
+      ckptdb best runs/exp1 --by eval/acc --mode max
     """
+    if by is None and evaluator is not None:
+        raise click.UsageError("--evaluator goes with --by")
     with RunReader(root, db_url=db_url) as reader:
-        name = topk_stream(reader, stream)
-        found = reader.best(name)
+        if by is not None:
+            ranked = reader.best_by(by, mode=mode, evaluator=evaluator, stream=stream)  # type: ignore[arg-type]
+            found = [ckpt for ckpt, _, _ in ranked]
+            name = f"evaluation {by!r}"
+        else:
+            chosen = topk_stream(reader, stream)
+            found, name = reader.best(chosen), f"stream {chosen!r}"
     if not found:
-        raise click.ClickException(f"stream {name!r} of {root} has no checkpoint yet")
+        raise click.ClickException(f"{name} of {root} has no checkpoint yet")
     for ckpt in found:
         click.echo(str(ckpt.path))
+
+
+@main.command()
+@ROOT
+@DB_URL
+@JSON
+def pins(root: Path, db_url: str | None, as_json: bool) -> None:
+    """List the pins readers hold on checkpoints (live, released or expired).
+
+    A pinned checkpoint that retention evicted stays on disk, its state
+    'deleting', until its last pin is released or expires.
+
+    \b
+    Example:
+      ckptdb pins runs/exp1
+    """
+    from ..ledger.models import utcnow
+
+    now = utcnow()
+    with RunReader(root, db_url=db_url) as reader:
+        found = reader.pins()
+    rows = []
+    for pin, ckpt in found:
+        status = (
+            "released"
+            if pin.released_at is not None
+            else "expired"
+            if pin.expires_at <= now
+            else "live"
+        )
+        rows.append(
+            [
+                pin.id,
+                ckpt.stream,
+                ckpt.step,
+                ckpt.state,
+                status,
+                pin.holder,
+                pin.expires_at,
+                ckpt.path,
+            ]
+        )
+    headers = ["pin", "stream", "step", "state", "lease", "holder", "expires", "path"]
+    if as_json:
+        click.echo(clifmt.to_json([dict(zip(headers, r, strict=True)) for r in rows]))
+    else:
+        click.echo(clifmt.table(headers, rows))
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@ROOT
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--stream", default="model", show_default=True, help="Stream to follow.")
+@click.option(
+    "--since",
+    type=int,
+    default=None,
+    metavar="ID",
+    help="Start after this checkpoint id (default: after the last one this evaluator recorded).",
+)
+@click.option(
+    "--evaluator",
+    default=None,
+    help="Name the results are recorded under (default: the command's name).",
+)
+@click.option("--ttl", type=float, default=600.0, show_default=True, help="Pin lease, seconds.")
+@click.option("--timeout", type=float, default=None, help="Stop after this many idle seconds.")
+@click.option(
+    "--poll", type=float, default=0.5, show_default=True, help="SQLite polling interval, seconds."
+)
+@DB_URL
+def follow(
+    root: Path,
+    command: tuple[str, ...],
+    stream: str,
+    since: int | None,
+    evaluator: str | None,
+    ttl: float,
+    timeout: float | None,
+    poll: float,
+    db_url: str | None,
+) -> None:
+    """Run a command for each new checkpoint, pinned while it runs.
+
+    {path}, {step}, {id} and {stream} in the command are replaced. Its exit
+    status is recorded as an evaluation (exit_status), and so is the JSON
+    object on the last line of its output if it succeeded. Ctrl-C stops it;
+    the next run continues after the last checkpoint it recorded.
+
+    \b
+    Example:
+      ckptdb follow runs/exp1 -- python eval.py --ckpt {path} --step {step}
+    """
+    from . import following
+
+    template = list(command)
+    name = evaluator or following.default_evaluator(template)
+    with RunReader(root, db_url=db_url) as reader:
+        try:
+            following.follow(
+                reader,
+                template,
+                stream=stream,
+                since=since,
+                evaluator=name,
+                ttl=ttl,
+                timeout=timeout,
+                poll=poll,
+                echo=click.echo,
+            )
+        except KeyboardInterrupt:
+            click.echo(
+                "stopped; the next `ckptdb follow` continues where this one left off", err=True
+            )
+            sys.exit(130)
 
 
 @main.command()

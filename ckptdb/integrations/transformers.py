@@ -34,6 +34,7 @@ PostgreSQL.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -77,6 +78,19 @@ STREAM = "checkpoints"
 TRAINER_STATE_NAME = "trainer_state.json"
 
 GuardSetting = bool | Literal["raise"]
+#: The Trainer's private methods the integration overrides or calls: checked when a
+#: class is made, so a transformers that renamed one fails loudly, not silently.
+_OVERRIDDEN = (
+    "_save_checkpoint",
+    "_save_optimizer_and_scheduler",
+    "_save_scaler",
+    "_save_rng_state",
+    "_load_best_model",
+    "_finalize_training",
+    "_push_from_checkpoint",
+    "store_flos",
+    "save_model",
+)
 T = TypeVar("T", bound=type)
 
 
@@ -143,8 +157,14 @@ class _LedgerCallback(TrainerCallback):
         self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None, **kw: Any
     ) -> None:
         run = self.trainer._ckptdb_run
-        if run is not None and metrics is not None:
-            run.evaluated = (state.global_step, _numbers(metrics))
+        if run is None or metrics is None:
+            return
+        # one evaluate() fires this once per eval dataset (a dict of them), and a
+        # callback may evaluate again: every value of the step goes with its checkpoint
+        values = _numbers(metrics)
+        if run.evaluated is not None and run.evaluated[0] == state.global_step:
+            values = {**run.evaluated[1], **values}
+        run.evaluated = (state.global_step, values)
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
@@ -166,6 +186,13 @@ def ledger_trainer(cls: T) -> T:
         )
     if issubclass(cls, _LedgerTrainerMixin):
         return cls
+    missing = [name for name in _OVERRIDDEN if not callable(getattr(cls, name, None))]
+    if missing:
+        raise ArgumentTypeError(
+            f"{cls.__qualname__} lacks {', '.join(missing)}, which ckptdb's Trainer overrides "
+            f"or calls: this transformers ({transformers.__version__}) is not one ckptdb "
+            "supports (pip install 'ckptdb[transformers]')"
+        )
     name = f"Ledger{cls.__name__}"
     made = type(name, (_LedgerTrainerMixin, cls), {"__module__": cls.__module__})
     made.__doc__ = f"{cls.__qualname__} whose checkpoints commit through a ckptdb ledger."
@@ -197,12 +224,34 @@ class _LedgerTrainerMixin:
             raise ArgumentTypeError(f"ledger must be a path, got {ledger!r}")
         if db_url is not None and not isinstance(db_url, str):
             raise ArgumentTypeError(f"db_url must be a str, got {db_url!r}")
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(training_args, "push_to_hub", False) and ledger is None and db_url is None:
+            raise InvalidArgumentError(
+                "push_to_hub uploads output_dir, and the ledger would be in it (ckptdb.sqlite, "
+                "ckptdb.lock, ckptdb.owner): pass ledger= a directory outside output_dir, or "
+                "db_url="
+            )
         super().__init__(*args, **kwargs)
         self.ckptdb_ledger = ledger
         self.ckptdb_db_url = db_url
         self.ckptdb_guard: GuardSetting = guard
         self._ckptdb_run: _Run | None = None
         self.add_callback(_LedgerCallback(self))  # type: ignore[attr-defined]
+        self._ckptdb_quiet_refused_saves()
+
+    def _ckptdb_quiet_refused_saves(self) -> None:
+        """``on_save`` callbacks (the loggers that upload ``checkpoint-<step>``) do not
+        hear of a save the guard refused: there is no checkpoint to upload."""
+        handler = self.callback_handler
+        announce = handler.on_save
+
+        def on_save(args: Any, state: Any, control: Any) -> Any:
+            run = self._ckptdb_run
+            if run is not None and run.refused_step == state.global_step:
+                return control
+            return announce(args, state, control)
+
+        handler.on_save = on_save
 
     # ------------------------------------------------------------------- paths
 
@@ -259,8 +308,7 @@ class _LedgerTrainerMixin:
     ) -> str | None:
         """What ``train`` resumes from, as the ledger says; protected while this run lasts."""
         if requested is None or requested is False:
-            for record in run.manager.checkpoints(STREAM):  # a rerun keeps what it found
-                run.manager.protect(record)
+            self._ckptdb_keep_earlier(run)
             return None
         if requested is True:
             found = self._ckptdb_newest_whole(run.manager)
@@ -271,12 +319,20 @@ class _LedgerTrainerMixin:
                 )
         else:
             found = self._ckptdb_named(run.manager, Path(requested))
-            if found is None:
-                return os.fspath(requested)  # outside this run: the user's own files
+            if found is None:  # outside this run (a warm start): the user's own files
+                self._ckptdb_keep_earlier(run)
+                return os.fspath(requested)
         run.manager.protect(found)
         run.manager.resumed_from(found)
         run.resumed = found
         return str(found.path)
+
+    @staticmethod
+    def _ckptdb_keep_earlier(run: _Run) -> None:
+        """A run that does not resume from this output_dir never deletes the checkpoints
+        it found there (they leave the stream when retention says so; files stay)."""
+        for record in run.manager.checkpoints(STREAM):
+            run.manager.protect(record)
 
     @staticmethod
     def _ckptdb_newest_whole(manager: CheckpointManager) -> Checkpoint | None:
@@ -322,7 +378,7 @@ class _LedgerTrainerMixin:
             self.store_flos()  # type: ignore[attr-defined]
         name = self._ckptdb_free_name(run, step)
         final = self.ckptdb_save_dir / name
-        previous_best = self.state.best_model_checkpoint
+        previous = _best_fields(self.state)
         if self.state.best_global_step == step:  # the state saved inside names itself
             self.state.best_model_checkpoint = str(final)
 
@@ -335,14 +391,14 @@ class _LedgerTrainerMixin:
             saved = run.manager.save(step, metrics=metrics, blocking=True, **payloads)
         except NonFiniteGradientError as exc:
             run.refused_step = step
-            self.state.best_model_checkpoint = previous_best
+            _restore_best_fields(self.state, previous)
             self._ckptdb_sync_best(run)
             if self.ckptdb_guard == "raise":
                 raise
             log.warning("ckptdb: %s", exc)
             return
-        except BaseException:
-            self.state.best_model_checkpoint = previous_best
+        except BaseException:  # no collective here: a rank may be failing alone
+            _restore_best_fields(self.state, previous)
             raise
         record = saved.get(STREAM)
         if record is not None:
@@ -443,9 +499,25 @@ class _LedgerTrainerMixin:
 
 def _flush_files(path: Path) -> None:
     """fsync the files written so far under ``path`` (the seal's fsync then finds them
-    clean): disk writeback overlaps the next saver's serialization."""
+    clean): disk writeback overlaps the next saver's serialization. Only a head start:
+    a file another saver renames or removes meanwhile is skipped (the seal fsyncs
+    and measures whatever is there in the end)."""
     for file in [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]:
-        fsync_file(file)
+        with contextlib.suppress(FileNotFoundError):
+            fsync_file(file)
+
+
+_BEST_FIELDS = ("best_model_checkpoint", "best_metric", "best_global_step")
+
+
+def _best_fields(state: Any) -> tuple[Any, ...]:
+    return tuple(getattr(state, name) for name in _BEST_FIELDS)
+
+
+def _restore_best_fields(state: Any, values: tuple[Any, ...]) -> None:
+    """The Trainer's best, as it was before a save that did not happen."""
+    for name, value in zip(_BEST_FIELDS, values, strict=True):
+        setattr(state, name, value)
 
 
 def _numbers(values: dict[str, Any]) -> dict[str, float]:

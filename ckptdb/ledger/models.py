@@ -125,6 +125,7 @@ class Checkpoint(Base):
         ForeignKeyConstraint(["run_id", "stream"], ["streams.run_id", "streams.name"]),
         Index("ix_checkpoints_run_stream_state_step", "run_id", "stream", "state", "step"),
         Index("ix_checkpoints_run_state", "run_id", "state"),
+        Index("ix_checkpoints_run_stream_id", "run_id", "stream", "id"),  # followers
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -185,8 +186,49 @@ class Event(Base):
     detail: Mapped[str | None] = mapped_column(Text)  # JSON
 
 
+class Pin(Base):
+    """A reader's lease on a checkpoint: retention leaves its file on disk until the
+    last pin is released or has expired (``expires_at``, renewed while held)."""
+
+    __tablename__ = "pins"
+    __table_args__ = (Index("ix_pins_run_checkpoint", "run_id", "checkpoint_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    holder: Mapped[str] = mapped_column(String(255))  # who: host, pid and a name
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    released_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+
+
+class Evaluation(Base):
+    """One value an evaluator computed for a checkpoint after it was published."""
+
+    __tablename__ = "evaluations"
+    __table_args__ = (
+        Index("ix_evaluations_run_name_value", "run_id", "name", "value"),
+        Index("ix_evaluations_checkpoint_evaluator", "checkpoint_id", "evaluator"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    evaluator: Mapped[str] = mapped_column(String(255))
+    name: Mapped[str] = mapped_column(String(255))
+    value: Mapped[float | None] = mapped_column(Float)  # NULL stands for NaN
+    recorded_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
 # Views created by the migrations (see migrations/versions): the latest
 # checkpoint of every stream, the ranked members of every top-K stream,
-# restarts per run, and per training attempt how far it got and how many
-# steps a crash lost (steps trained after its last committed checkpoint).
-VIEW_NAMES = ("latest_checkpoints", "best_checkpoints", "run_restarts", "attempt_summary")
+# restarts per run, per training attempt how far it got and how many steps a
+# crash lost (steps trained after its last committed checkpoint), and every
+# checkpoint with the evaluations recorded for it.
+VIEW_NAMES = (
+    "latest_checkpoints",
+    "best_checkpoints",
+    "run_restarts",
+    "attempt_summary",
+    "checkpoint_evaluations",
+)

@@ -92,7 +92,9 @@ def sync_streams(
             row = rows[name] = m.Stream(run_id=run_id, name=name)
             session.add(row)
         elif policy.ranking_metric is not None and (
-            row.kind != policy.kind or row.metric != policy.ranking_metric
+            row.kind != policy.kind
+            or row.metric != policy.ranking_metric
+            or (policy.requires_metric and not policy_from_row(row).requires_metric)
         ):
             _rerank(session, run_id, name, policy.ranking_metric, policy.requires_metric)
         _write_policy(row, policy)

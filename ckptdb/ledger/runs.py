@@ -13,11 +13,19 @@ from pathlib import Path
 
 from sqlalchemy import inspect, select
 
-from ..errors import LedgerError
+from ..errors import LedgerError, SchemaVersionError
 from ..policies import Policy
 from . import models as m
 from . import rows
-from .engine import Ledger, normalize_url, open_ledger, readonly_sqlite_url, safe_url, translated
+from .engine import (
+    Ledger,
+    newest_revision,
+    normalize_url,
+    open_ledger,
+    readonly_sqlite_url,
+    safe_url,
+    translated,
+)
 from .netfs import sqlite_path
 
 
@@ -72,9 +80,10 @@ def open_as_reader(db: Ledger, root: Path, *, adopt_single: bool) -> OpenedRun:
             "(a CheckpointManager creates it)"
         )
     if schema != "current":
-        raise LedgerError(
-            f"the ledger of {root} uses an older schema; "
-            f"run `ckptdb db upgrade {root}` (or open it with a CheckpointManager)"
+        raise SchemaVersionError(
+            f"the ledger of {root} uses an older schema ({', '.join(db.heads())}; this "
+            f"ckptdb reads {newest_revision()}), and a reader never migrates: run "
+            f"`ckptdb db upgrade {root}` (or open the run with a CheckpointManager)"
         )
     with db.transaction(read=True) as session:
         run = rows.find_run(session, str(root), adopt_single=adopt_single)

@@ -60,7 +60,7 @@ from ..errors import (
     RankAgreementError,
 )
 from ..guard import NonFiniteGradGuard
-from ..ledger import after_commit
+from ..ledger import after_commit, pins
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
 from ..ledger.follow import notify_commit
@@ -476,6 +476,7 @@ class Publisher:
                     )
                     progress.evicted.extend(self._apply_retention(session, s, step))
                     ledger_rows.set_latest(session, ctx.run_id, s.stream, s.row_id)
+                progress.evicted.extend(self.unpinned(session, progress.evicted))
                 flushed = ctx.metrics.insert_into(session, ctx.run_id, ctx.attempt_id, metric_limit)
                 notify_commit(session, ctx.run_id)  # delivered to followers once COMMIT returns
 
@@ -525,7 +526,18 @@ class Publisher:
         )
         evicted = [r for r in chosen if r.id not in self.ctx.protected]
         ledger_rows.set_state(session, [r.id for r in evicted], m.DELETING, deleted_at=now)
-        return evicted
+        # a pinned row stays 'deleting' with its file until its last pin goes (read after
+        # the update above: a reader's pin either committed before it or is refused)
+        held = pins.pinned_ids(session, self.ctx.run_id, [r.id for r in evicted], now)
+        return [r for r in evicted if r.id not in held]
+
+    def unpinned(self, session: Any, already: list[Any]) -> list[Any]:
+        """Evicted rows kept for a pin that is gone (released, expired): removed now
+        (besides ``already``, the rows this transaction evicted)."""
+        found = pins.released(session, self.ctx.run_id, m.utcnow())
+        pins.drop(session, [r.id for r in found])
+        known = {r.id for r in already}
+        return [r for r in found if r.id not in known]
 
     def _record(
         self, s: Share, step: int, values: dict[str, float], committed_at: dt.datetime
@@ -558,7 +570,8 @@ class Publisher:
 
         Same two steps as a boundary: one transaction marks the evicted rows
         ``deleting`` (and moves a latest pointer off them); the removal is
-        queued behind its COMMIT.
+        queued behind its COMMIT. A pinned row keeps its file until its pins
+        are gone; released and expired pins are cleared.
         """
         ctx = self.ctx
         evicted: list[Any] = []
@@ -568,5 +581,7 @@ class Publisher:
                 doomed = {e.id for e in policy.window_evictions(entries)}
                 evicted.extend(self._evict(session, [r for r in found if r.id in doomed]))
                 ledger_rows.repoint_latest(session, ctx.run_id, stream)
+            evicted.extend(self.unpinned(session, evicted))
+            pins.clear_stale(session, ctx.run_id, m.utcnow())
             after_commit(session, lambda: self.clean_up(None, evicted))
         return [ledger_rows.to_record(r, ctx.save_dir) for r in evicted]

@@ -7,7 +7,7 @@ that never makes things worse:
 found                                           action
 =============================================  ===========================================
 ``pending`` row (crash before commit)           remove its temporary/final payload, ``aborted``
-``deleting`` row                                remove the payload, ``deleted``
+``deleting`` row                                remove the payload, ``deleted`` (not while pinned)
 ``committed`` row, payload missing              ``lost``
 ``committed`` row, size (``verify``: hash) off  ``corrupt``
 latest pointer on a lost/corrupt row            moved to the newest healthy committed row
@@ -34,7 +34,7 @@ from typing import Any
 
 from .. import faults
 from ..errors import InvalidArgumentError
-from ..ledger import Ledger
+from ..ledger import Ledger, pins
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
 from ..ledger.follow import notify_commit
@@ -101,6 +101,7 @@ class Reconciler:
     ) -> None:
         self.db, self.run_id, self.attempt_id = db, run_id, attempt_id
         self.root, self.store = root, store
+        self._pinned: set[int] = set()
 
     def run(
         self,
@@ -119,6 +120,7 @@ class Reconciler:
             rows = ledger_rows.rows_in_state(session, self.run_id, ledger_rows.LIVE_STATES)
             streams = ledger_rows.stream_names(session, self.run_id)
             kept = ledger_rows.kept_on_disk(session, self.run_id)
+            self._pinned = pins.live_pinned(session, self.run_id, m.utcnow())
         plan = _Plan()
         keep_paths: set[str] = set(kept)  # protected files stay where they are
         with self.store.memoized():  # each stream directory is resolved once per pass
@@ -163,6 +165,8 @@ class Reconciler:
                     Action("rolled_back", row.path, f"step {row.step}", row.id, row.step)
                 )
         elif row.state == m.DELETING:
+            if row.id in self._pinned:
+                return  # a reader holds it: the file goes once the last pin is gone
             if self._remove(row, [row.path], report, dry_run):
                 plan.state[row.id] = m.DELETED
                 report.actions.append(
@@ -237,6 +241,7 @@ class Reconciler:
                     ledger_rows.mark_deleted(session, [row_id], now, **extra)
                 else:
                     ledger_rows.set_state(session, [row_id], state, **extra)
+            pins.clear_stale(session, self.run_id, now)
             for stream in streams:
                 old, new = ledger_rows.repoint_latest(session, self.run_id, stream)
                 if old != new:

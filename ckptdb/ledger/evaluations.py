@@ -1,0 +1,120 @@
+"""Evaluations: values computed for a checkpoint after it was published.
+
+A sidecar evaluator scores each new checkpoint and records the scores here,
+next to the checkpoint's row, instead of in a separate tracker. One row per
+(checkpoint, evaluator, name); several evaluators may score one checkpoint,
+and re-recording a name replaces the earlier value. The view
+``checkpoint_evaluations`` joins them with their checkpoints for SQL.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Literal
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from ..errors import ArgumentTypeError, CheckpointNotFoundError, InvalidArgumentError
+from . import models as m
+
+
+def checked_values(values: object) -> dict[str, float]:
+    """``values`` as names (1-255 characters) to floats; anything else is refused."""
+    if not isinstance(values, Mapping):
+        raise ArgumentTypeError(f"values must be a dict name -> number, got {values!r}")
+    if not values:
+        raise InvalidArgumentError("an evaluation needs at least one value")
+    checked: dict[str, float] = {}
+    for name, value in values.items():
+        if not isinstance(name, str) or not 0 < len(name) <= 255:
+            raise ArgumentTypeError(f"evaluation names are str of 1-255 characters, got {name!r}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ArgumentTypeError(f"evaluation {name!r} must be a real number, got {value!r}")
+        checked[name] = float(value)
+    return checked
+
+
+def record(
+    session: Session, run_id: int, checkpoint_id: int, evaluator: str, values: Mapping[str, float]
+) -> None:
+    """Store ``values`` for the run's checkpoint ``checkpoint_id`` (NaN is stored as NULL)."""
+    found = session.get(m.Checkpoint, checkpoint_id)
+    if found is None or found.run_id != run_id:
+        raise CheckpointNotFoundError(f"checkpoint {checkpoint_id} is not a checkpoint of this run")
+    session.execute(
+        delete(m.Evaluation).where(
+            m.Evaluation.checkpoint_id == checkpoint_id,
+            m.Evaluation.evaluator == evaluator,
+            m.Evaluation.name.in_(list(values)),
+        )
+    )
+    now = m.utcnow()
+    for name, value in values.items():
+        session.add(
+            m.Evaluation(
+                run_id=run_id,
+                checkpoint_id=checkpoint_id,
+                evaluator=evaluator,
+                name=name,
+                value=None if math.isnan(value) else value,
+                recorded_at=now,
+            )
+        )
+
+
+def of_checkpoint(session: Session, checkpoint_id: int) -> list[m.Evaluation]:
+    query = select(m.Evaluation).where(m.Evaluation.checkpoint_id == checkpoint_id)
+    return list(session.scalars(query.order_by(m.Evaluation.evaluator, m.Evaluation.name)))
+
+
+def best(
+    session: Session,
+    run_id: int,
+    name: str,
+    mode: Literal["min", "max"],
+    *,
+    evaluator: str | None = None,
+    stream: str | None = None,
+    states: tuple[str, ...] = (m.COMMITTED,),
+) -> list[tuple[m.Checkpoint, float, str]]:
+    """Checkpoints by their evaluated ``name``, best first: (row, value, evaluator).
+
+    Only checkpoints in ``states`` (committed: the ones that can still be
+    loaded); a NULL (NaN) value never ranks. Ties go to the earlier step.
+    """
+    order = m.Evaluation.value.desc() if mode == "max" else m.Evaluation.value.asc()
+    query = (
+        select(m.Checkpoint, m.Evaluation.value, m.Evaluation.evaluator)
+        .join(m.Evaluation, m.Evaluation.checkpoint_id == m.Checkpoint.id)
+        .where(
+            m.Evaluation.run_id == run_id,
+            m.Evaluation.name == name,
+            m.Evaluation.value.is_not(None),
+            m.Checkpoint.state.in_(states),
+        )
+        .order_by(order, m.Checkpoint.step, m.Checkpoint.id)
+    )
+    if evaluator is not None:
+        query = query.where(m.Evaluation.evaluator == evaluator)
+    if stream is not None:
+        query = query.where(m.Checkpoint.stream == stream)
+    return [(row, float(value or 0.0), who) for row, value, who in session.execute(query)]
+
+
+def last_evaluated_id(session: Session, run_id: int, evaluator: str, stream: str) -> int | None:
+    """The newest checkpoint of ``stream`` that ``evaluator`` recorded anything for: where a
+    restarted ``ckptdb follow`` continues."""
+    query = (
+        select(func.max(m.Evaluation.checkpoint_id))
+        .join(m.Checkpoint, m.Checkpoint.id == m.Evaluation.checkpoint_id)
+        .where(
+            m.Evaluation.run_id == run_id,
+            m.Evaluation.evaluator == evaluator,
+            m.Checkpoint.stream == stream,
+        )
+    )
+    found = session.scalar(query)
+    return int(found) if found is not None else None

@@ -1,0 +1,283 @@
+"""Evaluations recorded after the fact, ``ckptdb best --by`` and ``ckptdb follow``.
+
+``ckptdb follow`` is tested end to end: a real trainer process commits
+checkpoints while the follower runs an evaluation command (a real process
+that loads each checkpoint) and records the JSON it prints; a follower
+interrupted with Ctrl-C continues where it stopped, without repeating.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from helpers import LedgerClient, invoke, state
+
+from ckptdb import CheckpointManager, Keep, RunReader
+from ckptdb.errors import ArgumentTypeError, CheckpointNotFoundError, InvalidArgumentError
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_db_url_from_environment")]
+
+
+ENV = {k: v for k, v in os.environ.items() if k != "CKPTDB_DB_URL"}
+
+
+def evaluation_rows(root: Path, db_url: str | None = None) -> list[tuple[Any, ...]]:
+    client = LedgerClient(root, db_url)
+    try:
+        return client.rows(
+            "SELECT c.step, e.evaluator, e.name, e.value FROM evaluations e "
+            "JOIN checkpoints c ON c.id = e.checkpoint_id ORDER BY c.step, e.evaluator, e.name"
+        )
+    finally:
+        client.close()
+
+
+def test_evaluations_rank_checkpoints_after_the_fact(root: Path, backend: str | None) -> None:
+    with CheckpointManager(root, streams={"model": Keep(last=3)}, db_url=backend) as mgr:
+        saved = [mgr.save(step, model=state(float(step)))["model"] for step in (1, 2, 3, 4)]
+    with RunReader(root, db_url=backend) as reader:
+        for ckpt, acc in zip(saved[1:], [0.7, 0.9, 0.8], strict=True):
+            reader.record_evaluation(ckpt, {"eval/acc": acc, "eval/loss": 1 - acc}, evaluator="a")
+        reader.record_evaluation(saved[1], {"eval/acc": 0.95}, evaluator="b")
+        reader.record_evaluation(saved[2], {"eval/acc": math.nan}, evaluator="b")
+        reader.record_evaluation(saved[3].id, {"eval/acc": 0.85}, evaluator="a")  # replaces 0.8
+        ranked = [(c.step, v, who) for c, v, who in reader.best_by("eval/acc", mode="max")]
+        assert ranked == [(2, 0.95, "b"), (3, 0.9, "a"), (4, 0.85, "a"), (2, 0.7, "a")]
+        by_a = reader.best_by("eval/loss", mode="min", evaluator="a")
+        assert [c.step for c, _, _ in by_a] == [3, 4, 2]
+        assert reader.evaluations(saved[2]) == {
+            "a": {"eval/acc": 0.9, "eval/loss": pytest.approx(0.1)},
+            "b": {"eval/acc": None},
+        }
+        with pytest.raises(InvalidArgumentError):
+            reader.best_by("eval/acc", mode="best")  # type: ignore[arg-type]
+
+
+def test_an_evicted_checkpoint_keeps_its_evaluations_but_no_longer_ranks(root: Path) -> None:
+    with CheckpointManager(root, streams={"model": Keep(last=1)}) as mgr:
+        first = mgr.save(1, model=state(1.0))["model"]
+        with RunReader(root) as reader:
+            reader.record_evaluation(first, {"acc": 0.9}, evaluator="a")
+            mgr.save(2, model=state(2.0))
+            reader.record_evaluation(mgr.latest(), {"acc": 0.1}, evaluator="a")
+            assert [c.step for c, _, _ in reader.best_by("acc")] == [2]
+            assert reader.evaluations(first) == {"a": {"acc": 0.9}}
+
+
+@pytest.mark.parametrize(
+    ("values", "evaluator", "error"),
+    [
+        ({}, "a", InvalidArgumentError),
+        ({"acc": "high"}, "a", ArgumentTypeError),
+        ({"acc": True}, "a", ArgumentTypeError),
+        ({"": 1.0}, "a", ArgumentTypeError),
+        ([("acc", 1.0)], "a", ArgumentTypeError),
+        ({"acc": 1.0}, "", InvalidArgumentError),
+        ({"acc": 1.0}, "x" * 256, InvalidArgumentError),
+    ],
+)
+def test_bad_evaluations_are_refused_and_nothing_is_written(
+    root: Path, values: Any, evaluator: str, error: type[Exception]
+) -> None:
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, model=state(1.0))
+    with RunReader(root) as reader, pytest.raises(error):
+        reader.record_evaluation(reader.latest(), values, evaluator=evaluator)  # type: ignore[arg-type]
+    assert evaluation_rows(root) == []
+
+
+def test_an_evaluation_of_another_runs_checkpoint_is_refused(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "a") as mgr:
+        mgr.save(1, model=state(1.0))
+    with RunReader(tmp_path / "a") as reader, pytest.raises(CheckpointNotFoundError):
+        reader.record_evaluation(99, {"acc": 1.0}, evaluator="x")
+    assert evaluation_rows(tmp_path / "a") == []
+
+
+def test_ckptdb_best_by_prints_paths_best_first(root: Path, runner: CliRunner) -> None:
+    with CheckpointManager(root) as mgr:
+        saved = [mgr.save(step, model=state(float(step)))["model"] for step in (1, 2, 3)]
+    with RunReader(root) as reader:
+        for ckpt, loss in zip(saved, [0.3, 0.1, 0.2], strict=True):
+            reader.record_evaluation(ckpt, {"eval/loss": loss}, evaluator="e")
+    done = invoke(runner, "best", root, "--by", "eval/loss", "--mode", "min")
+    assert done.exit_code == 0, done.output
+    assert done.stdout.split() == [str(saved[i].path) for i in (1, 2, 0)]
+    missing = invoke(runner, "best", root, "--by", "eval/nothing")
+    assert missing.exit_code == 1 and "no checkpoint" in missing.output
+    usage = invoke(runner, "best", root, "--evaluator", "e")
+    assert usage.exit_code == 2
+
+
+TRAINER = """
+    import sys, time
+    import torch
+    from ckptdb import CheckpointManager, Keep
+    with CheckpointManager(sys.argv[1], streams={"model": Keep(last=2)}) as mgr:
+        for step in range(1, int(sys.argv[2]) + 1):
+            mgr.save(step, model={"w": torch.full((4,), float(step))})
+            print("saved", step, flush=True)
+            time.sleep(float(sys.argv[3]))
+"""
+
+EVALUATOR = """
+    import json, sys, time
+    import torch
+    state = torch.load(sys.argv[1], weights_only=True)
+    time.sleep(float(sys.argv[3]))
+    print("evaluating", sys.argv[2])
+    print(json.dumps({"eval/acc": float(state["w"][0]) / 100, "note": "text is ignored"}))
+"""
+
+
+def scripts(tmp_path: Path) -> tuple[Path, Path]:
+    trainer, evaluator = tmp_path / "trainer.py", tmp_path / "evaluate.py"
+    trainer.write_text(textwrap.dedent(TRAINER))
+    evaluator.write_text(textwrap.dedent(EVALUATOR))
+    return trainer, evaluator
+
+
+def follow_cmd(root: Path, evaluator: Path, *extra: str, pause: str = "0") -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "ckptdb.cli",
+        "follow",
+        str(root),
+        "--poll",
+        "0.1",
+        *extra,
+        "--",
+        sys.executable,
+        str(evaluator),
+        "{path}",
+        "{step}",
+        pause,
+    ]
+
+
+def test_ckptdb_follow_evaluates_every_checkpoint_of_a_running_trainer(
+    tmp_path: Path, runner: CliRunner
+) -> None:
+    root = tmp_path / "run"
+    trainer_py, evaluator_py = scripts(tmp_path)
+    with CheckpointManager(root, streams={"model": Keep(last=2)}):
+        pass  # the run exists before the follower starts
+    trainer = subprocess.Popen(
+        [sys.executable, str(trainer_py), str(root), "6", "0.3"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        follower = subprocess.run(
+            follow_cmd(root, evaluator_py, "--timeout", "3"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=ENV,
+        )
+    finally:
+        assert trainer.wait(timeout=60) == 0
+    assert follower.returncode == 0, follower.stderr
+    lines = [line for line in follower.stdout.splitlines() if line.startswith("step ")]
+    assert [int(line.split()[1]) for line in lines] == [1, 2, 3, 4, 5, 6]  # in order, once
+    skipped = {int(line.split()[1]) for line in lines if "skipped" in line}
+    rows = evaluation_rows(root)
+    acc = [(step, value) for step, who, name, value in rows if name == "eval/acc"]
+    evaluated = [s for s in range(1, 7) if s not in skipped]
+    assert acc == [(s, pytest.approx(s / 100)) for s in evaluated]
+    assert 6 in evaluated  # the last one is never evicted before it is read
+    # each evaluation took longer than the trainer's next two saves: the pin kept
+    # the file the trainer evicted meanwhile, and every evaluation could load it
+    exits = [(step, value) for step, _, name, value in rows if name == "exit_status"]
+    assert exits == [(s, 0.0) for s in evaluated]
+    assert {who for _, who, _, _ in rows} == {"evaluate.py"}
+    best = invoke(runner, "best", root, "--by", "eval/acc")
+    assert best.exit_code == 0 and best.stdout.split()[0].endswith("step-000000006.pt")
+    with RunReader(root) as reader:
+        assert [p for p, _ in reader.pins() if p.released_at is None] == []
+
+
+def test_ctrl_c_stops_the_follower_and_the_next_run_continues(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    _, evaluator_py = scripts(tmp_path)
+    with CheckpointManager(root, streams={"model": Keep(last=None)}) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, model=state(float(step)))
+    first = subprocess.Popen(
+        follow_cmd(root, evaluator_py, "--timeout", "30", pause="1.0"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert first.stdout is not None
+    deadline = time.monotonic() + 60
+    seen = []
+    while time.monotonic() < deadline:
+        line = first.stdout.readline()
+        seen.append(line)
+        if line.startswith("step 1 "):
+            break
+    first.send_signal(signal.SIGINT)
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 130, err
+    assert "continues where this one left off" in err
+    done_first = [s for s, _, name, _ in evaluation_rows(root) if name == "exit_status"]
+    assert done_first and done_first == list(range(1, len(done_first) + 1))
+    second = subprocess.run(
+        follow_cmd(root, evaluator_py, "--timeout", "1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert second.returncode == 0, second.stderr
+    statuses = [s for s, _, name, _ in evaluation_rows(root) if name == "exit_status"]
+    assert statuses == [1, 2, 3, 4]  # each once: nothing repeated, nothing missed
+
+
+def test_a_failing_evaluation_records_its_exit_status_only(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, model=state(1.0))
+    failing = tmp_path / "fail.py"
+    failing.write_text('import json; print(json.dumps({"acc": 1.0})); raise SystemExit(3)\n')
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptdb.cli",
+            "follow",
+            str(root),
+            "--timeout",
+            "1",
+            "--poll",
+            "0.1",
+            "--since",
+            "0",
+            "--",
+            sys.executable,
+            str(failing),
+            "{path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert evaluation_rows(root) == [(1, "fail.py", "exit_status", 3.0)]  # no "acc"
+    assert "exit 3" in done.stdout
+
+
+def test_follow_needs_a_command(root: Path, runner: CliRunner) -> None:
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, model=state(1.0))
+    done = invoke(runner, "follow", root)
+    assert done.exit_code == 2 and "COMMAND" in done.output
