@@ -244,7 +244,8 @@ def probe_conditional_writes(calls: Calls, bucket: str, prefix: str) -> None:
     try:
         calls("put_object", Bucket=bucket, Key=key, Body=b"ckptdb probe", IfNoneMatch="*")
     except Exception as exc:
-        raise store_error("PutObject (probe)", where, exc) from exc
+        if not (http_status(exc) == 412 and was_retried(exc)):  # else: our own, retried
+            raise store_error("PutObject (probe)", where, exc) from exc
     try:
         overwrote = _second_write(calls, bucket, key, where)
     finally:

@@ -29,7 +29,7 @@ import xxhash
 from .. import faults
 from ..errors import ObjectStoreError
 from .files import FileInfo
-from .s3client import Calls, http_status, is_missing, store_error, was_retried
+from .s3client import Calls, describe, http_status, is_missing, store_error, was_retried
 
 MAX_PARTS = 10_000
 PARTS_PER_SIZE_STEP = 1_000  # the part size doubles every 1,000 parts (S3 allows 10,000)
@@ -146,14 +146,15 @@ class ObjectWriter:
 
     def finish(self) -> FileInfo:
         """Make the object exist (conditionally), then check it is ours; its size and hash."""
-        self.phase = "complete"
         if self.upload_id is None:
+            self.phase = "complete"
             self._put_whole()
         else:
             if self._buffer:
                 self._ship()
-            parts = [future.result() for future in self._parts]
+            parts = [future.result() for future in self._parts]  # a part's error: write
             self._close_pool()
+            self.phase = "complete"
             faults.point("s3_before_complete")
             self._complete(parts)
         faults.point("s3_after_complete")
@@ -210,7 +211,8 @@ class ObjectWriter:
         try:
             self.confirm(settling=True)
         except ObjectStoreError as unsettled:
-            raise unsettled from exc
+            first = store_error(operation, self.where, exc)
+            raise ObjectStoreError(f"{first}; and then {unsettled}") from exc
 
     def confirm(self, *, settling: bool) -> None:
         """HEAD the new object: its size (and CRC64NVME, if reported) must be ours."""
@@ -218,8 +220,8 @@ class ObjectWriter:
         try:
             head = self.calls("head_object", Bucket=self.bucket, Key=self.key, **params)
         except Exception as exc:
-            what = "missing after an unsettled completion" if is_missing(exc) else "HEAD failed"
-            raise ObjectStoreError(f"{self.where}: {what}") from exc
+            what = "is missing" if is_missing(exc) else f"HEAD failed: {describe(exc)}"
+            raise ObjectStoreError(f"{self.where} {what}") from exc
         problems = []
         if head.get("ContentLength") != self.size:
             problems.append(f"size {head.get('ContentLength')} != written {self.size}")
