@@ -22,6 +22,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -78,7 +79,9 @@ class S3Server:
 
 
 def weed_binary() -> str | None:
-    return shutil.which("weed")
+    """``weed`` on the PATH, or next to this interpreter (a virtual environment not activated)."""
+    beside = Path(sys.executable).parent / "weed"
+    return shutil.which("weed") or (str(beside) if beside.is_file() else None)
 
 
 def _free(port: int) -> bool:

@@ -36,7 +36,7 @@ from crashlib import (
 from helpers import LedgerClient, state
 from test_crash import SWEEP, WARMUP, absorb, assert_recovers, crash, spec
 
-from ckptdb import CheckpointManager, Keep, Sharded, faults
+from ckptdb import CheckpointManager, Keep, RunReader, Sharded, faults
 from ckptdb.errors import (
     ConditionalWritesUnsupportedError,
     CorruptCheckpointError,
@@ -165,6 +165,8 @@ def test_save_latest_load_round_trip(
     assert mgr.load(out)["w"].shape == payload["w"].shape  # by record too
     assert s3lib.uploads_under(client, s3_url) == []
     assert mgr.check(load=True) == []
+    with RunReader(mgr.root) as reader:  # a follower, without the writer lock
+        assert torch.equal(reader.load("latest")["w"], payload["w"])
     mgr.close()
     again = open_s3()
     assert again.last_reconcile.actions == []
@@ -208,6 +210,53 @@ def test_bad_input_is_refused_and_nothing_is_recorded(
             mgr.save(5, model=state(1.0), **bad)
     assert rows(db) == []
     assert s3lib.keys_under(client, s3_url) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mib", [0, 12], ids=["one_put", "multipart"])
+def test_an_object_that_appears_before_the_completion_is_never_overwritten(
+    open_s3: Callable[..., CheckpointManager], client: Any, db: LedgerClient, mib: int
+) -> None:
+    """Someone else's object appears under the key between the intent's check and
+    the completion: the completion (If-None-Match: *) fails, the boundary rolls back,
+    and that object is neither overwritten nor removed."""
+    mgr = open_s3()
+    payload = big_state(1.0, mib) if mib else state(1.0)
+    planted: list[str] = []
+
+    def plant(name: str) -> None:
+        if name == "s3_before_complete":
+            (path,) = db.rows("SELECT path FROM checkpoints WHERE state = 'pending'")[0]
+            key = f"{mgr.save_dir.key}/{path}"  # type: ignore[attr-defined]
+            client.put_object(Bucket=s3lib.BUCKET, Key=key, Body=b"not ours")
+            planted.append(key)
+
+    previous = faults.set_hook(plant)
+    try:
+        with pytest.raises(PublishError) as raised:
+            mgr.save(1, model=payload)
+    finally:
+        faults.set_hook(previous)
+    assert raised.value.phase == "complete" and "PreconditionFailed" in str(raised.value)
+    body = client.get_object(Bucket=s3lib.BUCKET, Key=planted[0])["Body"].read()
+    assert body == b"not ours"
+    assert [r[3] for r in rows(db)] == ["aborted"]
+    assert mgr.latest() is None
+
+
+@pytest.mark.timeout(60)
+def test_a_key_taken_before_the_intent_is_refused(
+    open_s3: Callable[..., CheckpointManager], client: Any, db: LedgerClient, s3_url: str
+) -> None:
+    """Another ledger writing under the same prefix: the key the next row would use
+    exists, so the boundary is refused as bad input and nothing is recorded."""
+    mgr = open_s3()
+    mgr.save(1, model=state(1.0))
+    taken = put(client, s3_url, "model/step-000000002.v2.pt", b"another ledger's")
+    with pytest.raises(InvalidArgumentError, match="another ledger"):
+        mgr.save(2, model=state(2.0))
+    assert [r[3] for r in rows(db)] == ["committed"]
+    assert client.get_object(Bucket=s3lib.BUCKET, Key=taken)["Body"].read() == b"another ledger's"
 
 
 # ------------------------------------------------------------------ reconcile
@@ -534,10 +583,10 @@ def test_secrets_never_appear_in_errors_logs_events_status_or_the_ledger(
         CheckpointManager(tmp := root.parent / "other", save_dir=s3_url, storage_options=wrong)
     texts += [str(refused.value), repr(refused.value), str(refused.value.__cause__)]
     assert not tmp.exists()
-    for command in (["status", str(root)], ["sql", str(root), "SELECT * FROM events"]):
-        texts.append(runner.invoke(main, command).output)
+    status = runner.invoke(main, ["status", str(root)]).output
+    assert f"{s3_url}/model/" in status  # status did show the run's objects
+    texts += [status, runner.invoke(main, ["sql", str(root), "SELECT * FROM events"]).output]
     texts.append(caplog.text)
     texts.append((root / "ckptdb.sqlite").read_bytes().decode("latin-1"))
     for text in texts:
         assert s3lib.SECRET_KEY not in text
-    assert "s3://" in texts[-3]  # status did show the run's objects
