@@ -42,6 +42,7 @@ from ckptdb.errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
     LedgerLockedError,
+    ObjectStoreError,
     PublishError,
 )
 from ckptdb.location import ObjectPath
@@ -199,6 +200,7 @@ def test_bad_input_is_refused_and_nothing_is_recorded(
         (s3_url, {"part_size": 1024}),
         (s3_url, {"checksum": "md5"}),
         (s3_url, {"require_conditional_writes": "no"}),
+        (s3_url, {"aws_secret_access_key": "a secret without its key id"}),
         (str(root / "local"), {"endpoint_url": "http://x"}),
     ]:
         with pytest.raises(InvalidArgumentError):
@@ -551,6 +553,49 @@ def test_two_writers_of_one_run_on_postgres(
     assert keys == sorted([saved.path.key, saved_again.path.key])  # type: ignore[attr-defined]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mib", [0, 12], ids=["one_put", "multipart"])
+def test_a_completed_object_that_does_not_verify_is_rolled_back(
+    open_s3: Callable[..., CheckpointManager],
+    client: Any,
+    s3_url: str,
+    db: LedgerClient,
+    mib: int,
+) -> None:
+    """The HEAD after the completion reports another size: the row never commits and
+    the object is deleted."""
+    mgr = open_s3()
+
+    def shrink(parsed: Any, **_: Any) -> None:
+        parsed["ContentLength"] = parsed.get("ContentLength", 0) - 1
+
+    mgr._ctx.store.calls.client.meta.events.register(  # type: ignore[attr-defined]
+        "after-call.s3.HeadObject", shrink
+    )
+    with pytest.raises(PublishError) as raised:
+        mgr.save(1, model=big_state(1.0, mib) if mib else state(1.0))
+    assert raised.value.phase == "verify"
+    assert [r[3] for r in rows(db)] == ["aborted"]
+    assert s3lib.keys_under(client, s3_url) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_head_that_fails_at_reconcile_marks_nothing_lost(
+    open_s3: Callable[..., CheckpointManager], hooks: list[Any], db: LedgerClient
+) -> None:
+    """A committed object the store cannot answer for (503 after the retries) is not
+    known to be gone: reported as failed, the row stays committed."""
+    mgr = open_s3()
+    saved = mgr.save(1, model=state(1.0))["model"]
+    mgr.close()
+    seen: list[str] = []
+    hooks.append(fail("HeadObject", 503, "SlowDown", times=1000, seen=seen))
+    with pytest.warns(UserWarning, match="could not repair"):
+        mgr = open_s3(storage_options={"part_size": PART, "max_attempts": 1})
+    assert mgr.last_reconcile.counts == {"failed": 1}
+    assert [(r[0], r[3]) for r in rows(db)] == [(saved.id, "committed")]
+
+
 # ------------------------------------------------------------------ secrets
 
 
@@ -558,18 +603,20 @@ def test_two_writers_of_one_run_on_postgres(
 def test_secrets_never_appear_in_errors_logs_events_status_or_the_ledger(
     root: Path,
     s3_url: str,
-    hooks: list[Any],
     caplog: pytest.LogCaptureFixture,
     runner: Any,
 ) -> None:
     from ckptdb.cli import main
 
     caplog.set_level("DEBUG")
-    seen: list[str] = []
     texts: list[str] = []
-    with CheckpointManager(root, save_dir=s3_url, storage_options={"part_size": PART}) as mgr:
+    explicit = {
+        "part_size": PART,
+        "aws_access_key_id": s3lib.ACCESS_KEY,
+        "aws_secret_access_key": s3lib.SECRET_KEY,
+    }
+    with CheckpointManager(root, save_dir=s3_url, storage_options=explicit) as mgr:
         mgr.save(1, model=big_state(1.0))
-        hooks.append(fail("PutObject", 403, "AccessDenied", times=10, seen=seen))
         mgr._ctx.store.calls.client.meta.events.register(  # type: ignore[attr-defined]
             "before-send.s3.PutObject", lambda request, **_: error_response(request, 403, "X")
         )
@@ -578,9 +625,11 @@ def test_secrets_never_appear_in_errors_logs_events_status_or_the_ledger(
         texts += [str(failed.value), repr(failed.value), repr(mgr._ctx.store)]
         texts.append(repr(mgr._ctx.store.calls.options))  # type: ignore[attr-defined]
         mgr.load("latest")
-    wrong = {"aws_secret_access_key": s3lib.SECRET_KEY + "-wrong"}
+    wrong = {"aws_access_key_id": s3lib.ACCESS_KEY, "aws_secret_access_key": s3lib.SECRET_KEY + "!"}
     with pytest.raises(Exception) as refused:
         CheckpointManager(tmp := root.parent / "other", save_dir=s3_url, storage_options=wrong)
+    assert isinstance(refused.value, ObjectStoreError)
+    assert "SignatureDoesNotMatch" in str(refused.value)  # the real server refused it
     texts += [str(refused.value), repr(refused.value), str(refused.value.__cause__)]
     assert not tmp.exists()
     status = runner.invoke(main, ["status", str(root)]).output

@@ -126,6 +126,10 @@ def _check_ranges(options: S3Options) -> None:
         )
     if not (options.connect_timeout > 0 and options.read_timeout > 0):
         raise InvalidArgumentError("storage_options: timeouts must be positive")
+    if (options.aws_access_key_id is None) != (options.aws_secret_access_key is None):
+        raise InvalidArgumentError(
+            "storage_options: aws_access_key_id and aws_secret_access_key go together"
+        )
 
 
 def make_client(options: S3Options) -> Any:
