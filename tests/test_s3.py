@@ -133,14 +133,20 @@ class FlippingBody:
     def __init__(self, inner: Any, offset: int) -> None:
         self.inner, self.offset, self.position = inner, offset, 0
 
+    def _flipped(self, chunk: bytes) -> bytes:
+        start, self.position = self.position, self.position + len(chunk)
+        if not start <= self.offset < self.position:
+            return chunk
+        data = bytearray(chunk)
+        data[self.offset - start] ^= 0x10
+        return bytes(data)
+
+    def read(self, amount: int | None = None) -> bytes:
+        return self._flipped(self.inner.read(amount))
+
     def iter_chunks(self, size: int) -> Iterator[bytes]:
         for chunk in self.inner.iter_chunks(size):
-            start, self.position = self.position, self.position + len(chunk)
-            if start <= self.offset < self.position:
-                data = bytearray(chunk)
-                data[self.offset - start] ^= 0x10
-                chunk = bytes(data)
-            yield chunk
+            yield self._flipped(chunk)
 
 
 # ------------------------------------------------------------------ round trips

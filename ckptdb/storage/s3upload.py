@@ -132,7 +132,7 @@ class ObjectWriter:
                 Key=self.key,
                 UploadId=self.upload_id,
                 PartNumber=number,
-                Body=bytes(body),
+                Body=body,  # this part's own buffer: no copy
                 **params,
             )
         except Exception as exc:
@@ -168,7 +168,7 @@ class ObjectWriter:
         return {"ChecksumCRC64NVME": b64_crc(self._crc), "ChecksumType": "FULL_OBJECT"}
 
     def _put_whole(self) -> None:
-        body, self._buffer = bytes(self._buffer), bytearray()
+        body, self._buffer = self._buffer, bytearray()
         params = self._checksum_params()
         params.pop("ChecksumType", None)
         faults.point("s3_before_complete")
