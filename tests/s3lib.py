@@ -20,6 +20,7 @@ import os
 import random
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -152,7 +153,10 @@ def start(workdir: Path, attempts: int = 3) -> S3Server:
         log = workdir / f"weed-{attempt}.log"
         with open(log, "wb") as out:
             process = subprocess.Popen(
-                command(weed, base, data, config), stdout=out, stderr=subprocess.STDOUT
+                command(weed, base, data, config),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
             )
         server = S3Server(f"http://127.0.0.1:{base + PORTS.index('s3')}", process, log)
         if _ready(server):
@@ -160,6 +164,15 @@ def start(workdir: Path, attempts: int = 3) -> S3Server:
         server.stop()
         failure = log.read_text(errors="replace")[-2000:]
     raise RuntimeError(f"weed mini did not start:\n{failure}")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the test process dies (Linux), so a
+    killed or interrupted test session never leaves a server behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _ready(server: S3Server) -> bool:
