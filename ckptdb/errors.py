@@ -266,6 +266,26 @@ class CorruptCheckpointError(CkptDBError, OSError):
     """A checkpoint file's size or hash differs from its ledger row."""
 
 
+class ObjectStoreError(CkptDBError, OSError):
+    """An object-store request failed after its retries (or the store cannot be used).
+
+    The message names the operation, the key and the store's error code;
+    it never carries credentials.
+    """
+
+
+class ConditionalWritesUnsupportedError(ObjectStoreError):
+    """The object store ignores ``If-None-Match: *``: a write could overwrite an object.
+
+    Found by the probe when a run opens on object storage; the opt-out is
+    ``storage_options={"require_conditional_writes": False}``.
+    """
+
+
+class MissingExtraError(CkptDBError, ImportError):
+    """An optional dependency is missing (e.g. ``pip install 'ckptdb[s3]'``)."""
+
+
 class RankAgreementError(CkptDBError, RuntimeError):
     """A collective among the ranks failed: a rank died, diverged or timed out.
 
@@ -378,6 +398,7 @@ __all__ = [
     "CkptDBError",
     "CleanupFailure",
     "CleanupWarning",
+    "ConditionalWritesUnsupportedError",
     "CorruptCheckpointError",
     "DatabaseError",
     "ForeignEntryError",
@@ -385,8 +406,10 @@ __all__ = [
     "InvalidMetricError",
     "LedgerError",
     "LedgerLockedError",
+    "MissingExtraError",
     "NetworkFilesystemError",
     "NonFiniteGradientError",
+    "ObjectStoreError",
     "PublishError",
     "RankAgreementError",
     "RankFailedError",

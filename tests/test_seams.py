@@ -246,7 +246,8 @@ def test_the_protocol_reaches_payloads_only_through_the_store(tmp_path: Path) ->
         "sync_placed",
         "remove",
     ]
-    assert loading == ["verify", "local_path", "local_path"]
+    # verify, the confinement check, then the read (the bytes, or the file by its path)
+    assert loading == ["verify", "local_path", "open_verified", "local_path"]
 
 
 def test_verify_sorts_a_bad_payload_into_lost_or_corrupt(tmp_path: Path) -> None:

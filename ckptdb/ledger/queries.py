@@ -21,6 +21,7 @@ from ..errors import (
     DatabaseError,
     InvalidArgumentError,
 )
+from ..location import is_object_url, relative_within
 from ..policies import Policy, policy_of
 from ..record import Checkpoint
 from . import models as m
@@ -106,17 +107,18 @@ class RunQueries:
                 )
             return found
         if isinstance(which, (str, os.PathLike)):
-            return self._committed_by_path(Path(which), where)
+            return self._committed_by_path(
+                str(which) if is_object_url(which) else Path(which), where
+            )
         raise ArgumentTypeError(
             f"which must be 'latest', 'best', a step, a Checkpoint or a path; got {which!r}"
         )
 
-    def _committed_by_path(self, path: Path, where: object) -> Checkpoint:
-        resolved = (Path.cwd() / path).resolve()
-        save_dir = self.save_dir.resolve()
+    def _committed_by_path(self, path: Path | str, where: object) -> Checkpoint:
+        rel = relative_within(path, self.save_dir)
         found = None
-        if resolved.is_relative_to(save_dir):
-            found = self.find_committed(path=resolved.relative_to(save_dir).as_posix())
+        if rel is not None:
+            found = self.find_committed(path=rel)
         if found is None:
             raise CheckpointNotFoundError(f"{path} is not a committed checkpoint of run {where}")
         return found

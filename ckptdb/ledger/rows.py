@@ -17,6 +17,7 @@ from sqlalchemy import delete, func, insert, literal, select, text, update
 from sqlalchemy.orm import Session
 
 from ..errors import InvalidArgumentError
+from ..location import is_object_url, location_of
 from ..policies import Entry, Policy, PolicyRecord, policy_from_record
 from ..record import Checkpoint
 from . import models as m
@@ -43,8 +44,11 @@ def find_run(session: Session, root: str, *, adopt_single: bool) -> m.Run | None
 
 
 def rebased_save_dir(run: m.Run, root: Path) -> Path:
-    """The run's stored save dir, following the root if it was inside the root."""
-    stored, old_root = Path(run.save_dir), Path(run.root)
+    """The run's stored save dir, following the root if it was inside the root
+    (an object-store location stays what it is)."""
+    stored, old_root = location_of(run.save_dir), Path(run.root)
+    if is_object_url(stored):
+        return stored
     if stored == old_root or old_root in stored.parents:
         return root / stored.relative_to(old_root)
     return stored
@@ -212,6 +216,29 @@ def kept_on_disk(session: Session, run_id: int) -> set[str]:
         )
     )
     return set(found)
+
+
+def paths_in_state(session: Session, run_id: int, states: Sequence[str]) -> set[str]:
+    """The paths of the run's rows in ``states``."""
+    query = select(m.Checkpoint.path).where(
+        m.Checkpoint.run_id == run_id, m.Checkpoint.state.in_(states)
+    )
+    return set(session.scalars(query))
+
+
+def quarantined_in_place(session: Session, run_id: int) -> set[str]:
+    """Paths a reconcile quarantined without moving them (a store without rename).
+
+    Remembered in their ``quarantined`` events (``"in_place": true``), so a
+    later reconcile leaves them alone instead of reporting them again.
+    """
+    query = select(m.Event.detail).where(m.Event.run_id == run_id, m.Event.kind == "quarantined")
+    found = set()
+    for stored in session.scalars(query):
+        detail = json.loads(stored) if stored else {}
+        if isinstance(detail, dict) and detail.get("in_place"):
+            found.add(str(detail.get("path")))
+    return found
 
 
 def path_in_use(

@@ -14,6 +14,7 @@ from pathlib import Path
 from sqlalchemy import inspect, select
 
 from ..errors import LedgerError, SchemaVersionError
+from ..location import location_of
 from ..policies import Policy
 from . import models as m
 from . import rows
@@ -68,7 +69,7 @@ def open_as_writer(
             policies = rows.sync_streams(session, run.id, requested, default_streams)
             attempt = rows.start_attempt(session, run.id, kind)
             rows.add_event(session, run.id, attempt.id, "attempt_started")
-            return OpenedRun(run.id, run.name, Path(run.save_dir), policies, attempt.id)
+            return OpenedRun(run.id, run.name, location_of(run.save_dir), policies, attempt.id)
 
 
 def open_as_reader(db: Ledger, root: Path, *, adopt_single: bool) -> OpenedRun:

@@ -54,6 +54,7 @@ from ..errors import (
     DatabaseError,
     InvalidArgumentError,
     NonFiniteGradientError,
+    ObjectStoreError,
     PhaseError,
     PhaseFailure,
     PublishError,
@@ -215,6 +216,10 @@ class Publisher:
                 phase="intent",
                 step=step,
             ) from cause
+        except ObjectStoreError as exc:  # a name could not be checked in the store
+            raise PublishError(
+                f"step {step}: could not check the names to write: {exc}", phase="intent", step=step
+            ) from exc
 
     def _admitted(
         self, session: Any, step: int, values: dict[str, float], payloads: Mapping[str, Any]
@@ -238,6 +243,11 @@ class Publisher:
         metric_name = self.ctx.policies[stream].ranking_metric
         metric = values.get(metric_name) if metric_name is not None else None
         kind = kind_of(payload)
+        if kind.name not in self.ctx.store.kinds:
+            raise InvalidArgumentError(
+                f"stream {stream!r}: a {kind.name!r} payload cannot be saved to "
+                f"{self.ctx.save_dir} (this store holds {sorted(self.ctx.store.kinds)} payloads)"
+            )
         row = ledger_rows.add_pending(
             session, self.ctx.run_id, self.ctx.attempt_id, stream, step, metric, values
         )
@@ -255,6 +265,8 @@ class Publisher:
         self, session: Any, stream: str, step: int, suffix: str, row_id: int
     ) -> tuple[str, str]:
         """Final and temporary name in ckptdb's naming (versioned if the name is taken)."""
+        if not self.ctx.store.renames:
+            return self._unique_name(stream, step, suffix, row_id)
         name = checkpoint_name(step, suffix=suffix)
         rel = f"{stream}/{name}"
         in_use = ledger_rows.path_in_use(session, self.ctx.run_id, rel, stream=stream, step=step)
@@ -262,6 +274,18 @@ class Publisher:
             name = checkpoint_name(step, version=row_id, suffix=suffix)
             rel = f"{stream}/{name}"
         return rel, f"{stream}/{temp_name(name, row_id)}"
+
+    def _unique_name(self, stream: str, step: int, suffix: str, row_id: int) -> tuple[str, str]:
+        """A store without rename writes in place, under a name no other row uses: the
+        row id is in it, and the temporary name is the final one. A name already
+        taken belongs to another ledger writing under the same prefix: refused."""
+        rel = f"{stream}/{checkpoint_name(step, version=row_id, suffix=suffix)}"
+        if self.ctx.store.exists(rel):
+            raise InvalidArgumentError(
+                f"stream {stream!r}: {self.ctx.save_dir / rel} exists but no row of this "
+                "ledger owns it: another ledger writes under the same prefix"
+            )
+        return rel, rel
 
     def _check_free(self, session: Any, stream: str, name: str) -> None:
         """A framework's name is used as given, never versioned by us and never

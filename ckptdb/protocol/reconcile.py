@@ -38,7 +38,7 @@ from ..ledger import Ledger, pins
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
 from ..ledger.follow import notify_commit
-from ..storage.base import PayloadStore
+from ..storage.base import LOST, Finding, PayloadStore
 from ..storage.naming import is_own_name
 
 log = logging.getLogger("ckptdb.reconcile")  # the name users configure (kept across moves)
@@ -56,6 +56,9 @@ class Action:
     detail: str = ""
     checkpoint_id: int | None = None
     step: int | None = None
+    #: A quarantined payload left where it is (a store without rename): remembered
+    #: in its event, so the next reconcile does not report it again.
+    in_place: bool = False
 
     def __str__(self) -> str:
         return f"{self.kind:<12} {self.path}" + (f"  ({self.detail})" if self.detail else "")
@@ -102,6 +105,7 @@ class Reconciler:
         self.db, self.run_id, self.attempt_id = db, run_id, attempt_id
         self.root, self.store = root, store
         self._pinned: set[int] = set()
+        self._aborted: set[str] = set()  # (no rename) names of rolled-back rows
 
     def run(
         self,
@@ -121,6 +125,9 @@ class Reconciler:
             streams = ledger_rows.stream_names(session, self.run_id)
             kept = ledger_rows.kept_on_disk(session, self.run_id)
             self._pinned = pins.live_pinned(session, self.run_id, m.utcnow())
+            if not self.store.renames:
+                kept |= ledger_rows.quarantined_in_place(session, self.run_id)
+                self._aborted = ledger_rows.paths_in_state(session, self.run_id, (m.ABORTED,))
         plan = _Plan()
         keep_paths: set[str] = set(kept)  # protected files stay where they are
         with self.store.memoized():  # each stream directory is resolved once per pass
@@ -154,7 +161,7 @@ class Reconciler:
         if row.tmp_path:
             keep.add(row.tmp_path)
         if row.state == m.PENDING:
-            doomed = [row.tmp_path, row.path]
+            doomed = list(dict.fromkeys([row.tmp_path, row.path]))  # one name without rename
             if not is_own_name(row.path) and row.tmp_path and self.store.exists(row.tmp_path):
                 # a framework's name not yet placed onto: what is there is not ours
                 doomed = [row.tmp_path]
@@ -174,12 +181,20 @@ class Reconciler:
                 )
         elif row.state == m.COMMITTED:
             finding = self.store.verify(row.path, row.size, row.hash, full=verify)
-            if finding is not None:
+            if finding is not None and self._unsure(finding):
+                report.actions.append(Action("failed", row.path, finding.detail, row.id, row.step))
+            elif finding is not None:
                 plan.state[row.id] = finding.state
                 plan.errors[row.id] = finding.detail
                 report.actions.append(
                     Action(finding.state, row.path, finding.detail, row.id, row.step)
                 )
+
+    def _unsure(self, finding: Finding) -> bool:
+        """An object that could not be read (a store error after retries) is not known to
+        be lost: reported, the row left as it is. (A local file that cannot be read is
+        lost: its bytes cannot be had.)"""
+        return not self.store.renames and finding.state == LOST and not finding.missing
 
     def _remove(
         self, row: Any, paths: list[str | None], report: ReconcileReport, dry_run: bool
@@ -202,8 +217,15 @@ class Reconciler:
             rel = found.rel
             if rel in keep:
                 continue
-            if found.role == "temp":
-                self._act(report, "removed_temp", rel, dry_run, lambda r=rel: self.store.remove(r))
+            if found.role == "temp" or rel in self._aborted:
+                detail = "no ledger row" if found.role == "temp" else "of a rolled-back row"
+                self._act(
+                    report, "removed_temp", rel, dry_run, lambda r=rel: self.store.remove(r), detail
+                )
+            elif not self.store.renames:  # no move: left in place, and remembered
+                report.actions.append(
+                    Action("quarantined", rel, "no ledger row; left in place", in_place=True)
+                )
             else:
                 quarantine = self.root / QUARANTINE_NAME / found.stream
                 self._act(
@@ -215,9 +237,14 @@ class Reconciler:
                 )
 
     def _act(
-        self, report: ReconcileReport, kind: str, rel: str, dry_run: bool, work: object
+        self,
+        report: ReconcileReport,
+        kind: str,
+        rel: str,
+        dry_run: bool,
+        work: object,
+        detail: str = "no ledger row",
     ) -> None:
-        detail = "no ledger row"
         if not dry_run:
             try:
                 result = work()  # type: ignore[operator]
@@ -256,7 +283,7 @@ class Reconciler:
                     action.kind,
                     checkpoint_id=action.checkpoint_id,
                     step=action.step,
-                    detail={"path": action.path, "detail": action.detail, "reconcile": True},
+                    detail=_event_detail(action),
                 )
         for action in report.actions:
             log.info("ckptdb reconcile: %s", action)
@@ -273,3 +300,10 @@ class Reconciler:
                     report.actions.append(
                         Action("repointed", f"latest:{stream}", f"{old} -> {new}")
                     )
+
+
+def _event_detail(action: Action) -> dict[str, object]:
+    detail: dict[str, object] = {"path": action.path, "detail": action.detail, "reconcile": True}
+    if action.in_place:
+        detail["in_place"] = True
+    return detail

@@ -20,8 +20,12 @@ Reconcile lists what is ours (:meth:`~PayloadStore.list_ours`), removes
 temporaries and quarantines unowned checkpoints.
 
 The local POSIX filesystem (:class:`~ckptdb.storage.local.LocalStore`) is the
-first implementation; an object store is a second one, and a payload kind
-(:mod:`ckptdb.storage.kinds`) never needs to know which one it writes to.
+first implementation; object storage (:class:`~ckptdb.storage.s3.S3Store`)
+the second, and a payload kind (:mod:`ckptdb.storage.kinds`) never needs to
+know which one it writes to. A store without rename (``renames`` False) has
+the protocol name the temporary object with its final name, a name unique to
+its row: ``place`` then moves nothing, and the ledger row alone decides
+visibility.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, BinaryIO, Literal, Protocol
 
 from .files import FileInfo
 
@@ -71,6 +75,12 @@ class Found:
 
 class PayloadStore(Protocol):
     """Where one run's payloads live (see the module docstring for the call order)."""
+
+    #: False: no atomic rename; a payload is written directly under its final
+    #: name, which the protocol makes unique to its row (object storage).
+    renames: bool
+    #: The names of the payload kinds this store can hold (the others are refused).
+    kinds: frozenset[str]
 
     @property
     def location(self) -> Path:
@@ -114,6 +124,10 @@ class PayloadStore(Protocol):
         self, rel: str, size: int | None, digest: str | None, *, full: bool
     ) -> Finding | None:
         """Check a payload against its row: size always, the hash too with ``full``."""
+
+    def open_verified(self, rel: str) -> BinaryIO | None:
+        """The bytes the last full :meth:`verify` of ``rel`` hashed, when the store keeps
+        them (object storage: one GET serves both); None: read :meth:`local_path`."""
 
     def local_path(self, rel: str) -> Path:
         """A confined local path to read ``rel`` from (refused if ``rel`` escapes the store)."""

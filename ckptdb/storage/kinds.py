@@ -115,6 +115,9 @@ class TorchFile:
         into: dict[str, Any] | None,
         group: Any,
     ) -> Any:
+        verified = store.open_verified(rel)  # object storage: the bytes just hashed
+        if verified is not None:
+            return torch.load(verified, map_location=map_location, weights_only=weights_only)
         # torch's own reader on a path is ~3x faster than through a Python file
         # object; the file is ours, confined to the save dir, verified just now.
         path = store.local_path(rel)
@@ -126,6 +129,10 @@ class TorchFile:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
 
     def check_loadable(self, store: PayloadStore, rel: str) -> None:
+        verified = store.open_verified(rel)
+        if verified is not None:
+            torch.load(verified, map_location="cpu", weights_only=True)
+            return
         path = store.local_path(rel)
         if not path.is_dir():  # a framework's directory: only its size and hash are ours
             torch.load(path, map_location="cpu", weights_only=True)

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import ForeignEntryError, InvalidArgumentError, PhaseError
 from ..policies import STREAM_NAME
@@ -24,6 +24,9 @@ from .naming import CHECKPOINT_NAME, SHARDED_SUFFIX, TEMP_NAME
 
 class LocalStore:
     """Payloads in ``<save_dir>/<stream>/``, as files or DCP directories."""
+
+    renames = True
+    kinds = frozenset({"torch", "dcp", "external"})
 
     def __init__(self, save_dir: Path) -> None:
         self.save_dir = save_dir
@@ -40,6 +43,10 @@ class LocalStore:
 
     def local_path(self, rel: str) -> Path:
         return self.path(rel)
+
+    def open_verified(self, rel: str) -> BinaryIO | None:
+        """None: torch reads the (confined, just verified) file by its path, ~3x faster."""
+        return None
 
     def memoized(self) -> AbstractContextManager[Any]:
         """A pass over many rows: directory resolutions are cached until it ends."""

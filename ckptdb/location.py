@@ -1,0 +1,122 @@
+"""Where a run's payloads live: a local directory, or an ``s3://bucket/prefix`` URL.
+
+The ledger, the public records (``Checkpoint.path``) and the messages speak of
+payload locations as :class:`~pathlib.Path` values. An object-store location
+is an :class:`ObjectPath`: a ``Path`` whose ``str`` is the ``s3://`` URL, which
+joins and relativizes like any path, and which refuses to be opened as a
+local file (``os.fspath`` raises), so that no code can silently read or write
+a local file named ``s3:/bucket/...`` instead of the object.
+
+This module imports nothing of ckptdb: the ledger (which stores the URL as
+text) and the storage layer (which writes the objects) both build on it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path, PosixPath, PurePosixPath
+from typing import Any
+
+SCHEME = "s3://"
+
+
+class ObjectPath(PosixPath):
+    """An object key (or prefix) in a bucket, as a path: ``s3://bucket/prefix/name``.
+
+    Its first part is the scheme (``s3:``) and the second the bucket; ``str``
+    gives the URL back. It is absolute (nothing resolves it against a working
+    directory) and never a local file.
+    """
+
+    def __str__(self) -> str:
+        if not self._is_url():
+            return super().__str__()  # a part of one (``relative_to`` gives these)
+        return SCHEME + "/".join(self.parts[1:])
+
+    def _is_url(self) -> bool:
+        return bool(self.parts) and self.parts[0] == "s3:"
+
+    def __repr__(self) -> str:
+        return f"ObjectPath({str(self)!r})"
+
+    def __fspath__(self) -> str:
+        if not self._is_url():
+            return super().__str__()
+        raise TypeError(
+            f"{self} is an object in object storage, not a local file: read it through "
+            "ckptdb (mgr.load, RunReader.load)"
+        )
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ObjectPath) and str(self) == str(other)
+
+    def is_absolute(self) -> bool:
+        return self._is_url()
+
+    def resolve(self, strict: bool = False) -> ObjectPath:
+        return self
+
+    def absolute(self) -> ObjectPath:
+        return self
+
+    @property
+    def bucket(self) -> str:
+        return self.parts[1]
+
+    @property
+    def key(self) -> str:
+        """The key (or prefix) inside the bucket, without a trailing slash."""
+        return "/".join(self.parts[2:])
+
+
+def is_object_url(text: object) -> bool:
+    """Whether ``text`` (a string or a path) names an object-store location."""
+    return isinstance(text, ObjectPath) or (isinstance(text, str) and text.startswith(SCHEME))
+
+
+def object_path(url: str) -> ObjectPath:
+    """The :class:`ObjectPath` of ``s3://bucket[/prefix]``; ValueError if malformed.
+
+    A bucket is 3-63 lowercase letters, digits, dots and hyphens; the prefix
+    has no empty, ``.`` or ``..`` segment (the keys would not round-trip).
+    """
+    if not url.startswith(SCHEME):
+        raise ValueError(f"{url!r} is not an s3:// URL")
+    rest = url[len(SCHEME) :].rstrip("/")
+    bucket, _, prefix = rest.partition("/")
+    if not _valid_bucket(bucket):
+        raise ValueError(f"{url!r}: {bucket!r} is not a valid bucket name")
+    segments = prefix.split("/") if prefix else []
+    if any(s in ("", ".", "..") for s in segments):
+        raise ValueError(f"{url!r}: the prefix has an empty, '.' or '..' segment")
+    return ObjectPath("s3:", bucket, *segments)
+
+
+def _valid_bucket(name: str) -> bool:
+    allowed = set("abcdefghijklmnopqrstuvwxyz0123456789.-")
+    return 3 <= len(name) <= 63 and set(name) <= allowed and name[0].isalnum()
+
+
+def location_of(text: str) -> Path:
+    """A stored location (the ledger's text) as a path: an :class:`ObjectPath` or a local one."""
+    return object_path(text) if is_object_url(text) else Path(text)
+
+
+def relative_within(path: Any, base: Path) -> str | None:
+    """``path`` relative to ``base`` (posix), or None when it is not inside it.
+
+    Local paths are resolved against the working directory first; an object
+    path is compared as it is (a URL never resolves to a local file).
+    """
+    if isinstance(base, ObjectPath) or is_object_url(path) or isinstance(path, ObjectPath):
+        text = str(path)
+        prefix = str(base) + "/"
+        return text[len(prefix) :] if text.startswith(prefix) else None
+    resolved = (Path.cwd() / Path(os.fspath(path))).resolve()
+    base_resolved = base.resolve()
+    if not resolved.is_relative_to(base_resolved):
+        return None
+    return PurePosixPath(resolved.relative_to(base_resolved)).as_posix()

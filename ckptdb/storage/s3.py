@@ -1,0 +1,326 @@
+"""The payload store on S3 and S3-compatible object storage: the second implementation.
+
+Object storage has no rename, so nothing is renamed: a payload is written
+directly under its final key, which is unique to its ledger row
+(``<prefix>/<stream>/step-<step>.v<row id>.pt``) and never reused, and the
+ledger row is the commit marker. The seam's steps map as follows:
+
+1. ``prepare_stream``: nothing (a key needs no directory);
+2. ``write_object``: stream ``torch.save`` into a multipart upload
+   (:mod:`~ckptdb.storage.s3upload`), completed with ``If-None-Match: *``
+   and HEAD-verified; any failure aborts the upload;
+3. ``place`` / ``sync_placed``: nothing: the temporary and the final name
+   are the same key, and a completed object is already durable;
+4. ``remove``: ``DeleteObject`` (idempotent), after aborting any upload of
+   the key still in progress.
+
+Reads: ``verify`` HEADs the object (size), or with ``full`` GETs it once and
+hashes it; the verified bytes are what :meth:`S3Store.open_verified`
+hands to ``torch.load``, so what is unpickled is exactly what was hashed.
+Reconcile lists the prefix and the multipart uploads in progress; a
+checkpoint in our naming that no row owns cannot be moved aside (a move is a
+copy and a delete), so ``quarantine`` leaves it where it is.
+Only ``torch.save`` payloads are stored here for now: sharded (DCP) and
+external payloads are refused with :class:`~ckptdb.errors.InvalidArgumentError`.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import xxhash
+
+from ..errors import InvalidArgumentError, ObjectStoreError, PhaseError
+from ..location import ObjectPath
+from ..policies import STREAM_NAME
+from .base import CORRUPT, LOST, Finding, Found
+from .files import FileInfo, _in_chain
+from .naming import CHECKPOINT_NAME
+from .s3client import Calls, S3Options, is_missing, probe_conditional_writes, store_error
+from .s3upload import ObjectWriter
+
+READ_CHUNK = 8 << 20
+
+
+class S3Store:
+    """Payloads under ``s3://bucket/prefix/<stream>/`` (see the module docstring)."""
+
+    #: No rename: a payload is written under its final key (the protocol names it so).
+    renames = False
+    #: Payload kinds this store holds.
+    kinds = frozenset({"torch"})
+
+    def __init__(self, location: ObjectPath, options: S3Options, *, probe: bool = True) -> None:
+        self._location = location
+        self.bucket, self.prefix = location.bucket, location.key
+        self.calls = Calls(options)
+        self._uploads: dict[str, list[str]] | None = None  # one pass's listing (reconcile)
+        self._unaborted: dict[str, list[str]] = {}  # uploads whose abort failed
+        self._foreign: set[str] = set()  # keys a conditional write found taken
+        self._verified: tuple[str, bytes] | None = None  # the last full verify's bytes
+        if probe and options.require_conditional_writes:
+            probe_conditional_writes(self.calls, self.bucket, self.prefix)
+
+    def __repr__(self) -> str:
+        return f"S3Store({str(self._location)!r})"
+
+    @property
+    def location(self) -> Path:
+        return self._location
+
+    def key(self, rel: str) -> str:
+        """The key of ``rel``; refused unless it is ``<segment>/...`` with plain segments."""
+        segments = rel.split("/")
+        if any(s in ("", ".", "..") for s in segments):
+            raise InvalidArgumentError(f"{rel!r} is not a name inside {self._location}")
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+    def local_path(self, rel: str) -> Path:
+        """The object's location (an :class:`ObjectPath`, never a local file)."""
+        self.key(rel)
+        return self._location / rel
+
+    def memoized(self) -> AbstractContextManager[Any]:
+        """A pass (reconcile): the uploads in progress are listed once, at its start."""
+        return _Pass(self)
+
+    # ------------------------------------------------------------------ writing
+
+    def prepare_stream(self, stream: str) -> None:
+        """Nothing to prepare: a key needs no directory."""
+
+    def prepare_parent(self, rel: str) -> None:
+        raise _unsupported("an External payload (a framework's own writer)")
+
+    def make_temp_dir(self, rel: str) -> None:
+        raise _unsupported("a sharded (torch.distributed.checkpoint) payload")
+
+    def dcp_writer(self, rel: str) -> Any:
+        raise _unsupported("a sharded (torch.distributed.checkpoint) payload")
+
+    def dcp_reader(self, rel: str) -> Any:
+        raise _unsupported("a sharded (torch.distributed.checkpoint) payload")
+
+    def seal(self, rel: str) -> FileInfo:
+        raise _unsupported("a sharded (torch.distributed.checkpoint) payload")
+
+    def seal_written(self, rel: str) -> FileInfo:
+        raise _unsupported("an External payload (a framework's own writer)")
+
+    def exists(self, rel: str) -> bool:
+        key = self.key(rel)
+        try:
+            self.calls("head_object", Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            if is_missing(exc):
+                return False
+            raise store_error("HeadObject", self._url(key), exc) from exc
+        return True
+
+    def write_object(self, rel: str, serialize: Callable[[Any], object]) -> FileInfo:
+        """``serialize(writer)`` into a new object at ``rel``, completed only if all went well.
+
+        Raises :class:`PhaseError` naming ``write`` (serialization or a part),
+        ``complete`` or ``verify`` (the HEAD after it); an interrupt propagates
+        as itself. The upload is aborted first in every case.
+        """
+        writer = ObjectWriter(self.calls, self.bucket, self.key(rel))
+        try:
+            serialize(writer)
+            return writer.finish()
+        except BaseException as exc:
+            self._abandon(writer)
+            interrupt = _in_chain(exc, lambda e: not isinstance(e, Exception))
+            if interrupt is not None:
+                raise interrupt from None  # Ctrl-C stays Ctrl-C, not a write error
+            cause = _in_chain(exc, lambda e: isinstance(e, OSError)) or exc
+            raise PhaseError(writer.phase, self.local_path(rel), cause) from cause
+
+    def _abandon(self, writer: ObjectWriter) -> None:
+        """Abort the upload; an abort that fails is remembered for :meth:`remove`."""
+        if writer.conflict:
+            self._foreign.add(writer.key)  # someone else's object: never removed by us
+        upload_id = writer.upload_id
+        try:
+            writer.abort()
+        except ObjectStoreError:
+            assert upload_id is not None
+            self._unaborted.setdefault(writer.key, []).append(upload_id)
+
+    def place(self, tmp: str, final: str) -> None:
+        """Nothing to move: the object was written under its final key."""
+        if tmp != final:
+            raise InvalidArgumentError(f"object storage cannot rename {tmp} to {final}")
+
+    def sync_placed(self, finals: list[str]) -> None:
+        """Nothing to sync: a completed object is durable (and was HEAD-verified)."""
+
+    # ------------------------------------------------------------------ reading
+
+    def verify(
+        self, rel: str, size: int | None, digest: str | None, *, full: bool
+    ) -> Finding | None:
+        """HEAD (size), or with ``full`` one GET, hashed before anything reads it (size and hash).
+
+        404: ``lost`` (missing). Any other failure to read: ``lost``, not
+        missing (unreadable now is not gone). A size or hash that differs: ``corrupt``.
+        """
+        self._verified = None
+        key = self.key(rel)
+        try:
+            actual, data = self._fetch(key, size) if full else (self._head_size(key), None)
+        except ObjectStoreError as exc:
+            if is_missing(exc.__cause__ or exc):
+                return Finding(LOST, "object missing", missing=True, error=exc)
+            return Finding(LOST, f"unreadable: {exc}", error=exc)
+        if actual.size != size:
+            return Finding(CORRUPT, f"size {actual.size} != recorded {size}", actual)
+        if full and actual.hash != digest:
+            return Finding(CORRUPT, f"hash {actual.hash} != recorded {digest}", actual)
+        if data is not None:
+            self._verified = (rel, data)
+        return None
+
+    def _head_size(self, key: str) -> FileInfo:
+        try:
+            head = self.calls("head_object", Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            raise store_error("HeadObject", self._url(key), exc) from exc
+        return FileInfo(int(head["ContentLength"]), "")
+
+    def _fetch(self, key: str, expected: int | None) -> tuple[FileInfo, bytes]:
+        """The whole object, at most the recorded size plus one byte kept in memory (in
+        one read: a third faster than chunked reads); bytes beyond it are streamed,
+        counted and hashed, not kept (the size check fails anyway)."""
+        digest, extra = xxhash.xxh3_128(), 0
+        try:
+            body = self.calls("get_object", Bucket=self.bucket, Key=key)["Body"]
+            data = body.read((expected or 0) + 1)
+            digest.update(data)
+            for chunk in body.iter_chunks(READ_CHUNK) if len(data) > (expected or 0) else ():
+                digest.update(chunk)
+                extra += len(chunk)
+        except Exception as exc:
+            raise store_error("GetObject", self._url(key), exc) from exc
+        return FileInfo(len(data) + extra, digest.hexdigest()), data
+
+    def open_verified(self, rel: str) -> BinaryIO | None:
+        """The bytes the last full :meth:`verify` of ``rel`` hashed (read once, then dropped)."""
+        held, self._verified = self._verified, None
+        if held is None or held[0] != rel:
+            raise InvalidArgumentError(f"{rel} was not verified just before it was read")
+        return io.BytesIO(held[1])  # shares the bytes, no copy
+
+    def list_ours(self) -> Iterator[Found]:
+        """Objects in our naming under the prefix, then uploads in progress of keys
+        in our naming that have no object (``temp``). Anything else is foreign."""
+        seen: set[str] = set()
+        found = []
+        for key in self._list_keys():
+            entry = self._ours(key)
+            if entry is not None:
+                seen.add(entry.rel)
+                found.append(entry)
+        for key in self._list_uploads():
+            entry = self._ours(key, "temp")
+            if entry is not None and entry.rel not in seen:
+                seen.add(entry.rel)
+                found.append(entry)
+        yield from sorted(found, key=lambda f: (f.stream, f.name))
+
+    def _ours(self, key: str, role: str = "checkpoint") -> Found | None:
+        head = f"{self.prefix}/" if self.prefix else ""
+        if not key.startswith(head):
+            return None
+        stream, _, name = key[len(head) :].partition("/")
+        if not STREAM_NAME.fullmatch(stream) or stream.startswith("ckptdb."):
+            return None
+        if not CHECKPOINT_NAME.fullmatch(name):
+            return None
+        return Found(stream, name, "temp" if role == "temp" else "checkpoint")
+
+    def _list_keys(self) -> Iterator[str]:
+        head = f"{self.prefix}/" if self.prefix else ""
+        try:
+            pages = self.calls.client.get_paginator("list_objects_v2")
+            for page in pages.paginate(Bucket=self.bucket, Prefix=head):
+                yield from (o["Key"] for o in page.get("Contents", []))
+        except Exception as exc:
+            raise store_error("ListObjectsV2", self._url(head), exc) from exc
+
+    def _list_uploads(self) -> dict[str, list[str]]:
+        if self._uploads is not None:
+            return self._uploads
+        head = f"{self.prefix}/" if self.prefix else ""
+        uploads: dict[str, list[str]] = {}
+        try:
+            pages = self.calls.client.get_paginator("list_multipart_uploads")
+            for page in pages.paginate(Bucket=self.bucket, Prefix=head):
+                for upload in page.get("Uploads", []):
+                    uploads.setdefault(upload["Key"], []).append(upload["UploadId"])
+        except Exception as exc:
+            raise store_error("ListMultipartUploads", self._url(head), exc) from exc
+        return uploads
+
+    # ------------------------------------------------------------------ removing
+
+    def remove(self, rel: str) -> bool:
+        """Abort the key's uploads in progress (as far as known), then delete the object.
+
+        Idempotent; returns True (``DeleteObject`` does not say whether the
+        object existed). A key found taken by someone else is never removed.
+        """
+        key = self.key(rel)
+        if key in self._foreign:
+            return False
+        known = [*self._unaborted.get(key, []), *(self._uploads or {}).get(key, [])]
+        for upload_id in known:
+            self._abort(key, upload_id)
+        self._unaborted.pop(key, None)
+        try:
+            self.calls("delete_object", Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            raise store_error("DeleteObject", self._url(key), exc) from exc
+        return True
+
+    def _abort(self, key: str, upload_id: str) -> None:
+        try:
+            self.calls("abort_multipart_upload", Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except Exception as exc:
+            if not is_missing(exc):
+                raise store_error("AbortMultipartUpload", self._url(key), exc) from exc
+
+    def move_in(self, source: Path, rel: str) -> Callable[[], None]:
+        """Adopting local files into object storage would be an upload, not a move."""
+        raise _unsupported(f"adopting {source} with --move")
+
+    def quarantine(self, rel: str, into: Path) -> Path:
+        """Leave the object where it is (a move would be a copy and a delete); its location."""
+        return self.local_path(rel)
+
+    def _url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+
+def _unsupported(what: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{what} cannot be saved to object storage yet: use a local save_dir for it"
+    )
+
+
+class _Pass:
+    def __init__(self, store: S3Store) -> None:
+        self.store = store
+
+    def __enter__(self) -> S3Store:
+        self.store._uploads = None
+        self.store._uploads = self.store._list_uploads()
+        return self.store
+
+    def __exit__(self, *exc: object) -> None:
+        self.store._uploads = None
+        self.store._verified = None

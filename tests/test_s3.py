@@ -1,0 +1,647 @@
+"""Checkpoints on object storage, against a real S3-compatible server (SeaweedFS).
+
+The server is started once per session (``s3_server``, see ``s3lib``); each
+test writes under a prefix of its own, with the credentials, region and
+endpoint taken from the environment (the standard AWS chain). Faults are
+injected through botocore's event hooks on the clients ckptdb makes
+(``s3client.set_client_hook``): an error response instead of sending the
+request, a retry forced after a response that succeeded (a lost response),
+a body whose bits flip on the way in, a header stripped (a store that
+ignores conditional writes). Everything else is the real server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import s3lib
+import torch
+import xxhash
+from botocore.awsrequest import AWSResponse
+from crashlib import (
+    Boundary,
+    Reference,
+    fork_running,
+    ledger_rows,
+    policies,
+    tail,
+    wait_child,
+)
+from helpers import LedgerClient, state
+from test_crash import SWEEP, WARMUP, absorb, assert_recovers, crash, spec
+
+from ckptdb import CheckpointManager, Keep, RunReader, Sharded, faults
+from ckptdb.errors import (
+    ConditionalWritesUnsupportedError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    LedgerLockedError,
+    ObjectStoreError,
+    PublishError,
+)
+from ckptdb.location import ObjectPath
+from ckptdb.storage import s3client
+
+MiB = 1 << 20
+PART = 5 * MiB  # the smallest part size S3 allows: big payloads take several parts
+
+
+def big_state(value: float, mib: int = 12) -> dict[str, Any]:
+    """A payload of about ``mib`` MiB: several 5 MiB parts."""
+    return {"w": torch.full((mib * MiB // 4,), float(value)), "tag": value}
+
+
+def rows(db: LedgerClient) -> list[tuple[Any, ...]]:
+    return db.rows("SELECT id, stream, step, state, path FROM checkpoints ORDER BY id")
+
+
+@pytest.fixture
+def client(s3_env: s3lib.S3Server) -> Any:
+    return s3_env.client()
+
+
+@pytest.fixture
+def hooks() -> Iterator[list[Callable[[Any], None]]]:
+    """Install botocore event handlers on every client ckptdb makes (append to the list)."""
+    installed: list[Callable[[Any], None]] = []
+
+    def hook(client: Any) -> None:
+        for install in installed:
+            install(client)
+
+    previous = s3client.set_client_hook(hook)
+    yield installed
+    s3client.set_client_hook(previous)
+
+
+@pytest.fixture
+def open_s3(
+    root: Path, s3_url: str, open_manager: Callable[..., CheckpointManager]
+) -> Callable[..., CheckpointManager]:
+    """Open a manager on ``root`` saving to this test's prefix (small parts)."""
+
+    def factory(**kwargs: Any) -> CheckpointManager:
+        kwargs.setdefault("save_dir", s3_url)
+        kwargs.setdefault("storage_options", {"part_size": PART})
+        kwargs.setdefault("streams", {"model": Keep(last=2)})
+        return open_manager(**kwargs)
+
+    return factory
+
+
+# --------------------------------------------------------------- fault injection
+
+
+class _Raw:
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def stream(self, **_: Any) -> Iterator[bytes]:
+        yield self.body
+
+
+def error_response(request: Any, status: int, code: str) -> AWSResponse:
+    body = f"<Error><Code>{code}</Code><Message>injected {code}</Message></Error>".encode()
+    headers = {"Content-Type": "application/xml", "Content-Length": str(len(body))}
+    return AWSResponse(request.url, status, headers, _Raw(body))
+
+
+def fail(operation: str, status: int, code: str, times: int, seen: list[str]) -> Any:
+    """An installer: the first ``times`` ``operation`` requests get an error response."""
+
+    def install(client: Any) -> None:
+        def before_send(request: Any, **_: Any) -> AWSResponse | None:
+            if len(seen) < times:
+                seen.append(code)
+                return error_response(request, status, code)
+            return None
+
+        client.meta.events.register(f"before-send.s3.{operation}", before_send)
+
+    return install
+
+
+class FlippingBody:
+    """A response body whose first byte at ``offset`` arrives with one bit flipped."""
+
+    def __init__(self, inner: Any, offset: int) -> None:
+        self.inner, self.offset, self.position = inner, offset, 0
+
+    def _flipped(self, chunk: bytes) -> bytes:
+        start, self.position = self.position, self.position + len(chunk)
+        if not start <= self.offset < self.position:
+            return chunk
+        data = bytearray(chunk)
+        data[self.offset - start] ^= 0x10
+        return bytes(data)
+
+    def read(self, amount: int | None = None) -> bytes:
+        return self._flipped(self.inner.read(amount))
+
+    def iter_chunks(self, size: int) -> Iterator[bytes]:
+        for chunk in self.inner.iter_chunks(size):
+            yield self._flipped(chunk)
+
+
+# ------------------------------------------------------------------ round trips
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mib", [0, 12], ids=["one_put", "multipart"])
+def test_save_latest_load_round_trip(
+    open_s3: Callable[..., CheckpointManager], client: Any, s3_url: str, mib: int
+) -> None:
+    payload = big_state(3.0, mib) if mib else state(3.0)
+    mgr = open_s3()
+    out = mgr.save(10, model=payload)["model"]
+    latest = mgr.latest()
+    assert latest is not None and latest.id == out.id
+    assert isinstance(out.path, ObjectPath) and str(out.path).startswith(s3_url + "/model/")
+    assert out.path.name == f"step-000000010.v{out.id}.pt"  # unique to the row
+    # the row's size and hash are the object's, as a local file's would be
+    stored = client.get_object(Bucket=s3lib.BUCKET, Key=f"{out.path.key}")["Body"].read()
+    assert (len(stored), xxhash.xxh3_128(stored).hexdigest()) == (out.size, out.hash)
+    loaded = mgr.load("latest")
+    assert torch.equal(loaded["w"], payload["w"])
+    assert mgr.load(out)["w"].shape == payload["w"].shape  # by record too
+    assert s3lib.uploads_under(client, s3_url) == []
+    assert mgr.check(load=True) == []
+    with RunReader(mgr.root) as reader:  # a follower, without the writer lock
+        assert torch.equal(reader.load("latest")["w"], payload["w"])
+    mgr.close()
+    again = open_s3()
+    assert again.last_reconcile.actions == []
+    assert again.save_dir == ObjectPath("s3:", *s3_url[len("s3://") :].split("/"))
+
+
+@pytest.mark.timeout(60)
+def test_evicted_objects_are_deleted_after_the_commit(
+    open_s3: Callable[..., CheckpointManager], client: Any, s3_url: str, db: LedgerClient
+) -> None:
+    mgr = open_s3(streams={"model": Keep(last=1)})
+    first = mgr.save(1, model=state(1.0))["model"]
+    second = mgr.save(2, model=state(2.0))["model"]
+    assert s3lib.keys_under(client, s3_url) == [second.path.key]  # type: ignore[attr-defined]
+    assert [(r[0], r[3]) for r in rows(db)] == [(first.id, "deleted"), (second.id, "committed")]
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_is_refused_and_nothing_is_recorded(
+    open_s3: Callable[..., CheckpointManager],
+    root: Path,
+    s3_url: str,
+    db: LedgerClient,
+    client: Any,
+) -> None:
+    for save_dir, options in [
+        ("s3://Bad_Bucket/x", None),
+        ("s3://ckpt//x", None),
+        (s3_url, {"no_such_option": 1}),
+        (s3_url, {"part_size": 1024}),
+        (s3_url, {"checksum": "md5"}),
+        (s3_url, {"require_conditional_writes": "no"}),
+        (s3_url, {"aws_secret_access_key": "a secret without its key id"}),
+        (str(root / "local"), {"endpoint_url": "http://x"}),
+    ]:
+        with pytest.raises(InvalidArgumentError):
+            CheckpointManager(root, save_dir=save_dir, storage_options=options)
+    assert not root.exists()
+    mgr = open_s3(streams={"model": Keep(last=2), "shards": Keep(last=1)})
+    for bad in [{"shards": Sharded({"w": torch.ones(2)})}]:
+        with pytest.raises(InvalidArgumentError, match="cannot be saved"):
+            mgr.save(5, model=state(1.0), **bad)
+    assert rows(db) == []
+    assert s3lib.keys_under(client, s3_url) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mib", [0, 12], ids=["one_put", "multipart"])
+def test_an_object_that_appears_before_the_completion_is_never_overwritten(
+    open_s3: Callable[..., CheckpointManager], client: Any, db: LedgerClient, mib: int
+) -> None:
+    """Someone else's object appears under the key between the intent's check and
+    the completion: the completion (If-None-Match: *) fails, the boundary rolls back,
+    and that object is neither overwritten nor removed."""
+    mgr = open_s3()
+    payload = big_state(1.0, mib) if mib else state(1.0)
+    planted: list[str] = []
+
+    def plant(name: str) -> None:
+        if name == "s3_before_complete":
+            (path,) = db.rows("SELECT path FROM checkpoints WHERE state = 'pending'")[0]
+            key = f"{mgr.save_dir.key}/{path}"  # type: ignore[attr-defined]
+            client.put_object(Bucket=s3lib.BUCKET, Key=key, Body=b"not ours")
+            planted.append(key)
+
+    previous = faults.set_hook(plant)
+    try:
+        with pytest.raises(PublishError) as raised:
+            mgr.save(1, model=payload)
+    finally:
+        faults.set_hook(previous)
+    assert raised.value.phase == "complete" and "PreconditionFailed" in str(raised.value)
+    body = client.get_object(Bucket=s3lib.BUCKET, Key=planted[0])["Body"].read()
+    assert body == b"not ours"
+    assert [r[3] for r in rows(db)] == ["aborted"]
+    assert mgr.latest() is None
+
+
+@pytest.mark.timeout(60)
+def test_a_key_taken_before_the_intent_is_refused(
+    open_s3: Callable[..., CheckpointManager], client: Any, db: LedgerClient, s3_url: str
+) -> None:
+    """Another ledger writing under the same prefix: the key the next row would use
+    exists, so the boundary is refused as bad input and nothing is recorded."""
+    mgr = open_s3()
+    mgr.save(1, model=state(1.0))
+    taken = put(client, s3_url, "model/step-000000002.v2.pt", b"another ledger's")
+    with pytest.raises(InvalidArgumentError, match="another ledger"):
+        mgr.save(2, model=state(2.0))
+    assert [r[3] for r in rows(db)] == ["committed"]
+    assert client.get_object(Bucket=s3lib.BUCKET, Key=taken)["Body"].read() == b"another ledger's"
+
+
+# ------------------------------------------------------------------ reconcile
+
+
+def put(client: Any, url: str, rel: str, body: bytes = b"x") -> str:
+    key = f"{url.split('/', 3)[3]}/{rel}"
+    client.put_object(Bucket=s3lib.BUCKET, Key=key, Body=body)
+    return key
+
+
+@pytest.mark.timeout(90)
+def test_reconcile_on_object_storage(
+    open_s3: Callable[..., CheckpointManager], client: Any, s3_url: str, db: LedgerClient
+) -> None:
+    """Orphans in our naming stay (recorded once), objects of rolled-back rows and
+    uploads nobody owns go, a vanished committed object is lost (by HEAD), foreign
+    keys are never touched, and a second reconcile does nothing."""
+    mgr = open_s3(streams={"model": Keep(last=3)})
+    kept = mgr.save(1, model=state(1.0))["model"]
+    gone = mgr.save(2, model=state(2.0))["model"]
+    with pytest.raises(PublishError), _failing_save(mgr):  # an aborted row (object planted)
+        mgr.save(3, model=state(3.0))
+    aborted = db.rows("SELECT path FROM checkpoints WHERE state = 'aborted'")[0][0]
+    mgr.close()
+    foreign = [put(client, s3_url, rel) for rel in ("notes.txt", "model/step-1.pt", "x/y/z")]
+    orphan = put(client, s3_url, "model/step-000000099.v999.pt")
+    put(client, s3_url, aborted)
+    upload_key = f"{s3_url.split('/', 3)[3]}/model/step-000000098.v998.pt"
+    client.create_multipart_upload(Bucket=s3lib.BUCKET, Key=upload_key)
+    client.delete_object(Bucket=s3lib.BUCKET, Key=gone.path.key)  # type: ignore[attr-defined]
+
+    mgr = open_s3(streams={"model": Keep(last=3)})
+    report = mgr.last_reconcile
+    assert report.counts == {"lost": 1, "quarantined": 1, "removed_temp": 2, "repointed": 1}
+    state_of = {r[0]: r[3] for r in rows(db)}
+    assert state_of[gone.id] == "lost" and state_of[kept.id] == "committed"
+    latest = mgr.latest()
+    assert latest is not None and latest.id == kept.id
+    keys = s3lib.keys_under(client, s3_url)
+    assert set(foreign) <= set(keys) and orphan in keys  # left where they are
+    assert f"{s3_url.split('/', 3)[3]}/{aborted}" not in keys
+    assert s3lib.uploads_under(client, s3_url) == []
+    assert mgr.reconcile().actions == []
+    assert mgr.check() == []
+
+
+class _failing_save:
+    """Every CompleteMultipartUpload/PutObject of the store fails with a 400."""
+
+    def __init__(self, mgr: CheckpointManager) -> None:
+        self.events = mgr._ctx.store.calls.client.meta.events  # type: ignore[attr-defined]
+
+    def _fail(self, request: Any, **_: Any) -> AWSResponse:
+        return error_response(request, 400, "InvalidRequest")
+
+    def __enter__(self) -> None:
+        self.events.register("before-send.s3.PutObject", self._fail, unique_id="fail-put")
+
+    def __exit__(self, *exc: object) -> None:
+        self.events.unregister("before-send.s3.PutObject", unique_id="fail-put")
+
+
+# ------------------------------------------------------------------ crashes
+
+S3_POINTS = [p for p in faults.POINTS if p != "mid_reconcile"]
+S3_POINTS += ["s3_before_complete", "s3_after_complete"]
+S3_BEFORE_COMMIT = {"after_intent", "mid_write", "after_fsync", "after_replace"}
+S3_BEFORE_COMMIT |= {"after_fsync_dir", "in_commit", "s3_before_complete", "s3_after_complete"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("point", S3_POINTS)
+def test_crash_at_point_on_object_storage(tmp_path: Path, s3_url: str, point: str) -> None:
+    """The local crash sweep's schedule on S3, every model payload ~10 MiB (a
+    multipart upload): a child dies at the point, the parent reopens (reconcile),
+    checks every invariant and saves once more. No upload is left in progress."""
+    plan = [Boundary(i, s, v, big=True) for i, (s, v) in enumerate(SWEEP)]
+    ref = Reference(policies(), {b.index: b for b in plan})
+    child = spec(tmp_path, "child", plan, crash_point=point, arm_after=WARMUP, save_dir=s3_url)
+    context = f"point={point} on S3"
+    crash(child, context)
+    problems = absorb(ref, child)
+    before = s3lib.uploads_under(s3lib_client(), s3_url)
+    counts = assert_recovers(tmp_path / "run", ref, context, problems, None)
+    if point in S3_BEFORE_COMMIT:
+        assert ref.unacked_commits == 0, f"{context}: committed before the commit point"
+        assert counts.get("rolled_back", 0) >= 2, f"{context}: nothing rolled back: {counts}"
+    else:
+        assert ref.unacked_commits == 1, f"{context}: boundary lost after its commit"
+    if point == "s3_before_complete":
+        assert before, f"{context}: no upload in progress at the crash"
+    assert s3lib.uploads_under(s3lib_client(), s3_url) == []
+
+
+def s3lib_client() -> Any:
+    import boto3
+
+    return boto3.client("s3", endpoint_url=os.environ["CKPTDB_S3_ENDPOINT_URL"])
+
+
+@pytest.mark.timeout(90)
+def test_sigkill_during_a_multipart_upload(tmp_path: Path, s3_url: str, client: Any) -> None:
+    """Killed while parts upload: nothing is visible, and the next open aborts the upload."""
+    root = tmp_path / "run"
+    options = {"part_size": PART, "max_concurrency": 1}
+
+    def body() -> int:
+        with CheckpointManager(root, save_dir=s3_url, storage_options=options) as mgr:
+            mgr.save(1, model=state(1.0))
+            mgr.save(2, model=big_state(2.0, mib=200))
+        return 0
+
+    pid = fork_running(root, tmp_path / "child.log", body)
+    deadline = time.monotonic() + 30
+    while not s3lib.uploads_under(client, s3_url):
+        assert time.monotonic() < deadline, tail(tmp_path / "child.log")
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_child(pid, 10) == -signal.SIGKILL
+    states = {r.step: r.state for r in ledger_rows(root)}
+    assert states == {1: "committed", 2: "pending"}
+    assert len(s3lib.keys_under(client, s3_url)) == 1  # step 1 only: nothing partial visible
+    with CheckpointManager(root, storage_options=options) as mgr:
+        assert mgr.last_reconcile.counts == {"rolled_back": 1}
+        latest = mgr.latest()
+        assert latest is not None and latest.step == 1
+        assert mgr.check(load=True) == []
+    assert s3lib.uploads_under(client, s3_url) == []
+    assert {r.step: r.state for r in ledger_rows(root)} == {1: "committed", 2: "aborted"}
+
+
+# ------------------------------------------------------------------ injected faults
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("operation", "status", "code"),
+    [
+        ("UploadPart", 503, "SlowDown"),
+        ("UploadPart", 500, "InternalError"),
+        ("CompleteMultipartUpload", 503, "SlowDown"),
+        ("CompleteMultipartUpload", 500, "InternalError"),
+    ],
+)
+def test_throttling_and_server_errors_are_retried(
+    open_s3: Callable[..., CheckpointManager],
+    hooks: list[Any],
+    operation: str,
+    status: int,
+    code: str,
+) -> None:
+    seen: list[str] = []
+    hooks.append(fail(operation, status, code, times=2, seen=seen))
+    mgr = open_s3()
+    out = mgr.save(1, model=big_state(1.0))["model"]
+    assert seen == [code, code]
+    assert torch.equal(mgr.load(out)["w"], big_state(1.0)["w"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("operation", "phase"), [("UploadPart", "write"), ("CompleteMultipartUpload", "complete")]
+)
+def test_a_failure_that_survives_the_retries_rolls_back(
+    open_s3: Callable[..., CheckpointManager],
+    hooks: list[Any],
+    client: Any,
+    s3_url: str,
+    db: LedgerClient,
+    operation: str,
+    phase: str,
+) -> None:
+    mgr = open_s3(storage_options={"part_size": PART, "max_attempts": 3})
+    first = mgr.save(1, model=state(1.0))["model"]
+    seen: list[str] = []
+    mgr._ctx.store.calls.client.meta.events.register(  # type: ignore[attr-defined]
+        f"before-send.s3.{operation}",
+        lambda request, **_: seen.append("x") or error_response(request, 503, "SlowDown"),
+    )
+    with pytest.raises(PublishError) as raised:
+        mgr.save(2, model=big_state(2.0))
+    assert raised.value.phase == phase
+    assert "SlowDown" in str(raised.value)
+    assert len(seen) >= 3  # botocore's standard mode tried 3 times (max_attempts)
+    assert [r[3] for r in rows(db)] == ["committed", "aborted"]
+    latest = mgr.latest()
+    assert latest is not None and latest.id == first.id
+    assert s3lib.keys_under(client, s3_url) == [first.path.key]  # type: ignore[attr-defined]
+    assert s3lib.uploads_under(client, s3_url) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mib", [0, 12], ids=["one_put", "multipart"])
+def test_a_lost_response_after_a_successful_completion_is_settled_by_head(
+    open_s3: Callable[..., CheckpointManager], hooks: list[Any], mib: int
+) -> None:
+    """The completion succeeds, its response is 'lost' (botocore retries it): the retry
+    meets 412 (If-None-Match, the object exists) or NoSuchUpload; a HEAD that
+    matches size and CRC64NVME accepts the object."""
+    operation = "CompleteMultipartUpload" if mib else "PutObject"
+    retried: list[int] = []
+
+    def install(client: Any) -> None:
+        def lose(response: Any, attempts: int, request_dict: Any, **_: Any) -> int | None:
+            ours = "/model/" in request_dict["url"]  # not the probe at open
+            if ours and response is not None and response[0].status_code == 200 and not retried:
+                retried.append(attempts)
+                return 0  # retry at once, as after a timeout
+            return None
+
+        client.meta.events.register_first(f"needs-retry.s3.{operation}", lose)
+
+    hooks.append(install)
+    mgr = open_s3()
+    payload = big_state(1.0, mib) if mib else state(1.0)
+    out = mgr.save(1, model=payload)["model"]
+    assert retried == [1]
+    assert torch.equal(mgr.load(out)["w"], payload["w"])
+
+
+@pytest.mark.timeout(60)
+def test_expired_credentials_are_refreshed_once(
+    open_s3: Callable[..., CheckpointManager], hooks: list[Any]
+) -> None:
+    seen: list[str] = []
+    hooks.append(fail("UploadPart", 400, "ExpiredToken", times=1, seen=seen))
+    mgr = open_s3()
+    out = mgr.save(1, model=big_state(1.0))["model"]
+    assert seen == ["ExpiredToken"]
+    assert mgr._ctx.store.calls.refreshes == 1  # type: ignore[attr-defined]
+    assert torch.equal(mgr.load(out)["w"], big_state(1.0)["w"])
+
+
+@pytest.mark.timeout(60)
+def test_a_bit_flipped_on_download_is_corrupt_and_latest_falls_back(
+    open_s3: Callable[..., CheckpointManager], hooks: list[Any], db: LedgerClient
+) -> None:
+    mgr = open_s3()
+    first = mgr.save(1, model=state(1.0))["model"]
+    second = mgr.save(2, model=big_state(2.0))["model"]
+
+    def flip(parsed: Any, **_: Any) -> None:
+        parsed["Body"] = FlippingBody(parsed["Body"], offset=7 * MiB)
+
+    mgr._ctx.store.calls.client.meta.events.register(  # type: ignore[attr-defined]
+        "after-call.s3.GetObject", flip, unique_id="flip"
+    )
+    with pytest.raises(CorruptCheckpointError, match="hash"):
+        mgr.load("latest")
+    mgr._ctx.store.calls.client.meta.events.unregister(  # type: ignore[attr-defined]
+        "after-call.s3.GetObject", unique_id="flip"
+    )
+    assert {r[0]: r[3] for r in rows(db)} == {first.id: "committed", second.id: "corrupt"}
+    latest = mgr.latest()
+    assert latest is not None and latest.id == first.id
+    assert torch.equal(mgr.load("latest")["w"], state(1.0)["w"])
+
+
+@pytest.mark.timeout(60)
+def test_a_store_without_conditional_writes_is_refused(
+    root: Path, s3_url: str, hooks: list[Any], client: Any
+) -> None:
+    def install(client: Any) -> None:
+        def strip(request: Any, **_: Any) -> None:
+            if "If-None-Match" in request.headers:
+                del request.headers["If-None-Match"]
+
+        client.meta.events.register("before-sign.s3", strip)
+
+    hooks.append(install)
+    with pytest.raises(ConditionalWritesUnsupportedError, match="require_conditional_writes"):
+        CheckpointManager(root, save_dir=s3_url)
+    assert not (root / "ckptdb.sqlite").exists()  # refused before the ledger recorded anything
+    assert s3lib.keys_under(client, s3_url) == []  # the probe cleaned up
+    options = {"require_conditional_writes": False}
+    with CheckpointManager(root, save_dir=s3_url, storage_options=options) as mgr:
+        mgr.save(1, model=state(1.0))
+
+
+@pytest.mark.timeout(60)
+def test_two_writers_of_one_run_on_postgres(
+    root: Path, s3_url: str, pg_url: str, client: Any
+) -> None:
+    with CheckpointManager(root, save_dir=s3_url, db_url=pg_url) as first:
+        saved = first.save(1, model=state(1.0))["model"]
+        with pytest.raises(LedgerLockedError):
+            CheckpointManager(root, save_dir=s3_url, db_url=pg_url)
+        saved_again = first.save(2, model=state(2.0))["model"]
+        assert torch.equal(first.load(saved)["w"], state(1.0)["w"])
+    keys = s3lib.keys_under(client, s3_url)
+    assert keys == sorted([saved.path.key, saved_again.path.key])  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mib", [0, 12], ids=["one_put", "multipart"])
+def test_a_completed_object_that_does_not_verify_is_rolled_back(
+    open_s3: Callable[..., CheckpointManager],
+    client: Any,
+    s3_url: str,
+    db: LedgerClient,
+    mib: int,
+) -> None:
+    """The HEAD after the completion reports another size: the row never commits and
+    the object is deleted."""
+    mgr = open_s3()
+
+    def shrink(parsed: Any, **_: Any) -> None:
+        parsed["ContentLength"] = parsed.get("ContentLength", 0) - 1
+
+    mgr._ctx.store.calls.client.meta.events.register(  # type: ignore[attr-defined]
+        "after-call.s3.HeadObject", shrink
+    )
+    with pytest.raises(PublishError) as raised:
+        mgr.save(1, model=big_state(1.0, mib) if mib else state(1.0))
+    assert raised.value.phase == "verify"
+    assert [r[3] for r in rows(db)] == ["aborted"]
+    assert s3lib.keys_under(client, s3_url) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_head_that_fails_at_reconcile_marks_nothing_lost(
+    open_s3: Callable[..., CheckpointManager], hooks: list[Any], db: LedgerClient
+) -> None:
+    """A committed object the store cannot answer for (503 after the retries) is not
+    known to be gone: reported as failed, the row stays committed."""
+    mgr = open_s3()
+    saved = mgr.save(1, model=state(1.0))["model"]
+    mgr.close()
+    seen: list[str] = []
+    hooks.append(fail("HeadObject", 503, "SlowDown", times=1000, seen=seen))
+    with pytest.warns(UserWarning, match="could not repair"):
+        mgr = open_s3(storage_options={"part_size": PART, "max_attempts": 1})
+    assert mgr.last_reconcile.counts == {"failed": 1}
+    assert [(r[0], r[3]) for r in rows(db)] == [(saved.id, "committed")]
+
+
+# ------------------------------------------------------------------ secrets
+
+
+@pytest.mark.timeout(90)
+def test_secrets_never_appear_in_errors_logs_events_status_or_the_ledger(
+    root: Path,
+    s3_url: str,
+    caplog: pytest.LogCaptureFixture,
+    runner: Any,
+) -> None:
+    from ckptdb.cli import main
+
+    caplog.set_level("DEBUG")
+    texts: list[str] = []
+    explicit = {
+        "part_size": PART,
+        "aws_access_key_id": s3lib.ACCESS_KEY,
+        "aws_secret_access_key": s3lib.SECRET_KEY,
+    }
+    with CheckpointManager(root, save_dir=s3_url, storage_options=explicit) as mgr:
+        mgr.save(1, model=big_state(1.0))
+        mgr._ctx.store.calls.client.meta.events.register(  # type: ignore[attr-defined]
+            "before-send.s3.PutObject", lambda request, **_: error_response(request, 403, "X")
+        )
+        with pytest.raises(PublishError) as failed:
+            mgr.save(2, model=state(2.0))
+        texts += [str(failed.value), repr(failed.value), repr(mgr._ctx.store)]
+        texts.append(repr(mgr._ctx.store.calls.options))  # type: ignore[attr-defined]
+        mgr.load("latest")
+    wrong = {"aws_access_key_id": s3lib.ACCESS_KEY, "aws_secret_access_key": s3lib.SECRET_KEY + "!"}
+    with pytest.raises(Exception) as refused:
+        CheckpointManager(tmp := root.parent / "other", save_dir=s3_url, storage_options=wrong)
+    assert isinstance(refused.value, ObjectStoreError)
+    assert "SignatureDoesNotMatch" in str(refused.value)  # the real server refused it
+    texts += [str(refused.value), repr(refused.value), str(refused.value.__cause__)]
+    assert not tmp.exists()
+    status = runner.invoke(main, ["status", str(root)]).output
+    assert f"{s3_url}/model/" in status  # status did show the run's objects
+    texts += [status, runner.invoke(main, ["sql", str(root), "SELECT * FROM events"]).output]
+    texts.append(caplog.text)
+    texts.append((root / "ckptdb.sqlite").read_bytes().decode("latin-1"))
+    for text in texts:
+        assert s3lib.SECRET_KEY not in text
