@@ -35,7 +35,7 @@ from .errors import (
     RunDirectoryError,
 )
 from .guard import NonFiniteGradGuard
-from .ledger import OpenedRun, after_commit, open_ledger
+from .ledger import OpenedRun, after_commit, open_ledger, pins
 from .ledger import models as m
 from .ledger import rows as ledger_rows
 from .ledger.engine import default_sqlite_url, normalize_url
@@ -362,7 +362,11 @@ class CheckpointManager:
             with ctx.ledger.transaction() as session:
                 flushed = ctx.metrics.insert_into(session, ctx.run_id, ctx.attempt_id, None)
                 ledger_rows.end_attempt(session, ctx.attempt_id, end_state)
+                # files whose pins went since the last commit go now, not at the next open
+                released = self._publisher.unpinned(session, [])
+                pins.clear_stale(session, ctx.run_id, m.utcnow())
                 after_commit(session, lambda: ctx.metrics.drop(flushed))
+                after_commit(session, lambda: self._publisher.clean_up(None, released))
         finally:
             ctx.ledger.dispose()
             assert ctx.lock is not None

@@ -80,6 +80,8 @@ class Pin:
                 renewed = self._renew(self.id, self.ttl)
             except Exception as exc:  # the ledger is unreachable: try again next time
                 log.warning("ckptdb: could not renew the pin on %s: %s", self.checkpoint.path, exc)
+                if dt.datetime.now(dt.timezone.utc) >= self.expires_at:
+                    self.lost = True  # the lease ran out meanwhile: the file may go
                 continue
             if renewed is None:
                 self.lost = True

@@ -35,6 +35,7 @@ from .ledger import Ledger, RunQueries, evaluations, open_ledger, pins, rows
 from .ledger import models as m
 from .ledger.engine import LEDGER_FILE
 from .ledger.follow import Follower
+from .ledger.netfs import check_ledger_location
 from .ledger.queries import run_sql
 from .ledger.runs import ledger_beside, ledger_url, open_as_reader, run_exists
 from .location import ObjectPath, relative_within
@@ -95,13 +96,20 @@ class RunReader:
             self._closed = True
             for follower in list(self._followers):
                 follower.close()
-            try:
-                for pin in list(self._pins):
+            failures: list[BaseException] = []
+            for pin in list(self._pins):
+                try:
                     pin.release()
-            finally:
-                if self._side is not None:
-                    self._side.dispose()
-                self._db.dispose()
+                except Exception as exc:  # the others are released all the same
+                    failures.append(exc)
+            if self._side is not None:
+                self._side.dispose()
+            self._db.dispose()
+            if failures:
+                for other in failures[1:]:
+                    if hasattr(failures[0], "add_note"):  # Python >= 3.11
+                        failures[0].add_note(f"releasing another pin failed too: {other!r}")
+                raise failures[0]
 
     def _open(self) -> RunQueries:
         if self._closed:
@@ -238,7 +246,10 @@ class RunReader:
         read-only one, which the server (or SQLite) keeps from writing."""
         self._open()
         if self._side is None:
-            self._side = open_ledger(ledger_url(self.root, self._db_url, readonly=False))
+            url = ledger_url(self.root, self._db_url, readonly=False)
+            # writing SQLite from another host over NFS corrupts it: refused as for writers
+            check_ledger_location(url)
+            self._side = open_ledger(url)
         return self._side
 
     def pin(

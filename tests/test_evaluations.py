@@ -52,7 +52,7 @@ def test_evaluations_rank_checkpoints_after_the_fact(root: Path, backend: str | 
         reader.record_evaluation(saved[2], {"eval/acc": math.nan}, evaluator="b")
         reader.record_evaluation(saved[3].id, {"eval/acc": 0.85}, evaluator="a")  # replaces 0.8
         ranked = [(c.step, v, who) for c, v, who in reader.best_by("eval/acc", mode="max")]
-        assert ranked == [(2, 0.95, "b"), (3, 0.9, "a"), (4, 0.85, "a"), (2, 0.7, "a")]
+        assert ranked == [(2, 0.95, "b"), (3, 0.9, "a"), (4, 0.85, "a")]  # step 2 once, at best
         by_a = reader.best_by("eval/loss", mode="min", evaluator="a")
         assert [c.step for c, _, _ in by_a] == [3, 4, 2]
         assert reader.evaluations(saved[2]) == {
@@ -281,3 +281,260 @@ def test_follow_needs_a_command(root: Path, runner: CliRunner) -> None:
         mgr.save(1, model=state(1.0))
     done = invoke(runner, "follow", root)
     assert done.exit_code == 2 and "COMMAND" in done.output
+
+
+def test_evaluations_of_one_name_are_unique_under_concurrent_recorders(
+    root: Path, backend: str | None
+) -> None:
+    import threading
+
+    with CheckpointManager(root, db_url=backend) as mgr:
+        mgr.save(1, model=state(1.0))
+    errors: list[BaseException] = []
+
+    def record(value: float) -> None:
+        try:
+            with RunReader(root, db_url=backend) as reader:
+                for _ in range(20):
+                    reader.record_evaluation(reader.latest(), {"acc": value}, evaluator="e")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=record, args=(v,)) for v in (0.1, 0.2, 0.3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    assert len(evaluation_rows(root, backend)) == 1
+
+
+def test_a_checkpoint_scored_by_several_evaluators_ranks_once(root: Path) -> None:
+    with CheckpointManager(root) as mgr:
+        one = mgr.save(1, model=state(1.0))["model"]
+        two = mgr.save(2, model=state(2.0))["model"]
+    with RunReader(root) as reader:
+        reader.record_evaluation(one, {"acc": 0.5}, evaluator="a")
+        reader.record_evaluation(one, {"acc": 0.9}, evaluator="b")
+        reader.record_evaluation(two, {"acc": 0.7}, evaluator="a")
+        ranked = [(c.step, v, who) for c, v, who in reader.best_by("acc")]
+    assert ranked == [(1, 0.9, "b"), (2, 0.7, "a")]
+
+
+@pytest.mark.parametrize(
+    ("command", "name"),
+    [
+        (["./eval.sh", "{path}"], "eval.sh"),
+        (["python", "eval.py", "{path}"], "eval.py"),
+        (["python3.11", "-u", "/x/eval.py", "{path}"], "eval.py"),
+        (["python", "-m", "pkg.evaluate", "{path}"], "pkg.evaluate"),
+        (["torchrun", "--nproc-per-node", "2", "dist_eval.py", "{path}"], "dist_eval.py"),
+        (["uv", "run", "score.py"], "score.py"),
+        (["shasum", "{path}"], "shasum"),
+    ],
+)
+def test_the_default_evaluator_name_is_the_command_or_its_script(
+    command: list[str], name: str
+) -> None:
+    from ckptdb.cli.following import default_evaluator
+
+    assert default_evaluator(command) == name
+
+
+@pytest.mark.parametrize("command", [["python", "-c", "print(1)"], ["bash", "-lc", "true"]])
+def test_an_ambiguous_evaluator_name_must_be_given(command: list[str]) -> None:
+    from ckptdb.cli.following import default_evaluator
+
+    with pytest.raises(InvalidArgumentError, match="--evaluator"):
+        default_evaluator(command)
+
+
+def test_placeholders_are_replaced_once(tmp_path: Path) -> None:
+    from ckptdb.cli.following import command_for
+    from ckptdb.record import Checkpoint
+
+    ckpt = Checkpoint(
+        stream="model",
+        step=7,
+        path=Path("/data/sweep-{id}/step-7.pt"),
+        size=1,
+        hash="h",
+        metric=None,
+        state="committed",
+        committed_at=None,  # type: ignore[arg-type]
+        id=42,
+        attempt_id=1,
+        metrics={},
+    )
+    assert command_for(["x", "{path}", "--id={id}", "{step}{stream}"], ckpt) == [
+        "x",
+        "/data/sweep-{id}/step-7.pt",
+        "--id=42",
+        "7model",
+    ]
+
+
+def test_undecodable_output_and_huge_numbers_are_survived(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, model=state(1.0))
+    noisy = tmp_path / "noisy.py"
+    noisy.write_text(
+        "import sys\n"
+        "sys.stdout.buffer.write(b'\\xff\\xfe not utf-8\\n')\n"
+        "print('{\"acc\": 0.5, \"n\": ' + '9' * 400 + '}')\n"
+    )
+    done = subprocess.run(
+        [*follow_prefix(root), "--since", "0", "--", sys.executable, str(noisy)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+    )
+    assert done.returncode == 0, done.stderr
+    assert evaluation_rows(root) == [
+        (1, "noisy.py", "acc", 0.5),
+        (1, "noisy.py", "exit_status", 0.0),
+    ]
+
+
+def follow_prefix(root: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "ckptdb.cli",
+        "follow",
+        str(root),
+        "--timeout",
+        "1",
+        "--poll",
+        "0.1",
+    ]
+
+
+def test_a_hanging_evaluation_is_killed_and_recorded_as_timed_out(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, model=state(1.0))
+        mgr.save(2, model=state(2.0))
+    hang = tmp_path / "hang.py"
+    hang.write_text(
+        "import sys, time\nif sys.argv[1] == '1':\n    time.sleep(600)\nprint('{\"acc\": 1}')\n"
+    )
+    done = subprocess.run(
+        [
+            *follow_prefix(root),
+            "--since",
+            "0",
+            "--command-timeout",
+            "1",
+            "--",
+            sys.executable,
+            str(hang),
+            "{step}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+    )
+    assert done.returncode == 0, done.stderr
+    assert evaluation_rows(root) == [
+        (1, "hang.py", "exit_status", 124.0),
+        (2, "hang.py", "acc", 1.0),
+        (2, "hang.py", "exit_status", 0.0),
+    ]
+
+
+def test_sigterm_stops_the_follower_and_its_evaluation(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, model=state(1.0))
+    pidfile = tmp_path / "child.pid"
+    slow = tmp_path / "slow.py"
+    slow.write_text(
+        f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
+    )
+    follower = subprocess.Popen(
+        [*follow_prefix(root), "--since", "0", "--", sys.executable, str(slow)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline and follower.poll() is None
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    follower.send_signal(signal.SIGTERM)
+    _, err = follower.communicate(timeout=30)
+    assert follower.returncode == 130, err
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+    assert evaluation_rows(root) == []  # interrupted: nothing recorded, it runs again next time
+    with RunReader(root) as reader:
+        assert all(p.released_at is not None for p, _ in reader.pins())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is not running
+        return f.read().split()[2] != "Z"
+
+
+def test_the_pin_keeps_the_file_the_trainer_evicts_while_the_command_runs(
+    tmp_path: Path,
+) -> None:
+    """Deterministic: the evaluation starts, the trainer evicts its checkpoint, and only
+    then does the evaluation load it; it succeeds because the follower pinned it."""
+    import threading
+
+    from ckptdb.cli import following
+
+    root = tmp_path / "run"
+    started, go = tmp_path / "started", tmp_path / "go"
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import json, pathlib, sys, time, torch\n"
+        f"pathlib.Path({str(started)!r}).touch()\n"
+        f"while not pathlib.Path({str(go)!r}).exists():\n    time.sleep(0.02)\n"
+        "w = torch.load(sys.argv[1], weights_only=True)['w']\n"
+        "print(json.dumps({'w': float(w[0])}))\n"
+    )
+    with CheckpointManager(root, streams={"model": Keep(last=1)}) as mgr:
+        first = mgr.save(1, model=state(1.0))["model"]
+        lines: list[str] = []
+
+        def evict_while_it_runs() -> None:
+            deadline = time.monotonic() + 60
+            while not started.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            mgr.save(2, model=state(2.0))  # evicts step 1 while its evaluation runs
+            assert first.path.exists()
+            go.touch()
+
+        helper = threading.Thread(target=evict_while_it_runs)
+        helper.start()
+        with RunReader(root) as reader:
+            following.follow(
+                reader,
+                [sys.executable, str(script), "{path}"],
+                stream="model",
+                since=0,
+                evaluator="late",
+                ttl=60,
+                timeout=2,
+                poll=0.1,
+                echo=lines.append,
+            )
+        helper.join(timeout=60)
+        mgr.save(3, model=state(3.0))  # the released pin lets the file go now
+        assert not first.path.exists()
+    rows = evaluation_rows(root)
+    assert (1, "late", "w", 1.0) in rows and (1, "late", "exit_status", 0.0) in rows

@@ -76,6 +76,31 @@ def objects(url: str) -> tuple[set[str], set[str], str]:
         engine.dispose()
 
 
+def definitions(url: str) -> dict[str, Any]:
+    """The SQL of every view and index (and each table's columns), as the database
+    reports them: what a downgrade must restore exactly."""
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            insp = inspect(conn)
+            found: dict[str, Any] = {
+                f"view {v}": " ".join(insp.get_view_definition(v).split())
+                for v in insp.get_view_names()
+            }
+            for table in insp.get_table_names():
+                indexes = sorted(
+                    (i["name"], tuple(i["column_names"]), bool(i["unique"]))
+                    for i in insp.get_indexes(table)
+                )
+                found[f"indexes {table}"] = indexes
+                found[f"columns {table}"] = [
+                    (c["name"], str(c["type"])) for c in insp.get_columns(table)
+                ]
+            return found
+    finally:
+        engine.dispose()
+
+
 @pytest.fixture
 def old_sqlite(tmp_path: Path) -> tuple[Path, str]:
     root = tmp_path / "run"
@@ -180,7 +205,7 @@ def test_opening_the_run_upgrades_it_and_nothing_is_lost(old_ledger: tuple[Path,
 def test_downgrading_removes_only_what_0002_added(old_ledger: tuple[Path, str]) -> None:
     root, url = old_ledger
     db_url = None if url.startswith("sqlite") else url
-    before = snapshot(url)
+    before, shape = snapshot(url), definitions(url)
     migrate_to(url, "head")
     with RunReader(root, db_url=db_url) as reader:
         reader.record_evaluation(reader.latest(), {"acc": 0.5}, evaluator="e")
@@ -189,6 +214,7 @@ def test_downgrading_removes_only_what_0002_added(old_ledger: tuple[Path, str]) 
     assert version == "0001" and not tables & ADDED
     assert "checkpoint_evaluations" not in views and "best_checkpoints" in views
     assert snapshot(url) == before
+    assert definitions(url) == shape  # every view and index exactly as 0001 made it
     migrate_to(url, "head")  # and up again
     assert objects(url)[2] == newest_revision()
 

@@ -25,6 +25,7 @@ from helpers import LedgerClient, invoke, state
 
 from ckptdb import CheckpointManager, Keep, RunReader
 from ckptdb.errors import ArgumentTypeError, CheckpointNotFoundError, InvalidArgumentError
+from ckptdb.ledger import pins as ledger_pins
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -254,3 +255,67 @@ def test_ckptdb_pins_lists_them(root: Path, runner: CliRunner) -> None:
             assert "evaluator-a" in out and "deleting" in out and "live" in out
         out = ok(invoke(runner, "pins", root)).stdout
         assert "released" in out
+
+
+def test_an_expired_lease_is_never_revived_by_a_late_renewal(root: Path) -> None:
+    """The writer may already have acted on an expiry: renewing it then would tell the
+    reader it still holds a file that is gone."""
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, model=state(1.0))
+    with RunReader(root) as reader:
+        pin = reader.pin("latest", ttl=600)
+        pin._stop.set()  # no renewals from the thread; the test renews by hand
+        LedgerClient(root).execute(
+            "UPDATE pins SET expires_at = ? WHERE id = ?", "2000-01-01 00:00:00.000000", pin.id
+        )
+        with reader._writable().transaction() as session:
+            assert ledger_pins.renew(session, pin.id, 600) is None
+
+
+def test_the_writers_postgresql_transactions_are_read_committed(pg_url: str, root: Path) -> None:
+    """Pins rely on each statement of the eviction seeing what committed before it: a
+    server or role default of REPEATABLE READ must not change that."""
+    from sqlalchemy import text
+    from sqlalchemy.engine import make_url
+
+    url = make_url(pg_url)
+    options = url.query["options"] + " -cdefault_transaction_isolation=repeatable\\ read"
+    stricter = url.update_query_dict({"options": options}).render_as_string(hide_password=False)
+    with CheckpointManager(root, db_url=stricter) as mgr:
+        with mgr._ctx.ledger.transaction() as session:
+            level = session.execute(text("SHOW transaction_isolation")).scalar_one()
+        mgr.save(1, model=state(1.0))
+    assert level == "read committed"
+
+
+def test_a_reader_never_writes_a_sqlite_ledger_on_a_network_filesystem(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptdb.errors import NetworkFilesystemError
+    from ckptdb.ledger import netfs
+
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, model=state(1.0))
+    monkeypatch.delenv("CKPTDB_ALLOW_NETWORK_SQLITE", raising=False)
+    monkeypatch.setattr(netfs, "is_network_filesystem", lambda fstype: True)
+    with RunReader(root) as reader:
+        assert reader.latest() is not None  # reading is fine
+        with pytest.raises(NetworkFilesystemError):
+            reader.pin("latest")
+        with pytest.raises(NetworkFilesystemError):
+            reader.record_evaluation(reader.latest(), {"acc": 1.0}, evaluator="e")
+    monkeypatch.undo()
+    assert pin_rows(root, None) == []
+
+
+def test_a_file_released_after_the_last_commit_goes_when_the_trainer_closes(root: Path) -> None:
+    mgr = CheckpointManager(root, streams={"model": Keep(last=1)})
+    first = mgr.save(1, model=state(1.0))["model"]
+    with RunReader(root) as reader:
+        with reader.pin("latest"):
+            mgr.save(2, model=state(2.0))  # the last commit: step 1 kept for the pin
+        assert first.path.exists()
+        mgr.close()  # released after the last commit: removed at close, not at the next open
+        assert not first.path.exists()
+        assert {c.step: c.state for c in reader.checkpoints(states=("deleted",))} == {1: "deleted"}
+    assert pin_rows(root, None) == []

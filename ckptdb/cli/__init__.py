@@ -7,6 +7,7 @@ stderr and exit 1 (``--debug`` shows the traceback); usage errors exit 2.
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -324,6 +325,13 @@ def pins(root: Path, db_url: str | None, as_json: bool) -> None:
 @click.option("--ttl", type=float, default=600.0, show_default=True, help="Pin lease, seconds.")
 @click.option("--timeout", type=float, default=None, help="Stop after this many idle seconds.")
 @click.option(
+    "--command-timeout",
+    type=float,
+    default=None,
+    help="Kill an evaluation (its whole process group) after this many seconds; "
+    "exit_status 124 is recorded.",
+)
+@click.option(
     "--poll", type=float, default=0.5, show_default=True, help="SQLite polling interval, seconds."
 )
 @DB_URL
@@ -335,6 +343,7 @@ def follow(
     evaluator: str | None,
     ttl: float,
     timeout: float | None,
+    command_timeout: float | None,
     poll: float,
     db_url: str | None,
 ) -> None:
@@ -342,8 +351,10 @@ def follow(
 
     {path}, {step}, {id} and {stream} in the command are replaced. Its exit
     status is recorded as an evaluation (exit_status), and so is the JSON
-    object on the last line of its output if it succeeded. Ctrl-C stops it;
-    the next run continues after the last checkpoint it recorded.
+    object on the last line of its output if it succeeded. Ctrl-C (or
+    SIGTERM) stops it and the running evaluation; the next run continues
+    after the last checkpoint it recorded. The evaluator's name (--evaluator;
+    default: the command's, or its script's) is also that cursor.
 
     \b
     Example:
@@ -353,8 +364,9 @@ def follow(
 
     template = list(command)
     name = evaluator or following.default_evaluator(template)
-    with RunReader(root, db_url=db_url) as reader:
-        try:
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # stop as Ctrl-C does: cleanly
+    try:
+        with RunReader(root, db_url=db_url) as reader:
             following.follow(
                 reader,
                 template,
@@ -365,12 +377,17 @@ def follow(
                 timeout=timeout,
                 poll=poll,
                 echo=click.echo,
+                command_timeout=command_timeout,
             )
-        except KeyboardInterrupt:
-            click.echo(
-                "stopped; the next `ckptdb follow` continues where this one left off", err=True
-            )
-            sys.exit(130)
+    except KeyboardInterrupt:
+        click.echo("stopped; the next `ckptdb follow` continues where this one left off", err=True)
+        sys.exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 @main.command()

@@ -12,8 +12,13 @@ killed, continues where it left off.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
+import os
+import re
+import signal
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -28,15 +33,15 @@ from ..record import Checkpoint
 FIELDS = ("path", "step", "id", "stream")
 
 
+PLACEHOLDER = re.compile(r"\{(path|step|id|stream)\}")
+
+
 def command_for(template: list[str], ckpt: Checkpoint) -> list[str]:
+    """The command for ``ckpt``: each placeholder replaced once (a path that itself
+    contains ``{id}`` stays as it is)."""
     values = {"path": str(ckpt.path), "step": str(ckpt.step), "id": str(ckpt.id)}
     values["stream"] = ckpt.stream
-    out = []
-    for arg in template:
-        for name, value in values.items():
-            arg = arg.replace("{" + name + "}", value)
-        out.append(arg)
-    return out
+    return [PLACEHOLDER.sub(lambda found: values[found.group(1)], arg) for arg in template]
 
 
 def reported(output: str) -> dict[str, float]:
@@ -50,11 +55,15 @@ def reported(output: str) -> dict[str, float]:
         return {}
     if not isinstance(found, dict):
         return {}
-    return {
-        str(k): float(v)
-        for k, v in found.items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and str(k)
-    }
+    values: dict[str, float] = {}
+    for key, value in found.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not key:
+            continue
+        try:
+            values[str(key)] = float(value)
+        except OverflowError:  # an integer too large for a float: not a score
+            continue
+    return values
 
 
 def resume_cursor(reader: RunReader, evaluator: str, stream: str) -> int:
@@ -76,6 +85,7 @@ def follow(
     timeout: float | None,
     poll: float,
     echo: Callable[[str], None],
+    command_timeout: float | None = None,
 ) -> int:
     """Run ``template`` for each new checkpoint; the number of checkpoints handled."""
     if not template:
@@ -84,8 +94,43 @@ def follow(
     handled = 0
     with reader.follow(stream, since=cursor, timeout=timeout, poll=poll) as followed:
         for ckpt in followed:
-            handled += _one(reader, template, ckpt, evaluator, ttl, echo)
+            handled += _one(reader, template, ckpt, evaluator, ttl, echo, command_timeout)
     return handled
+
+
+def run_command(command: list[str], timeout: float | None) -> subprocess.CompletedProcess[str]:
+    """Run one evaluation in a process group of its own, killed whole when it runs past
+    ``timeout`` (exit status 124, as timeout(1) reports it) or when the follower is
+    interrupted or terminated; output decoded leniently (it is only shown and parsed)."""
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    ) as child:
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(child)
+            out, err = child.communicate()
+            err += f"\nckptdb follow: killed after {timeout:g} s (--command-timeout)"
+            return subprocess.CompletedProcess(command, TIMED_OUT, out, err)
+        except BaseException:
+            _kill_group(child)
+            raise
+    return subprocess.CompletedProcess(command, child.returncode, out, err)
+
+
+#: The exit status recorded for a command killed by --command-timeout.
+TIMED_OUT = 124
+
+
+def _kill_group(child: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
 
 
 def _one(
@@ -95,6 +140,7 @@ def _one(
     evaluator: str,
     ttl: float,
     echo: Callable[[str], None],
+    command_timeout: float | None,
 ) -> int:
     where = f"step {ckpt.step} (id {ckpt.id})"
     if ckpt.state != "committed":
@@ -106,7 +152,7 @@ def _one(
         echo(f"{where}: skipped, evicted before it could be pinned")
         return 0
     with pin:
-        done = subprocess.run(command_for(template, ckpt), capture_output=True, text=True)
+        done = run_command(command_for(template, ckpt), command_timeout)
     if done.stdout:
         echo(done.stdout.rstrip("\n"))
     if done.stderr:
@@ -121,14 +167,27 @@ def _one(
 
 
 #: Commands that run a script: the script names the evaluator, not the interpreter.
-INTERPRETERS = ("python", "bash", "sh", "node", "Rscript", "uv", "torchrun")
+INTERPRETER = re.compile(r"(python|pypy)[0-9.]*|bash|sh|zsh|node|Rscript|torchrun|accelerate|uv")
+SCRIPT_SUFFIXES = (".py", ".sh", ".bash", ".js", ".R", ".r")
 
 
 def default_evaluator(template: list[str]) -> str:
-    """The command's name (``eval.sh``), or its script's (``python eval.py``: eval.py)."""
-    names = [Path(arg).name for arg in template]
-    if not names:
-        return "follow"
-    if names[0].startswith(INTERPRETERS) and len(names) > 1 and not names[1].startswith("-"):
-        return names[1][:255]
-    return names[0][:255]
+    """The command's name (``eval.sh``), or its script's (``python -u eval.py``:
+    ``eval.py``; ``python -m pkg.eval``: ``pkg.eval``). Ambiguous ones (``python -c``)
+    need ``--evaluator``: the name is also the follower's cursor."""
+    if not template:
+        raise InvalidArgumentError("ckptdb follow needs a command after --")
+    head = Path(template[0]).name
+    if not INTERPRETER.fullmatch(head):
+        return head[:255]
+    args = template[1:]
+    for flag, value in itertools.pairwise(args):
+        if flag == "-m":
+            return value[:255]
+    scripts = [arg for arg in args if Path(arg).suffix in SCRIPT_SUFFIXES]
+    if scripts:
+        return Path(scripts[0]).name[:255]
+    raise InvalidArgumentError(
+        f"cannot name the evaluator of {' '.join(template)!r} (its name is also where a "
+        "restarted follower continues): pass --evaluator NAME"
+    )

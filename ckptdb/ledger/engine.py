@@ -111,10 +111,13 @@ def create_ledger_engine(url: str, *, readonly: bool = False) -> Engine:
     url = normalize_url(url)
     backend = make_url(url).get_backend_name()
     if backend == "postgresql":
-        engine = create_engine(url, pool_pre_ping=True)
         if readonly:
+            engine = create_engine(url, pool_pre_ping=True)
             _configure_postgres_reader(engine)
-        return engine
+            return engine
+        # Pins and evictions rely on each statement seeing what committed before it
+        # (see ledger/pins.py): never inherit another default from the server or role.
+        return create_engine(url, pool_pre_ping=True, isolation_level="READ COMMITTED")
     if backend != "sqlite":
         return create_engine(url, pool_pre_ping=True)
     engine = create_engine(url)

@@ -14,7 +14,9 @@ import numbers
 from collections.abc import Mapping
 from typing import Literal
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from ..errors import ArgumentTypeError, CheckpointNotFoundError, InvalidArgumentError
@@ -44,25 +46,27 @@ def record(
     found = session.get(m.Checkpoint, checkpoint_id)
     if found is None or found.run_id != run_id:
         raise CheckpointNotFoundError(f"checkpoint {checkpoint_id} is not a checkpoint of this run")
-    session.execute(
-        delete(m.Evaluation).where(
-            m.Evaluation.checkpoint_id == checkpoint_id,
-            m.Evaluation.evaluator == evaluator,
-            m.Evaluation.name.in_(list(values)),
-        )
-    )
     now = m.utcnow()
-    for name, value in values.items():
-        session.add(
-            m.Evaluation(
-                run_id=run_id,
-                checkpoint_id=checkpoint_id,
-                evaluator=evaluator,
-                name=name,
-                value=None if math.isnan(value) else value,
-                recorded_at=now,
-            )
-        )
+    rows = [
+        {
+            "run_id": run_id,
+            "checkpoint_id": checkpoint_id,
+            "evaluator": evaluator,
+            "name": name,
+            "value": None if math.isnan(value) else value,
+            "recorded_at": now,
+        }
+        for name, value in values.items()
+    ]
+    # an upsert on the unique (checkpoint, evaluator, name): concurrent recorders of the
+    # same values never collide, the last one wins
+    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    statement = insert(m.Evaluation).values(rows)
+    statement = statement.on_conflict_do_update(
+        index_elements=["checkpoint_id", "evaluator", "name"],
+        set_={"value": statement.excluded.value, "recorded_at": statement.excluded.recorded_at},
+    )
+    session.execute(statement)
 
 
 def of_checkpoint(session: Session, checkpoint_id: int) -> list[m.Evaluation]:
@@ -83,7 +87,8 @@ def best(
     """Checkpoints by their evaluated ``name``, best first: (row, value, evaluator).
 
     Only checkpoints in ``states`` (committed: the ones that can still be
-    loaded); a NULL (NaN) value never ranks. Ties go to the earlier step.
+    loaded); a NULL (NaN) value never ranks. Ties go to the earlier step. A
+    checkpoint several evaluators scored appears once, with its best value.
     """
     order = m.Evaluation.value.desc() if mode == "max" else m.Evaluation.value.asc()
     query = (
@@ -101,7 +106,13 @@ def best(
         query = query.where(m.Evaluation.evaluator == evaluator)
     if stream is not None:
         query = query.where(m.Checkpoint.stream == stream)
-    return [(row, float(value or 0.0), who) for row, value, who in session.execute(query)]
+    found: list[tuple[m.Checkpoint, float, str]] = []
+    seen: set[int] = set()
+    for row, value, who in session.execute(query):
+        if row.id not in seen and value is not None:
+            seen.add(row.id)
+            found.append((row, float(value), who))
+    return found
 
 
 def last_evaluated_id(session: Session, run_id: int, evaluator: str, stream: str) -> int | None:

@@ -208,7 +208,14 @@ class Evaluation(Base):
     __tablename__ = "evaluations"
     __table_args__ = (
         Index("ix_evaluations_run_name_value", "run_id", "name", "value"),
-        Index("ix_evaluations_checkpoint_evaluator", "checkpoint_id", "evaluator"),
+        # one value per (checkpoint, evaluator, name): concurrent recorders cannot duplicate
+        Index(
+            "ux_evaluations_checkpoint_evaluator_name",
+            "checkpoint_id",
+            "evaluator",
+            "name",
+            unique=True,
+        ),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -63,12 +63,12 @@ def add(
 
 
 def renew(session: Session, pin_id: int, ttl: float) -> dt.datetime | None:
-    """Extend a pin's lease from now; None if it is gone or released (the lease was lost)."""
-    expires = m.utcnow() + dt.timedelta(seconds=ttl)
+    """Extend a live pin's lease from now; None if it is gone, released or already
+    expired (the lease was lost: the writer may have removed the file meanwhile)."""
+    now = m.utcnow()
+    expires = now + dt.timedelta(seconds=ttl)
     done = session.execute(
-        update(m.Pin)
-        .where(m.Pin.id == pin_id, m.Pin.released_at.is_(None))
-        .values(expires_at=expires)
+        update(m.Pin).where(m.Pin.id == pin_id, _live(now)).values(expires_at=expires)
     )
     return expires if getattr(done, "rowcount", 0) == 1 else None
 
@@ -101,16 +101,16 @@ def live_pinned(session: Session, run_id: int, now: dt.datetime) -> set[int]:
 def released(session: Session, run_id: int, now: dt.datetime) -> list[m.Checkpoint]:
     """``deleting`` rows kept for a pin that is no longer live: their files may go now.
 
-    Reads the run's pins only (a short table: live leases and those not yet
-    cleared), so a commit pays one small indexed query when nobody pins.
+    Driven by the run's ``deleting`` rows (the ``(run_id, state)`` index; a few at
+    most), so its cost does not grow with the pins that pile up over a run.
     """
-    pinned = select(m.Pin.checkpoint_id).where(m.Pin.run_id == run_id)
-    still = select(m.Pin.checkpoint_id).where(m.Pin.run_id == run_id, _live(now))
+    any_pin = select(m.Pin.id).where(m.Pin.checkpoint_id == m.Checkpoint.id)
+    live_pin = any_pin.where(_live(now))
     query = select(m.Checkpoint).where(
         m.Checkpoint.run_id == run_id,
         m.Checkpoint.state == m.DELETING,
-        m.Checkpoint.id.in_(pinned),
-        m.Checkpoint.id.not_in(still),
+        any_pin.exists(),
+        ~live_pin.exists(),
     )
     return list(session.scalars(query))
 

@@ -91,7 +91,9 @@ def upgrade() -> None:
             "ix_evaluations_run_name_value", ["run_id", "name", "value"], unique=False
         )
         batch_op.create_index(
-            "ix_evaluations_checkpoint_evaluator", ["checkpoint_id", "evaluator"], unique=False
+            "ux_evaluations_checkpoint_evaluator_name",
+            ["checkpoint_id", "evaluator", "name"],
+            unique=True,
         )
 
     with op.batch_alter_table("checkpoints", schema=None) as batch_op:
@@ -111,7 +113,7 @@ def downgrade() -> None:
     with op.batch_alter_table("checkpoints", schema=None) as batch_op:
         batch_op.drop_index("ix_checkpoints_run_stream_id")
     with op.batch_alter_table("evaluations", schema=None) as batch_op:
-        batch_op.drop_index("ix_evaluations_checkpoint_evaluator")
+        batch_op.drop_index("ux_evaluations_checkpoint_evaluator_name")
         batch_op.drop_index("ix_evaluations_run_name_value")
     op.drop_table("evaluations")
     with op.batch_alter_table("pins", schema=None) as batch_op:
