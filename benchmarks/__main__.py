@@ -30,6 +30,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "points": 2_000,
         "guard_steps": 5,
         "load_mb": 1,
+        "growth": [20, 60],
     },
     "default": {
         "publish_mb": [10, 100],
@@ -38,6 +39,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "points": 1_000_000,
         "guard_steps": 50,
         "load_mb": 100,
+        "growth": [1_000, 4_000],
     },
     "full": {
         "publish_mb": [10, 100, 1024],
@@ -46,6 +48,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "points": 1_000_000,
         "guard_steps": 50,
         "load_mb": 100,
+        "growth": [1_000, 20_000],
     },
 }
 
@@ -66,6 +69,7 @@ def run(profile: dict[str, Any], work: Path) -> list[Comparison]:
     results = [cases.publish(work / f"publish{mb}", mb, reps) for mb in profile["publish_mb"]]
     results.append(cases.ledger_overhead(work / "overhead", max(reps, 30)))
     results.append(cases.restart(work / "restart", profile["restart"], reps))
+    results.extend(cases.growth(work / "growth", profile["growth"], reps))
     results.extend(cases.history(work / "history", profile["points"], min(reps, 3)))
     results.append(cases.guard(reps, profile["guard_steps"]))
     results.append(cases.load(work / "load", profile["load_mb"], reps))

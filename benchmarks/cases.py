@@ -426,3 +426,48 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+#: The streams of the growth case: what keeps a history that grows with the run.
+GROWTH_POLICIES: dict[str, Any] = {
+    "Keep(last=None)": Keep(last=None),
+    "Keep(last=5, every=10)": Keep(last=5, every=10),
+    "TopK(None)": TopK(None, "loss"),
+}
+
+
+def growth(work: Path, sizes: list[int], reps: int) -> list[Comparison]:
+    """Case: a boundary's cost as the stream's committed history grows.
+
+    Real boundaries (tiny payloads, one stream), not rows inserted directly:
+    each policy's run is driven up to every size in ``sizes`` and, at each,
+    ``reps * 10`` more boundaries are timed. The target: the cost with the
+    largest history within 1.3x the cost with the smallest.
+    """
+    tiny = {"w": torch.ones(4)}
+    results = []
+    for label, policy in GROWTH_POLICIES.items():
+        where = work / label.replace("(", "-").replace(")", "").replace(", ", "-")
+        samples: dict[str, list[float]] = {}
+        with CheckpointManager(where, streams={"model": policy}) as mgr:
+            step = 0
+            for size in sizes:
+                while step < size:
+                    mgr.save(step, metrics={"loss": float(step % 97)}, model=tiny)
+                    step += 1
+                timed = []
+                for _ in range(reps * 10):
+                    start = time.perf_counter()
+                    mgr.save(step, metrics={"loss": float(step % 97)}, model=tiny)
+                    timed.append(time.perf_counter() - start)
+                    step += 1
+                samples[f"boundary at {size} committed"] = timed
+        shutil.rmtree(where, ignore_errors=True)
+        result = Comparison(
+            f"boundary cost as history grows, {label}",
+            f"boundary at {sizes[0]} committed",
+            samples,
+        )
+        result.notes["target"] = f"at {sizes[-1]} <= 1.3x at {sizes[0]}"
+        results.append(result)
+    return results

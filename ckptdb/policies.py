@@ -40,6 +40,35 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class Reads:
+    """Which committed rows a commit at ``step`` must read to decide its evictions.
+
+    ``everything``: all of them. Otherwise the union of the rows at ``step`` or
+    later (the timeline rule), the ``newest_below`` newest rows before ``step``,
+    and the rows whose step is not a multiple of ``not_multiple_of``: the only
+    rows a ``Keep(last, every)`` window can evict, however long its history of
+    kept multiples grows.
+    """
+
+    everything: bool = False
+    newest_below: int = 0
+    not_multiple_of: int | None = None
+
+    def select(self, committed: Sequence[Entry], step: int) -> list[Entry]:
+        """The same selection over plain entries (what the ledger's queries return)."""
+        if self.everything:
+            return list(committed)
+        below = sorted((e for e in committed if e.step < step), key=lambda e: (e.step, e.id))
+        chosen = {e.id for e in committed if e.step >= step}
+        chosen |= (
+            {e.id for e in below[len(below) - self.newest_below :]} if self.newest_below else set()
+        )
+        if self.not_multiple_of is not None:
+            chosen |= {e.id for e in committed if e.step % self.not_multiple_of != 0}
+        return [e for e in committed if e.id in chosen]
+
+
+@dataclass(frozen=True)
 class PolicyRecord:
     """A policy as the ledger stores it: the policy columns of the ``streams`` table."""
 
@@ -70,6 +99,9 @@ class Policy(Protocol):
         """Whether the policy never evicts by its window: a commit then evicts only the
         checkpoints the new one supersedes (a later step, or the same one), so retention
         reads only those rows, however long the history."""
+
+    def reads(self, step: int) -> Reads:
+        """The committed rows a commit at ``step`` must read (see :class:`Reads`)."""
 
     @property
     def writes_every_candidate(self) -> bool:
@@ -220,6 +252,13 @@ class Keep:
     def requires_metric(self) -> bool:
         return False
 
+    def reads(self, step: int) -> Reads:
+        if self.last is None:
+            return Reads()  # keeps all: only what the new step supersedes
+        if self.every is None:
+            return Reads(everything=True)  # at most last + 1 rows: nothing to save
+        return Reads(newest_below=self.last, not_multiple_of=self.every)
+
     @property
     def rule(self) -> Preserve:
         """The window as preservation rules: the newest ``last``, or any ``every``-th step."""
@@ -314,6 +353,9 @@ class TopK:
     @property
     def requires_metric(self) -> bool:
         return self.last is None
+
+    def reads(self, step: int) -> Reads:
+        return Reads() if self.k is None else Reads(everything=True)
 
     @property
     def rule(self) -> Best:

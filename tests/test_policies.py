@@ -808,3 +808,69 @@ def test_dropping_last_from_a_topk_stream_with_unscored_checkpoints_is_refused(
         CheckpointManager(root, streams={"ckpt": TopK(1, "loss")})
     with CheckpointManager(root, streams={"ckpt": TopK(1, "loss", last=2)}) as mgr:
         assert [c.step for c in mgr.checkpoints("ckpt")] == [1, 2]
+
+
+# ------------------------------------------- what a commit reads of a long history
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    members=st.dictionaries(st.integers(0, 60), maybe_metrics, max_size=25),
+    new_step=st.integers(0, 62),
+    new_metric=metrics,
+    policy=st.sampled_from(
+        [
+            Keep(last=1, every=5),
+            Keep(last=3, every=2),
+            Keep(last=2, every=10),
+            Keep(last=None, every=3),
+            Keep(last=None),
+            Keep(last=4),
+            TopK(None, "m"),
+            TopK(None, "m", last=2),
+            TopK(2, "m", last=3),
+            TopK(3, "m"),
+        ]
+    ),
+)
+def test_the_rows_a_commit_reads_decide_the_same_evictions_as_all_rows(
+    members: dict[int, float | None],
+    new_step: int,
+    new_metric: float,
+    policy: Keep | TopK,
+) -> None:
+    """Why a commit may read only ``policy.reads(step)`` of a long history: the
+    evictions it decides from those rows are exactly the ones all rows give."""
+    committed = [
+        Entry(
+            id=100 + s,
+            step=s,
+            metric=v if policy.requires_metric is False or v is not None else 0.5,
+        )
+        for s, v in members.items()
+    ]
+    new = Entry(id=NEW_ID, step=new_step, metric=new_metric)
+    read = policy.reads(new_step).select(committed, new_step)
+    assert {e.id for e in policy.evictions(read, new)} == {
+        e.id for e in policy.evictions(committed, new)
+    }
+
+
+def test_a_keep_every_stream_reads_only_what_it_can_evict(tmp_path: Path) -> None:
+    """Keep(last=2, every=10): the kept multiples of 10 pile up, but a commit reads
+    the newest two before it and the non-multiples (at most three), never the pile."""
+    from ckptdb.ledger import rows as ledger_rows
+
+    policy = Keep(last=2, every=10)
+    with CheckpointManager(tmp_path / "run", streams={"model": policy}) as mgr:
+        for step in range(1, 101):
+            mgr.save(step, model=state(float(step)))
+        kept = [c.step for c in mgr.checkpoints("model")]
+        assert kept == [10, 20, 30, 40, 50, 60, 70, 80, 90, 99, 100]
+        with mgr._ctx.ledger.transaction(read=True) as session:
+            _, read = ledger_rows.committed_entries(
+                session, mgr.run_id, "model", reads=policy.reads(101), step=101
+            )
+        assert sorted(e.step for e in read) == [99, 100]
+        mgr.save(101, model=state(101.0))
+        assert [c.step for c in mgr.checkpoints("model")] == [*kept[:-2], 100, 101]

@@ -98,19 +98,11 @@ def live_pinned(session: Session, run_id: int, now: dt.datetime) -> set[int]:
     )
 
 
-def released(session: Session, run_id: int, now: dt.datetime) -> list[m.Checkpoint]:
-    """``deleting`` rows kept for a pin that is no longer live: their files may go now.
-
-    Driven by the run's ``deleting`` rows (the ``(run_id, state)`` index; a few at
-    most), so its cost does not grow with the pins that pile up over a run.
-    """
+def held_back(session: Session, run_id: int) -> list[m.Checkpoint]:
+    """``deleting`` rows that have pins (live or not): evictions that waited for a pin."""
     any_pin = select(m.Pin.id).where(m.Pin.checkpoint_id == m.Checkpoint.id)
-    live_pin = any_pin.where(_live(now))
     query = select(m.Checkpoint).where(
-        m.Checkpoint.run_id == run_id,
-        m.Checkpoint.state == m.DELETING,
-        any_pin.exists(),
-        ~live_pin.exists(),
+        m.Checkpoint.run_id == run_id, m.Checkpoint.state == m.DELETING, any_pin.exists()
     )
     return list(session.scalars(query))
 

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from ..errors import InvalidArgumentError
 from ..location import is_object_url, location_of
-from ..policies import Entry, Policy, PolicyRecord, policy_from_record
+from ..policies import Entry, Policy, PolicyRecord, Reads, policy_from_record
 from ..record import Checkpoint
 from . import models as m
 
@@ -395,25 +395,33 @@ def add_pending(
 
 
 def committed_entries(
-    session: Session, run_id: int, stream: str, *, from_step: int | None = None
+    session: Session,
+    run_id: int,
+    stream: str,
+    *,
+    reads: Reads | None = None,
+    step: int | None = None,
 ) -> tuple[list[m.Checkpoint], list[Entry]]:
-    """A stream's committed rows (those at ``from_step`` or later, by the
-    ``(run_id, stream, state, step)`` index) and the policy's view of them."""
-    if from_step is None:
+    """A stream's committed rows, all of them or those ``reads`` selects for a commit at
+    ``step`` (through the ``(run_id, stream, state, step)`` index), and the policy's view."""
+    if reads is None or reads.everything or step is None:
         found = rows_in_state(session, run_id, [m.COMMITTED], stream)
-    else:
-        found = list(
-            session.scalars(
-                select(m.Checkpoint)
-                .where(
-                    m.Checkpoint.run_id == run_id,
-                    m.Checkpoint.stream == stream,
-                    m.Checkpoint.state == m.COMMITTED,
-                    m.Checkpoint.step >= from_step,
-                )
-                .order_by(m.Checkpoint.step, m.Checkpoint.id)
-            )
+        return found, entries(found)
+    base = select(m.Checkpoint).where(
+        m.Checkpoint.run_id == run_id,
+        m.Checkpoint.stream == stream,
+        m.Checkpoint.state == m.COMMITTED,
+    )
+    chosen = {r.id: r for r in session.scalars(base.where(m.Checkpoint.step >= step))}
+    if reads.newest_below:
+        newest = base.where(m.Checkpoint.step < step).order_by(
+            m.Checkpoint.step.desc(), m.Checkpoint.id.desc()
         )
+        chosen.update((r.id, r) for r in session.scalars(newest.limit(reads.newest_below)))
+    if reads.not_multiple_of is not None:
+        odd = base.where(m.Checkpoint.step % reads.not_multiple_of != 0)
+        chosen.update((r.id, r) for r in session.scalars(odd))
+    found = sorted(chosen.values(), key=lambda r: (r.step, r.id))
     return found, entries(found)
 
 

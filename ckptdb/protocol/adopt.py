@@ -48,7 +48,7 @@ from ..ledger import Ledger, after_commit
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
 from ..ledger.follow import notify_commit
-from ..policies import Entry, Keep, Policy, validate_stream_name
+from ..policies import Entry, Keep, Policy, Reads, validate_stream_name
 from ..record import Checkpoint
 from ..storage.base import FileInfo, PayloadStore
 from ..storage.external import check_name
@@ -149,7 +149,11 @@ class _View:
         found: list[Entry] = []
         if self.session is not None:
             _, found = ledger_rows.committed_entries(
-                self.session, self.run_id, stream, from_step=from_step
+                self.session,
+                self.run_id,
+                stream,
+                reads=None if from_step is None else Reads(),  # at from_step or later
+                step=from_step,
             )
         planned = self.planned.get(stream, [])
         return found + [e for e in planned if from_step is None or e.step >= from_step]

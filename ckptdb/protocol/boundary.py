@@ -524,11 +524,10 @@ class Publisher:
 
     def _apply_retention(self, session: Any, s: Share, step: int) -> list[Any]:
         policy = self.ctx.policies[s.stream]
-        # a policy that keeps everything evicts only what the new checkpoint supersedes
-        # (its step or later): those rows alone are read, whatever the history's length
-        since = step if policy.keeps_all else None
+        # only the rows the policy could evict are read (keep-all: what the new step
+        # supersedes; Keep(last, every): not the kept multiples), whatever the history
         found, entries = ledger_rows.committed_entries(
-            session, self.ctx.run_id, s.stream, from_step=since
+            session, self.ctx.run_id, s.stream, reads=policy.reads(step), step=step
         )
         others = [e for e in entries if e.id != s.row_id]
         new = Entry(id=s.row_id, step=step, metric=s.metric)
@@ -553,13 +552,23 @@ class Publisher:
         # a pinned row stays 'deleting' with its file until its last pin goes (read after
         # the update above: a reader's pin either committed before it or is refused)
         held = pins.pinned_ids(session, self.ctx.run_id, [r.id for r in evicted], now)
+        if held:
+            self.ctx.pins_waiting = True
         return [r for r in evicted if r.id not in held]
 
     def unpinned(self, session: Any, already: list[Any]) -> list[Any]:
         """Evicted rows kept for a pin that is gone (released, expired): removed now
-        (besides ``already``, the rows this transaction evicted)."""
-        found = pins.released(session, self.ctx.run_id, m.utcnow())
+        (besides ``already``, the rows this transaction evicted). No query at all once
+        nothing is waiting: the common case, where nobody pins."""
+        ctx = self.ctx
+        if not ctx.pins_waiting:
+            return []
+        waiting = pins.held_back(session, ctx.run_id)
+        live = pins.pinned_ids(session, ctx.run_id, [r.id for r in waiting], m.utcnow())
+        found = [r for r in waiting if r.id not in live]
         pins.drop(session, [r.id for r in found])
+        still = bool(live)  # rows this transaction held back are among them too
+        after_commit(session, lambda: setattr(ctx, "pins_waiting", still))
         known = {r.id for r in already}
         return [r for r in found if r.id not in known]
 

@@ -69,6 +69,9 @@ class RunContext:
     metrics: MetricBuffer = field(default_factory=MetricBuffer)
     #: Row ids whose files stay on disk if retention evicts them (see ``mgr.protect``).
     protected: set[int] = field(default_factory=set)
+    #: Whether an evicted row may still be waiting for its pins to go (then each commit
+    #: looks for the released ones); unknown at open, so it starts True.
+    pins_waiting: bool = True
 
     @property
     def ledger(self) -> Ledger:
