@@ -459,7 +459,7 @@ def load_verified(
             )
         except ValueError:
             raise CheckpointNotFoundError(f"{target.path} is not in {save_dir}") from None
-    finding = store.verify(rel, target.size, target.hash, full=True)
+    finding = store.verify(rel, target.size, target.hash, full=True, keep=True)
     if finding is not None:
         if finding.state == LOST and finding.missing:
             raise CheckpointLostError(

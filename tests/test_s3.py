@@ -645,3 +645,46 @@ def test_secrets_never_appear_in_errors_logs_events_status_or_the_ledger(
     texts.append((root / "ckptdb.sqlite").read_bytes().decode("latin-1"))
     for text in texts:
         assert s3lib.SECRET_KEY not in text
+
+
+# ------------------------------------------------------------------ review fixes
+
+
+def _two_rank_save_and_load(rank: int, world: int, root: str, url: str) -> list[float]:
+    """Every rank saves (collectively) and loads twice: latest, and by record."""
+    with CheckpointManager(root, save_dir=url, streams={"model": Keep(last=2)}) as mgr:
+        saved = mgr.save(1, model={"w": torch.ones(4) * 3})
+        record = mgr.latest()
+        assert record is not None and (not saved or saved["model"].id == record.id)
+        return [float(mgr.load("latest")["w"].sum()), float(mgr.load(record)["w"].sum())]
+
+
+@pytest.mark.timeout(90)
+def test_every_rank_loads_from_object_storage(tmp_path: Path, s3_url: str) -> None:
+    """Under torch.distributed only the chief verifies for the ledger; every other rank
+    does its own hash-checked GET before reading (it has no bytes of the chief's)."""
+    from distlib import run_ranks
+
+    outcomes = run_ranks(
+        _two_rank_save_and_load, 2, tmp_path, str(tmp_path / "run"), s3_url, timeout=60
+    )
+    for outcome in outcomes:
+        assert outcome.error is None, outcome.trace
+        assert outcome.value == [12.0, 12.0]
+
+
+@pytest.mark.timeout(60)
+def test_verify_and_check_keep_no_payload_in_memory(
+    open_s3: Callable[..., CheckpointManager],
+) -> None:
+    mgr = open_s3()
+    saved = mgr.save(1, model=big_state(1.0))["model"]
+    store = mgr._ctx.store
+    assert mgr.verify("latest").id == saved.id
+    assert store._verified is None  # type: ignore[attr-defined]
+    assert mgr.check() == []
+    assert store._verified is None  # type: ignore[attr-defined]
+    assert mgr.check(load=True) == []
+    assert store._verified is None  # type: ignore[attr-defined]
+    assert torch.equal(mgr.load("latest")["w"], big_state(1.0)["w"])
+    assert store._verified is None  # type: ignore[attr-defined]

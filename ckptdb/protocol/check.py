@@ -71,7 +71,7 @@ class Checker:
         return problems
 
     def _check_file(self, row: Any, load: bool) -> list[str]:
-        finding = self.store.verify(row.path, row.size, row.hash, full=True)
+        finding = self.store.verify(row.path, row.size, row.hash, full=True, keep=load)
         if finding is not None:
             actual = finding.actual
             if finding.state == LOST or actual is None:

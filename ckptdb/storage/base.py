@@ -81,6 +81,10 @@ class PayloadStore(Protocol):
     renames: bool
     #: The names of the payload kinds this store can hold (the others are refused).
     kinds: frozenset[str]
+    #: True: a read is served from the bytes a full :meth:`verify` with ``keep`` held
+    #: (object storage: one GET), so every process that reads must verify for
+    #: itself first; False: a verified payload is read by its :meth:`local_path`.
+    reads_verified_bytes: bool
 
     @property
     def location(self) -> Path:
@@ -121,9 +125,13 @@ class PayloadStore(Protocol):
         """Make the placements of ``finals`` durable."""
 
     def verify(
-        self, rel: str, size: int | None, digest: str | None, *, full: bool
+        self, rel: str, size: int | None, digest: str | None, *, full: bool, keep: bool = False
     ) -> Finding | None:
-        """Check a payload against its row: size always, the hash too with ``full``."""
+        """Check a payload against its row: size always, the hash too with ``full``.
+
+        ``keep``: a load of ``rel`` follows at once, so a store that reads the
+        whole payload to hash it may hold those bytes for :meth:`open_verified`
+        (only then: a check that loads nothing must not pin a payload in memory)."""
 
     def open_verified(self, rel: str) -> BinaryIO | None:
         """The bytes the last full :meth:`verify` of ``rel`` hashed, when the store keeps

@@ -26,6 +26,8 @@ class LocalStore:
     """Payloads in ``<save_dir>/<stream>/``, as files or DCP directories."""
 
     renames = True
+    #: A verified file is read by its path (``keep`` is not needed: nothing is held).
+    reads_verified_bytes = False
     kinds = frozenset({"torch", "dcp", "external"})
 
     def __init__(self, save_dir: Path) -> None:
@@ -91,7 +93,7 @@ class LocalStore:
     # ------------------------------------------------------------------ reading
 
     def verify(
-        self, rel: str, size: int | None, digest: str | None, *, full: bool
+        self, rel: str, size: int | None, digest: str | None, *, full: bool, keep: bool = False
     ) -> Finding | None:
         """The one place that sorts a bad payload into lost or corrupt.
 

@@ -53,6 +53,8 @@ class S3Store:
     renames = False
     #: Payload kinds this store holds.
     kinds = frozenset({"torch"})
+    #: A load reads the bytes its own verify hashed: every rank that loads verifies.
+    reads_verified_bytes = True
 
     def __init__(self, location: ObjectPath, options: S3Options, *, probe: bool = True) -> None:
         self._location = location
@@ -162,12 +164,15 @@ class S3Store:
     # ------------------------------------------------------------------ reading
 
     def verify(
-        self, rel: str, size: int | None, digest: str | None, *, full: bool
+        self, rel: str, size: int | None, digest: str | None, *, full: bool, keep: bool = False
     ) -> Finding | None:
         """HEAD (size), or with ``full`` one GET, hashed before anything reads it (size and hash).
 
         404: ``lost`` (missing). Any other failure to read: ``lost``, not
         missing (unreadable now is not gone). A size or hash that differs: ``corrupt``.
+        With ``keep`` (a load follows) the verified bytes are held for
+        :meth:`open_verified`; without it they are dropped at once, so a check or a
+        ``verify`` that loads nothing never keeps a payload in memory.
         """
         self._verified = None
         key = self.key(rel)
@@ -181,7 +186,7 @@ class S3Store:
             return Finding(CORRUPT, f"size {actual.size} != recorded {size}", actual)
         if full and actual.hash != digest:
             return Finding(CORRUPT, f"hash {actual.hash} != recorded {digest}", actual)
-        if data is not None:
+        if data is not None and keep:
             self._verified = (rel, data)
         return None
 
