@@ -38,6 +38,7 @@ from test_crash import SWEEP, WARMUP, absorb, assert_recovers, crash, spec
 
 from ckptdb import CheckpointManager, Keep, RunReader, Sharded, faults
 from ckptdb.errors import (
+    CheckpointNotFoundError,
     ConditionalWritesUnsupportedError,
     CorruptCheckpointError,
     InvalidArgumentError,
@@ -688,3 +689,27 @@ def test_verify_and_check_keep_no_payload_in_memory(
     assert store._verified is None  # type: ignore[attr-defined]
     assert torch.equal(mgr.load("latest")["w"], big_state(1.0)["w"])
     assert store._verified is None  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_loads_records_and_urls_of_object_storage(
+    open_s3: Callable[..., CheckpointManager], root: Path
+) -> None:
+    """A reader resolves an object's record or URL through its ledger (an object has no
+    run directory above it and no local file to look at)."""
+    from ckptdb import resolve
+
+    mgr = open_s3()
+    saved = [mgr.save(step, model=state(float(step)))["model"] for step in (1, 2)]
+    with RunReader(root) as reader, reader.follow("model", since=0, timeout=0.5) as followed:
+        records = list(followed)
+        assert [r.id for r in records] == [c.id for c in saved]
+        for record in records:
+            assert torch.equal(reader.load(record)["w"], state(float(record.step))["w"])
+            assert torch.equal(reader.load(str(record.path))["w"], state(float(record.step))["w"])
+            assert reader.resolve(record.path).id == record.id
+        assert resolve(str(saved[0].path), root=root).id == saved[0].id
+        with pytest.raises(CheckpointNotFoundError):
+            reader.load("s3://ckpt/elsewhere/model/step-000000001.pt")
+    with pytest.raises(InvalidArgumentError, match="root="):
+        resolve(str(saved[0].path))
