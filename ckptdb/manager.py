@@ -57,6 +57,7 @@ from .record import Checkpoint
 from .storage.base import PayloadStore
 from .storage.files import make_dir
 from .storage.local import LocalStore
+from .storage.naming import run_token
 from .storage.s3client import parse_options
 
 __all__ = ["CheckpointManager", "CleanupWarning"]
@@ -245,6 +246,9 @@ class CheckpointManager:
         assert run.attempt_id is not None
         try:
             store = early if early is not None else self._storage.store(run.save_dir)
+            if not store.renames:  # the run's own names (see storage.naming.run_token)
+                assert run.created_at is not None
+                store.run_token = run_token(run.name, run.run_id, run.created_at)
         except BaseException:
             _abandon(db, lock, run.attempt_id)
             raise

@@ -13,6 +13,7 @@ ignores conditional writes). Everything else is the real server.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -164,7 +165,8 @@ def test_save_latest_load_round_trip(
     latest = mgr.latest()
     assert latest is not None and latest.id == out.id
     assert isinstance(out.path, ObjectPath) and str(out.path).startswith(s3_url + "/model/")
-    assert out.path.name == f"step-000000010.v{out.id}.pt"  # unique to the row
+    token = mgr._ctx.store.run_token  # type: ignore[attr-defined]
+    assert out.path.name == f"step-000000010.{token}.v{out.id}.pt"  # unique to run and row
     # the row's size and hash are the object's, as a local file's would be
     stored = client.get_object(Bucket=s3lib.BUCKET, Key=f"{out.path.key}")["Body"].read()
     assert (len(stored), xxhash.xxh3_128(stored).hexdigest()) == (out.size, out.hash)
@@ -251,21 +253,65 @@ def test_an_object_that_appears_before_the_completion_is_never_overwritten(
     assert body == b"not ours"
     assert [r[3] for r in rows(db)] == ["aborted"]
     assert mgr.latest() is None
+    mgr.close()  # what this process knew in memory is gone: the ledger remembers it
+    again = open_s3()
+    assert again.last_reconcile.actions == []
+    assert client.get_object(Bucket=s3lib.BUCKET, Key=planted[0])["Body"].read() == b"not ours"
+    assert again.reconcile().actions == [] and again.check() == []
+    assert client.get_object(Bucket=s3lib.BUCKET, Key=planted[0])["Body"].read() == b"not ours"
+
+
+@pytest.mark.timeout(90)
+def test_two_ledgers_under_one_prefix_never_touch_each_others_objects(
+    tmp_path: Path, s3_url: str, client: Any
+) -> None:
+    """Two runs (two SQLite ledgers, both at row id 1) save under one prefix: the
+    first's save fails, the second commits the same step with the same row id; the
+    first's reopen (reconcile of its rolled-back row) leaves the second's object."""
+    options = {"part_size": PART}
+    first = CheckpointManager(tmp_path / "a", save_dir=s3_url, storage_options=options)
+    with pytest.raises(PublishError), _failing_save(first):
+        first.save(1, model=state(1.0))
+    first.close()
+    with CheckpointManager(tmp_path / "b", save_dir=s3_url, storage_options=options) as second:
+        theirs = second.save(1, model=state(2.0))["model"]
+        other = put(client, s3_url, "model/step-000000007.0123456789.v1.pt")  # a third run's
+    assert theirs.id == 1
+    with CheckpointManager(tmp_path / "a", storage_options=options) as first:
+        assert first.last_reconcile.actions == []
+        assert first.check() == []
+    keys = s3lib.keys_under(client, s3_url)
+    assert theirs.path.key in keys and other in keys  # type: ignore[attr-defined]
+    with CheckpointManager(tmp_path / "b", storage_options=options) as second:
+        assert second.last_reconcile.actions == []
+        assert torch.equal(second.load(theirs)["w"], state(2.0)["w"])
 
 
 @pytest.mark.timeout(60)
-def test_a_key_taken_before_the_intent_is_refused(
+def test_a_name_taken_before_the_intent_gets_another_name(
     open_s3: Callable[..., CheckpointManager], client: Any, db: LedgerClient, s3_url: str
 ) -> None:
-    """Another ledger writing under the same prefix: the key the next row would use
-    exists, so the boundary is refused as bad input and nothing is recorded."""
+    """The key the next row would use exists (our own object of a row id that is
+    reused: its intent never reached the disk, a power loss): the save goes on
+    under a salted name, the object there is left alone, and the next open
+    quarantines it in place as ours (the run token is the same after a reopen)."""
     mgr = open_s3()
     mgr.save(1, model=state(1.0))
-    taken = put(client, s3_url, "model/step-000000002.v2.pt", b"another ledger's")
-    with pytest.raises(InvalidArgumentError, match="another ledger"):
-        mgr.save(2, model=state(2.0))
-    assert [r[3] for r in rows(db)] == ["committed"]
-    assert client.get_object(Bucket=s3lib.BUCKET, Key=taken)["Body"].read() == b"another ledger's"
+    token = mgr._ctx.store.run_token
+    assert token is not None
+    taken = put(client, s3_url, f"model/step-000000002.{token}.v2.pt", b"a lost intent's")
+    saved = mgr.save(2, model=state(2.0))["model"]
+    assert saved.id == 2 and re.fullmatch(
+        rf"step-000000002\.{token}\.v2-[0-9a-f]{{8}}\.pt", saved.path.name
+    )
+    assert [r[3] for r in rows(db)] == ["committed", "committed"]
+    assert client.get_object(Bucket=s3lib.BUCKET, Key=taken)["Body"].read() == b"a lost intent's"
+    assert torch.equal(mgr.load("latest")["w"], state(2.0)["w"])
+    mgr.close()
+    again = open_s3()
+    assert again.last_reconcile.counts == {"quarantined": 1}
+    assert again.last_reconcile.actions[0].path == taken.split("/", 1)[1]
+    assert again.reconcile().actions == [] and again.check() == []
 
 
 # ------------------------------------------------------------------ reconcile
@@ -713,3 +759,43 @@ def test_a_reader_loads_records_and_urls_of_object_storage(
             reader.load("s3://ckpt/elsewhere/model/step-000000001.pt")
     with pytest.raises(InvalidArgumentError, match="root="):
         resolve(str(saved[0].path))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mib", [0, 12], ids=["one_put", "multipart"])
+def test_a_retried_completion_that_meets_another_object_leaves_it_alone(
+    open_s3: Callable[..., CheckpointManager],
+    hooks: list[Any],
+    client: Any,
+    db: LedgerClient,
+    mib: int,
+) -> None:
+    """Our completion gets a 503 (not applied); meanwhile someone else's object appears;
+    botocore's retry meets 412 and the HEAD that settles it sees another size: that
+    object is someone else's, so the rollback (and every later reconcile) leaves it."""
+    operation = "CompleteMultipartUpload" if mib else "PutObject"
+    planted: list[str] = []
+
+    def install(s3: Any) -> None:
+        def before_send(request: Any, **_: Any) -> AWSResponse | None:
+            if "/model/" not in request.url or planted:  # not the probe at open
+                return None
+            key = request.url.split(f"/{s3lib.BUCKET}/", 1)[1].split("?", 1)[0]
+            client.put_object(Bucket=s3lib.BUCKET, Key=key, Body=b"someone else's")
+            planted.append(key)
+            return error_response(request, 503, "SlowDown")
+
+        s3.meta.events.register(f"before-send.s3.{operation}", before_send)
+
+    hooks.append(install)
+    mgr = open_s3()
+    with pytest.raises(PublishError) as raised:
+        mgr.save(1, model=big_state(1.0, mib) if mib else state(1.0))
+    assert s3lib.keys_under(client, "s3://ckpt/" + planted[0].split("/")[0]) == planted
+    assert "someone else's object" in str(raised.value)
+    assert [r[3] for r in rows(db)] == ["aborted"]
+    mgr.close()
+    again = open_s3()
+    assert again.last_reconcile.actions == []
+    body = client.get_object(Bucket=s3lib.BUCKET, Key=planted[0])["Body"].read()
+    assert body == b"someone else's"

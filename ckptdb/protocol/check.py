@@ -50,6 +50,7 @@ class Checker:
             kept = ledger_rows.kept_on_disk(session, self.run_id)
             if not self.store.renames:  # quarantined where they are (no move)
                 kept |= ledger_rows.quarantined_in_place(session, self.run_id)
+                kept |= ledger_rows.disowned_paths(session, self.run_id)
         problems = [f"integrity_check: {integrity}"] if integrity != "ok" else []
         committed = [r for r in rows if r.state == m.COMMITTED]
         for row in committed:

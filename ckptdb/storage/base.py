@@ -85,6 +85,10 @@ class PayloadStore(Protocol):
     #: (object storage: one GET), so every process that reads must verify for
     #: itself first; False: a verified payload is read by its :meth:`local_path`.
     reads_verified_bytes: bool
+    #: A store without rename: the run's token (:func:`~ckptdb.storage.naming.run_token`),
+    #: set by the writer once its run is open; it is in every name the run writes,
+    #: and only names with it (or none, from before tokens) are the run's.
+    run_token: str | None
 
     @property
     def location(self) -> Path:
@@ -145,6 +149,10 @@ class PayloadStore(Protocol):
 
     def list_ours(self) -> Iterator[Found]:
         """Every entry in our naming, temporaries included (never links, never foreign kinds)."""
+
+    def disowned(self, rel: str) -> bool:
+        """Whether a write of this process found ``rel`` taken by someone else: not
+        ours, never to be removed (the rollback records it for later reconciles)."""
 
     def remove(self, rel: str) -> bool:
         """Remove ``rel`` (a file or a whole directory); False if it was absent."""

@@ -28,6 +28,8 @@ class LocalStore:
     renames = True
     #: A verified file is read by its path (``keep`` is not needed: nothing is held).
     reads_verified_bytes = False
+    #: Local names are made free by rename and the ledger: no token in them.
+    run_token: str | None = None
     kinds = frozenset({"torch", "dcp", "external"})
 
     def __init__(self, save_dir: Path) -> None:
@@ -45,6 +47,10 @@ class LocalStore:
 
     def local_path(self, rel: str) -> Path:
         return self.path(rel)
+
+    def disowned(self, rel: str) -> bool:
+        """Never: a local file is published by rename, so a write never meets another's."""
+        return False
 
     def open_verified(self, rel: str) -> BinaryIO | None:
         """None: torch reads the (confined, just verified) file by its path, ~3x faster."""

@@ -1,9 +1,10 @@
 """The payload store on S3 and S3-compatible object storage: the second implementation.
 
 Object storage has no rename, so nothing is renamed: a payload is written
-directly under its final key, which is unique to its ledger row
-(``<prefix>/<stream>/step-<step>.v<row id>.pt``) and never reused, and the
-ledger row is the commit marker. The seam's steps map as follows:
+directly under its final key, which is unique to its run and ledger row
+(``<prefix>/<stream>/step-<step>.<run token>.v<row id>.pt``, see
+:mod:`~ckptdb.storage.naming`) and never reused, and the ledger row is the
+commit marker. The seam's steps map as follows:
 
 1. ``prepare_stream``: nothing (a key needs no directory);
 2. ``write_object``: stream ``torch.save`` into a multipart upload
@@ -17,9 +18,11 @@ ledger row is the commit marker. The seam's steps map as follows:
 Reads: ``verify`` HEADs the object (size), or with ``full`` GETs it once and
 hashes it; the verified bytes are what :meth:`S3Store.open_verified`
 hands to ``torch.load``, so what is unpickled is exactly what was hashed.
-Reconcile lists the prefix and the multipart uploads in progress; a
-checkpoint in our naming that no row owns cannot be moved aside (a move is a
-copy and a delete), so ``quarantine`` leaves it where it is.
+Reconcile lists the prefix and the multipart uploads in progress; only keys
+with the run's token (or none: written before tokens) are the run's, anything
+else (another ledger's, under the same prefix) is never touched. A checkpoint
+of ours that no row owns cannot be moved aside (a move is a copy and a
+delete), so ``quarantine`` leaves it where it is.
 Only ``torch.save`` payloads are stored here for now: sharded (DCP) and
 external payloads are refused with :class:`~ckptdb.errors.InvalidArgumentError`.
 """
@@ -39,7 +42,7 @@ from ..location import ObjectPath
 from ..policies import STREAM_NAME
 from .base import CORRUPT, LOST, Finding, Found
 from .files import FileInfo, _in_chain
-from .naming import CHECKPOINT_NAME
+from .naming import CHECKPOINT_NAME, OBJECT_NAME
 from .s3client import Calls, S3Options, is_missing, probe_conditional_writes, store_error
 from .s3upload import ObjectWriter
 
@@ -63,6 +66,7 @@ class S3Store:
         self._uploads: dict[str, list[str]] | None = None  # one pass's listing (reconcile)
         self._unaborted: dict[str, list[str]] = {}  # uploads whose abort failed
         self._foreign: set[str] = set()  # keys a conditional write found taken
+        self.run_token: str | None = None  # set by the writer (see PayloadStore.run_token)
         self._verified: tuple[str, bytes] | None = None  # the last full verify's bytes
         if probe and options.require_conditional_writes:
             probe_conditional_writes(self.calls, self.bucket, self.prefix)
@@ -244,8 +248,11 @@ class S3Store:
         stream, _, name = key[len(head) :].partition("/")
         if not STREAM_NAME.fullmatch(stream) or stream.startswith("ckptdb."):
             return None
-        if not CHECKPOINT_NAME.fullmatch(name):
-            return None
+        mine = OBJECT_NAME.fullmatch(name)
+        if mine is not None and mine.group(2) != self.run_token:
+            return None  # another run's (another ledger under this prefix)
+        if mine is None and not CHECKPOINT_NAME.fullmatch(name):
+            return None  # not in our naming (CHECKPOINT_NAME: keys from before tokens)
         return Found(stream, name, "temp" if role == "temp" else "checkpoint")
 
     def _list_keys(self) -> Iterator[str]:
@@ -272,6 +279,10 @@ class S3Store:
         return uploads
 
     # ------------------------------------------------------------------ removing
+
+    def disowned(self, rel: str) -> bool:
+        """Whether our completion found ``rel`` taken (If-None-Match: * refused it)."""
+        return self.key(rel) in self._foreign
 
     def remove(self, rel: str) -> bool:
         """Abort the key's uploads in progress (as far as known), then delete the object.
