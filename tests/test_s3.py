@@ -799,3 +799,43 @@ def test_a_retried_completion_that_meets_another_object_leaves_it_alone(
     assert again.last_reconcile.actions == []
     body = client.get_object(Bucket=s3lib.BUCKET, Key=planted[0])["Body"].read()
     assert body == b"someone else's"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("failure", ["refused", "timeout"])
+def test_credentials_in_urls_never_appear_in_errors(
+    tmp_path: Path, s3_url: str, s3_env: s3lib.S3Server, failure: str
+) -> None:
+    """``s3://KEY:SECRET@bucket`` is refused without being repeated; an endpoint URL
+    with ``user:password@`` is kept out of reprs, and a connection refused or a
+    timeout (botocore repeats the endpoint URL in both) reports it redacted, in the
+    whole exception chain as a traceback prints it."""
+    import socket
+    import traceback
+
+    secret = s3lib.SECRET_KEY
+    root = tmp_path / "run"
+    with pytest.raises(InvalidArgumentError, match="credentials") as refused:
+        CheckpointManager(root, save_dir=f"s3://{s3lib.ACCESS_KEY}:{secret}@{s3lib.BUCKET}/x")
+    texts = ["".join(traceback.format_exception(refused.value))]
+    with socket.socket() as listener:  # accepts, never answers: a read timeout
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        if failure == "timeout":
+            listener.listen(8)
+        else:
+            listener.close()  # nothing listens: connection refused
+        options = {
+            "endpoint_url": f"http://{s3lib.ACCESS_KEY}:{secret}@127.0.0.1:{port}",
+            "max_attempts": 1,
+            "connect_timeout": 1.0,
+            "read_timeout": 0.5,
+        }
+        with pytest.raises(ObjectStoreError) as failed:
+            CheckpointManager(root, save_dir=s3_url, storage_options=options)
+    assert "127.0.0.1" in str(failed.value)  # it does say where
+    texts.append("".join(traceback.format_exception(failed.value)))
+    texts.append(repr(s3client.parse_options(options)))
+    assert not root.exists()
+    for text in texts:
+        assert secret not in text, text

@@ -16,6 +16,7 @@ re-read the credential chain (:class:`Calls`).
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -35,6 +36,8 @@ EXPIRED_CODES = frozenset(
     {"ExpiredToken", "ExpiredTokenException", "TokenRefreshRequired", "RequestExpired"}
 )
 CHECKSUM_MODES = ("crc64nvme", "off")
+# ``scheme://user:password@``: the credentials part of a URL, never to be shown
+USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s\"']*@")
 
 # Installed by tests (fault injection through botocore's event hooks), applied to
 # every client made here, including one made to refresh credentials.
@@ -60,7 +63,7 @@ class S3Options:
     ``If-None-Match: *`` (the probe at open).
     """
 
-    endpoint_url: str | None = None
+    endpoint_url: str | None = field(default=None, repr=False)  # may carry user:password@
     region_name: str | None = None
     profile_name: str | None = None
     checksum: str = "crc64nvme"
@@ -154,9 +157,14 @@ def make_client(options: S3Options) -> Any:
         aws_secret_access_key=options.aws_secret_access_key,
         aws_session_token=options.aws_session_token,
     )
-    client = session.client(
-        "s3", endpoint_url=options.endpoint_url, region_name=options.region_name, config=config
-    )
+    try:
+        client = session.client(
+            "s3", endpoint_url=options.endpoint_url, region_name=options.region_name, config=config
+        )
+    except ValueError as exc:  # botocore's text repeats the endpoint, credentials and all
+        raise InvalidArgumentError(
+            f"storage_options: the endpoint is not a URL boto3 accepts: {redact(str(exc))}"
+        ) from None
     if _client_hook is not None:
         _client_hook(client)
     return client
@@ -213,19 +221,47 @@ def is_missing(exc: BaseException) -> bool:
     return http_status(exc) == 404 or error_code(exc) in ("404", "NoSuchKey", "NotFound")
 
 
+def redact(text: str) -> str:
+    """``text`` without the ``user:password@`` of any URL in it."""
+    return USERINFO.sub(r"\1", text)
+
+
+def redact_chain(exc: BaseException) -> None:
+    """Take URL credentials out of ``exc`` and the exceptions it chains, in place.
+
+    botocore's connection errors and timeouts repeat the endpoint URL (an
+    endpoint with ``user:password@`` included) in their text and their
+    ``kwargs``; they stay chained (nothing is swallowed), with that text redacted.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.args = tuple(redact(a) if isinstance(a, str) else a for a in current.args)
+        kwargs = getattr(current, "kwargs", None)
+        if isinstance(kwargs, dict):
+            for name, value in kwargs.items():
+                if isinstance(value, str):
+                    kwargs[name] = redact(value)
+        current = current.__cause__ or current.__context__
+
+
 def describe(exc: BaseException) -> str:
-    """Safe text for an error from the store: code, status and the store's message."""
+    """Safe text for an error from the store: code, status and the store's message
+    (and for anything else its text, URL credentials redacted in it and its chain)."""
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         error = response.get("Error", {})
         code, message = error.get("Code", "?"), error.get("Message", "")
-        return f"{code} (HTTP {http_status(exc)}){': ' + message if message else ''}"
-    return f"{type(exc).__name__}: {exc}"
+        text = f"{code} (HTTP {http_status(exc)}){': ' + message if message else ''}"
+        return redact(text)
+    redact_chain(exc)
+    return redact(f"{type(exc).__name__}: {exc}")
 
 
 def store_error(operation: str, where: str, exc: BaseException) -> ObjectStoreError:
     """The :class:`ObjectStoreError` for ``operation`` on ``where`` that failed with ``exc``."""
-    return ObjectStoreError(f"{operation} {where} failed: {describe(exc)}")
+    return ObjectStoreError(f"{operation} {redact(where)} failed: {describe(exc)}")
 
 
 # ------------------------------------------------------------------ the probe
