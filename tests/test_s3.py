@@ -839,3 +839,45 @@ def test_credentials_in_urls_never_appear_in_errors(
     assert not root.exists()
     for text in texts:
         assert secret not in text, text
+
+
+@pytest.mark.timeout(60)
+def test_an_object_store_url_as_a_run_root_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run root (the ledger's directory) given as s3://...: refused with what to do,
+    nothing created on disk (it used to become a local ./s3:/... tree)."""
+    monkeypatch.chdir(tmp_path)
+    for root in ("s3://ckpt/x", Path("s3://ckpt/x"), ObjectPath("s3:", "ckpt", "x")):
+        with pytest.raises(InvalidArgumentError, match="save_dir='s3://"):
+            CheckpointManager(root)  # type: ignore[arg-type]
+    accelerate = pytest.importorskip("accelerate")
+    from ckptdb.integrations.accelerate import Checkpoints
+
+    with pytest.raises(InvalidArgumentError, match="save_dir='s3://"):
+        Checkpoints(accelerate.Accelerator(cpu=True), "s3://ckpt/acc")
+    transformers = pytest.importorskip("transformers")
+    from ckptdb.integrations.transformers import ledger_trainer
+
+    args = transformers.TrainingArguments(output_dir="s3://ckpt/hf", report_to=[])
+    with pytest.raises(InvalidArgumentError, match="save_dir='s3://"):
+        ledger_trainer(transformers.Trainer)(model=torch.nn.Linear(2, 2), args=args)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_adopt_move_into_an_object_store_run_is_refused(
+    open_s3: Callable[..., CheckpointManager], root: Path, runner: Any
+) -> None:
+    from ckptdb.cli import main
+
+    mgr = open_s3()
+    mgr.save(1, model=state(1.0))
+    mgr.close()
+    torch.save(state(5.0), root / "ckpt-5.pt")
+    args = ["adopt", str(root), "--layout", "glob", "--pattern", "ckpt-*.pt"]
+    result = runner.invoke(main, [*args, "--step-regex", r"ckpt-(\d+)", "--move"])
+    assert result.exit_code != 0
+    assert "object storage" in result.output and "unexpected" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert (root / "ckpt-5.pt").exists()
