@@ -881,3 +881,43 @@ def test_adopt_move_into_an_object_store_run_is_refused(
     assert "object storage" in result.output and "unexpected" not in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert (root / "ckpt-5.pt").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_ignores_the_condition_on_completion_is_refused(
+    root: Path, s3_url: str, hooks: list[Any], client: Any
+) -> None:
+    """If-None-Match honoured on PutObject but ignored on CompleteMultipartUpload (big
+    payloads): the probe completes a one-part upload twice and refuses the store."""
+
+    def install(s3: Any) -> None:
+        def strip(request: Any, **_: Any) -> None:
+            if "If-None-Match" in request.headers:
+                del request.headers["If-None-Match"]
+
+        s3.meta.events.register("before-sign.s3.CompleteMultipartUpload", strip)
+
+    hooks.append(install)
+    with pytest.raises(ConditionalWritesUnsupportedError, match="CompleteMultipartUpload"):
+        CheckpointManager(root, save_dir=s3_url)
+    assert not (root / "ckptdb.sqlite").exists()
+    assert s3lib.keys_under(client, s3_url) == []  # the probe cleaned up
+    assert s3lib.uploads_under(client, s3_url) == []
+
+
+@pytest.mark.timeout(60)
+def test_probe_leftovers_are_removed_by_reconcile_once_stale(
+    open_s3: Callable[..., CheckpointManager], client: Any, s3_url: str
+) -> None:
+    """A process killed mid-probe leaves a probe object or upload in ckptdb.probe/:
+    reconcile removes those older than an hour, never a probe that may be running."""
+    old, fresh = int(time.time()) - 2 * 3600, int(time.time())
+    stale = put(client, s3_url, f"ckptdb.probe/{old}-{'a' * 32}")
+    running = put(client, s3_url, f"ckptdb.probe/{fresh}-{'b' * 32}")
+    upload_key = f"{s3_url.split('/', 3)[3]}/ckptdb.probe/{old}-{'c' * 32}.mpu"
+    client.create_multipart_upload(Bucket=s3lib.BUCKET, Key=upload_key)
+    mgr = open_s3()
+    assert mgr.last_reconcile.counts == {"removed_temp": 2}
+    assert s3lib.keys_under(client, s3_url) == [running]
+    assert s3lib.uploads_under(client, s3_url) == []
+    assert stale not in s3lib.keys_under(client, s3_url)

@@ -30,6 +30,7 @@ external payloads are refused with :class:`~ckptdb.errors.InvalidArgumentError`.
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -43,7 +44,16 @@ from ..policies import STREAM_NAME
 from .base import CORRUPT, LOST, Finding, Found
 from .files import FileInfo, _in_chain
 from .naming import CHECKPOINT_NAME, OBJECT_NAME
-from .s3client import Calls, S3Options, is_missing, probe_conditional_writes, store_error
+from .s3client import (
+    PROBE_DIR,
+    PROBE_MAX_AGE,
+    PROBE_NAME,
+    Calls,
+    S3Options,
+    is_missing,
+    probe_conditional_writes,
+    store_error,
+)
 from .s3upload import ObjectWriter
 
 READ_CHUNK = 8 << 20
@@ -246,6 +256,8 @@ class S3Store:
         if not key.startswith(head):
             return None
         stream, _, name = key[len(head) :].partition("/")
+        if stream == PROBE_DIR:
+            return _stale_probe(name)
         if not STREAM_NAME.fullmatch(stream) or stream.startswith("ckptdb."):
             return None
         mine = OBJECT_NAME.fullmatch(name)
@@ -320,6 +332,15 @@ class S3Store:
 
     def _url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
+
+
+def _stale_probe(name: str) -> Found | None:
+    """A leftover of the conditional-write probe (a process killed mid-probe), old
+    enough that no probe still runs on it: a temporary of ours (reconcile removes it)."""
+    found = PROBE_NAME.fullmatch(name)
+    if found is None or time.time() - int(found.group(1)) < PROBE_MAX_AGE:
+        return None
+    return Found(PROBE_DIR, name, "temp")
 
 
 def _unsupported(what: str) -> InvalidArgumentError:
