@@ -921,3 +921,24 @@ def test_probe_leftovers_are_removed_by_reconcile_once_stale(
     assert s3lib.keys_under(client, s3_url) == [running]
     assert s3lib.uploads_under(client, s3_url) == []
     assert stale not in s3lib.keys_under(client, s3_url)
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_bucket_marks_nothing_lost(
+    open_s3: Callable[..., CheckpointManager], hooks: list[Any], db: LedgerClient
+) -> None:
+    """A HEAD 404 without a body (and NoSuchBucket on a GET) when the bucket itself is
+    gone or mistyped: unreadable, reported, the row stays committed."""
+    mgr = open_s3()
+    saved = mgr.save(1, model=state(1.0))["model"]
+    mgr.close()
+    seen: list[str] = []
+    hooks.append(fail("HeadObject", 404, "404", times=1000, seen=seen))
+    hooks.append(fail("HeadBucket", 404, "NoSuchBucket", times=1000, seen=seen))
+    hooks.append(fail("GetObject", 404, "NoSuchBucket", times=1000, seen=seen))
+    with pytest.warns(UserWarning, match="could not repair"):
+        mgr = open_s3(storage_options={"part_size": PART, "max_attempts": 1})
+    assert mgr.last_reconcile.counts == {"failed": 1}
+    with pytest.raises(ObjectStoreError, match="NoSuchBucket"):
+        mgr.load("latest")
+    assert [(r[0], r[3]) for r in rows(db)] == [(saved.id, "committed")]

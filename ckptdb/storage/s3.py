@@ -193,15 +193,27 @@ class S3Store:
         try:
             actual, data = self._fetch(key, size) if full else (self._head_size(key), None)
         except ObjectStoreError as exc:
-            if is_missing(exc.__cause__ or exc):
+            doubt = self._bucket_doubt() if is_missing(exc.__cause__ or exc) else ""
+            if doubt is None:
                 return Finding(LOST, "object missing", missing=True, error=exc)
-            return Finding(LOST, f"unreadable: {exc}", error=exc)
+            return Finding(LOST, f"unreadable: {exc}{doubt}", error=exc)
         if actual.size != size:
             return Finding(CORRUPT, f"size {actual.size} != recorded {size}", actual)
         if full and actual.hash != digest:
             return Finding(CORRUPT, f"hash {actual.hash} != recorded {digest}", actual)
         if data is not None and keep:
             self._verified = (rel, data)
+        return None
+
+    def _bucket_doubt(self) -> str | None:
+        """A HEAD's 404 has no body, so a missing bucket looks like a missing key: before
+        a 404 marks a row lost, the bucket must answer (a typo'd or deleted bucket is
+        unreadable, not proof that the checkpoints are gone). None: it answers; else
+        why the 404 is not trusted (the HeadBucket error, for the finding's text)."""
+        try:
+            self.calls("head_bucket", Bucket=self.bucket)
+        except Exception as exc:
+            return f"; and {store_error('HeadBucket', f's3://{self.bucket}', exc)}"
         return None
 
     def _head_size(self, key: str) -> FileInfo:

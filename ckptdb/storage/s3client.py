@@ -219,6 +219,10 @@ def was_retried(exc: BaseException) -> bool:
 
 
 def is_missing(exc: BaseException) -> bool:
+    """Whether the key is not there. A missing bucket (a typo, a bucket not reachable
+    with these credentials) is not a missing object: nothing may be marked lost for it."""
+    if error_code(exc) == "NoSuchBucket":
+        return False
     return http_status(exc) == 404 or error_code(exc) in ("404", "NoSuchKey", "NotFound")
 
 
