@@ -942,3 +942,29 @@ def test_a_missing_bucket_marks_nothing_lost(
     with pytest.raises(ObjectStoreError, match="NoSuchBucket"):
         mgr.load("latest")
     assert [(r[0], r[3]) for r in rows(db)] == [(saved.id, "committed")]
+
+
+@pytest.mark.timeout(60)
+def test_listings_page_through_the_retrying_calls(
+    open_s3: Callable[..., CheckpointManager], hooks: list[Any], client: Any, s3_url: str
+) -> None:
+    """Reconcile's listings go through the same calls as everything else: an expired
+    token on ListObjectsV2 or ListMultipartUploads is refreshed, not a failed open;
+    and more keys than one page still list whole."""
+    mgr = open_s3()
+    mgr.save(1, model=state(1.0))
+    mgr.close()
+    orphans = [put(client, s3_url, f"model/step-{i:09d}.v{i}.pt") for i in range(100, 103)]
+    listed: list[str] = []
+    uploads: list[str] = []
+    hooks.append(fail("ListObjectsV2", 400, "ExpiredToken", times=1, seen=listed))
+    hooks.append(fail("ListMultipartUploads", 400, "ExpiredToken", times=1, seen=uploads))
+    mgr = open_s3()
+    assert listed == uploads == ["ExpiredToken"]
+    assert mgr._ctx.store.calls.refreshes == 2  # type: ignore[attr-defined]
+    assert mgr.last_reconcile.counts == {"quarantined": 3}
+    store = mgr._ctx.store
+    store.calls.client.meta.events.register(  # type: ignore[attr-defined]
+        "before-parameter-build.s3.ListObjectsV2", lambda params, **_: params.update(MaxKeys=2)
+    )
+    assert sorted(store._list_keys()) == sorted([*orphans, mgr.latest().path.key])  # type: ignore[attr-defined,union-attr]

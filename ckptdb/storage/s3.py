@@ -281,26 +281,34 @@ class S3Store:
 
     def _list_keys(self) -> Iterator[str]:
         head = f"{self.prefix}/" if self.prefix else ""
-        try:
-            pages = self.calls.client.get_paginator("list_objects_v2")
-            for page in pages.paginate(Bucket=self.bucket, Prefix=head):
-                yield from (o["Key"] for o in page.get("Contents", []))
-        except Exception as exc:
-            raise store_error("ListObjectsV2", self._url(head), exc) from exc
+        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": head}
+        while True:  # pages through Calls (not a paginator): expired credentials refresh
+            try:
+                page = self.calls("list_objects_v2", **params)
+            except Exception as exc:
+                raise store_error("ListObjectsV2", self._url(head), exc) from exc
+            yield from (o["Key"] for o in page.get("Contents", []))
+            if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
+                return
+            params["ContinuationToken"] = page["NextContinuationToken"]
 
     def _list_uploads(self) -> dict[str, list[str]]:
         if self._uploads is not None:
             return self._uploads
         head = f"{self.prefix}/" if self.prefix else ""
         uploads: dict[str, list[str]] = {}
-        try:
-            pages = self.calls.client.get_paginator("list_multipart_uploads")
-            for page in pages.paginate(Bucket=self.bucket, Prefix=head):
-                for upload in page.get("Uploads", []):
-                    uploads.setdefault(upload["Key"], []).append(upload["UploadId"])
-        except Exception as exc:
-            raise store_error("ListMultipartUploads", self._url(head), exc) from exc
-        return uploads
+        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": head}
+        while True:  # pages through Calls (not a paginator): expired credentials refresh
+            try:
+                page = self.calls("list_multipart_uploads", **params)
+            except Exception as exc:
+                raise store_error("ListMultipartUploads", self._url(head), exc) from exc
+            for upload in page.get("Uploads", []):
+                uploads.setdefault(upload["Key"], []).append(upload["UploadId"])
+            if not page.get("IsTruncated"):
+                return uploads
+            params["KeyMarker"] = page.get("NextKeyMarker", "")
+            params["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
 
     # ------------------------------------------------------------------ removing
 
