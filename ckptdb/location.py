@@ -82,11 +82,17 @@ def object_path(url: str) -> ObjectPath:
 
     A bucket is 3-63 lowercase letters, digits, dots and hyphens; the prefix
     has no empty, ``.`` or ``..`` segment (the keys would not round-trip).
+    Credentials (``s3://KEY:SECRET@bucket``) are refused without repeating them.
     """
     if not url.startswith(SCHEME):
         raise ValueError(f"{url!r} is not an s3:// URL")
     rest = url[len(SCHEME) :].rstrip("/")
     bucket, _, prefix = rest.partition("/")
+    if "@" in bucket:  # s3://KEY:SECRET@bucket: never echoed, never stored in the ledger
+        raise ValueError(
+            "credentials inside an s3:// URL are refused (the URL is stored in the ledger "
+            "and shown in messages): pass them in storage_options or the standard AWS chain"
+        )
     if not _valid_bucket(bucket):
         raise ValueError(f"{url!r}: {bucket!r} is not a valid bucket name")
     segments = prefix.split("/") if prefix else []

@@ -57,6 +57,7 @@ from .record import Checkpoint
 from .storage.base import PayloadStore
 from .storage.files import make_dir
 from .storage.local import LocalStore
+from .storage.naming import run_token
 from .storage.s3client import parse_options
 
 __all__ = ["CheckpointManager", "CleanupWarning"]
@@ -119,6 +120,18 @@ class _StorageRequest:
         return S3Store(save_dir, parse_options(self.options), probe=probe)
 
 
+def refuse_object_root(root: object, what: str) -> None:
+    """A run root is a local directory (the ledger, the lock): an ``s3://`` URL there
+    would silently become a local ``./s3:/...`` tree, so it is refused, saying what to do."""
+    text = str(root) if isinstance(root, (str, os.PathLike)) else ""
+    if is_object_url(root) or text.startswith("s3:/"):  # Path("s3://b") reads "s3:/b"
+        raise InvalidArgumentError(
+            f"{what} is {str(root)!r}: the run root holds the ledger and must be a local "
+            "directory; to keep checkpoints on object storage, pass a local root and "
+            "save_dir='s3://bucket/prefix' (CheckpointManager)"
+        )
+
+
 def _abandon(db: Any, lock: Any, attempt_id: int) -> None:
     """An open that failed after its attempt started: end it as failed, let go of all."""
     try:
@@ -168,6 +181,7 @@ class CheckpointManager:
     ) -> None:
         if guard is not None and not isinstance(guard, NonFiniteGradGuard):
             raise ArgumentTypeError(f"guard must be a NonFiniteGradGuard, got {guard!r}")
+        refuse_object_root(root, "root")
         self._storage = _StorageRequest.of(save_dir, storage_options)
         self.root = Path(root).resolve()
         self._guard = guard
@@ -245,6 +259,9 @@ class CheckpointManager:
         assert run.attempt_id is not None
         try:
             store = early if early is not None else self._storage.store(run.save_dir)
+            if not store.renames:  # the run's own names (see storage.naming.run_token)
+                assert run.created_at is not None
+                store.run_token = run_token(run.name, run.run_id, run.created_at)
         except BaseException:
             _abandon(db, lock, run.attempt_id)
             raise

@@ -38,7 +38,7 @@ from .ledger.follow import Follower
 from .ledger.netfs import check_ledger_location
 from .ledger.queries import run_sql
 from .ledger.runs import ledger_beside, ledger_url, open_as_reader, run_exists
-from .location import ObjectPath, relative_within
+from .location import ObjectPath, is_object_url, relative_within
 from .pinning import Pin
 from .policies import Policy
 from .record import Checkpoint
@@ -149,6 +149,14 @@ class RunReader:
         """The checkpoint, and the save directory of the run that holds it."""
         queries = self._open()
         which = _step_or_spec(which)
+        if _names_an_object(which):
+            # an object has no run root above it and no local file: the ledger decides
+            if relative_within(_object_location(which), self.save_dir) is None:
+                raise CheckpointNotFoundError(
+                    f"{_object_location(which)} is not in this run's save directory "
+                    f"{self.save_dir}: open a RunReader on the run that saved it"
+                )
+            return queries.resolve(which, stream, self.root), self.save_dir
         if isinstance(which, (str, os.PathLike, Checkpoint)) and which not in ("latest", "best"):
             path = which.path if isinstance(which, Checkpoint) else Path(which).expanduser()
             run = _run_root(path, self._db_url)
@@ -418,6 +426,14 @@ def _resolve(
             raise InvalidArgumentError(f"resolve({spec!r}) needs root=, the run to look in")
         with RunReader(root, db_url=db_url) as reader:
             return reader._open().resolve(spec, stream, reader.root), reader.save_dir
+    if _names_an_object(spec):
+        if root is None:
+            raise InvalidArgumentError(
+                f"resolve({str(_object_location(spec))!r}) needs root=: an object in object "
+                "storage has no run directory above it"
+            )
+        with RunReader(root, db_url=db_url) as reader:
+            return reader._resolve(spec, stream)
     path = spec.path if isinstance(spec, Checkpoint) else Path(spec).expanduser()
     run = _run_root(path, db_url)
     if run is not None:
@@ -426,6 +442,16 @@ def _resolve(
     owner, url = _owner_of(path, root, db_url)
     with RunReader(owner, db_url=url) as reader:
         return reader._open().resolve(path, stream, reader.root), reader.save_dir
+
+
+def _names_an_object(spec: object) -> bool:
+    """Whether ``spec`` is an ``s3://`` URL, or a record or path of an object: resolved
+    through a ledger only (``Path`` would fold the URL, and there is no local file)."""
+    return is_object_url(_object_location(spec))
+
+
+def _object_location(spec: object) -> object:
+    return spec.path if isinstance(spec, Checkpoint) else spec
 
 
 def _step_or_spec(spec: object) -> object:
@@ -459,7 +485,7 @@ def load_verified(
             )
         except ValueError:
             raise CheckpointNotFoundError(f"{target.path} is not in {save_dir}") from None
-    finding = store.verify(rel, target.size, target.hash, full=True)
+    finding = store.verify(rel, target.size, target.hash, full=True, keep=True)
     if finding is not None:
         if finding.state == LOST and finding.missing:
             raise CheckpointLostError(

@@ -13,6 +13,7 @@ ignores conditional writes). Everything else is the real server.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +39,7 @@ from test_crash import SWEEP, WARMUP, absorb, assert_recovers, crash, spec
 
 from ckptdb import CheckpointManager, Keep, RunReader, Sharded, faults
 from ckptdb.errors import (
+    CheckpointNotFoundError,
     ConditionalWritesUnsupportedError,
     CorruptCheckpointError,
     InvalidArgumentError,
@@ -163,7 +165,8 @@ def test_save_latest_load_round_trip(
     latest = mgr.latest()
     assert latest is not None and latest.id == out.id
     assert isinstance(out.path, ObjectPath) and str(out.path).startswith(s3_url + "/model/")
-    assert out.path.name == f"step-000000010.v{out.id}.pt"  # unique to the row
+    token = mgr._ctx.store.run_token  # type: ignore[attr-defined]
+    assert out.path.name == f"step-000000010.{token}.v{out.id}.pt"  # unique to run and row
     # the row's size and hash are the object's, as a local file's would be
     stored = client.get_object(Bucket=s3lib.BUCKET, Key=f"{out.path.key}")["Body"].read()
     assert (len(stored), xxhash.xxh3_128(stored).hexdigest()) == (out.size, out.hash)
@@ -250,21 +253,65 @@ def test_an_object_that_appears_before_the_completion_is_never_overwritten(
     assert body == b"not ours"
     assert [r[3] for r in rows(db)] == ["aborted"]
     assert mgr.latest() is None
+    mgr.close()  # what this process knew in memory is gone: the ledger remembers it
+    again = open_s3()
+    assert again.last_reconcile.actions == []
+    assert client.get_object(Bucket=s3lib.BUCKET, Key=planted[0])["Body"].read() == b"not ours"
+    assert again.reconcile().actions == [] and again.check() == []
+    assert client.get_object(Bucket=s3lib.BUCKET, Key=planted[0])["Body"].read() == b"not ours"
+
+
+@pytest.mark.timeout(90)
+def test_two_ledgers_under_one_prefix_never_touch_each_others_objects(
+    tmp_path: Path, s3_url: str, client: Any
+) -> None:
+    """Two runs (two SQLite ledgers, both at row id 1) save under one prefix: the
+    first's save fails, the second commits the same step with the same row id; the
+    first's reopen (reconcile of its rolled-back row) leaves the second's object."""
+    options = {"part_size": PART}
+    first = CheckpointManager(tmp_path / "a", save_dir=s3_url, storage_options=options)
+    with pytest.raises(PublishError), _failing_save(first):
+        first.save(1, model=state(1.0))
+    first.close()
+    with CheckpointManager(tmp_path / "b", save_dir=s3_url, storage_options=options) as second:
+        theirs = second.save(1, model=state(2.0))["model"]
+        other = put(client, s3_url, "model/step-000000007.0123456789.v1.pt")  # a third run's
+    assert theirs.id == 1
+    with CheckpointManager(tmp_path / "a", storage_options=options) as first:
+        assert first.last_reconcile.actions == []
+        assert first.check() == []
+    keys = s3lib.keys_under(client, s3_url)
+    assert theirs.path.key in keys and other in keys  # type: ignore[attr-defined]
+    with CheckpointManager(tmp_path / "b", storage_options=options) as second:
+        assert second.last_reconcile.actions == []
+        assert torch.equal(second.load(theirs)["w"], state(2.0)["w"])
 
 
 @pytest.mark.timeout(60)
-def test_a_key_taken_before_the_intent_is_refused(
+def test_a_name_taken_before_the_intent_gets_another_name(
     open_s3: Callable[..., CheckpointManager], client: Any, db: LedgerClient, s3_url: str
 ) -> None:
-    """Another ledger writing under the same prefix: the key the next row would use
-    exists, so the boundary is refused as bad input and nothing is recorded."""
+    """The key the next row would use exists (our own object of a row id that is
+    reused: its intent never reached the disk, a power loss): the save goes on
+    under a salted name, the object there is left alone, and the next open
+    quarantines it in place as ours (the run token is the same after a reopen)."""
     mgr = open_s3()
     mgr.save(1, model=state(1.0))
-    taken = put(client, s3_url, "model/step-000000002.v2.pt", b"another ledger's")
-    with pytest.raises(InvalidArgumentError, match="another ledger"):
-        mgr.save(2, model=state(2.0))
-    assert [r[3] for r in rows(db)] == ["committed"]
-    assert client.get_object(Bucket=s3lib.BUCKET, Key=taken)["Body"].read() == b"another ledger's"
+    token = mgr._ctx.store.run_token
+    assert token is not None
+    taken = put(client, s3_url, f"model/step-000000002.{token}.v2.pt", b"a lost intent's")
+    saved = mgr.save(2, model=state(2.0))["model"]
+    assert saved.id == 2 and re.fullmatch(
+        rf"step-000000002\.{token}\.v2-[0-9a-f]{{8}}\.pt", saved.path.name
+    )
+    assert [r[3] for r in rows(db)] == ["committed", "committed"]
+    assert client.get_object(Bucket=s3lib.BUCKET, Key=taken)["Body"].read() == b"a lost intent's"
+    assert torch.equal(mgr.load("latest")["w"], state(2.0)["w"])
+    mgr.close()
+    again = open_s3()
+    assert again.last_reconcile.counts == {"quarantined": 1}
+    assert again.last_reconcile.actions[0].path == taken.split("/", 1)[1]
+    assert again.reconcile().actions == [] and again.check() == []
 
 
 # ------------------------------------------------------------------ reconcile
@@ -380,7 +427,7 @@ def test_sigkill_during_a_multipart_upload(tmp_path: Path, s3_url: str, client: 
 
     pid = fork_running(root, tmp_path / "child.log", body)
     deadline = time.monotonic() + 30
-    while not s3lib.uploads_under(client, s3_url):
+    while not [u for u in s3lib.uploads_under(client, s3_url) if "/model/" in u]:  # not the probe
         assert time.monotonic() < deadline, tail(tmp_path / "child.log")
         time.sleep(0.01)
     os.kill(pid, signal.SIGKILL)
@@ -645,3 +692,279 @@ def test_secrets_never_appear_in_errors_logs_events_status_or_the_ledger(
     texts.append((root / "ckptdb.sqlite").read_bytes().decode("latin-1"))
     for text in texts:
         assert s3lib.SECRET_KEY not in text
+
+
+# ------------------------------------------------------------------ review fixes
+
+
+def _two_rank_save_and_load(rank: int, world: int, root: str, url: str) -> list[float]:
+    """Every rank saves (collectively) and loads twice: latest, and by record."""
+    with CheckpointManager(root, save_dir=url, streams={"model": Keep(last=2)}) as mgr:
+        saved = mgr.save(1, model={"w": torch.ones(4) * 3})
+        record = mgr.latest()
+        assert record is not None and (not saved or saved["model"].id == record.id)
+        return [float(mgr.load("latest")["w"].sum()), float(mgr.load(record)["w"].sum())]
+
+
+@pytest.mark.timeout(90)
+def test_every_rank_loads_from_object_storage(tmp_path: Path, s3_url: str) -> None:
+    """Under torch.distributed only the chief verifies for the ledger; every other rank
+    does its own hash-checked GET before reading (it has no bytes of the chief's)."""
+    from distlib import run_ranks
+
+    outcomes = run_ranks(
+        _two_rank_save_and_load, 2, tmp_path, str(tmp_path / "run"), s3_url, timeout=60
+    )
+    for outcome in outcomes:
+        assert outcome.error is None, outcome.trace
+        assert outcome.value == [12.0, 12.0]
+
+
+@pytest.mark.timeout(60)
+def test_verify_and_check_keep_no_payload_in_memory(
+    open_s3: Callable[..., CheckpointManager],
+) -> None:
+    mgr = open_s3()
+    saved = mgr.save(1, model=big_state(1.0))["model"]
+    store = mgr._ctx.store
+    assert mgr.verify("latest").id == saved.id
+    assert store._verified is None  # type: ignore[attr-defined]
+    assert mgr.check() == []
+    assert store._verified is None  # type: ignore[attr-defined]
+    assert mgr.check(load=True) == []
+    assert store._verified is None  # type: ignore[attr-defined]
+    assert torch.equal(mgr.load("latest")["w"], big_state(1.0)["w"])
+    assert store._verified is None  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_loads_records_and_urls_of_object_storage(
+    open_s3: Callable[..., CheckpointManager], root: Path
+) -> None:
+    """A reader resolves an object's record or URL through its ledger (an object has no
+    run directory above it and no local file to look at)."""
+    from ckptdb import resolve
+
+    mgr = open_s3()
+    saved = [mgr.save(step, model=state(float(step)))["model"] for step in (1, 2)]
+    with RunReader(root) as reader, reader.follow("model", since=0, timeout=0.5) as followed:
+        records = list(followed)
+        assert [r.id for r in records] == [c.id for c in saved]
+        for record in records:
+            assert torch.equal(reader.load(record)["w"], state(float(record.step))["w"])
+            assert torch.equal(reader.load(str(record.path))["w"], state(float(record.step))["w"])
+            assert reader.resolve(record.path).id == record.id
+        assert resolve(str(saved[0].path), root=root).id == saved[0].id
+        with pytest.raises(CheckpointNotFoundError):
+            reader.load("s3://ckpt/elsewhere/model/step-000000001.pt")
+    with pytest.raises(InvalidArgumentError, match="root="):
+        resolve(str(saved[0].path))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mib", [0, 12], ids=["one_put", "multipart"])
+def test_a_retried_completion_that_meets_another_object_leaves_it_alone(
+    open_s3: Callable[..., CheckpointManager],
+    hooks: list[Any],
+    client: Any,
+    db: LedgerClient,
+    mib: int,
+) -> None:
+    """Our completion gets a 503 (not applied); meanwhile someone else's object appears;
+    botocore's retry meets 412 and the HEAD that settles it sees another size: that
+    object is someone else's, so the rollback (and every later reconcile) leaves it."""
+    operation = "CompleteMultipartUpload" if mib else "PutObject"
+    planted: list[str] = []
+
+    def install(s3: Any) -> None:
+        def before_send(request: Any, **_: Any) -> AWSResponse | None:
+            if "/model/" not in request.url or planted:  # not the probe at open
+                return None
+            key = request.url.split(f"/{s3lib.BUCKET}/", 1)[1].split("?", 1)[0]
+            client.put_object(Bucket=s3lib.BUCKET, Key=key, Body=b"someone else's")
+            planted.append(key)
+            return error_response(request, 503, "SlowDown")
+
+        s3.meta.events.register(f"before-send.s3.{operation}", before_send)
+
+    hooks.append(install)
+    mgr = open_s3()
+    with pytest.raises(PublishError) as raised:
+        mgr.save(1, model=big_state(1.0, mib) if mib else state(1.0))
+    assert s3lib.keys_under(client, "s3://ckpt/" + planted[0].split("/")[0]) == planted
+    assert "someone else's object" in str(raised.value)
+    assert [r[3] for r in rows(db)] == ["aborted"]
+    mgr.close()
+    again = open_s3()
+    assert again.last_reconcile.actions == []
+    body = client.get_object(Bucket=s3lib.BUCKET, Key=planted[0])["Body"].read()
+    assert body == b"someone else's"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("failure", ["refused", "timeout"])
+def test_credentials_in_urls_never_appear_in_errors(
+    tmp_path: Path, s3_url: str, s3_env: s3lib.S3Server, failure: str
+) -> None:
+    """``s3://KEY:SECRET@bucket`` is refused without being repeated; an endpoint URL
+    with ``user:password@`` is kept out of reprs, and a connection refused or a
+    timeout (botocore repeats the endpoint URL in both) reports it redacted, in the
+    whole exception chain as a traceback prints it."""
+    import socket
+    import traceback
+
+    secret = s3lib.SECRET_KEY
+    root = tmp_path / "run"
+    with pytest.raises(InvalidArgumentError, match="credentials") as refused:
+        CheckpointManager(root, save_dir=f"s3://{s3lib.ACCESS_KEY}:{secret}@{s3lib.BUCKET}/x")
+    texts = ["".join(traceback.format_exception(refused.value))]
+    with socket.socket() as listener:  # accepts, never answers: a read timeout
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        if failure == "timeout":
+            listener.listen(8)
+        else:
+            listener.close()  # nothing listens: connection refused
+        options = {
+            "endpoint_url": f"http://{s3lib.ACCESS_KEY}:{secret}@127.0.0.1:{port}",
+            "max_attempts": 1,
+            "connect_timeout": 1.0,
+            "read_timeout": 0.5,
+        }
+        with pytest.raises(ObjectStoreError) as failed:
+            CheckpointManager(root, save_dir=s3_url, storage_options=options)
+    assert "127.0.0.1" in str(failed.value)  # it does say where
+    texts.append("".join(traceback.format_exception(failed.value)))
+    texts.append(repr(s3client.parse_options(options)))
+    assert not root.exists()
+    for text in texts:
+        assert secret not in text, text
+
+
+@pytest.mark.timeout(60)
+def test_an_object_store_url_as_a_run_root_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run root (the ledger's directory) given as s3://...: refused with what to do,
+    nothing created on disk (it used to become a local ./s3:/... tree)."""
+    monkeypatch.chdir(tmp_path)
+    for root in ("s3://ckpt/x", Path("s3://ckpt/x"), ObjectPath("s3:", "ckpt", "x")):
+        with pytest.raises(InvalidArgumentError, match="save_dir='s3://"):
+            CheckpointManager(root)  # type: ignore[arg-type]
+    accelerate = pytest.importorskip("accelerate")
+    from ckptdb.integrations.accelerate import Checkpoints
+
+    with pytest.raises(InvalidArgumentError, match="save_dir='s3://"):
+        Checkpoints(accelerate.Accelerator(cpu=True), "s3://ckpt/acc")
+    transformers = pytest.importorskip("transformers")
+    from ckptdb.integrations.transformers import ledger_trainer
+
+    args = transformers.TrainingArguments(output_dir="s3://ckpt/hf", report_to=[])
+    with pytest.raises(InvalidArgumentError, match="save_dir='s3://"):
+        ledger_trainer(transformers.Trainer)(model=torch.nn.Linear(2, 2), args=args)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_adopt_move_into_an_object_store_run_is_refused(
+    open_s3: Callable[..., CheckpointManager], root: Path, runner: Any
+) -> None:
+    from ckptdb.cli import main
+
+    mgr = open_s3()
+    mgr.save(1, model=state(1.0))
+    mgr.close()
+    torch.save(state(5.0), root / "ckpt-5.pt")
+    args = ["adopt", str(root), "--layout", "glob", "--pattern", "ckpt-*.pt"]
+    result = runner.invoke(main, [*args, "--step-regex", r"ckpt-(\d+)", "--move"])
+    assert result.exit_code != 0
+    assert "object storage" in result.output and "unexpected" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert (root / "ckpt-5.pt").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_ignores_the_condition_on_completion_is_refused(
+    root: Path, s3_url: str, hooks: list[Any], client: Any
+) -> None:
+    """If-None-Match honoured on PutObject but ignored on CompleteMultipartUpload (big
+    payloads): the probe completes a one-part upload twice and refuses the store."""
+
+    def install(s3: Any) -> None:
+        def strip(request: Any, **_: Any) -> None:
+            if "If-None-Match" in request.headers:
+                del request.headers["If-None-Match"]
+
+        s3.meta.events.register("before-sign.s3.CompleteMultipartUpload", strip)
+
+    hooks.append(install)
+    with pytest.raises(ConditionalWritesUnsupportedError, match="CompleteMultipartUpload"):
+        CheckpointManager(root, save_dir=s3_url)
+    assert not (root / "ckptdb.sqlite").exists()
+    assert s3lib.keys_under(client, s3_url) == []  # the probe cleaned up
+    assert s3lib.uploads_under(client, s3_url) == []
+
+
+@pytest.mark.timeout(60)
+def test_probe_leftovers_are_removed_by_reconcile_once_stale(
+    open_s3: Callable[..., CheckpointManager], client: Any, s3_url: str
+) -> None:
+    """A process killed mid-probe leaves a probe object or upload in ckptdb.probe/:
+    reconcile removes those older than an hour, never a probe that may be running."""
+    old, fresh = int(time.time()) - 2 * 3600, int(time.time())
+    stale = put(client, s3_url, f"ckptdb.probe/{old}-{'a' * 32}")
+    running = put(client, s3_url, f"ckptdb.probe/{fresh}-{'b' * 32}")
+    upload_key = f"{s3_url.split('/', 3)[3]}/ckptdb.probe/{old}-{'c' * 32}.mpu"
+    client.create_multipart_upload(Bucket=s3lib.BUCKET, Key=upload_key)
+    mgr = open_s3()
+    assert mgr.last_reconcile.counts == {"removed_temp": 2}
+    assert s3lib.keys_under(client, s3_url) == [running]
+    assert s3lib.uploads_under(client, s3_url) == []
+    assert stale not in s3lib.keys_under(client, s3_url)
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_bucket_marks_nothing_lost(
+    open_s3: Callable[..., CheckpointManager], hooks: list[Any], db: LedgerClient
+) -> None:
+    """A HEAD 404 without a body (and NoSuchBucket on a GET) when the bucket itself is
+    gone or mistyped: unreadable, reported, the row stays committed."""
+    mgr = open_s3()
+    saved = mgr.save(1, model=state(1.0))["model"]
+    mgr.close()
+    seen: list[str] = []
+    hooks.append(fail("HeadObject", 404, "404", times=1000, seen=seen))
+    hooks.append(fail("HeadBucket", 404, "NoSuchBucket", times=1000, seen=seen))
+    hooks.append(fail("GetObject", 404, "NoSuchBucket", times=1000, seen=seen))
+    with pytest.warns(UserWarning, match="could not repair"):
+        mgr = open_s3(storage_options={"part_size": PART, "max_attempts": 1})
+    assert mgr.last_reconcile.counts == {"failed": 1}
+    with pytest.raises(ObjectStoreError, match="NoSuchBucket"):
+        mgr.load("latest")
+    assert [(r[0], r[3]) for r in rows(db)] == [(saved.id, "committed")]
+
+
+@pytest.mark.timeout(60)
+def test_listings_page_through_the_retrying_calls(
+    open_s3: Callable[..., CheckpointManager], hooks: list[Any], client: Any, s3_url: str
+) -> None:
+    """Reconcile's listings go through the same calls as everything else: an expired
+    token on ListObjectsV2 or ListMultipartUploads is refreshed, not a failed open;
+    and more keys than one page still list whole."""
+    mgr = open_s3()
+    mgr.save(1, model=state(1.0))
+    mgr.close()
+    orphans = [put(client, s3_url, f"model/step-{i:09d}.v{i}.pt") for i in range(100, 103)]
+    listed: list[str] = []
+    uploads: list[str] = []
+    hooks.append(fail("ListObjectsV2", 400, "ExpiredToken", times=1, seen=listed))
+    hooks.append(fail("ListMultipartUploads", 400, "ExpiredToken", times=1, seen=uploads))
+    mgr = open_s3()
+    assert listed == uploads == ["ExpiredToken"]
+    assert mgr._ctx.store.calls.refreshes == 2  # type: ignore[attr-defined]
+    assert mgr.last_reconcile.counts == {"quarantined": 3}
+    store = mgr._ctx.store
+    store.calls.client.meta.events.register(  # type: ignore[attr-defined]
+        "before-parameter-build.s3.ListObjectsV2", lambda params, **_: params.update(MaxKeys=2)
+    )
+    assert sorted(store._list_keys()) == sorted([*orphans, mgr.latest().path.key])  # type: ignore[attr-defined,union-attr]

@@ -45,6 +45,7 @@ from ..errors import InvalidArgumentError, LedgerError
 from ..ledger import Ledger, RunQueries, open_ledger
 from ..ledger.engine import LEDGER_FILE
 from ..ledger.runs import OpenedRun, ledger_beside, ledger_url, open_as_reader
+from ..location import ObjectPath
 from ..manager import CheckpointManager
 from ..policies import RESERVED_STREAM_NAMES, Policy
 from ..protocol.adopt import ADOPTED, NEW_STREAM_POLICY, Candidate, Outcome, preview
@@ -702,6 +703,12 @@ def adopt(
     else:
         db, run = existing
         save_dir, policies = run.save_dir, run.policies
+        if isinstance(save_dir, ObjectPath) and move:
+            db.dispose()
+            raise InvalidArgumentError(
+                f"adopt --move: the run saves to object storage ({save_dir}), and moving a "
+                "local file there would be an upload; adopt it into a run with a local save_dir"
+            )
         try:
             outcomes = preview(
                 candidates,

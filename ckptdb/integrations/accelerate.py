@@ -66,7 +66,7 @@ from ..errors import (
 )
 from ..guard import NonFiniteGradGuard
 from ..ledger.models import COMMITTED, CORRUPT, DELETING, LOST, PENDING
-from ..manager import CheckpointManager
+from ..manager import CheckpointManager, refuse_object_root
 from ..policies import Keep, Policy, TopK
 from ..record import Checkpoint
 from ..storage.external import External
@@ -118,6 +118,7 @@ class Checkpoints:
             raise ArgumentTypeError(f"db_url must be a str, got {db_url!r}")
         if guard not in (True, False, "raise"):
             raise InvalidArgumentError(f"guard must be True, False or 'raise', got {guard!r}")
+        refuse_object_root(root, "root")  # Accelerate writes its own files under root
         policy = _policy(keep_last, best)
         _refuse_automatic_naming(accelerator)
         self.accelerator = accelerator

@@ -63,7 +63,7 @@ from ..errors import (
 )
 from ..guard import NonFiniteGradGuard
 from ..ledger.rows import LIVE_STATES
-from ..manager import CheckpointManager
+from ..manager import CheckpointManager, refuse_object_root
 from ..policies import Keep, Policy, TopK
 from ..record import Checkpoint
 from ..storage.external import External
@@ -225,6 +225,9 @@ class _LedgerTrainerMixin:
         if db_url is not None and not isinstance(db_url, str):
             raise ArgumentTypeError(f"db_url must be a str, got {db_url!r}")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        # the Trainer writes checkpoint-N/ with its own (local) writers: no object storage
+        refuse_object_root(getattr(training_args, "output_dir", None), "args.output_dir")
+        refuse_object_root(ledger, "ledger")
         if getattr(training_args, "push_to_hub", False) and ledger is None and db_url is None:
             raise InvalidArgumentError(
                 "push_to_hub uploads output_dir, and the ledger would be in it (ckptdb.sqlite, "

@@ -23,6 +23,8 @@ from ..record import Checkpoint
 from . import models as m
 
 LIVE_STATES = (m.PENDING, m.COMMITTED, m.DELETING, m.LOST, m.CORRUPT)
+#: The event kind that records a name another writer took first (see disowned_paths).
+FOREIGN = "foreign"
 
 
 def latest_pointer(stream: str) -> str:
@@ -238,6 +240,18 @@ def quarantined_in_place(session: Session, run_id: int) -> set[str]:
         detail = json.loads(stored) if stored else {}
         if isinstance(detail, dict) and detail.get("in_place"):
             found.add(str(detail.get("path")))
+    return found
+
+
+def disowned_paths(session: Session, run_id: int) -> set[str]:
+    """Paths a write of this run found taken by someone else (a store without rename):
+    recorded by the rollback in ``foreign`` events, so no later reconcile removes them."""
+    query = select(m.Event.detail).where(m.Event.run_id == run_id, m.Event.kind == FOREIGN)
+    found = set()
+    for stored in session.scalars(query):
+        detail = json.loads(stored) if stored else {}
+        if isinstance(detail, dict) and detail.get("path"):
+            found.add(str(detail["path"]))
     return found
 
 

@@ -8,6 +8,7 @@ current schema and a run rooted where it is asked, and changes nothing.
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,8 @@ class OpenedRun:
     save_dir: Path
     policies: dict[str, Policy]
     attempt_id: int | None = None
+    #: When the run was created (with its id and name, what makes its objects' names its own).
+    created_at: dt.datetime | None = None
 
 
 def ledger_url(root: Path, db_url: str | None, *, readonly: bool) -> str:
@@ -69,7 +72,14 @@ def open_as_writer(
             policies = rows.sync_streams(session, run.id, requested, default_streams)
             attempt = rows.start_attempt(session, run.id, kind)
             rows.add_event(session, run.id, attempt.id, "attempt_started")
-            return OpenedRun(run.id, run.name, location_of(run.save_dir), policies, attempt.id)
+            return OpenedRun(
+                run.id,
+                run.name,
+                location_of(run.save_dir),
+                policies,
+                attempt.id,
+                run.created_at,
+            )
 
 
 def open_as_reader(db: Ledger, root: Path, *, adopt_single: bool) -> OpenedRun:

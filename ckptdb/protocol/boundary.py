@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,13 +70,15 @@ from ..policies import Entry
 from ..record import Checkpoint
 from ..storage.external import External, temp_for
 from ..storage.kinds import kind_named, kind_of
-from ..storage.naming import checkpoint_name, temp_name
+from ..storage.naming import checkpoint_name, object_name, temp_name
 from . import disposal
 from .asyncsave import BackgroundWriter, InFlight, SaveHandle, Snapshotter, finished
 from .context import RunContext
 from .inputs import validate_step
 from .preflight import Preflight
 from .share import PlanItem, Share
+
+NAME_TRIES = 8  # salted names tried on a store without rename (one clash is already rare)
 
 
 @dataclass
@@ -277,15 +280,24 @@ class Publisher:
 
     def _unique_name(self, stream: str, step: int, suffix: str, row_id: int) -> tuple[str, str]:
         """A store without rename writes in place, under a name no other row uses: the
-        row id is in it, and the temporary name is the final one. A name already
-        taken belongs to another ledger writing under the same prefix: refused."""
-        rel = f"{stream}/{checkpoint_name(step, version=row_id, suffix=suffix)}"
-        if self.ctx.store.exists(rel):
+        run's token and the row id are in it, and the temporary name is the final
+        one. Should it exist all the same (a row id reused after an intent that
+        never reached the disk, its object left behind), a random salt makes
+        another: a name clash is never a reason to fail a save."""
+        store = self.ctx.store
+        if store.run_token is None:
             raise InvalidArgumentError(
-                f"stream {stream!r}: {self.ctx.save_dir / rel} exists but no row of this "
-                "ledger owns it: another ledger writes under the same prefix"
+                f"{store.location}: no run token (the store is not a writer's)"
             )
-        return rel, rel
+        salt = ""
+        for _ in range(NAME_TRIES):
+            rel = f"{stream}/{object_name(step, store.run_token, row_id, suffix, salt)}"
+            if not store.exists(rel):
+                return rel, rel
+            salt = secrets.token_hex(4)
+        raise ObjectStoreError(
+            f"stream {stream!r}: {NAME_TRIES} names for step {step} in {store.location} all exist"
+        )
 
     def _check_free(self, session: Any, stream: str, name: str) -> None:
         """A framework's name is used as given, never versioned by us and never

@@ -50,6 +50,7 @@ class Checker:
             kept = ledger_rows.kept_on_disk(session, self.run_id)
             if not self.store.renames:  # quarantined where they are (no move)
                 kept |= ledger_rows.quarantined_in_place(session, self.run_id)
+                kept |= ledger_rows.disowned_paths(session, self.run_id)
         problems = [f"integrity_check: {integrity}"] if integrity != "ok" else []
         committed = [r for r in rows if r.state == m.COMMITTED]
         for row in committed:
@@ -71,7 +72,7 @@ class Checker:
         return problems
 
     def _check_file(self, row: Any, load: bool) -> list[str]:
-        finding = self.store.verify(row.path, row.size, row.hash, full=True)
+        finding = self.store.verify(row.path, row.size, row.hash, full=True, keep=load)
         if finding is not None:
             actual = finding.actual
             if finding.state == LOST or actual is None:

@@ -100,6 +100,17 @@ def record_rollback(
                     step=step,
                     detail={"path": str(failure.path), "error": repr(failure.error)},
                 )
+            for s in shares:  # a name someone else took first: theirs, for every reconcile
+                if ctx.store.disowned(s.final):
+                    ledger_rows.add_event(
+                        session,
+                        ctx.run_id,
+                        ctx.attempt_id,
+                        ledger_rows.FOREIGN,
+                        checkpoint_id=s.row_id,
+                        step=step,
+                        detail={"path": s.final, "detail": "taken by another writer; left alone"},
+                    )
     except DatabaseError as db_exc:
         # Rows stay pending; the next reconcile rolls them back.
         failures.append(

@@ -47,7 +47,7 @@ class Loader:
     ) -> Any:
         if self.inflight.writes(self._stream_of(which, stream)):
             self.inflight.wait()
-        target = self.coord.shared("resolve", lambda: self.verified(which, stream))
+        target = self.coord.shared("resolve", lambda: self.verified(which, stream, keep=True))
         kind = kind_of_path(target.path)
         rel = self.ctx.rel(target.path)
         problem: BaseException | None = None
@@ -56,6 +56,8 @@ class Loader:
             self.ctx.store.local_path(rel)
             if into is not None:
                 resolve_stateful(into)
+            if not self.coord.is_chief and self.ctx.store.reads_verified_bytes:
+                self._verify_here(target, rel)
         except Exception as exc:
             problem = exc
         self.coord.agree("ready", problem, fallback="InvalidArgumentError")
@@ -87,11 +89,30 @@ class Loader:
             return stream or "model"
         return None
 
-    def verified(self, which: object, stream: str | None) -> Checkpoint:
-        """The checkpoint ``which`` names, its size and hash checked (marked bad if not)."""
+    def _verify_here(self, target: Checkpoint, rel: str) -> None:
+        """A rank other than the chief, on a store whose reads are the verified bytes:
+        its own hash-checked GET (the chief's bytes are in the chief's memory). A
+        mismatch is raised, not recorded: only the chief writes the ledger, and it
+        finds the same at its next load or reconcile --verify."""
+        finding = self.ctx.store.verify(rel, target.size, target.hash, full=True, keep=True)
+        if finding is None:
+            return
+        if finding.state == LOST and finding.missing:
+            raise CheckpointLostError(
+                f"{target.path} vanished after the chief verified it"
+            ) from finding.error
+        if finding.state == LOST:
+            assert finding.error is not None
+            raise finding.error  # unreadable now is not proof that it is gone
+        raise CorruptCheckpointError(f"{target.path}: {finding.detail}; refusing to load it")
+
+    def verified(self, which: object, stream: str | None, *, keep: bool = False) -> Checkpoint:
+        """The checkpoint ``which`` names, its size and hash checked (marked bad if not).
+
+        ``keep``: a load follows, so the store may hold the verified bytes for it."""
         target = self.resolve(which, stream)
         finding = self.ctx.store.verify(
-            self.ctx.rel(target.path), target.size, target.hash, full=True
+            self.ctx.rel(target.path), target.size, target.hash, full=True, keep=keep
         )
         if finding is None:
             return target

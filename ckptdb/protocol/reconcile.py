@@ -13,6 +13,8 @@ found                                           action
 latest pointer on a lost/corrupt row            moved to the newest healthy committed row
 temporary payload of ours, no row               removed
 payload in our naming, no row                   moved to ``<root>/ckptdb.quarantine``
+                                                (no rename: left in place, remembered)
+object another writer took first (no rename)    untouched, remembered (``foreign`` event)
 anything else                                   untouched
 =============================================  ===========================================
 
@@ -106,6 +108,7 @@ class Reconciler:
         self.root, self.store = root, store
         self._pinned: set[int] = set()
         self._aborted: set[str] = set()  # (no rename) names of rolled-back rows
+        self._disowned: set[str] = set()  # (no rename) names another writer took first
 
     def run(
         self,
@@ -127,6 +130,8 @@ class Reconciler:
             self._pinned = pins.live_pinned(session, self.run_id, m.utcnow())
             if not self.store.renames:
                 kept |= ledger_rows.quarantined_in_place(session, self.run_id)
+                self._disowned = ledger_rows.disowned_paths(session, self.run_id)
+                kept |= self._disowned
                 self._aborted = ledger_rows.paths_in_state(session, self.run_id, (m.ABORTED,))
         plan = _Plan()
         keep_paths: set[str] = set(kept)  # protected files stay where they are
@@ -165,6 +170,7 @@ class Reconciler:
             if not is_own_name(row.path) and row.tmp_path and self.store.exists(row.tmp_path):
                 # a framework's name not yet placed onto: what is there is not ours
                 doomed = [row.tmp_path]
+            doomed = [p for p in doomed if p not in self._disowned]  # another writer's
             if self._remove(row, doomed, report, dry_run):
                 plan.state[row.id] = m.ABORTED
                 plan.errors[row.id] = row.error or "crashed before commit"

@@ -81,6 +81,14 @@ class PayloadStore(Protocol):
     renames: bool
     #: The names of the payload kinds this store can hold (the others are refused).
     kinds: frozenset[str]
+    #: True: a read is served from the bytes a full :meth:`verify` with ``keep`` held
+    #: (object storage: one GET), so every process that reads must verify for
+    #: itself first; False: a verified payload is read by its :meth:`local_path`.
+    reads_verified_bytes: bool
+    #: A store without rename: the run's token (:func:`~ckptdb.storage.naming.run_token`),
+    #: set by the writer once its run is open; it is in every name the run writes,
+    #: and only names with it (or none, from before tokens) are the run's.
+    run_token: str | None
 
     @property
     def location(self) -> Path:
@@ -121,9 +129,13 @@ class PayloadStore(Protocol):
         """Make the placements of ``finals`` durable."""
 
     def verify(
-        self, rel: str, size: int | None, digest: str | None, *, full: bool
+        self, rel: str, size: int | None, digest: str | None, *, full: bool, keep: bool = False
     ) -> Finding | None:
-        """Check a payload against its row: size always, the hash too with ``full``."""
+        """Check a payload against its row: size always, the hash too with ``full``.
+
+        ``keep``: a load of ``rel`` follows at once, so a store that reads the
+        whole payload to hash it may hold those bytes for :meth:`open_verified`
+        (only then: a check that loads nothing must not pin a payload in memory)."""
 
     def open_verified(self, rel: str) -> BinaryIO | None:
         """The bytes the last full :meth:`verify` of ``rel`` hashed, when the store keeps
@@ -137,6 +149,10 @@ class PayloadStore(Protocol):
 
     def list_ours(self) -> Iterator[Found]:
         """Every entry in our naming, temporaries included (never links, never foreign kinds)."""
+
+    def disowned(self, rel: str) -> bool:
+        """Whether a write of this process found ``rel`` taken by someone else: not
+        ours, never to be removed (the rollback records it for later reconciles)."""
 
     def remove(self, rel: str) -> bool:
         """Remove ``rel`` (a file or a whole directory); False if it was absent."""

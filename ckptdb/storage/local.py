@@ -26,6 +26,10 @@ class LocalStore:
     """Payloads in ``<save_dir>/<stream>/``, as files or DCP directories."""
 
     renames = True
+    #: A verified file is read by its path (``keep`` is not needed: nothing is held).
+    reads_verified_bytes = False
+    #: Local names are made free by rename and the ledger: no token in them.
+    run_token: str | None = None
     kinds = frozenset({"torch", "dcp", "external"})
 
     def __init__(self, save_dir: Path) -> None:
@@ -43,6 +47,10 @@ class LocalStore:
 
     def local_path(self, rel: str) -> Path:
         return self.path(rel)
+
+    def disowned(self, rel: str) -> bool:
+        """Never: a local file is published by rename, so a write never meets another's."""
+        return False
 
     def open_verified(self, rel: str) -> BinaryIO | None:
         """None: torch reads the (confined, just verified) file by its path, ~3x faster."""
@@ -91,7 +99,7 @@ class LocalStore:
     # ------------------------------------------------------------------ reading
 
     def verify(
-        self, rel: str, size: int | None, digest: str | None, *, full: bool
+        self, rel: str, size: int | None, digest: str | None, *, full: bool, keep: bool = False
     ) -> Finding | None:
         """The one place that sorts a bad payload into lost or corrupt.
 

@@ -1,9 +1,10 @@
 """The payload store on S3 and S3-compatible object storage: the second implementation.
 
 Object storage has no rename, so nothing is renamed: a payload is written
-directly under its final key, which is unique to its ledger row
-(``<prefix>/<stream>/step-<step>.v<row id>.pt``) and never reused, and the
-ledger row is the commit marker. The seam's steps map as follows:
+directly under its final key, which is unique to its run and ledger row
+(``<prefix>/<stream>/step-<step>.<run token>.v<row id>.pt``, see
+:mod:`~ckptdb.storage.naming`) and never reused, and the ledger row is the
+commit marker. The seam's steps map as follows:
 
 1. ``prepare_stream``: nothing (a key needs no directory);
 2. ``write_object``: stream ``torch.save`` into a multipart upload
@@ -17,9 +18,11 @@ ledger row is the commit marker. The seam's steps map as follows:
 Reads: ``verify`` HEADs the object (size), or with ``full`` GETs it once and
 hashes it; the verified bytes are what :meth:`S3Store.open_verified`
 hands to ``torch.load``, so what is unpickled is exactly what was hashed.
-Reconcile lists the prefix and the multipart uploads in progress; a
-checkpoint in our naming that no row owns cannot be moved aside (a move is a
-copy and a delete), so ``quarantine`` leaves it where it is.
+Reconcile lists the prefix and the multipart uploads in progress; only keys
+with the run's token (or none: written before tokens) are the run's, anything
+else (another ledger's, under the same prefix) is never touched. A checkpoint
+of ours that no row owns cannot be moved aside (a move is a copy and a
+delete), so ``quarantine`` leaves it where it is.
 Only ``torch.save`` payloads are stored here for now: sharded (DCP) and
 external payloads are refused with :class:`~ckptdb.errors.InvalidArgumentError`.
 """
@@ -27,6 +30,7 @@ external payloads are refused with :class:`~ckptdb.errors.InvalidArgumentError`.
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -39,8 +43,17 @@ from ..location import ObjectPath
 from ..policies import STREAM_NAME
 from .base import CORRUPT, LOST, Finding, Found
 from .files import FileInfo, _in_chain
-from .naming import CHECKPOINT_NAME
-from .s3client import Calls, S3Options, is_missing, probe_conditional_writes, store_error
+from .naming import CHECKPOINT_NAME, OBJECT_NAME
+from .s3client import (
+    PROBE_DIR,
+    PROBE_MAX_AGE,
+    PROBE_NAME,
+    Calls,
+    S3Options,
+    is_missing,
+    probe_conditional_writes,
+    store_error,
+)
 from .s3upload import ObjectWriter
 
 READ_CHUNK = 8 << 20
@@ -53,6 +66,8 @@ class S3Store:
     renames = False
     #: Payload kinds this store holds.
     kinds = frozenset({"torch"})
+    #: A load reads the bytes its own verify hashed: every rank that loads verifies.
+    reads_verified_bytes = True
 
     def __init__(self, location: ObjectPath, options: S3Options, *, probe: bool = True) -> None:
         self._location = location
@@ -61,6 +76,7 @@ class S3Store:
         self._uploads: dict[str, list[str]] | None = None  # one pass's listing (reconcile)
         self._unaborted: dict[str, list[str]] = {}  # uploads whose abort failed
         self._foreign: set[str] = set()  # keys a conditional write found taken
+        self.run_token: str | None = None  # set by the writer (see PayloadStore.run_token)
         self._verified: tuple[str, bytes] | None = None  # the last full verify's bytes
         if probe and options.require_conditional_writes:
             probe_conditional_writes(self.calls, self.bucket, self.prefix)
@@ -162,27 +178,42 @@ class S3Store:
     # ------------------------------------------------------------------ reading
 
     def verify(
-        self, rel: str, size: int | None, digest: str | None, *, full: bool
+        self, rel: str, size: int | None, digest: str | None, *, full: bool, keep: bool = False
     ) -> Finding | None:
         """HEAD (size), or with ``full`` one GET, hashed before anything reads it (size and hash).
 
         404: ``lost`` (missing). Any other failure to read: ``lost``, not
         missing (unreadable now is not gone). A size or hash that differs: ``corrupt``.
+        With ``keep`` (a load follows) the verified bytes are held for
+        :meth:`open_verified`; without it they are dropped at once, so a check or a
+        ``verify`` that loads nothing never keeps a payload in memory.
         """
         self._verified = None
         key = self.key(rel)
         try:
             actual, data = self._fetch(key, size) if full else (self._head_size(key), None)
         except ObjectStoreError as exc:
-            if is_missing(exc.__cause__ or exc):
+            doubt = self._bucket_doubt() if is_missing(exc.__cause__ or exc) else ""
+            if doubt is None:
                 return Finding(LOST, "object missing", missing=True, error=exc)
-            return Finding(LOST, f"unreadable: {exc}", error=exc)
+            return Finding(LOST, f"unreadable: {exc}{doubt}", error=exc)
         if actual.size != size:
             return Finding(CORRUPT, f"size {actual.size} != recorded {size}", actual)
         if full and actual.hash != digest:
             return Finding(CORRUPT, f"hash {actual.hash} != recorded {digest}", actual)
-        if data is not None:
+        if data is not None and keep:
             self._verified = (rel, data)
+        return None
+
+    def _bucket_doubt(self) -> str | None:
+        """A HEAD's 404 has no body, so a missing bucket looks like a missing key: before
+        a 404 marks a row lost, the bucket must answer (a typo'd or deleted bucket is
+        unreadable, not proof that the checkpoints are gone). None: it answers; else
+        why the 404 is not trusted (the HeadBucket error, for the finding's text)."""
+        try:
+            self.calls("head_bucket", Bucket=self.bucket)
+        except Exception as exc:
+            return f"; and {store_error('HeadBucket', f's3://{self.bucket}', exc)}"
         return None
 
     def _head_size(self, key: str) -> FileInfo:
@@ -237,36 +268,53 @@ class S3Store:
         if not key.startswith(head):
             return None
         stream, _, name = key[len(head) :].partition("/")
+        if stream == PROBE_DIR:
+            return _stale_probe(name)
         if not STREAM_NAME.fullmatch(stream) or stream.startswith("ckptdb."):
             return None
-        if not CHECKPOINT_NAME.fullmatch(name):
-            return None
+        mine = OBJECT_NAME.fullmatch(name)
+        if mine is not None and mine.group(2) != self.run_token:
+            return None  # another run's (another ledger under this prefix)
+        if mine is None and not CHECKPOINT_NAME.fullmatch(name):
+            return None  # not in our naming (CHECKPOINT_NAME: keys from before tokens)
         return Found(stream, name, "temp" if role == "temp" else "checkpoint")
 
     def _list_keys(self) -> Iterator[str]:
         head = f"{self.prefix}/" if self.prefix else ""
-        try:
-            pages = self.calls.client.get_paginator("list_objects_v2")
-            for page in pages.paginate(Bucket=self.bucket, Prefix=head):
-                yield from (o["Key"] for o in page.get("Contents", []))
-        except Exception as exc:
-            raise store_error("ListObjectsV2", self._url(head), exc) from exc
+        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": head}
+        while True:  # pages through Calls (not a paginator): expired credentials refresh
+            try:
+                page = self.calls("list_objects_v2", **params)
+            except Exception as exc:
+                raise store_error("ListObjectsV2", self._url(head), exc) from exc
+            yield from (o["Key"] for o in page.get("Contents", []))
+            if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
+                return
+            params["ContinuationToken"] = page["NextContinuationToken"]
 
     def _list_uploads(self) -> dict[str, list[str]]:
         if self._uploads is not None:
             return self._uploads
         head = f"{self.prefix}/" if self.prefix else ""
         uploads: dict[str, list[str]] = {}
-        try:
-            pages = self.calls.client.get_paginator("list_multipart_uploads")
-            for page in pages.paginate(Bucket=self.bucket, Prefix=head):
-                for upload in page.get("Uploads", []):
-                    uploads.setdefault(upload["Key"], []).append(upload["UploadId"])
-        except Exception as exc:
-            raise store_error("ListMultipartUploads", self._url(head), exc) from exc
-        return uploads
+        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": head}
+        while True:  # pages through Calls (not a paginator): expired credentials refresh
+            try:
+                page = self.calls("list_multipart_uploads", **params)
+            except Exception as exc:
+                raise store_error("ListMultipartUploads", self._url(head), exc) from exc
+            for upload in page.get("Uploads", []):
+                uploads.setdefault(upload["Key"], []).append(upload["UploadId"])
+            if not page.get("IsTruncated"):
+                return uploads
+            params["KeyMarker"] = page.get("NextKeyMarker", "")
+            params["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
 
     # ------------------------------------------------------------------ removing
+
+    def disowned(self, rel: str) -> bool:
+        """Whether our completion found ``rel`` taken (If-None-Match: * refused it)."""
+        return self.key(rel) in self._foreign
 
     def remove(self, rel: str) -> bool:
         """Abort the key's uploads in progress (as far as known), then delete the object.
@@ -304,6 +352,15 @@ class S3Store:
 
     def _url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
+
+
+def _stale_probe(name: str) -> Found | None:
+    """A leftover of the conditional-write probe (a process killed mid-probe), old
+    enough that no probe still runs on it: a temporary of ours (reconcile removes it)."""
+    found = PROBE_NAME.fullmatch(name)
+    if found is None or time.time() - int(found.group(1)) < PROBE_MAX_AGE:
+        return None
+    return Found(PROBE_DIR, name, "temp")
 
 
 def _unsupported(what: str) -> InvalidArgumentError:

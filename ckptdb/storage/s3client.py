@@ -16,6 +16,8 @@ re-read the credential chain (:class:`Calls`).
 from __future__ import annotations
 
 import os
+import re
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -35,6 +37,8 @@ EXPIRED_CODES = frozenset(
     {"ExpiredToken", "ExpiredTokenException", "TokenRefreshRequired", "RequestExpired"}
 )
 CHECKSUM_MODES = ("crc64nvme", "off")
+# ``scheme://user:password@``: the credentials part of a URL, never to be shown
+USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s\"']*@")
 
 # Installed by tests (fault injection through botocore's event hooks), applied to
 # every client made here, including one made to refresh credentials.
@@ -60,7 +64,7 @@ class S3Options:
     ``If-None-Match: *`` (the probe at open).
     """
 
-    endpoint_url: str | None = None
+    endpoint_url: str | None = field(default=None, repr=False)  # may carry user:password@
     region_name: str | None = None
     profile_name: str | None = None
     checksum: str = "crc64nvme"
@@ -154,9 +158,14 @@ def make_client(options: S3Options) -> Any:
         aws_secret_access_key=options.aws_secret_access_key,
         aws_session_token=options.aws_session_token,
     )
-    client = session.client(
-        "s3", endpoint_url=options.endpoint_url, region_name=options.region_name, config=config
-    )
+    try:
+        client = session.client(
+            "s3", endpoint_url=options.endpoint_url, region_name=options.region_name, config=config
+        )
+    except ValueError as exc:  # botocore's text repeats the endpoint, credentials and all
+        raise InvalidArgumentError(
+            f"storage_options: the endpoint is not a URL boto3 accepts: {redact(str(exc))}"
+        ) from None
     if _client_hook is not None:
         _client_hook(client)
     return client
@@ -210,40 +219,80 @@ def was_retried(exc: BaseException) -> bool:
 
 
 def is_missing(exc: BaseException) -> bool:
+    """Whether the key is not there. A missing bucket (a typo, a bucket not reachable
+    with these credentials) is not a missing object: nothing may be marked lost for it."""
+    if error_code(exc) == "NoSuchBucket":
+        return False
     return http_status(exc) == 404 or error_code(exc) in ("404", "NoSuchKey", "NotFound")
 
 
+def redact(text: str) -> str:
+    """``text`` without the ``user:password@`` of any URL in it."""
+    return USERINFO.sub(r"\1", text)
+
+
+def redact_chain(exc: BaseException) -> None:
+    """Take URL credentials out of ``exc`` and the exceptions it chains, in place.
+
+    botocore's connection errors and timeouts repeat the endpoint URL (an
+    endpoint with ``user:password@`` included) in their text and their
+    ``kwargs``; they stay chained (nothing is swallowed), with that text redacted.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.args = tuple(redact(a) if isinstance(a, str) else a for a in current.args)
+        kwargs = getattr(current, "kwargs", None)
+        if isinstance(kwargs, dict):
+            for name, value in kwargs.items():
+                if isinstance(value, str):
+                    kwargs[name] = redact(value)
+        current = current.__cause__ or current.__context__
+
+
 def describe(exc: BaseException) -> str:
-    """Safe text for an error from the store: code, status and the store's message."""
+    """Safe text for an error from the store: code, status and the store's message
+    (and for anything else its text, URL credentials redacted in it and its chain)."""
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         error = response.get("Error", {})
         code, message = error.get("Code", "?"), error.get("Message", "")
-        return f"{code} (HTTP {http_status(exc)}){': ' + message if message else ''}"
-    return f"{type(exc).__name__}: {exc}"
+        text = f"{code} (HTTP {http_status(exc)}){': ' + message if message else ''}"
+        return redact(text)
+    redact_chain(exc)
+    return redact(f"{type(exc).__name__}: {exc}")
 
 
 def store_error(operation: str, where: str, exc: BaseException) -> ObjectStoreError:
     """The :class:`ObjectStoreError` for ``operation`` on ``where`` that failed with ``exc``."""
-    return ObjectStoreError(f"{operation} {where} failed: {describe(exc)}")
+    return ObjectStoreError(f"{operation} {redact(where)} failed: {describe(exc)}")
 
 
 # ------------------------------------------------------------------ the probe
 
 
+#: The probe's objects: ``<prefix>/ckptdb.probe/<unix time>-<uuid>[.mpu]``, a place
+#: reconcile knows: leftovers (a process killed mid-probe) older than PROBE_MAX_AGE
+#: are removed there, never a probe that may still be running.
+PROBE_DIR = "ckptdb.probe"
+PROBE_NAME = re.compile(r"(\d+)-[0-9a-f]{32}(?:\.mpu)?")
+PROBE_MAX_AGE = 3600
+
+
 def probe_conditional_writes(calls: Calls, bucket: str, prefix: str) -> None:
     """Refuse a store that ignores ``If-None-Match: *`` (or that we cannot write to).
 
-    Writes a small probe object twice with ``If-None-Match: *`` under the
-    run's prefix: the second write must fail with 412. Costs two PUTs and a
-    DELETE per open. Raises :class:`ConditionalWritesUnsupportedError`, or
-    :class:`ObjectStoreError` when the bucket cannot be written at all.
+    Two probes under the run's prefix, each writing one key twice with
+    ``If-None-Match: *``: the second write must fail with 412. One with
+    ``PutObject`` (small payloads), one with ``CompleteMultipartUpload`` (big
+    ones; a store may honour the condition on one and not the other). Costs
+    two PUTs, two small multipart uploads and two DELETEs per open. Raises
+    :class:`ConditionalWritesUnsupportedError`, or :class:`ObjectStoreError`
+    when the bucket cannot be written at all.
     """
-    key = (
-        f"{prefix}/ckptdb.probe-{uuid.uuid4().hex}"
-        if prefix
-        else f"ckptdb.probe-{uuid.uuid4().hex}"
-    )
+    name = f"{PROBE_DIR}/{int(time.time())}-{uuid.uuid4().hex}"
+    key = f"{prefix}/{name}" if prefix else name
     where = f"s3://{bucket}/{key}"
     try:
         calls("put_object", Bucket=bucket, Key=key, Body=b"ckptdb probe", IfNoneMatch="*")
@@ -251,17 +300,102 @@ def probe_conditional_writes(calls: Calls, bucket: str, prefix: str) -> None:
         if not (http_status(exc) == 412 and was_retried(exc)):  # else: our own, retried
             raise store_error("PutObject (probe)", where, exc) from exc
     try:
-        overwrote = _second_write(calls, bucket, key, where)
+        overwrote = "write (PutObject)" if _second_write(calls, bucket, key, where) else ""
     finally:
         _delete_probe(calls, bucket, key, where)
+    if not overwrote:
+        overwrote = _probe_multipart(calls, bucket, f"{key}.mpu", f"{where}.mpu")
     if overwrote:
         raise ConditionalWritesUnsupportedError(
             f"the object store at s3://{bucket} ignores If-None-Match: * (a second "
-            "conditional write overwrote the probe object): it cannot refuse to overwrite "
-            "an object. Pass storage_options={'require_conditional_writes': False} to use "
-            "it anyway (a completion retried after a lost response, or a second ledger "
-            "writing under the same prefix, could then overwrite an object unnoticed)"
+            f"conditional {overwrote} overwrote the probe object): it cannot refuse to "
+            "overwrite an object. Pass storage_options={'require_conditional_writes': False} "
+            "to use it anyway (a completion retried after a lost response, or a second "
+            "ledger writing under the same prefix, could then overwrite an object unnoticed)"
         )
+
+
+def _probe_multipart(calls: Calls, bucket: str, key: str, where: str) -> str:
+    """Complete a one-part multipart upload of ``key`` twice with ``If-None-Match: *``:
+    "" if the second completion was refused (412), else what overwrote the object."""
+    try:
+        _complete_once(calls, bucket, key, where, first=True)
+        try:
+            _complete_once(calls, bucket, key, where, first=False)
+        except _Refused:
+            return ""
+        return "completion (CompleteMultipartUpload)"
+    finally:
+        _delete_probe(calls, bucket, key, where)
+
+
+class _Refused(Exception):
+    """The probe's second completion was refused, as it should be."""
+
+
+def _complete_once(calls: Calls, bucket: str, key: str, where: str, *, first: bool) -> None:
+    """One multipart upload of ``key`` (one small part), completed conditionally;
+    aborted whenever it did not complete. The second raises :class:`_Refused` on 412."""
+    operation = "CreateMultipartUpload (probe)"
+    try:
+        upload_id = calls("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+    except Exception as exc:
+        raise store_error(operation, where, exc) from exc
+    completed = False
+    try:
+        operation = "UploadPart (probe)"
+        part = calls(
+            "upload_part",
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload_id,
+            PartNumber=1,
+            Body=b"ckptdb probe",
+        )
+        operation = "CompleteMultipartUpload (probe)"
+        try:
+            calls(
+                "complete_multipart_upload",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [_part_entry(part)]},
+                IfNoneMatch="*",
+            )
+        except Exception as exc:
+            status = http_status(exc)
+            if first and status in (404, 412) and was_retried(exc):
+                completed = True  # our own completion, retried after a lost response
+                return
+            if not first and status == 412:  # (retried: a 5xx first, refused then)
+                raise _Refused() from None
+            raise
+        completed = True
+    except _Refused:
+        raise
+    except Exception as exc:
+        raise store_error(operation, where, exc) from exc
+    finally:
+        if not completed:
+            _abort_probe(calls, bucket, key, upload_id, where)
+
+
+def _part_entry(part: Mapping[str, Any]) -> dict[str, Any]:
+    """The completion's entry for the probe's part, with any checksum botocore added
+    to it (a store that recorded one may require it back, as for real payloads)."""
+    entry = {"PartNumber": 1, "ETag": part["ETag"]}
+    entry.update(
+        {k: v for k, v in part.items() if k.startswith("Checksum") and k != "ChecksumType"}
+    )
+    return entry
+
+
+def _abort_probe(calls: Calls, bucket: str, key: str, upload_id: str, where: str) -> None:
+    try:
+        calls("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+    except Exception as exc:
+        if not is_missing(exc):
+            raise store_error("AbortMultipartUpload (probe)", where, exc) from exc
 
 
 def _second_write(calls: Calls, bucket: str, key: str, where: str) -> bool:

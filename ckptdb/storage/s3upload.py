@@ -200,7 +200,8 @@ class ObjectWriter:
         A 412 on the first try means the key was taken by something else: not
         ours, and never touched again (``conflict``). Anything else that could
         have completed on the server (a retried 412 or NoSuchUpload, a 5xx or
-        a timeout) is settled by a HEAD of the key.
+        a timeout) is settled by a HEAD of the key: an object that is there but
+        does not match is someone else's (``conflict`` too).
         """
         status = http_status(exc)
         if status == 412 and not was_retried(exc):
@@ -230,6 +231,11 @@ class ObjectWriter:
             problems.append("CRC64NVME differs from what was written")
         if problems:
             context = " after an unsettled completion" if settling else ""
+            if settling:
+                # an object is there and it is not what we sent: someone else's
+                # (ours would match), so the rollback must leave it alone
+                self.conflict = True
+                context += " (someone else's object: left alone)"
             raise ObjectStoreError(f"{self.where}{context}: {'; '.join(problems)}")
 
     # ------------------------------------------------------------------ aborting
