@@ -37,16 +37,20 @@ from typing import Any
 
 import torch
 from helpers import LedgerClient, await_sessions_gone, child_app_name
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ckptdb import CheckpointManager, Keep, TopK, faults
 from ckptdb.location import ObjectPath
 from ckptdb.policies import Policy
+from ckptdb.storage import dcp
+from ckptdb.storage.naming import SHARDED_SUFFIX
 
 CRASH_EXIT = 17
 STREAM_CODE = {"model": 0, "ema": 1, "best": 2}
 BIG_ELEMENTS = 10 * 2**20 // 4  # a ~10 MiB float32 tensor
 TESTS_DIR = Path(__file__).resolve().parent
 HEALTHY_STATES = {"committed", "deleted", "aborted"}
+EXTERNAL_DIR_STATE = "state.pt"  # what a framework's directory checkpoint holds, in these tests
 
 
 def policies() -> dict[str, Policy]:
@@ -467,9 +471,13 @@ class Reference:
     def absorb(self, ack_file: Path, rows: list[Row]) -> list[str]:
         """Apply one dead child's acknowledged boundaries, then its in-flight one if
         the ledger shows that it committed (died after COMMIT, before the ack)."""
+        return self.absorb_records(read_records(ack_file), rows)
+
+    def absorb_records(self, records: list[dict[str, Any]], rows: list[Row]) -> list[str]:
+        """:meth:`absorb` on records already read (``begin``/``ack`` entries, in order)."""
         problems: list[str] = []
         begun: int | None = None
-        for entry in read_records(ack_file):
+        for entry in records:
             if "begin" in entry:
                 begun = entry["begin"]
                 self.next_index = begun + 1
@@ -546,14 +554,32 @@ class Reference:
 
 
 def read_payload(save_dir: Path, rel: str) -> Any:
-    """A stored payload, read directly (a local file, or an object with boto3)."""
+    """A stored payload, read directly: a local file, a sharded (DCP) directory, a
+    framework's directory (its ``state.pt``), or an object with boto3."""
     if not isinstance(save_dir, ObjectPath):
-        return torch.load(save_dir / rel, weights_only=True)
+        path = save_dir / rel
+        if rel.endswith(SHARDED_SUFFIX):
+            return read_sharded(path)
+        if path.is_dir():
+            return torch.load(path / EXTERNAL_DIR_STATE, weights_only=True)
+        return torch.load(path, weights_only=True)
     import boto3
 
     client = boto3.client("s3", endpoint_url=os.environ.get("CKPTDB_S3_ENDPOINT_URL"))
     body = client.get_object(Bucket=save_dir.bucket, Key=f"{save_dir.key}/{rel}")
     return torch.load(io.BytesIO(body["Body"].read()), weights_only=True)
+
+
+def read_sharded(path: Path) -> dict[str, Any]:
+    """A sharded checkpoint read back in one process, into tensors shaped by its metadata."""
+    meta = dcp.file_reader(path).read_metadata().state_dict_metadata
+    into: dict[str, Any] = {
+        key: torch.zeros(tuple(m.size), dtype=m.properties.dtype)
+        for key, m in meta.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load_sharded(into, dcp.file_reader(path), None)
+    return into
 
 
 def _rank(policy: TopK, e: Saved) -> tuple[float, int, int]:

@@ -24,9 +24,10 @@ ALLOWED = {
     "record": set(),
     "location": set(),
     "faults": set(),
+    "trace": set(),
     "guard": set(),
-    "storage": {"errors", "faults", "location", "policies"},
-    "ledger": {"errors", "location", "policies", "record"},
+    "storage": {"errors", "faults", "location", "policies", "trace"},
+    "ledger": {"errors", "location", "policies", "record", "trace"},
     "coord": {"errors"},
     "protocol": {
         "errors",

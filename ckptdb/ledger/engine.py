@@ -47,6 +47,7 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from .. import trace
 from ..errors import DatabaseError, LedgerError, SchemaVersionError
 
 log = logging.getLogger(__name__)
@@ -283,6 +284,10 @@ class Ledger:
         finally:
             _READ_ONLY.reset(read_token)
             _DURABLE.reset(token)
+        if not read:  # the power-loss explorer snapshots the ledger here (ckptdb.trace)
+            trace.record(
+                "commit", database=self.engine.url.database, backend=self.backend, durable=durable
+            )
         _run_after_commit(session.info.pop(_AFTER_COMMIT, []))
 
     def probe(self) -> None:

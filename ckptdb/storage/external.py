@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, PhaseError
-from .files import FileInfo, fsync_dir, fsync_file, hash_checkpoint, hash_open_file, tree_files
+from .files import (
+    FileInfo,
+    fsync_dir,
+    fsync_file,
+    hash_checkpoint,
+    hash_open_file,
+    sync_data,
+    tree_files,
+)
 from .naming import CHECKPOINT_NAME, SHARDED_SUFFIX, TEMP_NAME
 
 #: The temporary name's marker: ``.<name>.ckptdb-tmp-<row id>`` next to the final name.
@@ -117,7 +125,7 @@ def seal_written(path: Path) -> FileInfo:
             )
         if path.is_file():
             with open(path, "rb", buffering=0) as f:
-                os.fsync(f.fileno())
+                sync_data(f.fileno(), path)
                 return hash_open_file(f)
         for _, file in tree_files(path):
             fsync_file(file)

@@ -1,0 +1,268 @@
+"""Exploring the crash states of a trace: materialize each one, reopen, check.
+
+For each prefix of the trace (a power cut after that many operations) the
+persistence model gives the space of states the disk may be in; the budget
+picks the states explored (all of them when few). Each state is built in
+memory first: states that leave the same files and the same ledger, with
+the same saves acknowledged, are checked once. A new one is materialized in
+the world directory (the recording's own files are gone by then), the run is
+reopened there (which reconciles), and the check of the scenario runs: the
+invariants (``check(load=True)``), and that every save acknowledged before
+the cut is still committed and holds its payload, unless a later
+acknowledged commit evicted it (the reference model of ``tests/crashlib.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+from crashlib import HEALTHY_STATES, Reference, integrity, ledger_rows, policies
+
+from ckptdb import CheckpointManager
+
+from .persistence import Budget, CrashSpace, CrashState, PersistenceModel, crash_states
+from .recording import LEDGER_FILE, WORLD, Trace
+
+#: How a scenario's state is checked: the run's root and the records of the cut's
+#: prefix (``begin``/``ack``); returns the problems found.
+Check = Callable[[Path, list[Mapping[str, Any]]], list[str]]
+
+
+@dataclass(frozen=True)
+class Violation:
+    state: str  # the crash state, described
+    problems: list[str]
+
+    def __str__(self) -> str:
+        return f"{self.state}\n  " + "\n  ".join(self.problems)
+
+
+@dataclass
+class Exploration:
+    """The figures of one exploration, and what it found."""
+
+    scenario: str
+    model: str
+    ops: int
+    crash_points: int = 0
+    generated: int = 0
+    explored: int = 0
+    violations: list[Violation] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        return (
+            f"{self.scenario} [{self.model}]: {self.ops} ops, {self.crash_points} crash points, "
+            f"{self.generated} crash states generated, {self.explored} distinct explored, "
+            f"{len(self.violations)} violations ({self.seconds:.1f} s)"
+        )
+
+    def report(self, limit: int = 3) -> str:
+        shown = "\n".join(str(v) for v in self.violations[:limit])
+        more = len(self.violations) - limit
+        return (
+            self.summary()
+            + ("\n" + shown if shown else "")
+            + (f"\n(+{more} more)" if more > 0 else "")
+        )
+
+
+@dataclass
+class ReferenceCheck:
+    """Reopen and verify against the reference model, starting from ``base`` (what
+    was acknowledged before the recording began).
+
+    The crash tests' checks (``tests/crashlib.py``), but for their second
+    reconcile, which ``check`` already runs as a dry run: the invariants with
+    every committed payload loaded, every acknowledged save committed unless a
+    later acknowledged commit evicted it, nothing committed that no boundary
+    explains, each payload from the boundary its row names, no row left
+    pending, deleting, lost or corrupt, ``PRAGMA integrity_check`` ok.
+    """
+
+    base: Reference
+
+    def __call__(self, root: Path, records: list[Mapping[str, Any]]) -> list[str]:
+        ref = copy.deepcopy(self.base)
+        problems = ref.absorb_records([dict(r) for r in records], ledger_rows(root))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # reconcile's repairs warn; the checks decide
+                problems += _reopened(root, ref)
+        except Exception as exc:  # the finding itself: the run does not reopen
+            problems.append(f"reopening the run raised {type(exc).__name__}: {exc}")
+        status = integrity(root)
+        return problems + ([] if status == "ok" else [f"PRAGMA integrity_check: {status}"])
+
+
+def _reopened(root: Path, ref: Reference) -> list[str]:
+    with CheckpointManager(root, streams=policies()) as mgr:
+        problems = [f"check: {p}" for p in mgr.check(load=True)]
+        rows = ledger_rows(root)
+        problems += ref.compare(rows)
+        problems += ref.check_contents(mgr.save_dir, rows)
+    odd = sorted({r.state for r in rows} - HEALTHY_STATES)
+    return problems + ([f"rows left in states {odd} after reconcile"] if odd else [])
+
+
+class Explorer:
+    """Explores one trace under one persistence model (see the module docstring).
+
+    ``stop_at_first`` ends at the first violation (a mutation check), and
+    ``backward`` visits the cuts from the last one (where a mutation that
+    loses an acknowledged save shows first).
+    """
+
+    def __init__(
+        self,
+        scenario: str,
+        trace: Trace,
+        check: Check,
+        model: PersistenceModel,
+        budget: Budget,
+        *,
+        stop_at_first: bool = False,
+        backward: bool = False,
+    ) -> None:
+        self.scenario, self.trace, self.check = scenario, trace, check
+        self.model, self.budget = model, budget
+        self.stop_at_first, self.backward = stop_at_first, backward
+        self._seen: set[tuple[str, int]] = set()
+
+    def run(self) -> Exploration:
+        started = time.monotonic()
+        result = Exploration(self.scenario, self.model.name, len(self.trace.ops))
+        self._seen.clear()
+        prefixes = range(len(self.trace.ops) + 1)
+        for prefix in reversed(prefixes) if self.backward else prefixes:
+            self._explore_cut(prefix, result)
+            if result.violations and self.stop_at_first:
+                break
+        result.seconds = time.monotonic() - started
+        return result
+
+    def _explore_cut(self, prefix: int, result: Exploration) -> None:
+        """Every chosen state of one cut not seen before: checked, violations kept."""
+        marks = sum(1 for op in self.trace.ops[:prefix] if op.mark is not None)
+        result.crash_points += 1
+        space = self.model.space(self.trace, prefix)
+        for state in crash_states(space, self.budget):
+            result.generated += 1
+            tree = persisted_tree(self.trace, space, state)
+            key = (state_key(tree, state.ledger), marks)
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            result.explored += 1
+            problems = self._check(tree, state, marks)
+            if problems:
+                result.violations.append(Violation(describe(self.trace, space, state), problems))
+                if self.stop_at_first:
+                    return
+
+    def _check(self, tree: dict[str, bytes | None], state: CrashState, marks: int) -> list[str]:
+        snapshot = None if state.ledger is None else self.trace.snapshots[state.ledger]
+        materialize(self.trace, tree, snapshot)
+        records = [op.mark for op in self.trace.ops if op.mark is not None][:marks]
+        return self.check(self.trace.root, records)
+
+
+# ------------------------------------------------------------------ states
+
+
+def persisted_tree(trace: Trace, space: CrashSpace, state: CrashState) -> dict[str, bytes | None]:
+    """The files (their bytes) and directories (None) a crash state leaves, by name."""
+    entries = {d: dict(trace.base.get(d, {})) for d in trace.directories}
+    lengths = dict(space.lengths)
+    lengths.update(state.lengths)
+    for op in trace.ops[: state.prefix]:
+        if not op.effects or (op.index not in space.pinned and op.index not in state.kept):
+            continue
+        for effect in op.effects:
+            if effect.ino is None:
+                entries[effect.directory].pop(effect.name, None)
+            else:
+                entries[effect.directory][effect.name] = effect.ino
+        if op.index in space.floors:
+            ino, n = space.floors[op.index]
+            lengths[ino] = max(lengths.get(ino, 0), min(n, space.lengths.get(ino, n)))
+    tree: dict[str, bytes | None] = {}
+
+    def walk(directory: int, prefix: str, above: frozenset[int]) -> None:
+        for name, ino in sorted(entries[directory].items()):
+            rel = f"{prefix}{name}"
+            if ino in trace.directories:
+                if ino not in above:  # a directory never holds itself, even half-renamed
+                    tree[rel] = None
+                    walk(ino, rel + "/", above | {ino})
+            else:
+                content = trace.files[ino]
+                tree[rel] = content[: lengths.get(ino, len(content))]
+
+    walk(WORLD, "", frozenset({WORLD}))
+    return tree
+
+
+def state_key(tree: dict[str, bytes | None], snapshot: int | None) -> str:
+    digest = xxhash.xxh3_128()
+    for rel, content in sorted(tree.items()):
+        digest.update(rel.encode() + b"\0")
+        digest.update(b"d" if content is None else xxhash.xxh3_128_digest(content))
+    digest.update(repr(snapshot).encode())
+    return digest.hexdigest()
+
+
+def materialize(trace: Trace, tree: dict[str, bytes | None], snapshot: bytes | None) -> None:
+    """Make the world directory hold exactly ``tree``, and the ledger ``snapshot``
+    (which lives in the run's root: no root, no ledger)."""
+    shutil.rmtree(trace.world, ignore_errors=True)
+    trace.world.mkdir(parents=True)
+    for rel, content in sorted(tree.items()):
+        path = trace.world / rel
+        if content is None:
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            path.write_bytes(content)
+    if snapshot is not None and trace.root.is_dir():
+        (trace.root / LEDGER_FILE).write_bytes(snapshot)
+
+
+def describe(trace: Trace, space: CrashSpace, state: CrashState, limit: int = 6) -> str:
+    """A crash state in words: where the cut is, what did not reach the disk."""
+    ops = trace.ops
+    cut = (
+        f"power cut after op {state.prefix} of {len(ops)} ({ops[state.prefix - 1].text})"
+        if state.prefix
+        else "power cut before the first op"
+    )
+    lost = [ops[i].text for i in space.floating if i not in state.kept]
+    parts = [cut]
+    if lost:
+        more = f", +{len(lost) - limit} more" if len(lost) > limit else ""
+        parts.append("not on disk: " + "; ".join(lost[:limit]) + more)
+    short = [
+        f"{trace.names.get(ino, ino)}: {n} of {space.lengths[ino]} bytes"
+        for ino, n in state.lengths
+        if n < space.lengths[ino]
+    ]
+    if short:
+        parts.append("data on disk: " + "; ".join(short))
+    parts.append("ledger: " + _ledger_text(trace, state.ledger))
+    return "; ".join(parts)
+
+
+def _ledger_text(trace: Trace, snapshot: int | None) -> str:
+    if snapshot is None:
+        return "none (never committed)"
+    if snapshot == trace.base_snapshot:
+        return "as at the start of the recording"
+    first = next(op for op in trace.ops if op.snapshot == snapshot)
+    return f"as after op {first.index + 1} ({first.text})"

@@ -1,0 +1,373 @@
+"""Power loss, not just process death: the crash states a power cut may leave.
+
+A killed process loses nothing the kernel accepted, so the crash tests
+(``tests/test_crash.py``) cannot see a missing fsync. These tests record
+what a boundary does at the storage seam (``ckptdb.trace``; DCP's own file
+work through ``tests/powerloss/observe.py``), generate every state the disk
+may be in after a power cut at each point of the trace under a persistence
+model (POSIX-minimal; ext4 ``data=ordered`` for comparison; SQLite's WAL with
+FULL and NORMAL commits), and reopen the run in each one: ``check`` must
+pass and every acknowledged save must still be committed and load, unless a
+later acknowledged commit evicted it (``tests/powerloss/``).
+
+Then the protocol is broken on purpose, one durability step at a time (the
+file fsync, the directory fsync, the durable commit, the order of commit and
+placement, ...): each mutation must be caught, and its first violation names
+the crash state that exposed it.
+
+The default suite explores each cut's structured states (see
+``tests/powerloss/settings.py``); ``CKPTDB_POWERLOSS=deep`` explores longer
+scenarios, exhaustively where a cut has up to 4096 states and with 64 more
+random ones elsewhere, under both models (``CKPTDB_POWERLOSS_SEED`` changes
+the draw). ``PYTHONPATH=.:tests python -m powerloss`` prints the figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from powerloss.explorer import Exploration, Explorer, persisted_tree
+from powerloss.persistence import (
+    MODELS,
+    Budget,
+    CrashState,
+    Ext4Ordered,
+    PosixMinimal,
+    crash_states,
+)
+from powerloss.recording import WORLD, Effect, Op, Trace
+from powerloss.scenarios import SCENARIOS, Recorded
+from powerloss.settings import DEEP, budget_for
+
+from ckptdb import trace
+from ckptdb.ledger.engine import Ledger
+from ckptdb.protocol.boundary import Publisher
+from ckptdb.storage import external, files
+from ckptdb.storage.local import LocalStore
+
+BUDGET = budget_for(DEEP)
+EXPLORED_MODELS = sorted(MODELS) if DEEP else ["posix-minimal"]
+DEEP_TIMEOUT = 3600
+
+pytestmark = pytest.mark.timeout(DEEP_TIMEOUT if DEEP else 120)
+
+
+def record(tmp_path: Path, scenario: str) -> Recorded:
+    return SCENARIOS[scenario].record(tmp_path, DEEP)
+
+
+def explore(recorded: Recorded, model: str = "posix-minimal", **kwargs: bool) -> Exploration:
+    explorer = Explorer(
+        recorded.name, recorded.trace, recorded.check, MODELS[model], BUDGET, **kwargs
+    )
+    return explorer.run()
+
+
+_RECORDED: dict[str, Recorded] = {}
+_EXPLORED: dict[tuple[str, str], Exploration] = {}
+
+
+def explored(factory: pytest.TempPathFactory, scenario: str, model: str) -> Exploration:
+    """One recording per scenario and one exploration per model in a session (the
+    comparison of the models reuses the scenario tests')."""
+    if scenario not in _RECORDED:
+        _RECORDED[scenario] = record(factory.mktemp(scenario), scenario)
+    if (scenario, model) not in _EXPLORED:
+        _EXPLORED[scenario, model] = explore(_RECORDED[scenario], model)
+    return _EXPLORED[scenario, model]
+
+
+# ------------------------------------------------------------------ the scenarios
+
+
+@pytest.mark.parametrize("model", EXPLORED_MODELS)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_no_power_cut_loses_an_acknowledged_save(
+    tmp_path_factory: pytest.TempPathFactory, scenario: str, model: str
+) -> None:
+    result = explored(tmp_path_factory, scenario, model)
+    print(result.summary())
+    assert result.crash_points == result.ops + 1
+    assert result.explored >= 20, f"a vacuous exploration: {result.summary()}"
+    assert not result.violations, result.report()
+
+
+def test_ext4_ordered_leaves_fewer_states_and_loses_nothing(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The stronger model is a comparison, not the guarantee: fewer states, none bad."""
+    ext4 = explored(tmp_path_factory, "new_run", "ext4-ordered")
+    posix = explored(tmp_path_factory, "new_run", "posix-minimal")
+    assert not ext4.violations, ext4.report()
+    assert 0 < ext4.explored < posix.explored, (posix.summary(), ext4.summary())
+
+
+# ------------------------------------------------------------------ mutations
+
+
+def _nothing(*_: object) -> None:
+    return None
+
+
+def no_file_fsync(mp: pytest.MonkeyPatch) -> None:
+    """The temporary file's fsync (and every fsync_file) is gone."""
+    mp.setattr(files, "sync_data", _nothing)
+
+
+def no_directory_fsync(mp: pytest.MonkeyPatch) -> None:
+    """The fsync of the stream directories after placement is gone."""
+    mp.setattr(LocalStore, "sync_placed", _nothing)
+
+
+def normal_commit(mp: pytest.MonkeyPatch) -> None:
+    """The boundary's commit runs with synchronous=NORMAL (no fsync of the WAL)."""
+    real_commit, real_transaction = Publisher._commit, Ledger.transaction
+    inside: list[bool] = []
+
+    def commit(self: Publisher, *args: object) -> None:
+        inside.append(True)
+        try:
+            real_commit(self, *args)  # type: ignore[arg-type]
+        finally:
+            inside.pop()
+
+    def transaction(self: Ledger, *, durable: bool = True, read: bool = False) -> object:
+        return real_transaction(self, durable=durable and not inside, read=read)
+
+    mp.setattr(Publisher, "_commit", commit)
+    mp.setattr(Ledger, "transaction", transaction)
+
+
+def commit_before_placement(mp: pytest.MonkeyPatch) -> None:
+    """The rows commit first; the files are placed (and their directories fsynced)
+    after the commit, its clean-up included."""
+    real_place, real_commit = Publisher._place, Publisher._commit
+
+    def commit(self: Publisher, step: int, shares: list[object], *rest: object) -> None:
+        real_commit(self, step, shares, *rest)  # type: ignore[arg-type]
+        real_place(self, shares)  # type: ignore[arg-type]
+
+    mp.setattr(Publisher, "_place", _nothing)
+    mp.setattr(Publisher, "_commit", commit)
+
+
+def no_new_directory_fsync(mp: pytest.MonkeyPatch) -> None:
+    """A new stream directory is created without fsyncing its parent."""
+
+    def make_dir(directory: Path) -> None:
+        missing = [p for p in (directory, *directory.parents) if not p.exists()]
+        for path in reversed(missing):
+            path.mkdir()
+            trace.record("mkdir", path=path)
+
+    mp.setattr(files, "make_dir", make_dir)
+
+
+def no_external_fsync(mp: pytest.MonkeyPatch) -> None:
+    """What a framework wrote (a file, a directory's files) is sealed without an fsync."""
+    mp.setattr(external, "sync_data", _nothing)
+    mp.setattr(external, "fsync_file", _nothing)
+
+
+def sharded_seal_trusting_dcp(mp: pytest.MonkeyPatch) -> None:
+    """The seal of a sharded checkpoint as it was: directories fsynced, files left
+    to DCP's own fsync (which misses ``.metadata``, still in Python's buffer)."""
+
+    def seal_directory(directory: Path) -> files.FileInfo:
+        subdirs = [p for p in directory.rglob("*") if p.is_dir()]
+        for sub in [*subdirs, directory]:
+            files.fsync_dir(sub)
+        return files.hash_checkpoint(directory)
+
+    mp.setattr(files, "seal_directory", seal_directory)
+
+
+MUTATIONS: dict[str, tuple[str, Callable[[pytest.MonkeyPatch], None]]] = {
+    "no_file_fsync": ("new_run", no_file_fsync),
+    "no_directory_fsync": ("new_run", no_directory_fsync),
+    "normal_commit": ("new_run", normal_commit),
+    "commit_before_placement": ("new_run", commit_before_placement),
+    "no_new_directory_fsync": ("new_run", no_new_directory_fsync),
+    "no_external_fsync": ("external", no_external_fsync),
+    "sharded_seal_trusting_dcp": ("sharded", sharded_seal_trusting_dcp),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_the_explorer_catches_a_broken_durability_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mutation: str
+) -> None:
+    """Recorded with the mutation in place; the run is reopened by the real library."""
+    scenario, mutate = MUTATIONS[mutation]
+    with monkeypatch.context() as mp:
+        mutate(mp)
+        recorded = record(tmp_path, scenario)
+    result = explore(recorded, stop_at_first=not DEEP, backward=True)
+    assert result.violations, f"{mutation} went unnoticed: {result.summary()}"
+    print(f"{mutation} ({scenario}): {result.summary()}\n{result.violations[0]}")
+
+
+# ------------------------------------------------------------------ the recording
+
+
+def test_the_recording_seam_does_nothing_without_a_hook() -> None:
+    seen: list[tuple[str, dict[str, object]]] = []
+    trace.record("fsync", path=Path("/nowhere"))  # no hook: nothing happens
+    previous = trace.set_hook(lambda op, fields: seen.append((op, dict(fields))))
+    try:
+        trace.record("fsync", path=Path("/nowhere"))
+    finally:
+        assert trace.set_hook(previous) is not None
+    assert seen == [("fsync", {"path": Path("/nowhere")})]
+
+
+def test_a_recorded_boundary_is_in_protocol_order(tmp_path: Path) -> None:
+    """Each published file: created, written, fsynced whole, renamed, its directory
+    fsynced, then the FULL commit, then the acknowledgement; evictions after it."""
+    ops = record(tmp_path, "history").trace.ops
+    full = next(op.index for op in ops if op.kind == "commit" and op.durable)
+    ack = next(op.index for op in ops if op.mark is not None and "ack" in op.mark)
+    renames = [op for op in ops if op.kind == "rename"]
+    assert len(renames) == 3 and full < ack
+    for rename in renames:
+        ino, directory = rename.ino, rename.effects[1].directory
+        created = _first(ops, lambda op, i=ino: op.kind == "create" and op.effects[0].ino == i)
+        written = _first(ops, lambda op, i=ino: op.kind == "write" and op.ino == i)
+        synced = _first(
+            ops,
+            lambda op, r=rename: op.kind == "fsync" and op.ino == r.ino and op.length == r.length,
+        )
+        placed = _first(
+            ops,
+            lambda op, d=directory, r=rename: (
+                op.kind == "fsync_dir" and op.ino == d and op.index > r.index
+            ),
+        )
+        assert created < written < synced < rename.index < placed < full, rename.text
+    unlinks = [op.index for op in ops if op.kind == "unlink"]
+    assert unlinks and min(unlinks) > full
+
+
+def test_every_file_of_a_sharded_checkpoint_is_fsynced_whole_before_the_commit(
+    tmp_path: Path,
+) -> None:
+    """The regression case of the DCP finding, read from the trace itself: DCP's
+    ``.metadata`` reaches the disk before the row commits."""
+    recorded = record(tmp_path, "sharded")
+    ops, names = recorded.trace.ops, recorded.trace.names
+    full = next(op.index for op in ops if op.kind == "commit" and op.durable)
+    placed = {
+        ino
+        for ino, name in names.items()
+        if "/step-000000030.dcp/" in name and ino in recorded.trace.files
+    }
+    assert {names[i].rsplit("/", 1)[1] for i in placed} == {".metadata", "__0_0.distcp"}
+    for ino in placed:
+        size = len(recorded.trace.files[ino])
+        synced = [
+            op.index for op in ops if op.kind == "fsync" and op.ino == ino and op.length == size
+        ]
+        assert synced and min(synced) < full, f"{names[ino]} not fsynced whole before the commit"
+
+
+def _first(ops: list[Op], wanted: Callable[[Op], bool]) -> int:
+    return next(op.index for op in ops if wanted(op))
+
+
+# ------------------------------------------------------------------ the models
+
+
+def toy(ops: list[Op], base_files: dict[int, bytes] | None = None) -> Trace:
+    """A world with a directory ``d`` (inode 1) and a file inode 2 written by ``ops``."""
+    content = {2: b"x" * 5000, **(base_files or {})}
+    return Trace(
+        world=Path("/nonexistent/world"),
+        root=Path("/nonexistent/world/run"),
+        base={WORLD: {"d": 1}, 1: {}},
+        base_lengths={},
+        files=content,
+        directories=frozenset({WORLD, 1}),
+        ops=[dataclasses.replace(op, index=i) for i, op in enumerate(ops)],
+        snapshots=[b"0", b"1", b"2", b"3"],
+        base_snapshot=None,
+        names={1: "d", 2: "d/f"},
+    )
+
+
+CREATE = Op(0, "create", "create d/t", (Effect(1, "t", 2),), frozenset({1}))
+WRITE = Op(0, "write", "write d/t", ino=2, length=5000)
+FSYNC = Op(0, "fsync", "fsync d/t", ino=2, length=5000)
+RENAME = Op(
+    0,
+    "rename",
+    "rename d/t d/f",
+    (Effect(1, "t", None), Effect(1, "f", 2)),
+    frozenset({1}),
+    2,
+    5000,
+)
+FSYNC_DIR = Op(0, "fsync_dir", "fsync_dir d", ino=1)
+PUBLISH = [CREATE, WRITE, FSYNC, RENAME, FSYNC_DIR]
+
+
+def test_posix_minimal_keeps_a_rename_only_once_its_directory_is_fsynced() -> None:
+    t = toy(PUBLISH)
+    model = PosixMinimal()
+    assert model.space(t, 4).floating == (0, 3) and not model.space(t, 4).pinned
+    assert model.space(t, 5).pinned == {0, 3} and model.space(t, 5).floating == ()
+    # before the fsync: no byte, the first block, or all of it may be on disk
+    assert model.space(t, 2).partial == ((2, (0, 4096, 5000)),)
+    assert model.space(t, 3).partial == ()
+
+
+def test_ext4_ordered_loses_metadata_only_as_a_suffix_of_its_journal() -> None:
+    t = toy([CREATE, WRITE, RENAME, FSYNC])
+    space = Ext4Ordered().space(t, 3)
+    assert space.ordered and space.floating == (0, 2)
+    assert Ext4Ordered().space(t, 4).pinned == {0, 2}  # any fsync commits the journal
+    assert len(list(crash_states(space, Budget(exhaustive=100, samples=0)))) == 3 * 3
+
+
+def test_the_ledger_loses_only_normal_commits_after_the_last_full_one() -> None:
+    def commit(snapshot: int, durable: bool) -> Op:
+        return Op(0, "commit", "commit", snapshot=snapshot, durable=durable)
+
+    t = toy([commit(0, True), commit(1, False), commit(2, False), commit(3, True)])
+    model = PosixMinimal()
+    assert model.space(t, 0).ledger == (None,)
+    assert model.space(t, 1).ledger == (0,)
+    assert model.space(t, 3).ledger == (0, 1, 2)
+    assert model.space(t, 4).ledger == (3,)
+
+
+def test_a_crash_state_holds_what_reached_the_disk() -> None:
+    t = toy(PUBLISH)
+    space = PosixMinimal().space(t, 4)  # renamed, directory not yet fsynced
+
+    def tree(kept: set[int]) -> dict[str, bytes | None]:
+        return persisted_tree(t, space, CrashState(4, frozenset(kept), (), None))
+
+    assert tree(set()) == {"d": None}
+    assert tree({0}) == {"d": None, "d/t": b"x" * 5000}
+    assert tree({0, 3}) == tree({3}) == {"d": None, "d/f": b"x" * 5000}
+    cut = persisted_tree(
+        t, PosixMinimal().space(t, 2), CrashState(2, frozenset({0}), ((2, 4096),), None)
+    )
+    assert cut == {"d": None, "d/t": b"x" * 4096}
+
+
+def test_a_large_cut_is_sampled_repeatably() -> None:
+    creates = [
+        Op(0, "create", f"create d/t{i}", (Effect(1, f"t{i}", 2),), frozenset({1}))
+        for i in range(12)
+    ]
+    space = PosixMinimal().space(toy(creates), 12)
+    assert space.size() == 2**12
+    budget = Budget(exhaustive=64, samples=10, seed=7)
+    first = list(crash_states(space, budget))
+    assert first == list(crash_states(space, budget))
+    assert 2 + 2 * 12 <= len(first) <= 4 + 2 * 12 + 10
+    assert len(list(crash_states(space, Budget(exhaustive=4096, samples=0)))) == 2**12
