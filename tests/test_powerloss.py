@@ -59,9 +59,11 @@ def record(tmp_path: Path, scenario: str) -> Recorded:
     return SCENARIOS[scenario].record(tmp_path, DEEP)
 
 
-def explore(recorded: Recorded, model: str = "posix-minimal", **kwargs: bool) -> Exploration:
+def explore(
+    recorded: Recorded, model: str = "posix-minimal", budget: Budget = BUDGET, **kwargs: bool
+) -> Exploration:
     explorer = Explorer(
-        recorded.name, recorded.trace, recorded.check, MODELS[model], BUDGET, **kwargs
+        recorded.name, recorded.trace, recorded.check, MODELS[model], budget, **kwargs
     )
     return explorer.run()
 
@@ -200,12 +202,14 @@ MUTATIONS: dict[str, tuple[str, Callable[[pytest.MonkeyPatch], None]]] = {
 def test_the_explorer_catches_a_broken_durability_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mutation: str
 ) -> None:
-    """Recorded with the mutation in place; the run is reopened by the real library."""
+    """Recorded with the mutation in place; the run is reopened by the real library.
+    The default suite stops at the first violation; deep, the default budget's
+    states are all explored, to count the states that expose the mutation."""
     scenario, mutate = MUTATIONS[mutation]
     with monkeypatch.context() as mp:
         mutate(mp)
         recorded = record(tmp_path, scenario)
-    result = explore(recorded, stop_at_first=not DEEP, backward=True)
+    result = explore(recorded, budget=budget_for(False), stop_at_first=not DEEP, backward=True)
     assert result.violations, f"{mutation} went unnoticed: {result.summary()}"
     print(f"{mutation} ({scenario}): {result.summary()}\n{result.violations[0]}")
 
