@@ -355,6 +355,8 @@ def test_a_crash_state_holds_what_reached_the_disk() -> None:
         return persisted_tree(t, space, CrashState(4, frozenset(kept), (), None))
 
     assert tree(set()) == {"d": None}
+    created = persisted_tree(t, PosixMinimal().space(t, 1), CrashState(1, frozenset({0}), (), None))
+    assert created == {"d": None, "d/t": b""}  # cut before the first write
     assert tree({0}) == {"d": None, "d/t": b"x" * 5000}
     assert tree({0, 3}) == tree({3}) == {"d": None, "d/f": b"x" * 5000}
     cut = persisted_tree(

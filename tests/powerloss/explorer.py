@@ -204,8 +204,8 @@ def persisted_tree(trace: Trace, space: CrashSpace, state: CrashState) -> dict[s
                     tree[rel] = None
                     walk(ino, rel + "/", above | {ino})
             else:
-                content = trace.files[ino]
-                tree[rel] = content[: lengths.get(ino, len(content))]
+                # a file no write of the prefix reached holds what it held at the start
+                tree[rel] = trace.files[ino][: lengths.get(ino, trace.base_lengths.get(ino, 0))]
 
     walk(WORLD, "", frozenset({WORLD}))
     return tree
