@@ -17,6 +17,8 @@ import os
 from pathlib import Path, PosixPath, PurePosixPath
 from typing import Any
 
+from .errors import ArgumentTypeError, InvalidArgumentError
+
 SCHEME = "s3://"
 
 
@@ -42,7 +44,7 @@ class ObjectPath(PosixPath):
     def __fspath__(self) -> str:
         if not self._is_url():
             return super().__str__()
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{self} is an object in object storage, not a local file: read it through "
             "ckptdb (mgr.load, RunReader.load)"
         )
@@ -78,26 +80,26 @@ def is_object_url(text: object) -> bool:
 
 
 def object_path(url: str) -> ObjectPath:
-    """The :class:`ObjectPath` of ``s3://bucket[/prefix]``; ValueError if malformed.
+    """The :class:`ObjectPath` of ``s3://bucket[/prefix]``; InvalidArgumentError if malformed.
 
     A bucket is 3-63 lowercase letters, digits, dots and hyphens; the prefix
     has no empty, ``.`` or ``..`` segment (the keys would not round-trip).
     Credentials (``s3://KEY:SECRET@bucket``) are refused without repeating them.
     """
     if not url.startswith(SCHEME):
-        raise ValueError(f"{url!r} is not an s3:// URL")
+        raise InvalidArgumentError(f"{url!r} is not an s3:// URL")
     rest = url[len(SCHEME) :].rstrip("/")
     bucket, _, prefix = rest.partition("/")
     if "@" in bucket:  # s3://KEY:SECRET@bucket: never echoed, never stored in the ledger
-        raise ValueError(
+        raise InvalidArgumentError(
             "credentials inside an s3:// URL are refused (the URL is stored in the ledger "
             "and shown in messages): pass them in storage_options or the standard AWS chain"
         )
     if not _valid_bucket(bucket):
-        raise ValueError(f"{url!r}: {bucket!r} is not a valid bucket name")
+        raise InvalidArgumentError(f"{url!r}: {bucket!r} is not a valid bucket name")
     segments = prefix.split("/") if prefix else []
     if any(s in ("", ".", "..") for s in segments):
-        raise ValueError(f"{url!r}: the prefix has an empty, '.' or '..' segment")
+        raise InvalidArgumentError(f"{url!r}: the prefix has an empty, '.' or '..' segment")
     return ObjectPath("s3:", bucket, *segments)
 
 

@@ -22,7 +22,7 @@ ALLOWED = {
     "errors": set(),
     "policies": {"errors"},
     "record": set(),
-    "location": set(),
+    "location": {"errors"},
     "faults": set(),
     "trace": set(),
     "guard": set(),
