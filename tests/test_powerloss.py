@@ -37,8 +37,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import s3lib
+from crashlib import Row
 from powerloss.explorer import Exploration, Explorer, persisted_tree
-from powerloss.objects import StoreState, persisted_store
+from powerloss.objects import (
+    StoreState,
+    client,
+    listing,
+    materialize_store,
+    persisted_store,
+    split,
+    store_problems,
+)
 from powerloss.persistence import (
     MODELS,
     STORE_MODELS,
@@ -60,6 +70,7 @@ from ckptdb.protocol.boundary import Publisher
 from ckptdb.storage import external, files
 from ckptdb.storage.files import FileInfo
 from ckptdb.storage.local import LocalStore
+from ckptdb.storage.s3 import S3Store
 from ckptdb.storage.s3upload import ObjectWriter
 
 BUDGET = budget_for(DEEP)
@@ -310,12 +321,24 @@ def s3_no_abort(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(ObjectWriter, "abort", abort)
 
 
+def s3_reconcile_keeps_uploads(mp: pytest.MonkeyPatch) -> None:
+    """Reconcile (``S3Store.remove``) no longer aborts the uploads it finds in progress
+    (in place while the crash states are reopened, not while recording)."""
+
+    def abort(self: S3Store, key: str, upload_id: str) -> None:
+        return None
+
+    mp.setattr(S3Store, "_abort", abort)
+
+
 S3_MUTATIONS: dict[str, tuple[str, Callable[[pytest.MonkeyPatch], None]]] = {
     "s3_commit_before_complete": ("s3_new_run", s3_commit_before_complete),
     "s3_delete_before_commit": ("s3_history", s3_delete_before_commit),
     "s3_accept_unverified": ("s3_failed_complete", s3_accept_unverified),
     "s3_no_abort": ("s3_failed_complete", s3_no_abort),
+    "s3_reconcile_keeps_uploads": ("s3_new_run", s3_reconcile_keeps_uploads),
 }
+AT_REOPEN = {"s3_reconcile_keeps_uploads"}  # mutations of reconcile, not of the boundary
 
 
 @pytest.mark.parametrize("mutation", sorted(S3_MUTATIONS))
@@ -325,11 +348,15 @@ def test_the_explorer_catches_a_broken_step_on_s3(
     """As above, on object storage (the real server; the first violation is printed)."""
     scenario, mutate = S3_MUTATIONS[mutation]
     with monkeypatch.context() as mp:
-        mutate(mp)
+        if mutation not in AT_REOPEN:
+            mutate(mp)
         recorded = record(tmp_path, scenario)
-    result = explore(
-        recorded, "object-store", budget_for(False), stop_at_first=not DEEP, backward=True
-    )
+    with monkeypatch.context() as mp:
+        if mutation in AT_REOPEN:
+            mutate(mp)
+        result = explore(
+            recorded, "object-store", budget_for(False), stop_at_first=not DEEP, backward=True
+        )
     assert result.violations, f"{mutation} went unnoticed: {result.summary()}"
     shown = "\n".join(str(v) for v in result.violations[:2])
     print(f"{mutation} ({scenario}): {result.summary()}\n{shown}")
@@ -514,6 +541,30 @@ def test_the_object_store_keeps_answered_requests_and_either_outcome_of_the_rest
     assert store(5, {4}) == StoreState((("m", 0),), ())
     assert store(1, set()) == StoreState((("old", 1),), ())  # create sent, no answer yet
     assert store(1, {0}) == StoreState((("old", 1),), ("m",))
+
+
+def test_a_store_state_is_built_under_a_fresh_prefix_and_its_leftovers_found(
+    s3_env: object,
+) -> None:
+    """What a crash state holds is built on the server (an object with its bytes, an
+    upload in progress), under a prefix of its own; ``store_problems`` finds the upload
+    and the object of a rolled-back row, and nothing for a committed one."""
+    url = s3lib.unique_prefix()
+    t = dataclasses.replace(toy([]), store=url, blobs=[b"payload"])
+    built = materialize_store(t, StoreState((("model/a.pt", 0),), ("model/b.pt",)), 7)
+    assert built == f"{url}-s00007"
+    keys, uploads = listing(client(), built)
+    assert keys == ["model/a.pt"] and list(uploads.values()) == ["model/b.pt"]
+    bucket, prefix = split(built)
+    body = client().get_object(Bucket=bucket, Key=f"{prefix}/model/a.pt")["Body"].read()
+    assert body == b"payload"
+    rows = [Row(1, "model", 1, "aborted", "model/a.pt", False)]
+    assert store_problems(built, rows) == [
+        "multipart upload of model/b.pt left in progress",
+        "object model/a.pt of a row aborted (row 1) left",
+    ]
+    committed = [Row(1, "model", 1, "committed", "model/a.pt", True)]
+    assert store_problems(built, committed) == ["multipart upload of model/b.pt left in progress"]
 
 
 def test_a_recorded_s3_boundary_completes_before_its_commit_and_deletes_after(
