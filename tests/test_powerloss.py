@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 import s3lib
 from crashlib import Row
-from powerloss.explorer import Exploration, Explorer, persisted_tree
+from powerloss.explorer import Exploration, Explorer, in_flight_records, persisted_tree
 from powerloss.objects import (
     StoreState,
     client,
@@ -602,6 +602,16 @@ def test_a_completion_answered_500_is_aborted_and_rolled_back_on_s3(
     assert abort.answered is not None and complete.index < abort.answered < failed.index
     acks = [op.mark["ack"] for op in ops if op.mark is not None and "ack" in op.mark]
     assert acks == [failed.mark["failed"] + 1]
+
+
+def test_a_failed_boundary_is_no_longer_in_flight_for_the_reference() -> None:
+    """Before its failure a boundary is in flight (its commit would be explained);
+    after it, neither its ``begin`` nor its ``failed`` mark reaches the reference."""
+    ack = {"ack": 0, "rows": {"model": 1}}
+    during = [{"begin": 0}, ack, {"begin": 1}]
+    assert in_flight_records(during) == during
+    after = [*during, {"failed": 1, "phase": "complete"}, {"begin": 2}]
+    assert in_flight_records(after) == [{"begin": 0}, ack, {"begin": 2}]
 
 
 def test_a_large_cut_is_sampled_repeatably() -> None:

@@ -109,7 +109,7 @@ class ReferenceCheck:
         self, root: Path, records: list[Mapping[str, Any]], save_dir: str | None = None
     ) -> list[str]:
         ref = copy.deepcopy(self.base)
-        problems = ref.absorb_records([dict(r) for r in records], ledger_rows(root))
+        problems = ref.absorb_records(in_flight_records(records), ledger_rows(root))
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # reconcile's repairs warn; the checks decide
@@ -121,6 +121,14 @@ class ReferenceCheck:
             problems += [f"after reconcile: {p}" for p in left]
         status = integrity(root)
         return problems + ([] if status == "ok" else [f"PRAGMA integrity_check: {status}"])
+
+
+def in_flight_records(records: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The records the reference model reads: a boundary whose save raised (marked
+    ``failed``) is no longer in flight once it failed, so its ``begin`` goes too, and
+    a row it committed is one no boundary explains."""
+    failed = {r["failed"] for r in records if "failed" in r}
+    return [dict(r) for r in records if "failed" not in r and r.get("begin") not in failed]
 
 
 def _reopened(root: Path, ref: Reference, save_dir: str | None) -> list[str]:
