@@ -17,7 +17,9 @@ injected with botocore event hooks (``s3client.set_client_hook``) and
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import signal
 import warnings
 from collections.abc import Callable
@@ -31,11 +33,11 @@ from botocore.awsrequest import AWSResponse
 from crashlib import fork_running, tail, wait_child
 from distlib import run_ranks
 from helpers import LedgerClient, rows
-from test_s3 import error_response
+from test_s3 import FlippingBody, error_response
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 
-from ckptdb import CheckpointManager, External, Keep, Sharded, faults
+from ckptdb import CheckpointManager, External, Keep, RunReader, Sharded, faults
 from ckptdb.errors import (
     CheckpointLostError,
     CorruptCheckpointError,
@@ -283,7 +285,12 @@ def test_a_shard_changed_after_the_commit_is_found_at_load_and_latest_falls_back
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     ("change", "state", "verify"),
-    [("deleted", "lost", False), ("truncated", "corrupt", False), ("flipped", "corrupt", True)],
+    [
+        ("deleted", "lost", False),
+        ("truncated", "corrupt", False),
+        ("flipped", "corrupt", True),
+        ("other_manifest", "corrupt", False),
+    ],
 )
 def test_reconcile_checks_every_file_of_the_manifest(
     open_s3: Callable[..., CheckpointManager],
@@ -296,16 +303,28 @@ def test_reconcile_checks_every_file_of_the_manifest(
     """A committed row's files are HEADed one by one (by the manifest, never by a
     listing); a changed byte needs ``verify`` (a GET and a hash per file)."""
     mgr = open_s3(streams={"model": Keep(last=3)})
-    mgr.save(1, model=Sharded(sd(1.0)))
+    mgr.save(0, model=Sharded(sd(0.0)))
+    first = mgr.save(1, model=Sharded({**sd(1.0), "big": big(1.0)}))["model"]
     second = mgr.save(2, model=Sharded({**sd(2.0), "big": big(2.0)}))["model"]
-    _replace(client, shard_key(second.path), change)
+    if change == "other_manifest":  # a valid manifest, of other files of the same sizes
+        client.copy_object(
+            Bucket=s3lib.BUCKET,
+            Key=shard_key(second.path, ".metadata"),
+            CopySource={"Bucket": s3lib.BUCKET, "Key": shard_key(first.path, ".metadata")},
+        )
+    else:
+        _replace(client, shard_key(second.path), change)
     if verify:
         assert mgr.reconcile().actions == []  # sizes agree: only a hash finds it
     report = mgr.reconcile(verify=verify)
     assert report.counts == {state: 1, "repointed": 1}
-    assert "__0_0.distcp" in report.actions[0].detail
-    assert states(db) == {1: "committed", 2: state}
-    assert mgr.check() == [] or verify  # a check after the repair finds nothing new
+    assert ("manifest" if change == "other_manifest" else "__0_0.distcp") in report.actions[
+        0
+    ].detail
+    assert states(db) == {0: "committed", 1: "committed", 2: state}
+    latest = mgr.latest()
+    assert latest is not None and latest.step == 1
+    assert mgr.reconcile(verify=True).actions == []
 
 
 # ------------------------------------------------------------------ reconcile
@@ -409,6 +428,106 @@ def test_sigkill_mid_sharded_save_is_cleaned_up_at_the_next_open(
         1: "committed",
         2: "aborted",
     }
+
+
+@pytest.mark.timeout(90)
+def test_a_shard_stream_that_raised_is_aborted_never_completed(
+    open_s3: Callable[..., CheckpointManager], client: Any, s3_url: str, db: LedgerClient
+) -> None:
+    """A failure inside DCP's write of a shard file, its upload under way: the upload is
+    aborted and no completion is ever sent for it (torch's fsspec writer would complete
+    the partial object at the stream's close); the boundary rolls back, nothing left."""
+    mgr = open_s3()
+    mgr.save(1, model=Sharded(sd(1.0)))
+    sent: list[tuple[str, str]] = []
+    events = mgr._ctx.store.calls.client.meta.events  # type: ignore[attr-defined]
+    for operation in ("PutObject", "CompleteMultipartUpload", "AbortMultipartUpload"):
+
+        def record(params: Any, operation: str = operation, **_: Any) -> None:
+            sent.append((operation, params["Key"].rsplit("/", 1)[1]))
+
+        events.register(f"provide-client-params.s3.{operation}", record)
+
+    def full_disk(name: str) -> None:
+        if name == "mid_write" and s3lib.uploads_under(client, s3_url):  # a part is out
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    faults.set_hook(full_disk)
+    try:
+        with pytest.raises(PublishError, match=f"write failed at {s3_url}/model/") as raised:
+            mgr.save(2, model=Sharded({**sd(2.0), "big": big(2.0)}))
+    finally:
+        faults.set_hook(None)
+    assert raised.value.phase == "write"
+    assert sent == [("AbortMultipartUpload", "__0_0.distcp")]
+    assert states(db) == {1: "committed", 2: "aborted"}
+    (aborted,) = db.rows("SELECT path FROM checkpoints WHERE step = 2")[0]
+    assert not [k for k in s3lib.keys_under(client, s3_url) if aborted in k]
+    assert s3lib.uploads_under(client, s3_url) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_that_changes_between_the_verify_and_the_read_is_refused(
+    open_s3: Callable[..., CheckpointManager], db: LedgerClient
+) -> None:
+    """DCP reads each shard in one GET, checked against the manifest just verified before
+    a byte reaches it: the bytes of a shard flipped after the verify are refused."""
+    mgr = open_s3()
+    mgr.save(1, model=Sharded(sd(1.0)))
+    gets: list[str] = []
+
+    def flip_the_read(parsed: Any, model: Any, context: Any, **_: Any) -> None:
+        key = context.get("input_params", {}).get("Key", "") if context else ""
+        gets.append(key)
+        if key.endswith("__0_0.distcp") and gets.count(key) == 2:  # verify's, then DCP's
+            parsed["Body"] = FlippingBody(parsed["Body"], offset=100)
+
+    events = mgr._ctx.store.calls.client.meta.events  # type: ignore[attr-defined]
+    events.register("before-parameter-build.s3.GetObject", _keep_params)
+    events.register("after-call.s3.GetObject", flip_the_read)
+    target = zeroed()
+    with pytest.raises(CorruptCheckpointError, match="verified"):
+        mgr.load("latest", into=target)
+    assert_same(target, zeroed())  # nothing was loaded
+    assert [k.rsplit("/", 1)[1] for k in gets].count("__0_0.distcp") == 2
+    assert states(db) == {1: "committed"}  # found at the read: raised, not recorded
+
+
+def _keep_params(params: Any, context: Any, **_: Any) -> None:
+    context["input_params"] = dict(params)
+
+
+@pytest.mark.timeout(60)
+def test_a_prefix_taken_before_the_intent_gets_another_name(
+    open_s3: Callable[..., CheckpointManager], client: Any, s3_url: str
+) -> None:
+    """Any object under the prefix the next row would use (a lost intent's) makes the
+    save go under a salted prefix, and leaves that object alone."""
+    mgr = open_s3()
+    mgr.save(1, model=Sharded(sd(1.0)))
+    token = mgr._ctx.store.run_token  # type: ignore[attr-defined]
+    taken = put(client, s3_url, f"model/step-000000002.{token}.v2.dcp/__0_0.distcp", b"old")
+    saved = mgr.save(2, model=Sharded(sd(2.0)))["model"]
+    assert saved.id == 2
+    assert re.fullmatch(rf"step-000000002\.{token}\.v2-[0-9a-f]{{8}}\.dcp", saved.path.name)
+    assert client.get_object(Bucket=s3lib.BUCKET, Key=taken)["Body"].read() == b"old"
+    target = zeroed()
+    mgr.load("latest", into=target)
+    assert_same(target, sd(2.0))
+
+
+@pytest.mark.timeout(60)
+def test_an_asynchronous_save_and_a_reader_on_object_storage(
+    open_s3: Callable[..., CheckpointManager], root: Path
+) -> None:
+    mgr = open_s3()
+    handle = mgr.save(1, blocking=False, model=Sharded(sd(1.0)))
+    saved = handle.result()["model"]
+    assert saved.step == 1
+    with RunReader(root) as reader:  # a follower, without the writer lock
+        target = zeroed()
+        reader.load("latest", into=target)
+    assert_same(target, sd(1.0))
 
 
 # ------------------------------------------------------------------ two ranks
