@@ -66,6 +66,10 @@ from .s3upload import ObjectWriter
 
 READ_CHUNK = 8 << 20
 DELETE_BATCH = 1000  # the most keys one DeleteObjects takes
+EXTERNAL = (
+    "an External payload (a framework's own writer, as the Lightning, Hugging Face and "
+    "Accelerate integrations use, which writes local files)"
+)
 
 
 class S3Store:
@@ -120,7 +124,7 @@ class S3Store:
         """Nothing to prepare: a key needs no directory."""
 
     def prepare_parent(self, rel: str) -> None:
-        raise _unsupported("an External payload (a framework's own writer)")
+        raise _unsupported(EXTERNAL)
 
     def make_temp_dir(self, rel: str) -> None:
         """Nothing to create: a sharded payload's prefix needs no directory."""
@@ -143,7 +147,7 @@ class S3Store:
         return s3dcp.seal(self, rel)
 
     def seal_written(self, rel: str) -> FileInfo:
-        raise _unsupported("an External payload (a framework's own writer)")
+        raise _unsupported(EXTERNAL)
 
     def exists(self, rel: str) -> bool:
         """Whether the object exists (a sharded payload: any object under its prefix)."""
