@@ -650,6 +650,52 @@ def test_two_ranks_resume_model_and_optimizer_bit_for_bit(tmp_path: Path, s3_url
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
+def _corrupt_latest(rank: int, world: int, root: str, url: str) -> dict[str, Any]:
+    forked_rank()
+    import boto3
+    import torch.distributed as dist
+
+    def state(value: float) -> dict[str, Any]:  # replicated values, and one of this rank's own
+        return {**sd(value), f"own_{rank}": torch.full((4,), value + rank)}
+
+    def blank() -> dict[str, Any]:
+        return {**zeroed(), f"own_{rank}": torch.zeros(4)}
+
+    with s3_manager(root, url) as mgr:
+        mgr.save(1, model=Sharded(state(1.0)))
+        second = mgr.save(2, model=Sharded(state(2.0)))
+        if rank == 0:  # rank 1's shard of step 2 changes after the commit
+            s3 = boto3.client("s3", endpoint_url=os.environ[s3client.ENDPOINT_ENV])
+            _replace(s3, shard_key(second["model"].path, "__1_0.distcp"), "flipped")
+        dist.barrier()
+        first = report(lambda: mgr.load("latest", into=blank()))
+        target = blank()
+        mgr.load("latest", into=target)
+        return {"first": first, "loaded": target, "want": state(1.0), "latest": mgr.latest()}
+
+
+@pytest.mark.timeout(90)
+def test_a_shard_corrupted_after_the_commit_fails_every_rank_and_latest_falls_back(
+    tmp_path: Path, s3_url: str
+) -> None:
+    """The chief's full verify finds another rank's shard changed: every rank raises
+    ``CorruptCheckpointError``, the row is corrupt, and every rank resumes from the
+    previous checkpoint, its own shard bit for bit."""
+    root = tmp_path / "run"
+    outcomes = run_ranks(_corrupt_latest, 2, tmp_path, str(root), s3_url, timeout=75)
+    for rank, o in enumerate(outcomes):
+        assert o.error is None, o.trace
+        assert o.value["first"]["error"] == "CorruptCheckpointError", o.value["first"]
+        assert "__1_0.distcp" in o.value["first"]["message"]
+        assert o.value["latest"].step == 1
+        assert_same(o.value["loaded"], o.value["want"])
+        assert torch.equal(o.value["loaded"][f"own_{rank}"], torch.full((4,), 1.0 + rank))
+    assert dict(rows(root, "SELECT step, state FROM checkpoints")) == {
+        1: "committed",
+        2: "corrupt",
+    }
+
+
 def _shard_fault(rank: int, world: int, root: str, url: str, operation: str) -> dict[str, Any]:
     forked_rank()
     with s3_manager(root, url) as mgr:
@@ -701,7 +747,8 @@ def _seal_fails(rank: int, world: int, root: str, url: str, change: str) -> dict
                     _replace(s3, key, change)
 
             faults.set_hook(meddle)
-        result = report(lambda: mgr.save(1, model=Sharded(sd(1.0, rank))))
+        own = {f"own_{rank}": torch.ones(3)}  # so that every rank writes a shard file
+        result = report(lambda: mgr.save(1, model=Sharded({**sd(1.0), **own})))
         faults.set_hook(None)
         return result
 
