@@ -189,10 +189,38 @@ def test_round_trip_on_object_storage(
     assert open_s3().last_reconcile.actions == []
 
 
+def key_errors(request: Any) -> AWSResponse:
+    """A ``DeleteObjects`` answer (200) that reports every key as not deleted."""
+    keys = re.findall(rb"<Key>([^<]+)</Key>", request.body)
+    errors = b"".join(
+        b"<Error><Key>%s</Key><Code>AccessDenied</Code><Message>injected</Message></Error>" % k
+        for k in keys
+    )
+    body = b"<DeleteResult>" + errors + b"</DeleteResult>"
+    headers = {"Content-Type": "application/xml", "Content-Length": str(len(body))}
+    return AWSResponse(request.url, 200, headers, _Body(body))
+
+
+class _Body:
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def stream(self, **_: Any) -> Any:
+        yield self.body
+
+
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("failure", ["request", "per_key"])
 def test_eviction_deletes_every_shard_object_and_a_failed_delete_is_retried(
-    open_s3: Callable[..., CheckpointManager], client: Any, s3_url: str, db: LedgerClient
+    open_s3: Callable[..., CheckpointManager],
+    client: Any,
+    s3_url: str,
+    db: LedgerClient,
+    failure: str,
 ) -> None:
+    """Eviction deletes the whole prefix after the commit; a ``DeleteObjects`` that fails
+    (the request, or only some keys in its answer) leaves the row ``deleting`` and its
+    objects, and the next open finishes it."""
     mgr = open_s3(streams={"model": Keep(last=1)})
     first = mgr.save(1, model=Sharded(sd(1.0)))["model"]
     second = mgr.save(2, model=Sharded(sd(2.0)))["model"]
@@ -204,10 +232,14 @@ def test_eviction_deletes_every_shard_object_and_a_failed_delete_is_retried(
     events = mgr._ctx.store.calls.client.meta.events  # type: ignore[attr-defined]
 
     def refuse(request: Any, **_: Any) -> AWSResponse:
-        return error_response(request, 403, "AccessDenied")
+        return (
+            error_response(request, 403, "AccessDenied")
+            if failure == "request"
+            else key_errors(request)
+        )
 
     events.register("before-send.s3.DeleteObjects", refuse, unique_id="refuse")
-    with pytest.warns(UserWarning):  # the clean-up failed after the commit: warned, kept
+    with pytest.warns(UserWarning, match="AccessDenied"):  # after the commit: warned, kept
         third = mgr.save(3, model=Sharded(sd(3.0)))["model"]
     events.unregister("before-send.s3.DeleteObjects", unique_id="refuse")
     assert states(db) == {1: "deleted", 2: "deleting", 3: "committed"}
