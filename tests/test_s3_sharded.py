@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -584,6 +585,13 @@ def _dtensor_round_trip(rank: int, world: int, root: str, url: str) -> dict[str,
             f"own_{rank}": torch.zeros(5),
             "step": 0,
         }
+        gets: list[str] = []
+
+        def count(params: Any, **_: Any) -> None:
+            gets.append(params["Key"].rsplit("/", 1)[1])
+
+        events = mgr._ctx.store.calls.client.meta.events  # type: ignore[attr-defined]
+        events.register("provide-client-params.s3.GetObject", count)
         loaded = mgr.load(into=target)
         return {
             "saved": saved,
@@ -594,6 +602,7 @@ def _dtensor_round_trip(rank: int, world: int, root: str, url: str) -> dict[str,
             "own": target[f"own_{rank}"].clone(),
             "expected_own": state[f"own_{rank}"].clone(),
             "step": target["step"],
+            "gets": gets,
         }
 
 
@@ -612,7 +621,13 @@ def test_two_ranks_save_and_resume_bit_for_bit(tmp_path: Path, s3_url: str, clie
         assert v["saved"] == outcomes[0].value["saved"]
     saved = outcomes[0].value["saved"]
     # every rank wrote its shard file under the one prefix; the coordinator the metadata
-    assert names_under(client, saved.path) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    files = [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert names_under(client, saved.path) == files
+    # the chief hashed every file for the ledger, then read what it loads; the other rank
+    # checked the manifest and read each file it loads once (hashed as it was read)
+    chief, other = (Counter(o.value["gets"]) for o in outcomes)
+    assert set(chief) == set(files) and chief["__0_0.distcp"] == 2
+    assert other["__1_0.distcp"] == 1 and max(other.values()) == 2  # .metadata: verify, DCP
     local = download(client, saved.path, tmp_path / "copy")
     assert hash_checkpoint(local) == type(hash_checkpoint(local))(saved.size, saved.hash)
     assert s3lib.uploads_under(client, s3_url) == []

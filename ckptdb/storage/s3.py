@@ -236,9 +236,11 @@ class S3Store:
         self, rel: str, size: int | None, digest: str | None, *, full: bool, keep: bool
     ) -> Finding | None:
         """Every file of the manifest (see :func:`s3dcp.verify`); with ``keep`` the verified
-        manifest is held for :meth:`dcp_reader` (only the manifest, never the bytes)."""
+        manifest is held for :meth:`dcp_reader` (only the manifest, never the bytes), which
+        hashes every file it reads against it: a load may skip ``full`` (a rank that
+        only loads its own shards need not download every file to check it)."""
         finding, files = s3dcp.verify(self, rel, size, digest, full=full)
-        if finding is None and files is not None and full and keep:
+        if finding is None and files is not None and keep:
             self._manifest = (rel, files)
         return finding
 
