@@ -130,7 +130,8 @@ class PublishError(CkptDBError, RuntimeError):
     """A boundary failed before its commit; the ledger is as it was before.
 
     ``phase`` names the protocol phase that failed (``intent``, ``snapshot``,
-    ``write``, ``fsync``, ``replace``, ``fsync_dir``, ``commit``), ``path``
+    ``write``, ``fsync``, ``complete`` and ``verify`` (object storage), ``replace``,
+    ``fsync_dir``, ``commit``), ``path``
     the file it was working on, and ``cleanup_failures`` any leftover that
     could not be removed afterwards (those are recorded for the next
     reconcile). The original exception is ``__cause__``.

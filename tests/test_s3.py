@@ -37,7 +37,7 @@ from crashlib import (
 from helpers import LedgerClient, state
 from test_crash import SWEEP, WARMUP, absorb, assert_recovers, crash, spec
 
-from ckptdb import CheckpointManager, Keep, RunReader, Sharded, faults
+from ckptdb import CheckpointManager, External, Keep, RunReader, faults
 from ckptdb.errors import (
     CheckpointNotFoundError,
     ConditionalWritesUnsupportedError,
@@ -216,7 +216,7 @@ def test_bad_input_is_refused_and_nothing_is_recorded(
             CheckpointManager(root, save_dir=save_dir, storage_options=options)
     assert not root.exists()
     mgr = open_s3(streams={"model": Keep(last=2), "shards": Keep(last=1)})
-    for bad in [{"shards": Sharded({"w": torch.ones(2)})}]:
+    for bad in [{"shards": External(lambda p: p.write_bytes(b"x"), name="shards/x.bin")}]:
         with pytest.raises(InvalidArgumentError, match="cannot be saved"):
             mgr.save(5, model=state(1.0), **bad)
     assert rows(db) == []

@@ -166,6 +166,8 @@ def describe(exc: BaseException) -> tuple[str, Path | None, BaseException]:
         return exc.phase, None, exc.error
     if isinstance(exc, PhaseError):
         return exc.phase, exc.path, exc.error
+    if isinstance(exc, PublishError) and exc.ranks:  # agreed by the ranks: its phase is known
+        return exc.phase, exc.path, exc
     if isinstance(exc, DatabaseError):
         return "commit", None, exc.original or exc
     if isinstance(exc, LedgerError):

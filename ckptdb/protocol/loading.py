@@ -26,6 +26,7 @@ from ..record import Checkpoint
 from ..storage.base import LOST
 from ..storage.dcp import resolve_stateful
 from ..storage.kinds import kind_of_path
+from ..storage.naming import is_sharded
 from .asyncsave import InFlight
 from .context import RunContext
 
@@ -93,8 +94,14 @@ class Loader:
         """A rank other than the chief, on a store whose reads are the verified bytes:
         its own hash-checked GET (the chief's bytes are in the chief's memory). A
         mismatch is raised, not recorded: only the chief writes the ledger, and it
-        finds the same at its next load or reconcile --verify."""
-        finding = self.ctx.store.verify(rel, target.size, target.hash, full=True, keep=True)
+        finds the same at its next load or reconcile --verify.
+
+        A sharded checkpoint is not hashed whole here: its manifest is checked
+        against the row and its files' sizes, and each file this rank reads is
+        hashed against that manifest as it is read (the chief hashed every file),
+        so a rank downloads only what it loads, not the whole checkpoint."""
+        full = not is_sharded(rel)
+        finding = self.ctx.store.verify(rel, target.size, target.hash, full=full, keep=True)
         if finding is None:
             return
         if finding.state == LOST and finding.missing:

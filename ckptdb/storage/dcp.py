@@ -92,7 +92,8 @@ def write_sharded(state_dict: dict[str, Any], writer: Any, group: Any) -> None:
     ``CheckpointException`` (a BaseException naming the failing ranks) on
     every rank; in a single process it becomes ``PhaseError("write")``.
     """
-    directory = Path(str(getattr(writer, "path", "")))
+    where = getattr(writer, "path", "")
+    directory = where if isinstance(where, Path) else Path(str(where))  # an ObjectPath stays one
     try:
         with _single_process_is_intended(group):
             dcp_save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)

@@ -15,7 +15,7 @@ import errno
 import mmap
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -331,10 +331,16 @@ def hash_checkpoint(path: Path) -> FileInfo:
     """Size and hash of a checkpoint file or sharded directory (see the module doc)."""
     if not (path.is_dir() and not path.is_symlink()):
         return hash_file(path)
+    return combine((name, hash_file(file)) for name, file in tree_files(path))
+
+
+def combine(files: Iterable[tuple[str, FileInfo]]) -> FileInfo:
+    """The size and hash of a checkpoint made of ``files`` (relative name, measured file):
+    the total size, and one hash over every file's name, size and hash, by name.
+    A sharded checkpoint has the same one on every store."""
     digest = xxhash.xxh3_128()
     total = 0
-    for name, file in tree_files(path):
-        info = hash_file(file)
+    for name, info in sorted(files):
         digest.update(f"{name}\0{info.size}\0{info.hash}\n".encode())
         total += info.size
     return FileInfo(total, digest.hexdigest())

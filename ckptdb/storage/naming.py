@@ -13,7 +13,9 @@ On object storage (no rename) a payload is written under its final name,
 makes it the run's own, the row id the row's. Should that name exist all the
 same (a row id reused after an intent that never reached the disk), a random
 ``-<8 hex>`` follows the row id. Only names with the run's token, and those
-written before tokens (``step-<step:09d>.v<row id>.pt``), are the run's.
+written before tokens (``step-<step:09d>.v<row id>.pt``), are the run's. A
+sharded payload there is a key prefix named the same way with ``.dcp``, its
+files the objects under it (``<name>.dcp/.metadata``, ``<name>.dcp/__0_0.distcp``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ TEMP_NAME = re.compile(r"\.step-\d{9,}(?:\.v\d+)?\.(?:pt|dcp)\.tmp-(\d+)")
 SHARDED_SUFFIX = ".dcp"
 TOKEN_LENGTH = 10
 # An object-store name: step, run token, row id, and a salt when the plain name was taken.
-OBJECT_NAME = re.compile(r"step-(\d{9,})\.([0-9a-f]{10})\.v(\d+)(?:-[0-9a-f]{8})?\.pt")
+OBJECT_NAME = re.compile(r"step-(\d{9,})\.([0-9a-f]{10})\.v(\d+)(?:-[0-9a-f]{8})?\.(?:pt|dcp)")
 
 
 def object_name(step: int, token: str, row_id: int, suffix: str, salt: str = "") -> str:

@@ -23,8 +23,15 @@ with the run's token (or none: written before tokens) are the run's, anything
 else (another ledger's, under the same prefix) is never touched. A checkpoint
 of ours that no row owns cannot be moved aside (a move is a copy and a
 delete), so ``quarantine`` leaves it where it is.
-Only ``torch.save`` payloads are stored here for now: sharded (DCP) and
-external payloads are refused with :class:`~ckptdb.errors.InvalidArgumentError`.
+
+A sharded (DCP) payload is a prefix, ``<stream>/step-<step>.<run token>.v<row id>.dcp/``,
+with one object per file of the checkpoint (:mod:`~ckptdb.storage.s3dcp`):
+every rank writes its shard files there, ``seal`` HEADs each file of the
+manifest in ``.metadata``, ``verify`` checks every file against it, and
+``remove`` aborts every upload under the prefix and deletes every object
+under it (``DeleteObjects``). External payloads (a framework's own writer,
+which writes local files) are refused with
+:class:`~ckptdb.errors.InvalidArgumentError`.
 """
 
 from __future__ import annotations
@@ -41,9 +48,10 @@ import xxhash
 from ..errors import InvalidArgumentError, ObjectStoreError, PhaseError
 from ..location import ObjectPath
 from ..policies import STREAM_NAME
+from . import s3dcp
 from .base import CORRUPT, LOST, Finding, Found
 from .files import FileInfo, _in_chain
-from .naming import CHECKPOINT_NAME, OBJECT_NAME
+from .naming import CHECKPOINT_NAME, OBJECT_NAME, SHARDED_SUFFIX, is_sharded
 from .s3client import (
     PROBE_DIR,
     PROBE_MAX_AGE,
@@ -57,6 +65,11 @@ from .s3client import (
 from .s3upload import ObjectWriter
 
 READ_CHUNK = 8 << 20
+DELETE_BATCH = 1000  # the most keys one DeleteObjects takes
+EXTERNAL = (
+    "an External payload (a framework's own writer, as the Lightning, Hugging Face and "
+    "Accelerate integrations use, which writes local files)"
+)
 
 
 class S3Store:
@@ -65,7 +78,7 @@ class S3Store:
     #: No rename: a payload is written under its final key (the protocol names it so).
     renames = False
     #: Payload kinds this store holds.
-    kinds = frozenset({"torch"})
+    kinds = frozenset({"torch", "dcp"})
     #: A load reads the bytes its own verify hashed: every rank that loads verifies.
     reads_verified_bytes = True
 
@@ -78,6 +91,7 @@ class S3Store:
         self._foreign: set[str] = set()  # keys a conditional write found taken
         self.run_token: str | None = None  # set by the writer (see PayloadStore.run_token)
         self._verified: tuple[str, bytes] | None = None  # the last full verify's bytes
+        self._manifest: tuple[str, dict[str, FileInfo]] | None = None  # a sharded verify's
         if probe and options.require_conditional_writes:
             probe_conditional_writes(self.calls, self.bucket, self.prefix)
 
@@ -110,31 +124,42 @@ class S3Store:
         """Nothing to prepare: a key needs no directory."""
 
     def prepare_parent(self, rel: str) -> None:
-        raise _unsupported("an External payload (a framework's own writer)")
+        raise _unsupported(EXTERNAL)
 
     def make_temp_dir(self, rel: str) -> None:
-        raise _unsupported("a sharded (torch.distributed.checkpoint) payload")
+        """Nothing to create: a sharded payload's prefix needs no directory."""
+        self.key(rel)
 
     def dcp_writer(self, rel: str) -> Any:
-        raise _unsupported("a sharded (torch.distributed.checkpoint) payload")
+        """DCP's writer of this rank's shard files (and, on its coordinator, ``.metadata``)."""
+        return s3dcp.ShardWriter(self, rel)
 
     def dcp_reader(self, rel: str) -> Any:
-        raise _unsupported("a sharded (torch.distributed.checkpoint) payload")
+        """DCP's reader of ``rel``, checking every object against the manifest that the
+        full :meth:`verify` of ``rel`` just before it checked (refused without one)."""
+        held, self._manifest = self._manifest, None
+        if held is None or held[0] != rel:
+            raise InvalidArgumentError(f"{rel} was not verified just before it was read")
+        return s3dcp.ShardReader(self, rel, held[1])
 
     def seal(self, rel: str) -> FileInfo:
-        raise _unsupported("a sharded (torch.distributed.checkpoint) payload")
+        """HEAD every file of the manifest DCP's coordinator wrote; the row's size and hash."""
+        return s3dcp.seal(self, rel)
 
     def seal_written(self, rel: str) -> FileInfo:
-        raise _unsupported("an External payload (a framework's own writer)")
+        raise _unsupported(EXTERNAL)
 
     def exists(self, rel: str) -> bool:
+        """Whether the object exists (a sharded payload: any object under its prefix)."""
         key = self.key(rel)
+        if is_sharded(rel):
+            return next(self._list_keys(f"{key}/", limit=1), None) is not None
         try:
             self.calls("head_object", Bucket=self.bucket, Key=key)
         except Exception as exc:
             if is_missing(exc):
                 return False
-            raise store_error("HeadObject", self._url(key), exc) from exc
+            raise store_error("HeadObject", self.url(key), exc) from exc
         return True
 
     def write_object(self, rel: str, serialize: Callable[[Any], object]) -> FileInfo:
@@ -149,14 +174,14 @@ class S3Store:
             serialize(writer)
             return writer.finish()
         except BaseException as exc:
-            self._abandon(writer)
+            self.abandon(writer)
             interrupt = _in_chain(exc, lambda e: not isinstance(e, Exception))
             if interrupt is not None:
                 raise interrupt from None  # Ctrl-C stays Ctrl-C, not a write error
             cause = _in_chain(exc, lambda e: isinstance(e, OSError)) or exc
             raise PhaseError(writer.phase, self.local_path(rel), cause) from cause
 
-    def _abandon(self, writer: ObjectWriter) -> None:
+    def abandon(self, writer: ObjectWriter) -> None:
         """Abort the upload; an abort that fails is remembered for :meth:`remove`."""
         if writer.conflict:
             self._foreign.add(writer.key)  # someone else's object: never removed by us
@@ -188,10 +213,12 @@ class S3Store:
         :meth:`open_verified`; without it they are dropped at once, so a check or a
         ``verify`` that loads nothing never keeps a payload in memory.
         """
-        self._verified = None
+        self._verified = self._manifest = None
+        if is_sharded(rel):
+            return self._verify_sharded(rel, size, digest, full=full, keep=keep)
         key = self.key(rel)
         try:
-            actual, data = self._fetch(key, size) if full else (self._head_size(key), None)
+            actual, data = self._fetch(key, size) if full else (self.head_size(key), None)
         except ObjectStoreError as exc:
             doubt = self._bucket_doubt() if is_missing(exc.__cause__ or exc) else ""
             if doubt is None:
@@ -205,6 +232,26 @@ class S3Store:
             self._verified = (rel, data)
         return None
 
+    def _verify_sharded(
+        self, rel: str, size: int | None, digest: str | None, *, full: bool, keep: bool
+    ) -> Finding | None:
+        """Every file of the manifest (see :func:`s3dcp.verify`); with ``keep`` the verified
+        manifest is held for :meth:`dcp_reader` (only the manifest, never the bytes), which
+        hashes every file it reads against it: a load may skip ``full`` (a rank that
+        only loads its own shards need not download every file to check it)."""
+        finding, files = s3dcp.verify(self, rel, size, digest, full=full)
+        if finding is None and files is not None and keep:
+            self._manifest = (rel, files)
+        return finding
+
+    def unreadable(self, exc: ObjectStoreError, name: str) -> Finding:
+        """The finding for an object that could not be read: missing (404, and the bucket
+        answers), or unreadable now (not proof that it is gone)."""
+        doubt = self._bucket_doubt() if is_missing(exc.__cause__ or exc) else ""
+        if doubt is None:
+            return Finding(LOST, f"{name}: object missing", missing=True, error=exc)
+        return Finding(LOST, f"{name}: unreadable: {exc}{doubt}", error=exc)
+
     def _bucket_doubt(self) -> str | None:
         """A HEAD's 404 has no body, so a missing bucket looks like a missing key: before
         a 404 marks a row lost, the bucket must answer (a typo'd or deleted bucket is
@@ -216,11 +263,11 @@ class S3Store:
             return f"; and {store_error('HeadBucket', f's3://{self.bucket}', exc)}"
         return None
 
-    def _head_size(self, key: str) -> FileInfo:
+    def head_size(self, key: str) -> FileInfo:
         try:
             head = self.calls("head_object", Bucket=self.bucket, Key=key)
         except Exception as exc:
-            raise store_error("HeadObject", self._url(key), exc) from exc
+            raise store_error("HeadObject", self.url(key), exc) from exc
         return FileInfo(int(head["ContentLength"]), "")
 
     def _fetch(self, key: str, expected: int | None) -> tuple[FileInfo, bytes]:
@@ -236,7 +283,7 @@ class S3Store:
                 digest.update(chunk)
                 extra += len(chunk)
         except Exception as exc:
-            raise store_error("GetObject", self._url(key), exc) from exc
+            raise store_error("GetObject", self.url(key), exc) from exc
         return FileInfo(len(data) + extra, digest.hexdigest()), data
 
     def open_verified(self, rel: str) -> BinaryIO | None:
@@ -253,7 +300,7 @@ class S3Store:
         found = []
         for key in self._list_keys():
             entry = self._ours(key)
-            if entry is not None:
+            if entry is not None and entry.rel not in seen:  # a prefix: once
                 seen.add(entry.rel)
                 found.append(entry)
         for key in self._list_uploads():
@@ -272,21 +319,29 @@ class S3Store:
             return _stale_probe(name)
         if not STREAM_NAME.fullmatch(stream) or stream.startswith("ckptdb."):
             return None
+        name, slash, inside = name.partition("/")
+        sharded = name.endswith(SHARDED_SUFFIX)
+        if sharded != bool(slash) or (slash and not inside):
+            return None  # a sharded payload is a prefix of objects, any other one an object
         mine = OBJECT_NAME.fullmatch(name)
         if mine is not None and mine.group(2) != self.run_token:
             return None  # another run's (another ledger under this prefix)
-        if mine is None and not CHECKPOINT_NAME.fullmatch(name):
+        if mine is None and (sharded or not CHECKPOINT_NAME.fullmatch(name)):
             return None  # not in our naming (CHECKPOINT_NAME: keys from before tokens)
         return Found(stream, name, "temp" if role == "temp" else "checkpoint")
 
-    def _list_keys(self) -> Iterator[str]:
-        head = f"{self.prefix}/" if self.prefix else ""
+    def _list_keys(self, head: str | None = None, limit: int | None = None) -> Iterator[str]:
+        """Keys under ``head`` (the store's prefix by default), ``limit`` a page's size."""
+        if head is None:
+            head = f"{self.prefix}/" if self.prefix else ""
         params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": head}
+        if limit is not None:
+            params["MaxKeys"] = limit
         while True:  # pages through Calls (not a paginator): expired credentials refresh
             try:
                 page = self.calls("list_objects_v2", **params)
             except Exception as exc:
-                raise store_error("ListObjectsV2", self._url(head), exc) from exc
+                raise store_error("ListObjectsV2", self.url(head), exc) from exc
             yield from (o["Key"] for o in page.get("Contents", []))
             if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
                 return
@@ -295,14 +350,17 @@ class S3Store:
     def _list_uploads(self) -> dict[str, list[str]]:
         if self._uploads is not None:
             return self._uploads
-        head = f"{self.prefix}/" if self.prefix else ""
+        return self._uploads_under(f"{self.prefix}/" if self.prefix else "")
+
+    def _uploads_under(self, head: str) -> dict[str, list[str]]:
+        """The multipart uploads in progress under ``head``: {key: [upload id]}, listed now."""
         uploads: dict[str, list[str]] = {}
         params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": head}
         while True:  # pages through Calls (not a paginator): expired credentials refresh
             try:
                 page = self.calls("list_multipart_uploads", **params)
             except Exception as exc:
-                raise store_error("ListMultipartUploads", self._url(head), exc) from exc
+                raise store_error("ListMultipartUploads", self.url(head), exc) from exc
             for upload in page.get("Uploads", []):
                 uploads.setdefault(upload["Key"], []).append(upload["UploadId"])
             if not page.get("IsTruncated"):
@@ -313,8 +371,12 @@ class S3Store:
     # ------------------------------------------------------------------ removing
 
     def disowned(self, rel: str) -> bool:
-        """Whether our completion found ``rel`` taken (If-None-Match: * refused it)."""
-        return self.key(rel) in self._foreign
+        """Whether our completion found ``rel`` taken (If-None-Match: * refused it); a
+        sharded payload: any object under its prefix."""
+        key = self.key(rel)
+        if is_sharded(rel):
+            return any(k.startswith(f"{key}/") for k in self._foreign)
+        return key in self._foreign
 
     def remove(self, rel: str) -> bool:
         """Abort the key's uploads in progress (as far as known), then delete the object.
@@ -323,6 +385,8 @@ class S3Store:
         object existed). A key found taken by someone else is never removed.
         """
         key = self.key(rel)
+        if is_sharded(rel):
+            return self._remove_prefix(f"{key}/")
         if key in self._foreign:
             return False
         known = [*self._unaborted.get(key, []), *(self._uploads or {}).get(key, [])]
@@ -332,15 +396,46 @@ class S3Store:
         try:
             self.calls("delete_object", Bucket=self.bucket, Key=key)
         except Exception as exc:
-            raise store_error("DeleteObject", self._url(key), exc) from exc
+            raise store_error("DeleteObject", self.url(key), exc) from exc
         return True
+
+    def _remove_prefix(self, head: str) -> bool:
+        """A sharded payload: abort every upload under ``head`` (listed now, and those whose
+        abort failed here), then delete every object under it, a thousand per
+        ``DeleteObjects``. Idempotent; keys found taken by someone else are left alone."""
+        uploads = self._uploads_under(head)
+        for key in [k for k in self._unaborted if k.startswith(head)]:
+            uploads.setdefault(key, []).extend(self._unaborted.pop(key))
+        for key, ids in sorted(uploads.items()):
+            for upload_id in dict.fromkeys(ids):
+                self._abort(key, upload_id)
+        keys = [k for k in self._list_keys(head) if k not in self._foreign]
+        for start in range(0, len(keys), DELETE_BATCH):
+            self._delete_objects(head, keys[start : start + DELETE_BATCH])
+        return True
+
+    def _delete_objects(self, head: str, keys: list[str]) -> None:
+        objects = [{"Key": k} for k in keys]
+        try:
+            done = self.calls(
+                "delete_objects", Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True}
+            )
+        except Exception as exc:
+            raise store_error("DeleteObjects", self.url(head), exc) from exc
+        errors = [e for e in done.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+        if errors:
+            first = errors[0]
+            raise ObjectStoreError(
+                f"DeleteObjects under {self.url(head)}: {len(errors)} keys not deleted "
+                f"(first: {first.get('Key')}: {first.get('Code')})"
+            )
 
     def _abort(self, key: str, upload_id: str) -> None:
         try:
             self.calls("abort_multipart_upload", Bucket=self.bucket, Key=key, UploadId=upload_id)
         except Exception as exc:
             if not is_missing(exc):
-                raise store_error("AbortMultipartUpload", self._url(key), exc) from exc
+                raise store_error("AbortMultipartUpload", self.url(key), exc) from exc
 
     def move_in(self, source: Path, rel: str) -> Callable[[], None]:
         """Adopting local files into object storage would be an upload, not a move."""
@@ -350,7 +445,7 @@ class S3Store:
         """Leave the object where it is (a move would be a copy and a delete); its location."""
         return self.local_path(rel)
 
-    def _url(self, key: str) -> str:
+    def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
 
 
@@ -380,4 +475,4 @@ class _Pass:
 
     def __exit__(self, *exc: object) -> None:
         self.store._uploads = None
-        self.store._verified = None
+        self.store._verified = self.store._manifest = None
