@@ -602,6 +602,24 @@ def test_expired_credentials_are_refreshed_once(
     assert torch.equal(mgr.load(out)["w"], big_state(1.0)["w"])
 
 
+def test_a_new_client_reads_the_credentials_again_but_not_the_service_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Clients share botocore's loader of service models (parsing it costs more than
+    the rest of an open), while each one still reads the credential chain afresh:
+    a refresh after an expired token must see the new keys."""
+    options = s3client.parse_options({"endpoint_url": "http://127.0.0.1:9", "region_name": "x"})
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "first-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "first-secret")
+    first = s3client.make_client(options)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "second-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "second-secret")
+    second = s3client.make_client(options)
+    assert first._request_signer._credentials.access_key == "first-key"
+    assert second._request_signer._credentials.access_key == "second-key"
+    assert first._loader is second._loader
+
+
 @pytest.mark.timeout(60)
 def test_a_bit_flipped_on_download_is_corrupt_and_latest_falls_back(
     open_s3: Callable[..., CheckpointManager], hooks: list[Any], db: LedgerClient

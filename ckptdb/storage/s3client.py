@@ -154,6 +154,7 @@ def make_client(options: S3Options) -> Any:
         read_timeout=options.read_timeout,
     )
     session = boto3.session.Session(
+        botocore_session=_fresh_botocore_session(),
         profile_name=options.profile_name,
         aws_access_key_id=options.aws_access_key_id,
         aws_secret_access_key=options.aws_secret_access_key,
@@ -170,6 +171,28 @@ def make_client(options: S3Options) -> Any:
     if _client_hook is not None:
         _client_hook(client)
     return client
+
+
+_model_loader: Any = None  # botocore's loader of service models, shared (see below)
+
+
+def _fresh_botocore_session() -> Any:
+    """A new botocore session (credentials and config read afresh) that shares one loader.
+
+    Every session otherwise parses botocore's S3 service model again (~0.15 s
+    per client on a small machine: every open of a run, every reader, every
+    credential refresh). The loader caches only those read-only JSON models,
+    never credentials or configuration, so sharing it changes nothing else.
+    """
+    global _model_loader
+    import botocore.loaders
+    import botocore.session
+
+    if _model_loader is None:
+        _model_loader = botocore.loaders.create_loader()
+    session = botocore.session.get_session()
+    session.register_component("data_loader", _model_loader)
+    return session
 
 
 class Calls:
