@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -735,6 +736,47 @@ def test_verify_and_check_keep_no_payload_in_memory(
     assert store._verified is None  # type: ignore[attr-defined]
     assert torch.equal(mgr.load("latest")["w"], big_state(1.0)["w"])
     assert store._verified is None  # type: ignore[attr-defined]
+
+
+def traced_peak(call: Callable[[], Any]) -> int:
+    """The peak of Python's allocations (every buffer of bytes) while ``call`` runs."""
+    tracemalloc.start()
+    try:
+        call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_save_holds_the_part_buffers_not_the_payload(
+    open_s3: Callable[..., CheckpointManager],
+) -> None:
+    """A 40 MiB save in 5 MiB parts, 2 in flight: its allocations peak at the 3 part
+    buffers (2 uploading, 1 filling; a buffer may be overallocated by 1/8 as it grows),
+    plus botocore's read blocks; never the payload, nor a second copy of a part."""
+    concurrency = 2
+    mgr = open_s3(storage_options={"part_size": PART, "max_concurrency": concurrency})
+    payload = big_state(1.0, mib=40)
+    mgr.save(1, model=payload)  # the client, its connections and threads exist from here
+    saved: list[Any] = []
+    peak = traced_peak(lambda: saved.append(mgr.save(2, model=payload)["model"]))
+    assert saved[0].size > 40 * MiB  # 9 parts: the buffers were reused
+    bound = (concurrency + 1) * PART * 9 // 8 + 4 * MiB
+    assert peak <= bound, f"peak {peak / MiB:.1f} MiB > {bound / MiB:.1f} MiB"
+    assert torch.equal(mgr.load(2)["w"], payload["w"])
+
+
+@pytest.mark.timeout(120)
+def test_a_load_holds_the_payload_once(open_s3: Callable[..., CheckpointManager]) -> None:
+    """The object is read into one buffer that is hashed and then unpickled as it is:
+    no second copy (torch's own tensors are not Python allocations)."""
+    mgr = open_s3()
+    saved = mgr.save(1, model=big_state(2.0, mib=24))["model"]
+    loaded: list[Any] = []
+    peak = traced_peak(lambda: loaded.append(mgr.load(1)))
+    assert torch.equal(loaded[0]["w"], big_state(2.0, mib=24)["w"])
+    assert saved.size <= peak <= saved.size + 4 * MiB, f"peak {peak / MiB:.1f} MiB"
 
 
 @pytest.mark.timeout(60)
