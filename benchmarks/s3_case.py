@@ -128,11 +128,14 @@ def save(server: S3Server, work: Path, megabytes: float, reps: int) -> Compariso
         )
         _note_memory(result, contenders)
         options = mgr._ctx.store.calls.options
+        latest = mgr.latest()
     finally:
         mgr.close()
     result.notes["target"] = "ckptdb save <= 1.10x upload_fileobj; memory bounded by the parts"
-    result.notes["part_buffers_bound_mib"] = (options.max_concurrency + 2) * options.part_size / MiB
-    result.notes["payload_mib"] = round(megabytes * 2**20 / MiB, 1)
+    result.notes["part_buffers_mib"] = (  # (max_concurrency + 1) x part_size
+        (options.max_concurrency + 1) * options.part_size / MiB
+    )
+    result.notes["payload_mib"] = round(latest.size / MiB, 1)
     return result
 
 
@@ -141,7 +144,7 @@ def load(server: S3Server, work: Path, megabytes: float, reps: int) -> Compariso
     client = server.client()
     mgr = _manager(server, work / "load-run", "ckptdb-load")
     try:
-        mgr.save(0, model=sd)
+        saved = mgr.save(0, model=sd)["model"]
         plain = io.BytesIO()
         torch.save(sd, plain)
         client.put_object(Bucket=BUCKET, Key="plain/load.pt", Body=plain.getvalue())
@@ -162,6 +165,7 @@ def load(server: S3Server, work: Path, megabytes: float, reps: int) -> Compariso
     finally:
         mgr.close()
     result.notes["target"] = "ckptdb load <= 1.10x get_object + torch.load"
+    result.notes["payload_mib"] = round(saved.size / MiB, 1)
     return result
 
 
