@@ -185,6 +185,22 @@ def test_save_latest_load_round_trip(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("checksum", ["crc64nvme", "off"])
+def test_reused_part_buffers_carry_only_their_own_part(
+    open_s3: Callable[..., CheckpointManager], client: Any, checksum: str
+) -> None:
+    """One part in flight: two buffers take turns, so the third part (a short last one)
+    is written into the first part's buffer and must not carry its stale tail."""
+    mgr = open_s3(storage_options={"part_size": PART, "max_concurrency": 1, "checksum": checksum})
+    payload = {"w": torch.arange(3 * MiB, dtype=torch.float32)}  # 12 MiB: parts of 5, 5, ~2
+    out = mgr.save(1, model=payload)["model"]
+    stored = client.get_object(Bucket=s3lib.BUCKET, Key=out.path.key)["Body"].read()
+    assert 10 * MiB < len(stored) < 15 * MiB
+    assert (len(stored), xxhash.xxh3_128(stored).hexdigest()) == (out.size, out.hash)
+    assert torch.equal(mgr.load(1)["w"], payload["w"])
+
+
+@pytest.mark.timeout(60)
 def test_evicted_objects_are_deleted_after_the_commit(
     open_s3: Callable[..., CheckpointManager], client: Any, s3_url: str, db: LedgerClient
 ) -> None:
