@@ -49,6 +49,7 @@ from ckptdb.errors import (
     PublishError,
 )
 from ckptdb.location import ObjectPath
+from ckptdb.storage import s3 as s3store
 from ckptdb.storage import s3client
 
 MiB = 1 << 20
@@ -781,6 +782,60 @@ def test_a_save_holds_the_part_buffers_not_the_payload(
     bound = (concurrency + 1) * PART * 9 // 8 + 4 * MiB
     assert peak <= bound, f"peak {peak / MiB:.1f} MiB > {bound / MiB:.1f} MiB"
     assert torch.equal(mgr.load(2)["w"], payload["w"])
+
+
+@pytest.mark.timeout(120)
+def test_verify_and_check_hash_the_object_a_chunk_at_a_time(
+    open_s3: Callable[..., CheckpointManager], db: LedgerClient
+) -> None:
+    """Without a load nothing needs the bytes after the hash: a 40 MiB object is hashed
+    as it streams in, one read chunk in memory at a time; a bit flipped on the way is
+    still found by the same size-and-hash check (check reports it, verify marks the row
+    corrupt)."""
+    mgr = open_s3()
+    saved = mgr.save(1, model=big_state(1.0, mib=40))["model"]
+    chunk = s3store.READ_CHUNK + 2 * MiB
+    assert traced_peak(lambda: mgr.verify("latest")) <= chunk
+    assert traced_peak(lambda: mgr.check()) <= chunk
+    mgr._ctx.store.calls.client.meta.events.register(  # type: ignore[attr-defined]
+        "after-call.s3.GetObject",
+        lambda parsed, **_: parsed.update(Body=FlippingBody(parsed["Body"], offset=33 * MiB)),
+    )
+    problems = mgr.check()  # reports, changes nothing
+    assert len(problems) == 1 and "hash" in problems[0], problems
+    with pytest.raises(CorruptCheckpointError, match="hash"):
+        mgr.verify("latest")
+    assert {r[0]: r[3] for r in rows(db)} == {saved.id: "corrupt"}
+
+
+class CutBody:
+    """A GET body that ends early without an error of its own (a dropped connection
+    that the HTTP layer did not notice)."""
+
+    def __init__(self, inner: Any, after: int) -> None:
+        self.inner, self.left = inner, after
+
+    def read(self, amount: int | None = None) -> bytes:
+        data = self.inner.read(self.left if amount is None else min(amount, self.left))
+        self.left -= len(data)
+        return data
+
+
+@pytest.mark.timeout(120)
+def test_a_body_cut_short_is_unreadable_not_corrupt(
+    open_s3: Callable[..., CheckpointManager], db: LedgerClient
+) -> None:
+    mgr = open_s3()
+    saved = mgr.save(1, model=big_state(1.0, mib=12))["model"]
+    mgr._ctx.store.calls.client.meta.events.register(  # type: ignore[attr-defined]
+        "after-call.s3.GetObject",
+        lambda parsed, **_: parsed.update(Body=CutBody(parsed["Body"], after=9 * MiB)),
+    )
+    with pytest.raises(ObjectStoreError, match=f"ended at {9 * MiB} of {saved.size} bytes"):
+        mgr.load("latest")
+    problems = mgr.check()
+    assert len(problems) == 1 and "ended at" in problems[0], problems
+    assert {r[0]: r[3] for r in rows(db)} == {saved.id: "committed"}  # not marked corrupt
 
 
 @pytest.mark.timeout(120)
