@@ -808,6 +808,27 @@ def test_verify_and_check_hash_the_object_a_chunk_at_a_time(
     assert {r[0]: r[3] for r in rows(db)} == {saved.id: "corrupt"}
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["load", "verify"])
+def test_a_bit_flipped_under_botocores_checksum_is_corrupt_not_unreadable(
+    open_s3: Callable[..., CheckpointManager], db: LedgerClient, how: str
+) -> None:
+    """The flip happens below botocore's CRC64NVME check of the GET (in the HTTP
+    stream), so botocore would raise at the end of the body: reads stop at the
+    Content-Length, and the object's own size and hash find it corrupt."""
+    mgr = open_s3()
+    saved = mgr.save(1, model=big_state(1.0, mib=12))["model"]
+
+    def flip(parsed: Any, **_: Any) -> None:
+        checked = parsed["Body"]  # botocore's StreamingChecksumBody
+        checked._raw_stream = FlippingBody(checked._raw_stream, offset=11 * MiB)
+
+    mgr._ctx.store.calls.client.meta.events.register("after-call.s3.GetObject", flip)  # type: ignore[attr-defined]
+    with pytest.raises(CorruptCheckpointError, match="hash"):
+        mgr.load("latest") if how == "load" else mgr.verify("latest")
+    assert {r[0]: r[3] for r in rows(db)} == {saved.id: "corrupt"}
+
+
 class CutBody:
     """A GET body that ends early without an error of its own (a dropped connection
     that the HTTP layer did not notice)."""
