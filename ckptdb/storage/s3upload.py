@@ -107,7 +107,8 @@ class ObjectWriter:
         return int(self.options.part_size) << ((number - 1) // PARTS_PER_SIZE_STEP)
 
     def _ship(self) -> None:
-        """Hand the full buffer to an upload thread; wait while too many are in flight."""
+        """Hand the full buffer to an upload thread and fill a spare one (a buffer whose
+        upload has returned) or a new one; wait while too many are in flight."""
         if self.upload_id is None:
             self._create()
         number = len(self._parts) + 1
