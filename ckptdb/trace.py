@@ -20,7 +20,14 @@ succeeded, so a failed call leaves nothing in the trace):
   ``mkdir`` (``path``), ``rmdir`` (``path``);
 - ``fsync_dir`` (``path``): a directory's entries made durable;
 - ``commit`` (``database``, ``backend``, ``durable``): a ledger transaction
-  committed, with SQLite's ``synchronous=FULL`` (``durable``) or ``NORMAL``.
+  committed, with SQLite's ``synchronous=FULL`` (``durable``) or ``NORMAL``;
+- ``s3_request`` (``operation``, ``params``): a request about to be sent to
+  the object store (:class:`ckptdb.storage.s3client.Calls`: every request,
+  reads included), and ``s3_response`` (``operation``, ``params``,
+  ``answer``) once it succeeded. These two are recorded on both sides of the
+  request, not after it: what a power cut of the client leaves depends on
+  whether the response of a request was received. ``params`` is the same
+  object in both (its ``Body``, a buffer, must be copied before returning).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from helpers import LedgerClient, await_sessions_gone, child_app_name
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ckptdb import CheckpointManager, Keep, TopK, faults
-from ckptdb.location import ObjectPath
+from ckptdb.location import ObjectPath, is_object_url
 from ckptdb.policies import Policy
 from ckptdb.storage import dcp
 from ckptdb.storage.naming import SHARDED_SUFFIX
@@ -193,7 +193,8 @@ def run_child(spec: ChildSpec, die: Callable[[], None] = exit_at_point) -> int:
                 )
                 _record(fd, {"ack": b.index, "rows": {s: c.id for s, c in out.items()}})
                 if spec.reconcile_every and (done + 1) % spec.reconcile_every == 0:
-                    plant_stray_temp(mgr.save_dir)
+                    if not is_object_url(mgr.save_dir):  # object storage has no temp files
+                        plant_stray_temp(mgr.save_dir)
                     mgr.reconcile()
     finally:
         os.close(fd)

@@ -425,6 +425,62 @@ def test_crash_at_point_on_object_storage(tmp_path: Path, s3_url: str, point: st
     assert s3lib.uploads_under(s3lib_client(), s3_url) == []
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_crash_inside_reconcile_on_object_storage(
+    tmp_path: Path, s3_url: str, client: Any, n: int
+) -> None:
+    """Damage stacked by two crashes (A: mid-cleanup, rows left ``deleting``; B:
+    reopened without reconcile, killed before Complete, a row ``pending`` with its
+    upload in progress), an orphan in our naming and a foreign key; then C dies in
+    the n-th reconcile (the one at open, or an on-demand one two boundaries later),
+    after its object work and before its ledger update. The next open finishes the
+    job: every invariant holds, no upload is left, the orphan is recorded once and
+    left in place, the foreign key is untouched."""
+    context = f"mid_reconcile n={n} on S3"
+    plan = [Boundary(i, s, v, big=True) for i, (s, v) in enumerate(SWEEP)]
+    ref = Reference(policies(), {b.index: b for b in plan})
+    a = spec(tmp_path, "a", plan, crash_point="mid_cleanup", arm_after=WARMUP, save_dir=s3_url)
+    crash(a, f"{context} (child A)")
+    problems = absorb(ref, a)
+    b = spec(
+        tmp_path,
+        "b",
+        plan[ref.next_index :],
+        crash_point="s3_before_complete",
+        maintenance=True,
+        save_dir=s3_url,
+    )
+    crash(b, f"{context} (child B)")
+    problems += absorb(ref, b)
+    states = {r.state for r in ledger_rows(tmp_path / "run")}
+    assert {"pending", "deleting"} <= states, f"{context}: damage not staged: {states}"
+    assert s3lib.uploads_under(client, s3_url), f"{context}: no upload left in progress"
+    foreign = put(client, s3_url, "model/notes.txt", b"not ours")
+    orphan = put(client, s3_url, "model/step-000999999.v999999.pt", b"no row owns me")
+    c = spec(
+        tmp_path,
+        "c",
+        plan[ref.next_index :],
+        crash_point="mid_reconcile",
+        crash_n=n,
+        reconcile_every=2,
+        save_dir=s3_url,
+    )
+    crash(c, f"{context} (child C)")
+    problems += absorb(ref, c)
+    counts = assert_recovers(tmp_path / "run", ref, context, problems, None)
+    if n == 1:  # the crash undid the open's repairs: the next open redoes them
+        assert counts.get("rolled_back", 0) >= 1, f"{context}: nothing rolled back: {counts}"
+    states = {r.state for r in ledger_rows(tmp_path / "run")}
+    assert "aborted" in states and not states & {"pending", "deleting"}, f"{context}: {states}"
+    assert s3lib.uploads_under(client, s3_url) == [], context
+    keys = s3lib.keys_under(client, s3_url)
+    assert foreign in keys and orphan in keys, f"{context}: a key not ours was removed"
+    body = client.get_object(Bucket=s3lib.BUCKET, Key=foreign)["Body"].read()
+    assert body == b"not ours", context
+
+
 def s3lib_client() -> Any:
     import boto3
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .. import trace
 from ..errors import (
     ArgumentTypeError,
     ConditionalWritesUnsupportedError,
@@ -180,14 +181,17 @@ class Calls:
         self.refreshes = 0
 
     def __call__(self, operation: str, **params: Any) -> Any:
+        trace.record("s3_request", operation=operation, params=params)
         try:
-            return getattr(self.client, operation)(**params)
+            answer = getattr(self.client, operation)(**params)
         except Exception as exc:
             if error_code(exc) not in EXPIRED_CODES:
                 raise
-        self.client = make_client(self.options)  # the chain is read again
-        self.refreshes += 1
-        return getattr(self.client, operation)(**params)
+            self.client = make_client(self.options)  # the chain is read again
+            self.refreshes += 1
+            answer = getattr(self.client, operation)(**params)
+        trace.record("s3_response", operation=operation, params=params, answer=answer)
+        return answer
 
 
 # ------------------------------------------------------------------ error text

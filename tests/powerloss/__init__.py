@@ -21,4 +21,9 @@ does what ALICE (OSDI 2014) does for an application, for ckptdb alone:
    model of ``tests/crashlib.py``: every acknowledged save must still be
    committed and load, unless a later acknowledged commit evicted it.
 4. :mod:`.scenarios` are the boundaries explored by ``tests/test_powerloss.py``.
+
+A run on object storage (S3) is explored the same way under the object-store
+model: :mod:`.objects` records the requests to the store (sent, answered)
+and builds each crash state on the real server under a fresh prefix;
+:mod:`.s3scenarios` are its scenarios.
 """

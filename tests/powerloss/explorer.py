@@ -10,6 +10,12 @@ reopened there (which reconciles), and the check of the scenario runs: the
 invariants (``check(load=True)``), and that every save acknowledged before
 the cut is still committed and holds its payload, unless a later
 acknowledged commit evicted it (the reference model of ``tests/crashlib.py``).
+
+A run on object storage (:mod:`.objects`): the store's state is part of the
+crash state, built under a fresh prefix of the real server for each state
+checked, and the run is reopened there; after its reconcile, no multipart
+upload may be left in progress and no object of a rolled-back (or deleted)
+row may remain.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import copy
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,12 +34,21 @@ from crashlib import HEALTHY_STATES, Reference, integrity, ledger_rows, policies
 
 from ckptdb import CheckpointManager
 
-from .persistence import Budget, CrashSpace, CrashState, PersistenceModel, crash_states
+from .objects import StoreState, materialize_store, persisted_store, store_problems
+from .persistence import (
+    S3_REQUESTS,
+    Budget,
+    CrashSpace,
+    CrashState,
+    PersistenceModel,
+    crash_states,
+)
 from .recording import LEDGER_FILE, WORLD, Trace
 
-#: How a scenario's state is checked: the run's root and the records of the cut's
-#: prefix (``begin``/``ack``); returns the problems found.
-Check = Callable[[Path, list[Mapping[str, Any]]], list[str]]
+#: How a scenario's state is checked: the run's root, the records of the cut's
+#: prefix (``begin``/``ack``) and the ``save_dir`` the state's objects were built
+#: in (None: a local run); returns the problems found.
+Check = Callable[[Path, list[Mapping[str, Any]], str | None], list[str]]
 
 
 @dataclass(frozen=True)
@@ -90,21 +105,35 @@ class ReferenceCheck:
 
     base: Reference
 
-    def __call__(self, root: Path, records: list[Mapping[str, Any]]) -> list[str]:
+    def __call__(
+        self, root: Path, records: list[Mapping[str, Any]], save_dir: str | None = None
+    ) -> list[str]:
         ref = copy.deepcopy(self.base)
-        problems = ref.absorb_records([dict(r) for r in records], ledger_rows(root))
+        problems = ref.absorb_records(in_flight_records(records), ledger_rows(root))
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # reconcile's repairs warn; the checks decide
-                problems += _reopened(root, ref)
+                problems += _reopened(root, ref, save_dir)
         except Exception as exc:  # the finding itself: the run does not reopen
             problems.append(f"reopening the run raised {type(exc).__name__}: {exc}")
+        if save_dir is not None:
+            left = store_problems(save_dir, ledger_rows(root))
+            problems += [f"after reconcile: {p}" for p in left]
         status = integrity(root)
         return problems + ([] if status == "ok" else [f"PRAGMA integrity_check: {status}"])
 
 
-def _reopened(root: Path, ref: Reference) -> list[str]:
-    with CheckpointManager(root, streams=policies()) as mgr:
+def in_flight_records(records: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The records the reference model reads: a boundary whose save raised (marked
+    ``failed``) is no longer in flight once it failed, so its ``begin`` goes too, and
+    a row it committed is one no boundary explains."""
+    failed = {r["failed"] for r in records if "failed" in r}
+    return [dict(r) for r in records if "failed" not in r and r.get("begin") not in failed]
+
+
+def _reopened(root: Path, ref: Reference, save_dir: str | None) -> list[str]:
+    where = {} if save_dir is None else {"save_dir": save_dir}  # the state's own prefix
+    with CheckpointManager(root, streams=policies(), **where) as mgr:
         problems = [f"check: {p}" for p in mgr.check(load=True)]
         rows = ledger_rows(root)
         problems += ref.compare(rows)
@@ -118,7 +147,9 @@ class Explorer:
 
     ``stop_at_first`` ends at the first violation (a mutation check), and
     ``backward`` visits the cuts from the last one (where a mutation that
-    loses an acknowledged save shows first).
+    loses an acknowledged save shows first). ``leftovers``: what the recording
+    itself left in the object store, run closed, no cut, nothing reopened
+    (:func:`.objects.store_problems`): each is a violation of that state.
     """
 
     def __init__(
@@ -131,16 +162,21 @@ class Explorer:
         *,
         stop_at_first: bool = False,
         backward: bool = False,
+        leftovers: list[str] | None = None,
     ) -> None:
         self.scenario, self.trace, self.check = scenario, trace, check
         self.model, self.budget = model, budget
         self.stop_at_first, self.backward = stop_at_first, backward
+        self.leftovers = leftovers or []
         self._seen: set[tuple[str, int]] = set()
 
     def run(self) -> Exploration:
         started = time.monotonic()
         result = Exploration(self.scenario, self.model.name, len(self.trace.ops))
         self._seen.clear()
+        if self.leftovers:
+            state = "no power cut: the store as the recording left it (run closed, not reopened)"
+            result.violations.append(Violation(state, self.leftovers))
         prefixes = range(len(self.trace.ops) + 1)
         for prefix in reversed(prefixes) if self.backward else prefixes:
             self._explore_cut(prefix, result)
@@ -157,22 +193,28 @@ class Explorer:
         for state in crash_states(space, self.budget):
             result.generated += 1
             tree = persisted_tree(self.trace, space, state)
-            key = (state_key(tree, state.ledger), marks)
+            store = persisted_store(self.trace, space, state)
+            key = (state_key(tree, state.ledger, store.digest_parts(self.trace)), marks)
             if key in self._seen:
                 continue
             self._seen.add(key)
             result.explored += 1
-            problems = self._check(tree, state, marks)
+            problems = self._check(tree, store, state, marks)
             if problems:
                 result.violations.append(Violation(describe(self.trace, space, state), problems))
                 if self.stop_at_first:
                     return
 
-    def _check(self, tree: dict[str, bytes | None], state: CrashState, marks: int) -> list[str]:
+    def _check(
+        self, tree: dict[str, bytes | None], store: StoreState, state: CrashState, marks: int
+    ) -> list[str]:
         snapshot = None if state.ledger is None else self.trace.snapshots[state.ledger]
         materialize(self.trace, tree, snapshot)
+        save_dir = None
+        if self.trace.store is not None:  # a fresh prefix for each state
+            save_dir = materialize_store(self.trace, store, len(self._seen))
         records = [op.mark for op in self.trace.ops if op.mark is not None][:marks]
-        return self.check(self.trace.root, records)
+        return self.check(self.trace.root, records, save_dir)
 
 
 # ------------------------------------------------------------------ states
@@ -211,12 +253,16 @@ def persisted_tree(trace: Trace, space: CrashSpace, state: CrashState) -> dict[s
     return tree
 
 
-def state_key(tree: dict[str, bytes | None], snapshot: int | None) -> str:
+def state_key(
+    tree: dict[str, bytes | None], snapshot: int | None, store: Iterable[bytes] = ()
+) -> str:
     digest = xxhash.xxh3_128()
     for rel, content in sorted(tree.items()):
         digest.update(rel.encode() + b"\0")
         digest.update(b"d" if content is None else xxhash.xxh3_128_digest(content))
     digest.update(repr(snapshot).encode())
+    for part in store:  # the object store's state (the blob's index names its bytes)
+        digest.update(b"\0" + part)
     return digest.hexdigest()
 
 
@@ -243,11 +289,18 @@ def describe(trace: Trace, space: CrashSpace, state: CrashState, limit: int = 6)
         if state.prefix
         else "power cut before the first op"
     )
-    lost = [ops[i].text for i in space.floating if i not in state.kept]
+    lost = [ops[i] for i in space.floating if i not in state.kept]
+    done = [ops[i] for i in sorted(state.kept) if ops[i].kind in S3_REQUESTS]
     parts = [cut]
-    if lost:
-        more = f", +{len(lost) - limit} more" if len(lost) > limit else ""
-        parts.append("not on disk: " + "; ".join(lost[:limit]) + more)
+    groups = (
+        ("not on disk", [op.text for op in lost if op.kind not in S3_REQUESTS]),
+        ("sent, not in effect", [op.text for op in lost if op.kind in S3_REQUESTS]),
+        ("sent, in effect", [op.text for op in done]),
+    )
+    for what, texts in groups:
+        if texts:
+            more = f", +{len(texts) - limit} more" if len(texts) > limit else ""
+            parts.append(f"{what}: " + "; ".join(texts[:limit]) + more)
     short = [
         f"{trace.names.get(ino, ino)}: {n} of {space.lengths[ino]} bytes"
         for ino, n in state.lengths

@@ -19,7 +19,15 @@ with a stronger one:
   rename over an existing file brings the renamed file's data with it
   (``auto_da_alloc``).
 
-The ledger (SQLite in WAL mode) is the same in both: a transaction committed
+- :class:`ObjectStore` (a run whose ``save_dir`` is on S3): the client
+  machine loses power, the server does not. A request to the store answered
+  before the cut took effect (an object completed is there with its bytes,
+  an upload created is in progress, an abort or a delete is done); a
+  request sent and not answered may or may not have taken effect, in any
+  combination with the others (the server handles requests independently).
+  The run's local files (its root) follow POSIX-minimal.
+
+The ledger (SQLite in WAL mode) is the same in all: a transaction committed
 with ``synchronous=FULL`` is durable, and with it every earlier one; the
 ``NORMAL`` commits after the last FULL one may be lost, as a suffix. A state
 picks one of the snapshots taken after those commits.
@@ -31,7 +39,7 @@ import itertools
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from .recording import Op, Trace
@@ -147,7 +155,32 @@ def _brings_data(op: Op) -> bool:
     return op.kind == "rename" and op.replaced is not None
 
 
+#: The object-store requests of a trace (see :mod:`.objects`).
+S3_REQUESTS = frozenset({"s3_create", "s3_complete", "s3_put", "s3_abort", "s3_delete"})
+
+
+@dataclass(frozen=True)
+class ObjectStore:
+    """A power cut of the client of an object store (see the module docstring)."""
+
+    local: PosixMinimal = PosixMinimal()
+    name: str = "object-store"
+
+    def space(self, trace: Trace, prefix: int) -> CrashSpace:
+        space = self.local.space(trace, prefix)
+        requests = [op for op in trace.ops[:prefix] if op.kind in S3_REQUESTS]
+        answered = {op.index for op in requests if op.answered is not None and op.answered < prefix}
+        unanswered = {op.index for op in requests} - answered
+        return replace(
+            space,
+            pinned=space.pinned | answered,
+            floating=tuple(sorted({*space.floating, *unanswered})),
+        )
+
+
 MODELS: dict[str, PersistenceModel] = {m.name: m for m in (PosixMinimal(), Ext4Ordered())}
+#: The models of a run on object storage.
+STORE_MODELS: dict[str, PersistenceModel] = {m.name: m for m in (ObjectStore(),)}
 
 
 def file_data(

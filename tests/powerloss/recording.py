@@ -19,6 +19,11 @@ The ledger is not modeled as files: after each commit the recorder takes a
 snapshot of the database with SQLite's backup API; the persistence model
 picks which snapshot a crash leaves. SQLite's own files (and the writer
 lock's) are left out of the tree.
+
+Requests to an object store (a run whose ``save_dir`` is ``s3://``) are
+followed by an :class:`~powerloss.objects.ObjectRecorder` given to the
+recorder: each request that changes the store becomes an op when it is sent,
+and learns the index of its answer when the response comes back.
 """
 
 from __future__ import annotations
@@ -71,6 +76,11 @@ class Op:
     its size then; ``replaced``: the inode it replaced). ``snapshot`` and
     ``durable``: the ledger a ``commit`` left, and whether it was FULL.
     ``mark``: a scenario's own record (a boundary begun, a save acknowledged).
+    ``key``/``upload``/``blob``/``answered``: an object-store request (see
+    :mod:`.objects`): the object's name relative to the recorded prefix, its
+    multipart upload, the bytes it makes visible (an index into
+    ``Trace.blobs``) and the index of the op that recorded its response (None:
+    never answered).
     """
 
     index: int
@@ -84,6 +94,10 @@ class Op:
     snapshot: int | None = None
     durable: bool = False
     mark: Mapping[str, Any] | None = None
+    key: str | None = None
+    upload: str | None = None
+    blob: int | None = None
+    answered: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,10 @@ class Trace:
     snapshots: list[bytes]
     base_snapshot: int | None  # the ledger at the start (None: no ledger yet)
     names: dict[int, str]  # each inode's latest name (relative to the world), for messages
+    store: str | None = None  # the object store's ``s3://bucket/prefix`` (None: local only)
+    objects: dict[str, int] = field(default_factory=dict)  # its objects at the start: blobs
+    uploads: dict[str, str] = field(default_factory=dict)  # its uploads at the start: id -> key
+    blobs: list[bytes] = field(default_factory=list)  # every object's bytes
 
 
 def ignored(path: Path) -> bool:
@@ -122,8 +140,9 @@ def snapshot_ledger(database: Path) -> bytes:
 class Recorder:
     """Records what the library does under ``world`` while installed (a context manager)."""
 
-    def __init__(self, world: Path, root: Path) -> None:
+    def __init__(self, world: Path, root: Path, objects: Any = None) -> None:
         self.world = Path(os.path.realpath(world))
+        self.objects = objects  # an ObjectRecorder (a run on object storage), or None
         self.root = Path(os.path.realpath(root))
         self.nodes: dict[int, Node] = {WORLD: Node(WORLD, True)}
         self.names: dict[int, str] = {WORLD: "."}
@@ -156,6 +175,7 @@ class Recorder:
             snapshots=list(self.snapshots),
             base_snapshot=self.base_snapshot,
             names=dict(self.names),
+            **({} if self.objects is None else self.objects.trace_fields()),
         )
 
     # ------------------------------------------------------------ the hook
@@ -178,6 +198,19 @@ class Recorder:
         """A scenario's record (``{"begin": i}``, ``{"ack": i, "rows": {...}}``)."""
         with self._lock:
             self._append(Op(0, "mark", f"mark {dict(record)}", mark=dict(record)))
+
+    def append(self, op: Op) -> int:
+        """Append an op (its index set here); its index."""
+        self._append(op)
+        return len(self.ops) - 1
+
+    def _on_s3_request(self, operation: str, params: Mapping[str, Any]) -> None:
+        if self.objects is not None:
+            self.objects.request(self, operation, params)
+
+    def _on_s3_response(self, operation: str, params: Mapping[str, Any], answer: Any) -> None:
+        if self.objects is not None:
+            self.objects.response(self, operation, params, answer)
 
     def _on_create(self, path: Path) -> None:
         if self._inside(path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ class Recorded:
     name: str
     trace: Trace
     check: Check
+    leftovers: list[str] = field(default_factory=list)  # in the store, once the run closed
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,255 @@
+"""A run on object storage in the explorer: its requests recorded, its crash states rebuilt.
+
+The client machine loses power; the S3 server does not. So what a cut leaves
+in the store is decided by the requests the client had sent, and by whether
+their responses came back (:class:`~powerloss.persistence.ObjectStore`):
+a request answered before the cut took effect, one sent and not answered
+may or may not have. :class:`ObjectRecorder` turns the requests that
+change the store (seen through :mod:`ckptdb.trace`'s ``s3_request`` and
+``s3_response``) into ops of the trace:
+
+- ``s3_create`` (CreateMultipartUpload): an upload in progress, no object;
+- ``s3_complete`` (CompleteMultipartUpload) and ``s3_put`` (PutObject):
+  the object visible with the bytes it was sent (``blob``), the upload gone;
+- ``s3_abort`` (AbortMultipartUpload): the upload gone;
+- ``s3_delete`` (DeleteObject): the object gone;
+- ``s3_part`` (an UploadPart answered: its bytes, no visible effect) and
+  ``s3_done`` (the response of a request above: the request is then durable).
+
+Reads change nothing and are left out, and so are the objects of the
+conditional-write probe (``ckptdb.probe/``, removed by reconcile only once
+an hour old). :func:`persisted_store` says what one crash state holds,
+:func:`materialize_store` builds it under a fresh prefix of the real server,
+:func:`store_problems` checks what a run left there.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ckptdb.storage.s3client import PROBE_DIR
+
+from .persistence import S3_REQUESTS, CrashSpace, CrashState
+from .recording import Op, Recorder, Trace, TraceError
+
+#: The requests that change the store, and the op each becomes.
+REQUESTS = {
+    "create_multipart_upload": "s3_create",
+    "complete_multipart_upload": "s3_complete",
+    "put_object": "s3_put",
+    "abort_multipart_upload": "s3_abort",
+    "delete_object": "s3_delete",
+}
+#: Requests the store does not make: a trace that has one cannot be followed.
+UNFOLLOWED = frozenset({"delete_objects", "copy_object", "upload_part_copy"})
+NAMES = {
+    "create_multipart_upload": "CreateMultipartUpload",
+    "complete_multipart_upload": "CompleteMultipartUpload",
+    "put_object": "PutObject",
+    "abort_multipart_upload": "AbortMultipartUpload",
+    "delete_object": "DeleteObject",
+    "upload_part": "UploadPart",
+}
+REQUEST_KINDS = S3_REQUESTS
+assert frozenset(REQUESTS.values()) == REQUEST_KINDS
+IN_PROGRESS_PART = b"a part of an upload never completed"
+
+
+def client() -> Any:
+    """A boto3 client of the server the environment names (the standard AWS chain),
+    made once per endpoint (a client takes longer to make than a request)."""
+    return _client(os.environ.get("CKPTDB_S3_ENDPOINT_URL"))
+
+
+@functools.cache
+def _client(endpoint: str | None) -> Any:
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint)
+
+
+def split(url: str) -> tuple[str, str]:
+    """``s3://bucket/prefix`` -> (bucket, prefix)."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    return bucket, prefix.strip("/")
+
+
+def listing(s3: Any, url: str) -> tuple[list[str], dict[str, str]]:
+    """The keys under ``url`` (relative to it) and its uploads in progress (id -> key)."""
+    bucket, prefix = split(url)
+    keys: list[str] = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        keys += [o["Key"][len(prefix) + 1 :] for o in page.get("Contents", [])]
+    uploads: dict[str, str] = {}
+    for page in s3.get_paginator("list_multipart_uploads").paginate(
+        Bucket=bucket, Prefix=prefix + "/"
+    ):
+        for upload in page.get("Uploads", []):
+            uploads[upload["UploadId"]] = upload["Key"][len(prefix) + 1 :]
+    return sorted(keys), uploads
+
+
+class ObjectRecorder:
+    """Follows the requests to the store under ``url`` (give it to a :class:`Recorder`).
+
+    What is under the prefix when it is made is the start of the trace,
+    durable (a run's history): its objects, with their bytes, and its uploads.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.bucket, self.prefix = split(url)
+        self.blobs: list[bytes] = []
+        self.parts: dict[str, dict[int, bytes]] = {}  # upload id -> part number -> bytes
+        self.pending: dict[int, tuple[int, Mapping[str, Any]]] = {}  # id(params) -> op, params
+        s3 = client()
+        keys, self.uploads = listing(s3, url)
+        self.objects = {
+            rel: self._blob(s3.get_object(Bucket=self.bucket, Key=self._key(rel))["Body"].read())
+            for rel in keys
+            if not rel.startswith(f"{PROBE_DIR}/")
+        }
+        self.uploads = {i: k for i, k in self.uploads.items() if not k.startswith(f"{PROBE_DIR}/")}
+
+    def trace_fields(self) -> dict[str, Any]:
+        return {
+            "store": self.url,
+            "objects": dict(self.objects),
+            "uploads": dict(self.uploads),
+            "blobs": list(self.blobs),
+        }
+
+    def request(self, rec: Recorder, operation: str, params: Mapping[str, Any]) -> None:
+        """A request about to be sent: an op if it changes the store under the prefix."""
+        rel = self._rel(params)
+        if rel is None or (operation not in REQUESTS and operation not in UNFOLLOWED):
+            return
+        if operation in UNFOLLOWED:
+            raise TraceError(f"{operation} of {rel}: the explorer does not follow it")
+        blob = None
+        if operation == "put_object":
+            blob = self._blob(bytes(params["Body"]))
+        elif operation == "complete_multipart_upload":
+            blob = self._blob(self._assembled(params))
+        text = f"{NAMES[operation]} {rel} (sent)"
+        op = Op(0, REQUESTS[operation], text, key=rel, upload=params.get("UploadId"), blob=blob)
+        self.pending[id(params)] = (rec.append(op), params)
+
+    def response(
+        self, rec: Recorder, operation: str, params: Mapping[str, Any], answer: Any
+    ) -> None:
+        """A request answered: its part's bytes kept, or its op marked answered."""
+        rel = self._rel(params)
+        if rel is None:
+            return
+        if operation == "upload_part":
+            upload, number = str(params["UploadId"]), int(params["PartNumber"])
+            self.parts.setdefault(upload, {})[number] = bytes(params["Body"])
+            rec.append(Op(0, "s3_part", f"UploadPart {number} of {rel}", key=rel, upload=upload))
+            return
+        index, sent = self.pending.pop(id(params), (None, None))
+        if index is None or sent is not params:
+            return  # a read
+        op = rec.ops[index]
+        upload = str(answer["UploadId"]) if operation == "create_multipart_upload" else op.upload
+        text = f"{NAMES[operation]} {rel} answered"
+        done = rec.append(Op(0, "s3_done", text, key=rel, upload=upload))
+        rec.ops[index] = replace(op, upload=upload, answered=done)
+
+    def _assembled(self, params: Mapping[str, Any]) -> bytes:
+        parts = self.parts.get(str(params["UploadId"]), {})
+        numbers = [int(p["PartNumber"]) for p in params["MultipartUpload"]["Parts"]]
+        missing = [n for n in numbers if n not in parts]
+        if missing:
+            raise TraceError(f"a completion lists parts {missing} never uploaded")
+        return b"".join(parts[n] for n in numbers)
+
+    def _rel(self, params: Mapping[str, Any]) -> str | None:
+        """The key relative to the prefix; None: outside it, or the probe's."""
+        key = params.get("Key")
+        head = f"{self.prefix}/"
+        if params.get("Bucket") != self.bucket or not isinstance(key, str):
+            return None
+        if not key.startswith(head) or key[len(head) :].startswith(f"{PROBE_DIR}/"):
+            return None
+        return key[len(head) :]
+
+    def _key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}"
+
+    def _blob(self, data: bytes) -> int:
+        self.blobs.append(data)
+        return len(self.blobs) - 1
+
+
+# ------------------------------------------------------------------ crash states
+
+
+@dataclass(frozen=True)
+class StoreState:
+    """What the store holds in a crash state: objects (name, blob), uploads in progress."""
+
+    objects: tuple[tuple[str, int], ...] = ()
+    uploads: tuple[str, ...] = ()  # the key of each upload in progress
+
+    def digest_parts(self, trace: Trace) -> Iterable[bytes]:
+        for rel, blob in self.objects:
+            yield f"o:{rel}:{len(trace.blobs[blob])}:{blob}".encode()
+        for rel in self.uploads:
+            yield f"u:{rel}".encode()
+
+
+def persisted_store(trace: Trace, space: CrashSpace, state: CrashState) -> StoreState:
+    """The store after the requests of the cut that took effect, in the order sent."""
+    if trace.store is None:
+        return StoreState()
+    objects = dict(trace.objects)
+    uploads = dict(trace.uploads)
+    for op in trace.ops[: state.prefix]:
+        if op.kind not in REQUEST_KINDS:
+            continue
+        if op.index not in space.pinned and op.index not in state.kept:
+            continue
+        assert op.key is not None
+        if op.kind == "s3_create":
+            uploads[op.upload or f"never answered {op.index}"] = op.key
+        elif op.kind in ("s3_complete", "s3_put"):
+            assert op.blob is not None
+            objects[op.key] = op.blob
+            uploads.pop(op.upload or "", None)
+        elif op.kind == "s3_abort":
+            uploads.pop(op.upload or "", None)
+        elif op.kind == "s3_delete":
+            objects.pop(op.key, None)
+    return StoreState(tuple(sorted(objects.items())), tuple(sorted(uploads.values())))
+
+
+def materialize_store(trace: Trace, store: StoreState, n: int) -> str:
+    """Build ``store`` under a fresh prefix (the recording's, suffixed ``-s<n>``); its URL."""
+    assert trace.store is not None
+    bucket, prefix = split(trace.store)
+    prefix = f"{prefix}-s{n:05d}"
+    s3 = client()
+    for rel, blob in store.objects:
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/{rel}", Body=trace.blobs[blob])
+    for rel in store.uploads:
+        key = f"{prefix}/{rel}"
+        upload = s3.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        s3.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=IN_PROGRESS_PART)
+    return f"s3://{bucket}/{prefix}"
+
+
+def store_problems(url: str, rows: Iterable[Any]) -> list[str]:
+    """What must never be left in the store once a run was reopened (or closed): an
+    upload in progress, or an object of a rolled-back or deleted row."""
+    keys, uploads = listing(client(), url)
+    present = set(keys)
+    problems = [f"multipart upload of {rel} left in progress" for rel in sorted(uploads.values())]
+    for row in rows:
+        if row.state in ("aborted", "deleted") and row.path in present:
+            problems.append(f"object {row.path} of a row {row.state} (row {row.id}) left")
+    return problems
