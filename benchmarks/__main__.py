@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import cases, lightning_case, transformers_case
+from . import cases, lightning_case, s3_case, transformers_case
 from .harness import Comparison, markdown
 
 # (publish sizes MB, repetitions, restart sizes, metric points, guard steps, load MB)
@@ -31,6 +31,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "guard_steps": 5,
         "load_mb": 1,
         "growth": [20, 60],
+        "s3_mb": 12,  # two 8 MiB parts: the multipart path
     },
     "default": {
         "publish_mb": [10, 100],
@@ -40,6 +41,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "guard_steps": 50,
         "load_mb": 100,
         "growth": [1_000, 4_000],
+        "s3_mb": 100,
     },
     "full": {
         "publish_mb": [10, 100, 1024],
@@ -49,6 +51,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "guard_steps": 50,
         "load_mb": 100,
         "growth": [1_000, 20_000],
+        "s3_mb": 100,
     },
 }
 
@@ -83,7 +86,24 @@ def run(profile: dict[str, Any], work: Path) -> list[Comparison]:
     results.append(
         transformers_case.transformers_checkpoint(work / "transformers", profile["load_mb"], reps)
     )
+    missing = s3_case.available()
+    if missing is None:
+        results.extend(s3_case.run(work / "s3", profile["s3_mb"], reps))
+    else:
+        print(f"skipped the S3 case: {missing}", file=sys.stderr)
     return results
+
+
+def report(results: list[Comparison], out: Path) -> None:
+    """Every figure to ``out`` (JSON); the table and the notes to stdout."""
+    document = {"machine": machine(), "results": [r.as_dict() for r in results]}
+    out.write_text(json.dumps(document, indent=2, default=str))
+    print(markdown(results))
+    print()
+    for r in results:
+        for key, value in r.notes.items():
+            print(f"- {r.name}: {key}: {value}")
+    print(f"\nwritten to {out}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,14 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = PROFILES["quick" if args.quick else "full" if args.full else "default"]
     with tempfile.TemporaryDirectory(dir=args.work) as scratch:
         results = run(profile, Path(scratch))
-    report = {"machine": machine(), "results": [r.as_dict() for r in results]}
-    args.out.write_text(json.dumps(report, indent=2, default=str))
-    print(markdown(results))
-    print()
-    for r in results:
-        for key, value in r.notes.items():
-            print(f"- {r.name}: {key}: {value}")
-    print(f"\nwritten to {args.out}", file=sys.stderr)
+    report(results, args.out)
     return 0
 
 

@@ -7,7 +7,31 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import s3_case, s3server
 from benchmarks.__main__ import main
+
+S3_CONTENDERS = {
+    "S3 save": ["boto3 upload_fileobj (torch.save to BytesIO first)", "ckptdb save"],
+    "S3 load": [
+        "get_object + torch.load",
+        "get_object + torch.load of ckptdb's object",
+        "ckptdb load (verified)",
+    ],
+}
+
+
+def assert_reports_memory(result: dict) -> None:
+    """An S3 comparison: both contenders timed, and each one's peak memory reported."""
+    case = result["name"].rsplit(" ", 2)[0]
+    assert sorted(result["ratio_to_baseline"]) == sorted(S3_CONTENDERS[case])
+    for figure in ("peak_python_alloc_mib", "peak_rss_growth_mib"):
+        peaks = result["notes"][figure]
+        assert sorted(peaks) == sorted(S3_CONTENDERS[case]), figure
+        assert all(v >= 0 for v in peaks.values()), (figure, peaks)
+    # what a save or load of the payload allocates can be no less than the payload itself
+    # for the baseline (it holds all of it); a zero would mean nothing was measured
+    baseline = result["notes"]["peak_python_alloc_mib"][result["baseline"]]
+    assert baseline >= result["notes"]["payload_mib"] * 0.9
 
 
 @pytest.mark.timeout(300)
@@ -27,13 +51,78 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
         "async save",
         "Lightning checkpoint",
         "Lightning fit",
+        "S3 save",
+        "S3 load",
     ):
         assert any(n.startswith(expected) for n in names), (expected, names)
     for result in report["results"]:
         assert result["ratio_to_baseline"][result["baseline"]] == pytest.approx(1.0)
         assert all(v > 0 for v in result["median_s"].values())
+    for s3 in (r for r in report["results"] if r["name"].startswith("S3 ")):
+        assert_reports_memory(s3)
     overhead = next(r for r in report["results"] if r["name"].startswith("ledger overhead"))
     assert 2 <= overhead["notes"]["transactions_per_boundary"] <= 3
     assert report["machine"]["torch"]
     table = capsys.readouterr().out
     assert "| case | contender | median | ratio to baseline |" in table
+
+
+@pytest.mark.timeout(120)
+def test_the_s3_case_alone_reports_ratios_and_stops_its_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    started = spy_on_servers(monkeypatch)
+    out = tmp_path / "s3.json"
+    assert s3_case.main(["--quick", "--out", str(out), "--work", str(tmp_path)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["name"].rsplit(" ", 2)[0] for r in results] == ["S3 save", "S3 load"]
+    for result in results:
+        assert result["ratio_to_baseline"][result["baseline"]] == pytest.approx(1.0)
+        assert all(v > 0 for v in result["median_s"].values())
+        assert_reports_memory(result)
+    assert "| S3 save 12 MB | ckptdb save |" in capsys.readouterr().out
+    assert_stopped_and_cleaned(started, tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_s3_case_still_stops_its_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started = spy_on_servers(monkeypatch)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("a contender failed")
+
+    monkeypatch.setattr(s3_case, "load", broken)
+    with pytest.raises(RuntimeError, match="a contender failed"):
+        s3_case.run(tmp_path / "s3", 12, 1)
+    assert_stopped_and_cleaned(started, tmp_path)
+
+
+def test_the_s3_case_says_why_it_cannot_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.setattr(s3_case, "weed_binary", lambda: None)
+    assert s3_case.main(["--quick", "--out", str(tmp_path / "s3.json")]) == 2
+    assert "no weed binary" in capsys.readouterr().err
+    assert not (tmp_path / "s3.json").exists()
+
+
+def spy_on_servers(monkeypatch: pytest.MonkeyPatch) -> list[s3server.S3Server]:
+    """Every server the S3 case starts, kept for the test to look at after it."""
+    started: list[s3server.S3Server] = []
+    start = s3server.start
+
+    def recording(workdir: Path) -> s3server.S3Server:
+        started.append(start(workdir))
+        return started[-1]
+
+    monkeypatch.setattr(s3server, "start", recording)
+    return started
+
+
+def assert_stopped_and_cleaned(started: list[s3server.S3Server], scratch: Path) -> None:
+    assert len(started) == 1
+    assert started[0].process.poll() is not None  # the server exited
+    assert not started[0].log.exists()  # its data and log were removed with the work dir
+    assert not any(scratch.rglob("weed*"))

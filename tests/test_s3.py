@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from ckptdb.errors import (
     PublishError,
 )
 from ckptdb.location import ObjectPath
+from ckptdb.storage import s3 as s3store
 from ckptdb.storage import s3client
 
 MiB = 1 << 20
@@ -181,6 +183,22 @@ def test_save_latest_load_round_trip(
     again = open_s3()
     assert again.last_reconcile.actions == []
     assert again.save_dir == ObjectPath("s3:", *s3_url[len("s3://") :].split("/"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checksum", ["crc64nvme", "off"])
+def test_reused_part_buffers_carry_only_their_own_part(
+    open_s3: Callable[..., CheckpointManager], client: Any, checksum: str
+) -> None:
+    """One part in flight: two buffers take turns, so the third part (a short last one)
+    is written into the first part's buffer and must not carry its stale tail."""
+    mgr = open_s3(storage_options={"part_size": PART, "max_concurrency": 1, "checksum": checksum})
+    payload = {"w": torch.arange(3 * MiB, dtype=torch.float32)}  # 12 MiB: parts of 5, 5, ~2
+    out = mgr.save(1, model=payload)["model"]
+    stored = client.get_object(Bucket=s3lib.BUCKET, Key=out.path.key)["Body"].read()
+    assert 10 * MiB < len(stored) < 15 * MiB
+    assert (len(stored), xxhash.xxh3_128(stored).hexdigest()) == (out.size, out.hash)
+    assert torch.equal(mgr.load(1)["w"], payload["w"])
 
 
 @pytest.mark.timeout(60)
@@ -809,6 +827,122 @@ def test_verify_and_check_keep_no_payload_in_memory(
     assert store._verified is None  # type: ignore[attr-defined]
     assert torch.equal(mgr.load("latest")["w"], big_state(1.0)["w"])
     assert store._verified is None  # type: ignore[attr-defined]
+
+
+def traced_peak(call: Callable[[], Any]) -> int:
+    """The peak of Python's allocations (every buffer of bytes) while ``call`` runs."""
+    tracemalloc.start()
+    try:
+        call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_save_holds_the_part_buffers_not_the_payload(
+    open_s3: Callable[..., CheckpointManager],
+) -> None:
+    """A 40 MiB save in 5 MiB parts, 2 in flight: its allocations peak at the 3 part
+    buffers (2 uploading, 1 filling; a buffer may be overallocated by 1/8 as it grows),
+    plus botocore's read blocks; never the payload, nor a second copy of a part."""
+    concurrency = 2
+    mgr = open_s3(storage_options={"part_size": PART, "max_concurrency": concurrency})
+    payload = big_state(1.0, mib=40)
+    mgr.save(1, model=payload)  # the client, its connections and threads exist from here
+    saved: list[Any] = []
+    peak = traced_peak(lambda: saved.append(mgr.save(2, model=payload)["model"]))
+    assert saved[0].size > 40 * MiB  # 9 parts: the buffers were reused
+    bound = (concurrency + 1) * PART * 9 // 8 + 4 * MiB
+    assert peak <= bound, f"peak {peak / MiB:.1f} MiB > {bound / MiB:.1f} MiB"
+    assert torch.equal(mgr.load(2)["w"], payload["w"])
+
+
+@pytest.mark.timeout(120)
+def test_verify_and_check_hash_the_object_a_chunk_at_a_time(
+    open_s3: Callable[..., CheckpointManager], db: LedgerClient
+) -> None:
+    """Without a load nothing needs the bytes after the hash: a 40 MiB object is hashed
+    as it streams in, one read chunk in memory at a time; a bit flipped on the way is
+    still found by the same size-and-hash check (check reports it, verify marks the row
+    corrupt)."""
+    mgr = open_s3()
+    saved = mgr.save(1, model=big_state(1.0, mib=40))["model"]
+    chunk = s3store.READ_CHUNK + 2 * MiB
+    assert traced_peak(lambda: mgr.verify("latest")) <= chunk
+    assert traced_peak(lambda: mgr.check()) <= chunk
+    mgr._ctx.store.calls.client.meta.events.register(  # type: ignore[attr-defined]
+        "after-call.s3.GetObject",
+        lambda parsed, **_: parsed.update(Body=FlippingBody(parsed["Body"], offset=33 * MiB)),
+    )
+    problems = mgr.check()  # reports, changes nothing
+    assert len(problems) == 1 and "hash" in problems[0], problems
+    with pytest.raises(CorruptCheckpointError, match="hash"):
+        mgr.verify("latest")
+    assert {r[0]: r[3] for r in rows(db)} == {saved.id: "corrupt"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["load", "verify"])
+def test_a_bit_flipped_under_botocores_checksum_is_corrupt_not_unreadable(
+    open_s3: Callable[..., CheckpointManager], db: LedgerClient, how: str
+) -> None:
+    """The flip happens below botocore's CRC64NVME check of the GET (in the HTTP
+    stream), so botocore would raise at the end of the body: reads stop at the
+    Content-Length, and the object's own size and hash find it corrupt."""
+    mgr = open_s3()
+    saved = mgr.save(1, model=big_state(1.0, mib=12))["model"]
+
+    def flip(parsed: Any, **_: Any) -> None:
+        checked = parsed["Body"]  # botocore's StreamingChecksumBody
+        checked._raw_stream = FlippingBody(checked._raw_stream, offset=11 * MiB)
+
+    mgr._ctx.store.calls.client.meta.events.register("after-call.s3.GetObject", flip)  # type: ignore[attr-defined]
+    with pytest.raises(CorruptCheckpointError, match="hash"):
+        mgr.load("latest") if how == "load" else mgr.verify("latest")
+    assert {r[0]: r[3] for r in rows(db)} == {saved.id: "corrupt"}
+
+
+class CutBody:
+    """A GET body that ends early without an error of its own (a dropped connection
+    that the HTTP layer did not notice)."""
+
+    def __init__(self, inner: Any, after: int) -> None:
+        self.inner, self.left = inner, after
+
+    def read(self, amount: int | None = None) -> bytes:
+        data = self.inner.read(self.left if amount is None else min(amount, self.left))
+        self.left -= len(data)
+        return data
+
+
+@pytest.mark.timeout(120)
+def test_a_body_cut_short_is_unreadable_not_corrupt(
+    open_s3: Callable[..., CheckpointManager], db: LedgerClient
+) -> None:
+    mgr = open_s3()
+    saved = mgr.save(1, model=big_state(1.0, mib=12))["model"]
+    mgr._ctx.store.calls.client.meta.events.register(  # type: ignore[attr-defined]
+        "after-call.s3.GetObject",
+        lambda parsed, **_: parsed.update(Body=CutBody(parsed["Body"], after=9 * MiB)),
+    )
+    with pytest.raises(ObjectStoreError, match=f"ended at {9 * MiB} of {saved.size} bytes"):
+        mgr.load("latest")
+    problems = mgr.check()
+    assert len(problems) == 1 and "ended at" in problems[0], problems
+    assert {r[0]: r[3] for r in rows(db)} == {saved.id: "committed"}  # not marked corrupt
+
+
+@pytest.mark.timeout(120)
+def test_a_load_holds_the_payload_once(open_s3: Callable[..., CheckpointManager]) -> None:
+    """The object is read into one buffer that is hashed and then unpickled as it is:
+    no second copy (torch's own tensors are not Python allocations)."""
+    mgr = open_s3()
+    saved = mgr.save(1, model=big_state(2.0, mib=24))["model"]
+    loaded: list[Any] = []
+    peak = traced_peak(lambda: loaded.append(mgr.load(1)))
+    assert torch.equal(loaded[0]["w"], big_state(2.0, mib=24)["w"])
+    assert saved.size <= peak <= saved.size + 4 * MiB, f"peak {peak / MiB:.1f} MiB"
 
 
 @pytest.mark.timeout(60)

@@ -218,7 +218,7 @@ class S3Store:
             return self._verify_sharded(rel, size, digest, full=full, keep=keep)
         key = self.key(rel)
         try:
-            actual, data = self._fetch(key, size) if full else (self.head_size(key), None)
+            actual, data = self._fetch(key, size, keep) if full else (self.head_size(key), None)
         except ObjectStoreError as exc:
             doubt = self._bucket_doubt() if is_missing(exc.__cause__ or exc) else ""
             if doubt is None:
@@ -228,7 +228,7 @@ class S3Store:
             return Finding(CORRUPT, f"size {actual.size} != recorded {size}", actual)
         if full and actual.hash != digest:
             return Finding(CORRUPT, f"hash {actual.hash} != recorded {digest}", actual)
-        if data is not None and keep:
+        if data is not None:
             self._verified = (rel, data)
         return None
 
@@ -270,21 +270,36 @@ class S3Store:
             raise store_error("HeadObject", self.url(key), exc) from exc
         return FileInfo(int(head["ContentLength"]), "")
 
-    def _fetch(self, key: str, expected: int | None) -> tuple[FileInfo, bytes]:
-        """The whole object, at most the recorded size plus one byte kept in memory (in
-        one read: a third faster than chunked reads); bytes beyond it are streamed,
-        counted and hashed, not kept (the size check fails anyway)."""
-        digest, extra = xxhash.xxh3_128(), 0
+    def _fetch(self, key: str, expected: int | None, keep: bool) -> tuple[FileInfo, bytes | None]:
+        """One GET of the whole object, hashed; with ``keep`` its bytes too.
+
+        With ``keep`` (a load) at most the recorded size plus one byte is read
+        into memory, in one read (a third faster than chunked reads), and that
+        buffer is what is hashed and later unpickled. Anything else is read in
+        chunks, hashed and dropped (without ``keep``, one chunk in memory at a
+        time, whatever the payload's size). Reading stops at the response's
+        Content-Length, never one read further: botocore checks the CRC64NVME
+        of a stream at its end, and a corrupt object must be found corrupt by
+        its size and hash here, not be an unreadable error there.
+        """
+        digest, data, size = xxhash.xxh3_128(), None, 0
         try:
-            body = self.calls("get_object", Bucket=self.bucket, Key=key)["Body"]
-            data = body.read((expected or 0) + 1)
-            digest.update(data)
-            for chunk in body.iter_chunks(READ_CHUNK) if len(data) > (expected or 0) else ():
+            response = self.calls("get_object", Bucket=self.bucket, Key=key)
+            body, length = response["Body"], int(response["ContentLength"])
+            if keep:
+                data = body.read(min(length, (expected or 0) + 1))
+                digest.update(data)
+                size = len(data)
+            while size < length:
+                chunk = body.read(min(READ_CHUNK, length - size))
+                if not chunk:
+                    raise ObjectStoreError(f"the body ended at {size} of {length} bytes")
                 digest.update(chunk)
-                extra += len(chunk)
+                size += len(chunk)
+                del chunk  # before the next read: one chunk in memory, not two
         except Exception as exc:
             raise store_error("GetObject", self.url(key), exc) from exc
-        return FileInfo(len(data) + extra, digest.hexdigest()), data
+        return FileInfo(size, digest.hexdigest()), data
 
     def open_verified(self, rel: str) -> BinaryIO | None:
         """The bytes the last full :meth:`verify` of ``rel`` hashed (read once, then dropped)."""

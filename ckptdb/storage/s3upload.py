@@ -8,6 +8,13 @@ parts are in flight and one more fills, so memory is bounded by the part
 buffers, never by the payload. A payload smaller than one part is sent as one
 ``PutObject`` instead (one request instead of three, just as atomic).
 
+Every byte is copied once, from ``torch.save`` into a part buffer (a
+``BytesIO``), and the buffers are reused part after part. botocore reads a
+part's ``BytesIO`` in place: its SigV4 signer, its checksum and the socket
+take file bodies as they are, where a ``bytearray`` body is first copied
+whole into a new ``BytesIO`` by the signer, so every part in flight would
+exist twice.
+
 The object appears only at :meth:`ObjectWriter.finish`: ``CompleteMultipartUpload``
 (or the single ``PutObject``) with ``If-None-Match: *``, so an existing object
 is never overwritten. Any failure before that aborts the upload: nothing
@@ -20,6 +27,7 @@ and its CRC64NVME when the store reports one, are ours.
 from __future__ import annotations
 
 import base64
+import io
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -56,9 +64,10 @@ class ObjectWriter:
         self.size = 0
         self._hash = xxhash.xxh3_128()
         self._crc = 0
-        self._buffer = bytearray()
+        self._part = io.BytesIO()  # the part filling
+        self._spare: list[io.BytesIO] = []  # buffers of parts already uploaded, to reuse
         self._parts: list[Future[dict[str, Any]]] = []
-        self._in_flight: deque[Future[dict[str, Any]]] = deque()
+        self._in_flight: deque[tuple[Future[dict[str, Any]], io.BytesIO]] = deque()
         self._pool: ThreadPoolExecutor | None = None
         #: The key was taken before our completion: not ours, never to be removed by us.
         self.conflict = False
@@ -79,14 +88,17 @@ class ObjectWriter:
             self._crc = crc64nvme(view, self._crc)
         self.size += n
         while view.nbytes:
-            full = self._part_size(len(self._parts) + 1)
-            room = full - len(self._buffer)
-            self._buffer += view[:room]
-            view = view[room:]
-            if len(self._buffer) >= full:
-                self._ship()
+            view = self._fill(view)
         faults.point("mid_write")
         return n
+
+    def _fill(self, view: memoryview) -> memoryview:
+        """Copy what fits of ``view`` into the part filling (shipped once full); the rest."""
+        room = self._part_size(len(self._parts) + 1) - self._part.tell()
+        self._part.write(view[:room])
+        if view.nbytes >= room:
+            self._ship()
+        return view[room:]
 
     def flush(self) -> None:
         """Nothing to do: parts leave when they are full (``torch.save`` calls it)."""
@@ -95,19 +107,26 @@ class ObjectWriter:
         return int(self.options.part_size) << ((number - 1) // PARTS_PER_SIZE_STEP)
 
     def _ship(self) -> None:
-        """Hand the full buffer to an upload thread; wait while too many are in flight."""
+        """Hand the full buffer to an upload thread and fill a spare one (a buffer whose
+        upload has returned) or a new one; wait while too many are in flight."""
         if self.upload_id is None:
             self._create()
         number = len(self._parts) + 1
         if number > MAX_PARTS:
             raise ObjectStoreError(f"{self.where}: more than {MAX_PARTS} parts")
         while len(self._in_flight) >= self.options.max_concurrency:
-            self._in_flight.popleft().result()  # an upload error surfaces here
-        body, self._buffer = self._buffer, bytearray()
+            done, buffer = self._in_flight.popleft()
+            done.result()  # an upload error surfaces here
+            self._spare.append(buffer)  # botocore is done with it: reused
+        body = self._part
+        body.truncate(body.tell())  # a reused buffer may hold more: the last part is shorter
+        body.seek(0)
+        self._part = self._spare.pop() if self._spare else io.BytesIO()
+        self._part.seek(0)
         assert self._pool is not None
         future = self._pool.submit(self._upload_part, number, body)
         self._parts.append(future)
-        self._in_flight.append(future)
+        self._in_flight.append((future, body))
 
     def _create(self) -> None:
         params: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key}
@@ -121,7 +140,7 @@ class ObjectWriter:
             max_workers=self.options.max_concurrency, thread_name_prefix="ckptdb-s3-part"
         )
 
-    def _upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
+    def _upload_part(self, number: int, body: io.BytesIO) -> dict[str, Any]:
         params: dict[str, Any] = {}
         if self.checksum:
             params["ChecksumAlgorithm"] = "CRC64NVME"
@@ -132,7 +151,7 @@ class ObjectWriter:
                 Key=self.key,
                 UploadId=self.upload_id,
                 PartNumber=number,
-                Body=body,  # this part's own buffer: no copy
+                Body=body,  # read in place (a file body is never copied)
                 **params,
             )
         except Exception as exc:
@@ -150,7 +169,7 @@ class ObjectWriter:
             self.phase = "complete"
             self._put_whole()
         else:
-            if self._buffer:
+            if self._part.tell():
                 self._ship()
             parts = [future.result() for future in self._parts]  # a part's error: write
             self._close_pool()
@@ -168,7 +187,7 @@ class ObjectWriter:
         return {"ChecksumCRC64NVME": b64_crc(self._crc), "ChecksumType": "FULL_OBJECT"}
 
     def _put_whole(self) -> None:
-        body, self._buffer = self._buffer, bytearray()
+        body, self._part = self._part.getvalue(), io.BytesIO()  # bytes: the signer shares them
         params = self._checksum_params()
         params.pop("ChecksumType", None)
         faults.point("s3_before_complete")
@@ -263,3 +282,4 @@ class ObjectWriter:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self._in_flight.clear()
+        self._spare.clear()

@@ -72,6 +72,22 @@ def _client(endpoint: str | None) -> Any:
     return boto3.client("s3", endpoint_url=endpoint)
 
 
+def body_bytes(body: Any) -> bytes:
+    """A request's body as bytes: bytes-like, or a file read whole from its start (the
+    writer hands each part to botocore as its reused ``BytesIO`` buffer, read in place;
+    at the part's response that buffer still holds the part, and only that)."""
+    if hasattr(body, "getvalue"):
+        return bytes(body.getvalue())
+    if hasattr(body, "read"):
+        position = body.tell()
+        body.seek(0)
+        try:
+            return bytes(body.read())
+        finally:
+            body.seek(position)
+    return bytes(body)
+
+
 def split(url: str) -> tuple[str, str]:
     """``s3://bucket/prefix`` -> (bucket, prefix)."""
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
@@ -132,7 +148,7 @@ class ObjectRecorder:
             raise TraceError(f"{operation} of {rel}: the explorer does not follow it")
         blob = None
         if operation == "put_object":
-            blob = self._blob(bytes(params["Body"]))
+            blob = self._blob(body_bytes(params["Body"]))
         elif operation == "complete_multipart_upload":
             blob = self._blob(self._assembled(params))
         text = f"{NAMES[operation]} {rel} (sent)"
@@ -148,7 +164,7 @@ class ObjectRecorder:
             return
         if operation == "upload_part":
             upload, number = str(params["UploadId"]), int(params["PartNumber"])
-            self.parts.setdefault(upload, {})[number] = bytes(params["Body"])
+            self.parts.setdefault(upload, {})[number] = body_bytes(params["Body"])
             rec.append(Op(0, "s3_part", f"UploadPart {number} of {rel}", key=rel, upload=upload))
             return
         index, sent = self.pending.pop(id(params), (None, None))
