@@ -44,7 +44,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     "full": {
         "publish_mb": [10, 100, 1024],
         "reps": 7,
-        "restart": [1_000, 10_000, 20_000],
+        "restart": [1_000, 10_000, 20_000, 100_000],
         "points": 1_000_000,
         "guard_steps": 50,
         "load_mb": 100,

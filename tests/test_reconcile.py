@@ -870,6 +870,57 @@ def test_row_pointing_outside_is_refused(
     assert tree(outside) == before
 
 
+@pytest.mark.parametrize("where", ["dotdot", "dotdot_literal", "through_symlinked_dir"])
+def test_a_committed_row_pointing_outside_is_not_measured_there(
+    save_dir: Path,
+    outside: Path,
+    open_manager: Callable[..., CheckpointManager],
+    where: str,
+    db: LedgerClient,
+) -> None:
+    """Reconcile measures every committed file by its text (one confinement per
+    directory, then joins): a row whose name leads out of the save directory is
+    still refused, even when a file of exactly its size waits out there."""
+    mgr = open_manager()
+    for step in (1, 2):
+        mgr.save(step, model=state(step))
+    (save_dir / "linked").symlink_to(outside, target_is_directory=True)
+    stored, target = _outside_paths(save_dir, outside)[where]
+    ident = row_id(db, 1)
+    size = target.stat().st_size
+    db.execute("UPDATE checkpoints SET path = ?, size = ? WHERE id = ?", stored, size, ident)
+    report = mgr.reconcile()
+    assert [(a.kind, a.path) for a in report.actions if a.checkpoint_id == ident] == [
+        ("lost", stored)
+    ]
+    assert "outside" in next(a.detail for a in report.actions if a.checkpoint_id == ident)
+    assert db.rows("SELECT state FROM checkpoints WHERE id = ?", ident) == [("lost",)]
+    assert target.read_bytes().startswith(b"precious")
+
+
+def test_a_committed_file_replaced_by_a_link_is_measured_through_it(
+    save_dir: Path, open_manager: Callable[..., CheckpointManager], db: LedgerClient
+) -> None:
+    """The size check follows a link at the file's own name, as a load's read
+    would (one lstat, then a stat only for a link), and a dangling link is lost."""
+    mgr = open_manager()
+    for step in (1, 2, 3):
+        mgr.save(step, model=state(step))
+    copy = save_dir / "copy-of-1.bin"
+    copy.write_bytes(ckpt(save_dir, 1).read_bytes())
+    ckpt(save_dir, 1).unlink()
+    ckpt(save_dir, 1).symlink_to(copy)
+    ckpt(save_dir, 2).unlink()
+    ckpt(save_dir, 2).symlink_to(save_dir / "nowhere.bin")
+    report = mgr.reconcile()
+    assert report.counts == {"lost": 1}
+    assert db.rows("SELECT step, state FROM checkpoints ORDER BY step") == [
+        (1, "committed"),
+        (2, "lost"),
+        (3, "committed"),
+    ]
+
+
 @pytest.mark.parametrize(("backend", "where"), OUTSIDE_CASES, indirect=["backend"])
 def test_dry_run_does_not_promise_to_delete_outside_files(
     root: Path,

@@ -40,6 +40,7 @@ from ..ledger import Ledger, pins
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
 from ..ledger.follow import notify_commit
+from ..ledger.scan import LiveRow, live_rows
 from ..storage.base import LOST, Finding, PayloadStore
 from ..storage.naming import is_own_name
 
@@ -124,7 +125,7 @@ class Reconciler:
         """
         report = ReconcileReport(dry_run=dry_run)
         with self.db.transaction(read=True) as session:
-            rows = ledger_rows.rows_in_state(session, self.run_id, ledger_rows.LIVE_STATES)
+            rows = live_rows(session, self.run_id)
             streams = ledger_rows.stream_names(session, self.run_id)
             kept = ledger_rows.kept_on_disk(session, self.run_id)
             self._pinned = pins.live_pinned(session, self.run_id, m.utcnow())
@@ -154,7 +155,7 @@ class Reconciler:
 
     def _check_row(
         self,
-        row: Any,
+        row: LiveRow,
         plan: _Plan,
         report: ReconcileReport,
         keep: set[str],
@@ -165,7 +166,17 @@ class Reconciler:
         keep.add(row.path)
         if row.tmp_path:
             keep.add(row.tmp_path)
-        if row.state == m.PENDING:
+        if row.state == m.COMMITTED:  # nearly every row: one measurement each
+            finding = self.store.verify(row.path, row.size, row.hash, full=verify)
+            if finding is not None and self._unsure(finding):
+                report.actions.append(Action("failed", row.path, finding.detail, row.id, row.step))
+            elif finding is not None:
+                plan.state[row.id] = finding.state
+                plan.errors[row.id] = finding.detail
+                report.actions.append(
+                    Action(finding.state, row.path, finding.detail, row.id, row.step)
+                )
+        elif row.state == m.PENDING:
             doomed = list(dict.fromkeys([row.tmp_path, row.path]))  # one name without rename
             if not is_own_name(row.path) and row.tmp_path and self.store.exists(row.tmp_path):
                 # a framework's name not yet placed onto: what is there is not ours
@@ -184,16 +195,6 @@ class Reconciler:
                 plan.state[row.id] = m.DELETED
                 report.actions.append(
                     Action("deleted", row.path, "evicted by policy", row.id, row.step)
-                )
-        elif row.state == m.COMMITTED:
-            finding = self.store.verify(row.path, row.size, row.hash, full=verify)
-            if finding is not None and self._unsure(finding):
-                report.actions.append(Action("failed", row.path, finding.detail, row.id, row.step))
-            elif finding is not None:
-                plan.state[row.id] = finding.state
-                plan.errors[row.id] = finding.detail
-                report.actions.append(
-                    Action(finding.state, row.path, finding.detail, row.id, row.step)
                 )
 
     def _unsure(self, finding: Finding) -> bool:

@@ -38,7 +38,7 @@ class LocalStore:
     def __init__(self, save_dir: Path) -> None:
         self.save_dir = save_dir
         # Directory resolutions, memoized while one pass walks many rows (reconcile).
-        self._resolved: dict[Path, Path] | None = None
+        self._resolved: dict[Any, Path] | None = None
         self._held: tuple[str, HeldFile] | None = None  # the last full verify's bytes (keep)
 
     @property
@@ -122,16 +122,8 @@ class LocalStore:
         was hashed, even if the file changes afterwards.
         """
         self._held = None
-        held: HeldFile | None = None
         try:
-            path = self.path(rel)
-            if full and keep and not path.is_dir():
-                held = heldfile.read_held(path)
-                actual = held.info
-            elif full:
-                actual = files.hash_checkpoint(path)
-            else:
-                actual = FileInfo(files.checkpoint_size(path), "")
+            actual, held = self._measure(rel, full=full, keep=keep)
         except FileNotFoundError as exc:
             return Finding(LOST, "file missing", missing=True, error=exc)
         except ForeignEntryError as exc:
@@ -145,6 +137,17 @@ class LocalStore:
         if held is not None:
             self._held = (rel, held)
         return None
+
+    def _measure(self, rel: str, *, full: bool, keep: bool) -> tuple[FileInfo, HeldFile | None]:
+        """Size (and with ``full`` hash) of ``rel``; with ``keep`` a file's bytes, held."""
+        if not full:  # by the path's text: reconcile measures every committed file
+            name = files.confined_name(self.save_dir, rel, self._resolved)
+            return FileInfo(files.checkpoint_size(name), ""), None
+        path = self.path(rel)
+        if keep and not path.is_dir():
+            held = heldfile.read_held(path)
+            return held.info, held
+        return files.hash_checkpoint(path), None
 
     def list_ours(self) -> Iterator[Found]:
         """Every entry named like ours, by stream then name.
