@@ -167,10 +167,10 @@ class LocalStore:
             for entry in sorted(os.scandir(stream_dir.path), key=lambda e: e.name):
                 if entry.is_symlink() or not _right_kind(entry):
                     continue
-                if TEMP_NAME.fullmatch(entry.name):
-                    yield Found(name, entry.name, "temp")
-                elif CHECKPOINT_NAME.fullmatch(entry.name):
+                if CHECKPOINT_NAME.fullmatch(entry.name):  # the common case: one match
                     yield Found(name, entry.name, "checkpoint")
+                elif TEMP_NAME.fullmatch(entry.name):
+                    yield Found(name, entry.name, "temp")
 
     # ------------------------------------------------------------------ removing
 
