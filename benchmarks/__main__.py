@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
-    size.add_argument("--full", action="store_true", help="also publish 1 GB")
+    size.add_argument(
+        "--full", action="store_true", help="also publish 1 GB and reopen 100k checkpoints"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmark-results.json"))
     parser.add_argument("--work", type=Path, default=None, help="scratch directory")
     args = parser.parse_args(argv)
