@@ -13,6 +13,7 @@ PostgreSQL: ``on_both_backends``.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -896,6 +897,38 @@ def test_a_committed_row_pointing_outside_is_not_measured_there(
     assert "outside" in next(a.detail for a in report.actions if a.checkpoint_id == ident)
     assert db.rows("SELECT state FROM checkpoints WHERE id = ?", ident) == [("lost",)]
     assert target.read_bytes().startswith(b"precious")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_reconcile_leaves_garbage_collection_as_it_found_it(
+    open_manager: Callable[..., CheckpointManager], enabled: bool
+) -> None:
+    """A pass pauses cyclic GC (100k rows made it walk the process again and again);
+    afterwards, even after a failed pass, it is on or off as it was before."""
+    mgr = open_manager()
+    mgr.save(1, model=state(1))
+    seen: list[bool] = []
+    real = mgr._ctx.store.list_ours
+
+    def listing() -> Any:
+        seen.append(gc.isenabled())
+        return real()
+
+    mgr._ctx.store.list_ours = listing  # type: ignore[method-assign]
+    (gc.enable if enabled else gc.disable)()
+    try:
+        mgr.reconcile()
+        assert seen == [False] and gc.isenabled() is enabled
+
+        def broken() -> Any:
+            raise OSError(5, "listing failed")
+
+        mgr._ctx.store.list_ours = broken  # type: ignore[method-assign]
+        with pytest.raises(OSError, match="listing failed"):
+            mgr.reconcile()
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
 
 
 def test_a_committed_file_replaced_by_a_link_is_measured_through_it(
