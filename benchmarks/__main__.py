@@ -46,7 +46,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     "full": {
         "publish_mb": [10, 100, 1024],
         "reps": 7,
-        "restart": [1_000, 10_000, 20_000],
+        "restart": [1_000, 10_000, 20_000, 100_000],
         "points": 1_000_000,
         "guard_steps": 50,
         "load_mb": 100,
@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
-    size.add_argument("--full", action="store_true", help="also publish 1 GB")
+    size.add_argument(
+        "--full", action="store_true", help="also publish 1 GB and reopen 100k checkpoints"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmark-results.json"))
     parser.add_argument("--work", type=Path, default=None, help="scratch directory")
     args = parser.parse_args(argv)

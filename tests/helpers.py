@@ -224,6 +224,16 @@ def tree(directory: Path) -> dict[str, str]:
     return out
 
 
+def patch_unpickle(patch: pytest.MonkeyPatch, wrap: Callable[[Any], Any]) -> None:
+    """Replace every way a load unpickles (``torch.load``, and the held-records loader
+    of :mod:`ckptdb.storage.heldfile`) with ``wrap(real)``; both take ``map_location``
+    and ``weights_only`` as keywords."""
+    import ckptdb.storage.heldfile as heldfile
+
+    patch.setattr(torch, "load", wrap(torch.load))
+    patch.setattr(heldfile, "unpickle", wrap(heldfile.unpickle))
+
+
 def flip_byte(path: Path, offset: int | None = None) -> None:
     """Flip one byte in place (the middle one by default); the size stays the same."""
     data = bytearray(path.read_bytes())

@@ -432,6 +432,41 @@ def test_corrupt_latest_found_by_the_chief_fails_every_rank(tmp_path: Path, worl
     assert ("model", "corrupt", 2) in ledger_states(root)
 
 
+def _load_misread_on_the_last_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The chief verifies the file; the last rank's own read of it comes back different
+    (a stale client cache on a network filesystem, say)."""
+    import ckptdb.storage.heldfile as heldfile
+
+    with manager(root, streams={"model": Keep(last=2)}) as mgr:
+        mgr.save(1, model=sd(1))
+        if rank == world - 1:
+            real = heldfile.read_hashed
+
+            def misread(f: Any) -> heldfile.HeldFile:
+                held = real(f)
+                return heldfile.HeldFile(
+                    ckptdb.storage.files.FileInfo(held.info.size, "0" * 32), None, b""
+                )
+
+            heldfile.read_hashed = misread  # type: ignore[assignment]
+        return attempt(mgr, lambda: mgr.load())
+
+
+def test_a_rank_whose_own_read_differs_fails_every_rank_and_loads_nothing(
+    tmp_path: Path,
+) -> None:
+    """Every rank unpickles only what it hashed itself: the chief's verification does not
+    vouch for another rank's read. The mismatch is raised, not recorded (only the chief
+    writes the ledger), so the row stays committed."""
+    root = tmp_path / "run"
+    outcomes = run_ranks(_load_misread_on_the_last_rank, 3, tmp_path, str(root))
+    reports = agreed_error(outcomes, "CorruptCheckpointError")
+    for r in reports:
+        assert r["ranks"] == [2]
+        assert r["log"][-2:] == ["resolve", "ready"]  # nobody went on to unpickle
+    assert ledger_states(root) == [("model", "committed", 1)]
+
+
 def _load_into_mismatch(rank: int, world: int, root: str) -> dict[str, Any]:
     with manager(root, streams={"model": Keep(last=2)}) as mgr:
         mgr.save(1, model=Sharded(sd(1)))

@@ -41,13 +41,14 @@ from typing import Any
 import pytest
 import sqlalchemy.exc
 import torch
-from helpers import boundary, db_locked, digest, disk, files, rows, state
+from helpers import boundary, db_locked, digest, disk, files, patch_unpickle, rows, state
 
 import ckptdb.ledger.engine
 import ckptdb.ledger.rows
 import ckptdb.protocol.disposal
 import ckptdb.storage
 import ckptdb.storage.files
+import ckptdb.storage.heldfile
 from ckptdb import CheckpointManager, CleanupWarning, Keep, faults
 from ckptdb.errors import (
     CheckpointNotFoundError,
@@ -1050,15 +1051,19 @@ def test_read_error_during_load(
 
         return call
 
-    # ckptdb.storage opens the file for the hashing pass with the builtin open; a
-    # module global shadows it for the test. torch.load (unpickle) reads it itself.
+    # ckptdb.storage opens the file for the hashing read with the builtin open; a
+    # module global shadows it for the test. Unpickling reads the held bytes.
     monkeypatch.setattr(ckptdb.storage.files, "open", fake_open, raising=False)
+    monkeypatch.setattr(ckptdb.storage.heldfile, "open", fake_open, raising=False)
     if stage == "verify":
         monkeypatch.setattr(
             ckptdb.storage.files, "hash_checkpoint", failing(ckptdb.storage.files.hash_checkpoint)
         )
+        monkeypatch.setattr(
+            ckptdb.storage.heldfile, "read_hashed", failing(ckptdb.storage.heldfile.read_hashed)
+        )
     elif stage == "unpickle":
-        monkeypatch.setattr(torch, "load", failing(torch.load))
+        patch_unpickle(monkeypatch, failing)
     tries = 1 if mode == "transient" else PERSISTENT_TRIES
     for attempt in range(tries):
         with pytest.raises(OSError) as info:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -214,16 +215,53 @@ def test_update_does_not_sync(no_host_sync: list[str]) -> None:
     assert isinstance(guard._flags[torch.device("cpu")], Tensor)
 
 
+def meta_params() -> list[nn.Parameter]:
+    """Parameters and gradients with no data at all: reading any value back fails."""
+    out = []
+    for shape in ((4, 3), (3,), (2, 2, 2)):
+        p = nn.Parameter(torch.empty(shape, device="meta"))
+        p.grad = torch.empty(shape, device="meta")
+        out.append(p)
+    return out
+
+
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, INF])
 def test_clip_grad_norm_does_not_sync(no_host_sync: list[str], norm_type: float) -> None:
+    """Off the CPU the guard takes the branch-free path: nothing is read back (on the
+    meta device any read would fail too). The CPU's one read is the next test's."""
+    params = meta_params()
+    guard = NonFiniteGradGuard()
+    for _ in range(3):
+        total = guard.clip_grad_norm_(params, 0.1, norm_type=norm_type)
+        assert isinstance(total, Tensor) and total.device.type == "meta"
+    assert no_host_sync == []
+    assert all(flags.device.type == "meta" for _, flags in guard._param_flags.values())
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, INF])
+def test_on_the_cpu_clip_reads_back_one_flag_per_step(
+    monkeypatch: pytest.MonkeyPatch, norm_type: float
+) -> None:
+    """The host is the device on the CPU: the float32 fast path reads back whether its
+    norms are all finite (one flag per step and dtype group), and nothing else."""
+    calls: list[str] = []
     model = small_model()
     guard = NonFiniteGradGuard(model)
-    for _ in range(3):
-        total = guard.clip_grad_norm_(model.parameters(), 0.1, norm_type=norm_type)
-        assert isinstance(total, Tensor)
-    poison(model, "0.weight", NAN)
-    guard.clip_grad_norm_(model.parameters(), 0.1, norm_type=norm_type)
-    assert no_host_sync == []
+    with monkeypatch.context() as patch:
+        for name in ("item", "tolist", "__bool__", "__float__", "__int__", "numpy"):
+            real = getattr(Tensor, name)
+
+            def record(self: Tensor, *a: object, _n: str = name, _r: object = real) -> object:
+                calls.append(_n)
+                return _r(self, *a)  # type: ignore[operator]
+
+            patch.setattr(Tensor, name, record)
+        for _ in range(3):
+            guard.clip_grad_norm_(model.parameters(), 0.1, norm_type=norm_type)
+        poison(model, "0.weight", NAN)
+        guard.clip_grad_norm_(model.parameters(), 0.1, norm_type=norm_type)
+    assert calls == ([] if math.isinf(norm_type) else ["__bool__"] * 4)
+    assert guard.tripped() and guard.nonfinite_parameters() == ["0.weight"]
 
 
 def test_tripped_after_unsynced_updates(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -389,6 +427,70 @@ def test_clip_is_overflow_safe(case: str, max_norm: float) -> None:
         torch.testing.assert_close(
             g.double(), orig.double() * (max_norm / exact), rtol=1e-4, atol=1e-30
         )
+
+
+def norm_dtypes(monkeypatch: pytest.MonkeyPatch, grads: list[Tensor]) -> list[object]:
+    """Record the accumulation dtype of every vector_norm taken of one of ``grads``."""
+    seen: list[object] = []
+    real = torch.linalg.vector_norm
+    ids = {id(g) for g in grads}
+
+    def spy(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if id(x) in ids:
+            seen.append(kwargs.get("dtype"))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "vector_norm", spy)
+    return seen
+
+
+def test_cpu_norms_are_float32_until_one_overflows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path: float32 norms, no float64 pass while every norm is finite. The
+    fallback: the group is recomputed in float64 when a float32 sum of squares
+    overflows, and then gives the exact norm, without tripping."""
+    calm = params_with_grads([1.0, -2.0, 3.0], [0.5])
+    seen = norm_dtypes(monkeypatch, [p.grad for p in calm if p.grad is not None])
+    guard = NonFiniteGradGuard()
+    total = guard.clip_grad_norm_(calm, 100.0)
+    assert seen == [torch.float32, torch.float32]
+    torch.testing.assert_close(total, torch.tensor(math.sqrt(14.25)))
+
+    huge = params_with_grads([1e30] * 10, [0.5])
+    seen = norm_dtypes(monkeypatch, [p.grad for p in huge if p.grad is not None])
+    total = guard.clip_grad_norm_(huge, 1.0)
+    assert seen == [torch.float32, torch.float32, torch.float64, torch.float64]
+    exact = math.sqrt(10 * 1e60 + 0.25)
+    torch.testing.assert_close(total.double(), torch.tensor(exact).double(), rtol=1e-6, atol=0)
+    assert guard.tripped() is False and guard.nonfinite_parameters() == []
+
+
+def test_the_fallback_still_names_a_non_finite_gradient_next_to_an_overflow() -> None:
+    """A NaN sends its group down the float64 path too; that path must still flag
+    the NaN, and only it: the overflowing neighbour is finite."""
+    guard = NonFiniteGradGuard()
+    params = params_with_grads([3e38, 3e38], [NAN, 1.0], [2.0])
+    total = guard.clip_grad_norm_(params, 1.0)
+    assert torch.isnan(total)
+    assert guard.tripped() is True
+    assert guard.nonfinite_parameters() == ["param[1](2,)"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", sorted(OVERFLOW_CASES))
+def test_clip_is_overflow_safe_on_cuda_without_a_sync(case: str) -> None:
+    grads = [torch.tensor(v, dtype=torch.float32, device="cuda") for v in OVERFLOW_CASES[case]]
+    exact = torch.linalg.vector_norm(torch.cat(grads).double())
+    params = params_with_grads(*grads)
+    guard = NonFiniteGradGuard()
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        total = guard.clip_grad_norm_(params, 1.0)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.testing.assert_close(total.double(), exact, rtol=1e-6, atol=0)
+    assert guard.tripped() is False
 
 
 def test_huge_but_unrepresentable_norm_does_not_trip() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import flip_byte, rows, state, value_of
+from helpers import flip_byte, patch_unpickle, rows, state, value_of
 
 from ckptdb import Checkpoint, CheckpointManager
 from ckptdb.errors import (
@@ -94,13 +94,15 @@ def test_weights_only_by_default(open_manager, monkeypatch):
     mgr = open_manager()
     mgr.save(1, model={"obj": Opaque(41)})
     seen: list[Any] = []
-    real_load = torch.load
 
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs.get("weights_only", "default"))
-        return real_load(*args, **kwargs)
+    def spy(real_load: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen.append(kwargs.get("weights_only", "default"))
+            return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "load", spy)
+        return call
+
+    patch_unpickle(monkeypatch, spy)
     with pytest.raises(pickle.UnpicklingError, match=r"[Ww]eights only"):
         mgr.load()
     assert seen == [True]
@@ -130,13 +132,15 @@ def test_map_location_is_honoured(mgr):
 
 def test_map_location_defaults_to_cpu(mgr, monkeypatch):
     seen: list[Any] = []
-    real_load = torch.load
 
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs.get("map_location"))
-        return real_load(*args, **kwargs)
+    def spy(real_load: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen.append(kwargs.get("map_location"))
+            return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "load", spy)
+        return call
+
+    patch_unpickle(monkeypatch, spy)
     assert mgr.load()["w"].device.type == "cpu"
     assert seen == ["cpu"]
 
@@ -157,11 +161,14 @@ def test_damaged_file_is_refused_before_unpickling(mgr, monkeypatch, damage):
     if damage is flip_byte:
         assert target.path.stat().st_size == size_before  # only the hash can tell
 
-    def must_not_unpickle(*args: Any, **kwargs: Any) -> Any:
-        pytest.fail("torch.load was called on a file that does not match its ledger row")
+    def must_not_unpickle(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pytest.fail("unpickled a file that does not match its ledger row")
+
+        return call
 
     with monkeypatch.context() as patch:
-        patch.setattr(torch, "load", must_not_unpickle)
+        patch_unpickle(patch, must_not_unpickle)
         with pytest.raises(CorruptCheckpointError) as info:
             mgr.load("latest")
     assert isinstance(info.value, OSError)
@@ -184,7 +191,9 @@ def test_damaged_file_is_refused_before_unpickling(mgr, monkeypatch, damage):
 def test_a_corrupt_best_member_is_refused(mgr, monkeypatch):
     best = mgr.best()[0]
     flip_byte(best.path)
-    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("unpickled a corrupt file"))
+    patch_unpickle(
+        monkeypatch, lambda real: lambda *a, **k: pytest.fail("unpickled a corrupt file")
+    )
     with pytest.raises(CorruptCheckpointError):
         mgr.load("best")
     assert rows(mgr.root, "SELECT state FROM checkpoints WHERE id = ?", best.id) == [("corrupt",)]
@@ -194,7 +203,7 @@ def test_a_vanished_file_is_never_unpickled(mgr, monkeypatch):
     target = mgr.latest()
     target.path.unlink()
     with monkeypatch.context() as patch:
-        patch.setattr(torch, "load", lambda *a, **k: pytest.fail("unpickled a missing file"))
+        patch_unpickle(patch, lambda real: lambda *a, **k: pytest.fail("unpickled a missing file"))
         with pytest.raises(OSError):
             mgr.load()
     # Reconcile records the loss and "latest" falls back to the healthy step 2.

@@ -13,6 +13,7 @@ PostgreSQL: ``on_both_backends``.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -868,6 +869,89 @@ def test_row_pointing_outside_is_refused(
         again = open_manager()
     assert again.last_reconcile.counts == {"failed": 1}
     assert tree(outside) == before
+
+
+@pytest.mark.parametrize("where", ["dotdot", "dotdot_literal", "through_symlinked_dir"])
+def test_a_committed_row_pointing_outside_is_not_measured_there(
+    save_dir: Path,
+    outside: Path,
+    open_manager: Callable[..., CheckpointManager],
+    where: str,
+    db: LedgerClient,
+) -> None:
+    """Reconcile measures every committed file by its text (one confinement per
+    directory, then joins): a row whose name leads out of the save directory is
+    still refused, even when a file of exactly its size waits out there."""
+    mgr = open_manager()
+    for step in (1, 2):
+        mgr.save(step, model=state(step))
+    (save_dir / "linked").symlink_to(outside, target_is_directory=True)
+    stored, target = _outside_paths(save_dir, outside)[where]
+    ident = row_id(db, 1)
+    size = target.stat().st_size
+    db.execute("UPDATE checkpoints SET path = ?, size = ? WHERE id = ?", stored, size, ident)
+    report = mgr.reconcile()
+    assert [(a.kind, a.path) for a in report.actions if a.checkpoint_id == ident] == [
+        ("lost", stored)
+    ]
+    assert "outside" in next(a.detail for a in report.actions if a.checkpoint_id == ident)
+    assert db.rows("SELECT state FROM checkpoints WHERE id = ?", ident) == [("lost",)]
+    assert target.read_bytes().startswith(b"precious")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_reconcile_leaves_garbage_collection_as_it_found_it(
+    open_manager: Callable[..., CheckpointManager], enabled: bool
+) -> None:
+    """A pass pauses cyclic GC (100k rows made it walk the process again and again);
+    afterwards, even after a failed pass, it is on or off as it was before."""
+    mgr = open_manager()
+    mgr.save(1, model=state(1))
+    seen: list[bool] = []
+    real = mgr._ctx.store.list_ours
+
+    def listing() -> Any:
+        seen.append(gc.isenabled())
+        return real()
+
+    mgr._ctx.store.list_ours = listing  # type: ignore[method-assign]
+    (gc.enable if enabled else gc.disable)()
+    try:
+        mgr.reconcile()
+        assert seen == [False] and gc.isenabled() is enabled
+
+        def broken() -> Any:
+            raise OSError(5, "listing failed")
+
+        mgr._ctx.store.list_ours = broken  # type: ignore[method-assign]
+        with pytest.raises(OSError, match="listing failed"):
+            mgr.reconcile()
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
+
+
+def test_a_committed_file_replaced_by_a_link_is_measured_through_it(
+    save_dir: Path, open_manager: Callable[..., CheckpointManager], db: LedgerClient
+) -> None:
+    """The size check follows a link at the file's own name, as a load's read
+    would (one lstat, then a stat only for a link), and a dangling link is lost."""
+    mgr = open_manager()
+    for step in (1, 2, 3):
+        mgr.save(step, model=state(step))
+    copy = save_dir / "copy-of-1.bin"
+    copy.write_bytes(ckpt(save_dir, 1).read_bytes())
+    ckpt(save_dir, 1).unlink()
+    ckpt(save_dir, 1).symlink_to(copy)
+    ckpt(save_dir, 2).unlink()
+    ckpt(save_dir, 2).symlink_to(save_dir / "nowhere.bin")
+    report = mgr.reconcile()
+    assert report.counts == {"lost": 1}
+    assert db.rows("SELECT step, state FROM checkpoints ORDER BY step") == [
+        (1, "committed"),
+        (2, "lost"),
+        (3, "committed"),
+    ]
 
 
 @pytest.mark.parametrize(("backend", "where"), OUTSIDE_CASES, indirect=["backend"])

@@ -246,8 +246,9 @@ def test_the_protocol_reaches_payloads_only_through_the_store(tmp_path: Path) ->
         "sync_placed",
         "remove",
     ]
-    # verify, the confinement check, then the read (the bytes, or the file by its path)
-    assert loading == ["verify", "local_path", "open_verified", "local_path"]
+    # verify (which holds the bytes it hashed), the confinement check, then the
+    # read of those held bytes: the file is not opened again by its path
+    assert loading == ["verify", "local_path", "open_verified"]
 
 
 def test_verify_sorts_a_bad_payload_into_lost_or_corrupt(tmp_path: Path) -> None:

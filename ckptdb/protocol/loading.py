@@ -4,10 +4,11 @@
 recorded size and hash (by the store, the one place that sorts lost from
 corrupt) before anything is unpickled, and a mismatch or a vanished payload
 is recorded, as reconcile would. Three agreements make a load collective
-under torch.distributed: ``resolve`` (the chief resolves and verifies),
-``ready`` (every rank can load it: a sharded load is itself collective, so no
-rank may skip it) and ``loaded``; in a single process each is the local
-outcome itself.
+under torch.distributed: ``resolve`` (the chief resolves and verifies; every
+other rank that reads a file verifies its own read too, since what it
+unpickles is what it hashed), ``ready`` (every rank can load it: a sharded
+load is itself collective, so no rank may skip it) and ``loaded``; in a
+single process each is the local outcome itself.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..ledger import rows as ledger_rows
 from ..record import Checkpoint
 from ..storage.base import LOST
 from ..storage.dcp import resolve_stateful
-from ..storage.kinds import kind_of_path
+from ..storage.kinds import TORCH_FILE, PayloadKind, kind_of_path
 from ..storage.naming import is_sharded
 from .asyncsave import InFlight
 from .context import RunContext
@@ -57,7 +58,7 @@ class Loader:
             self.ctx.store.local_path(rel)
             if into is not None:
                 resolve_stateful(into)
-            if not self.coord.is_chief and self.ctx.store.reads_verified_bytes:
+            if not self.coord.is_chief and self._reads_verified_bytes(kind):
                 self._verify_here(target, rel)
         except Exception as exc:
             problem = exc
@@ -89,6 +90,12 @@ class Loader:
         if which == "latest" or isinstance(which, int):
             return stream or "model"
         return None
+
+    def _reads_verified_bytes(self, kind: PayloadKind) -> bool:
+        """Whether this rank's read is served from bytes it verifies itself: every payload
+        on object storage (one GET serves both), and a ``torch.save`` file on any store
+        (read once, hashed as it is read, unpickled from what was hashed)."""
+        return self.ctx.store.reads_verified_bytes or kind.name == TORCH_FILE.name
 
     def _verify_here(self, target: Checkpoint, rel: str) -> None:
         """A rank other than the chief, on a store whose reads are the verified bytes:

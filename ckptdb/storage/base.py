@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal, Protocol
 
 from .files import FileInfo
+from .heldfile import HeldFile
 
 __all__ = ["CORRUPT", "LOST", "FileInfo", "Finding", "Found", "PayloadStore"]
 
@@ -83,7 +84,8 @@ class PayloadStore(Protocol):
     kinds: frozenset[str]
     #: True: a read is served from the bytes a full :meth:`verify` with ``keep`` held
     #: (object storage: one GET), so every process that reads must verify for
-    #: itself first; False: a verified payload is read by its :meth:`local_path`.
+    #: itself first; False: a verified directory is read by its :meth:`local_path`
+    #: (a file is still read from the bytes its verify held).
     reads_verified_bytes: bool
     #: A store without rename: the run's token (:func:`~ckptdb.storage.naming.run_token`),
     #: set by the writer once its run is open; it is in every name the run writes,
@@ -137,9 +139,10 @@ class PayloadStore(Protocol):
         whole payload to hash it may hold those bytes for :meth:`open_verified`
         (only then: a check that loads nothing must not pin a payload in memory)."""
 
-    def open_verified(self, rel: str) -> BinaryIO | None:
+    def open_verified(self, rel: str) -> BinaryIO | HeldFile | None:
         """The bytes the last full :meth:`verify` of ``rel`` hashed, when the store keeps
-        them (object storage: one GET serves both); None: read :meth:`local_path`."""
+        them (object storage: one GET serves both; a local file: one read, see
+        :mod:`~ckptdb.storage.heldfile`); None: read :meth:`local_path` (a directory)."""
 
     def local_path(self, rel: str) -> Path:
         """A confined local path to read ``rel`` from (refused if ``rel`` escapes the store)."""

@@ -22,6 +22,7 @@ from .base import PayloadStore
 from .dcp import Sharded
 from .external import External
 from .files import FileInfo
+from .heldfile import HeldFile
 from .naming import SHARDED_SUFFIX
 
 
@@ -115,27 +116,22 @@ class TorchFile:
         into: dict[str, Any] | None,
         group: Any,
     ) -> Any:
-        verified = store.open_verified(rel)  # object storage: the bytes just hashed
+        verified = store.open_verified(rel)  # the bytes just hashed, never the file again
+        if isinstance(verified, HeldFile):
+            return verified.load(map_location, weights_only)
         if verified is not None:
             return torch.load(verified, map_location=map_location, weights_only=weights_only)
-        # torch's own reader on a path is ~3x faster than through a Python file
-        # object; the file is ours, confined to the save dir, verified just now.
-        path = store.local_path(rel)
-        if path.is_dir():
-            raise InvalidArgumentError(
-                f"{rel} is a directory written by a framework's own writer; ckptdb "
-                "verified it, load it with that framework from checkpoint.path"
-            )
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
+        raise InvalidArgumentError(
+            f"{rel} is a directory written by a framework's own writer; ckptdb "
+            "verified it, load it with that framework from checkpoint.path"
+        )
 
     def check_loadable(self, store: PayloadStore, rel: str) -> None:
-        verified = store.open_verified(rel)
-        if verified is not None:
+        verified = store.open_verified(rel)  # None: a framework's directory (size and hash only)
+        if isinstance(verified, HeldFile):
+            verified.load("cpu", weights_only=True)
+        elif verified is not None:
             torch.load(verified, map_location="cpu", weights_only=True)
-            return
-        path = store.local_path(rel)
-        if not path.is_dir():  # a framework's directory: only its size and hash are ours
-            torch.load(path, map_location="cpu", weights_only=True)
 
 
 @dataclass(frozen=True)

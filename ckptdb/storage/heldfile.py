@@ -1,0 +1,310 @@
+"""Reading a ``torch.save`` file once: every byte hashed as it arrives, then loaded from
+what was hashed.
+
+Why: verifying a checkpoint and then letting ``torch.load`` read it again costs a
+second pass over the file, and leaves a window in which the file could change
+between the hash and the read. Here the file is read once, in file order; a
+zip archive as ``torch.save`` writes it is read into one tensor per stored
+record (torch's own reader allocates the same way, so memory is reused as with
+``torch.load``); the caller compares the hash, and only then are those very
+records unpickled (:meth:`HeldFile.load`). Any other file (a legacy pickle, a
+TorchScript archive, a compressed entry) is held as one ``bytes`` object and
+handed to ``torch.load`` as a stream.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, cast
+
+import torch
+import torch.serialization as torch_serialization
+import xxhash
+
+from .files import FileInfo
+
+# torch.load's own zip loader, fed records instead of a file: private to torch, so
+# looked up once; without it every file is held whole and read as a stream.
+_TORCH_LOAD_RECORDS: Callable[..., Any] | None = getattr(torch_serialization, "_load", None)
+_WEIGHTS_ONLY_UNPICKLER: Any = getattr(torch_serialization, "_weights_only_unpickler", None)
+if _WEIGHTS_ONLY_UNPICKLER is None:  # pragma: no cover - every supported torch has it
+    _TORCH_LOAD_RECORDS = None
+
+#: The local file header of a zip entry: signature, ..., name length, extra length.
+_LOCAL_HEADER = struct.Struct("<4s22xHH")
+_TAIL_START = 64 << 10
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str  # without the archive's top directory, as torch names records
+    header_offset: int
+    size: int
+
+
+class _Unusual(Exception):
+    """The archive is not laid out as ``torch.save`` writes it: read it whole instead."""
+
+
+class HeldFile:
+    """A file's bytes, read once and hashed (``info``); loadable once the hash matched."""
+
+    def __init__(
+        self,
+        info: FileInfo,
+        records: dict[str, Any] | None,
+        raw: bytes | None,
+        offsets: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        self.info = info
+        self._records = records
+        self._raw = raw
+        self._offsets = offsets or {}  # record: (local header offset, data offset)
+
+    @property
+    def by_records(self) -> bool:
+        """Held as the archive's records (the fast load), not as one stream."""
+        return self._records is not None
+
+    def stream(self) -> BinaryIO:
+        """The whole file as a stream (what ``torch.load`` of a legacy file reads)."""
+        if self._raw is None:
+            raise _Unusual("records are loaded with load(), not streamed")
+        return io.BytesIO(self._raw)  # shares the bytes, no copy
+
+    def load(self, map_location: Any, weights_only: bool) -> Any:
+        """``torch.load`` of exactly the bytes that were hashed (no file is read again)."""
+        source = self.stream() if self._records is None else _Records(self._records, self._offsets)
+        return unpickle(source, map_location=map_location, weights_only=weights_only)
+
+
+def unpickle(source: Any, *, map_location: Any, weights_only: bool) -> Any:
+    """The one place a held file is unpickled: a stream by ``torch.load``, held records
+    by torch's own zip loader (the same code ``torch.load`` runs on an archive)."""
+    if not isinstance(source, _Records):
+        return torch.load(source, map_location=map_location, weights_only=weights_only)
+    assert _TORCH_LOAD_RECORDS is not None  # else read_hashed held raw bytes
+    if not weights_only:
+        return _TORCH_LOAD_RECORDS(source, map_location, pickle, encoding="utf-8")
+    try:
+        return _TORCH_LOAD_RECORDS(source, map_location, _WEIGHTS_ONLY_UNPICKLER)
+    except pickle.UnpicklingError as exc:  # worded as torch.load words it
+        raise pickle.UnpicklingError(
+            "Weights only load failed: the checkpoint holds an object that is not a "
+            "tensor or an allowed type. Load it with weights_only=False only if you "
+            f"trust its source. WeightsUnpickler error: {exc}"
+        ) from None
+
+
+def read_held(path: Path) -> HeldFile:
+    """A checkpoint file read once, hashed as it is read, its bytes held for loading."""
+    with open(path, "rb", buffering=0) as f:
+        return read_hashed(f)
+
+
+def read_hashed(f: BinaryIO) -> HeldFile:
+    """Read the open file ``f`` (at offset 0) once, hashing every byte in file order.
+
+    A file that shrinks while it is read yields what was read: its size and
+    hash then differ from the row, which is how the caller finds it corrupt.
+    """
+    size = os.fstat(f.fileno()).st_size
+    try:
+        if _TORCH_LOAD_RECORDS is None:
+            raise _Unusual("this torch has no zip loader to feed")  # pragma: no cover
+        return _read_archive(f, size)
+    except _Unusual:
+        f.seek(0)
+        raw = f.read(size)
+        return HeldFile(FileInfo(len(raw), xxhash.xxh3_128(raw).hexdigest()), None, raw)
+
+
+def _read_archive(f: BinaryIO, size: int) -> HeldFile:
+    """The entries' layout from the central directory at the end, then one pass from
+    the start; the central directory's bytes are hashed from the copy that was parsed."""
+    directory_at, directory, entries = _central_directory(f, size)
+    reader = _SequentialHash(f)
+    records: dict[str, Any] = {}
+    offsets: dict[str, tuple[int, int]] = {}
+    for entry in entries:
+        reader.skip_to(entry.header_offset)
+        signature, name_len, extra_len = _LOCAL_HEADER.unpack(reader.take(_LOCAL_HEADER.size))
+        if signature != b"PK\x03\x04":
+            raise _Unusual("no local header where the central directory says")
+        reader.take(name_len + extra_len)
+        offsets[entry.name] = (entry.header_offset, reader.offset)
+        if entry.name.startswith("data/"):
+            tensor = torch.empty(entry.size, dtype=torch.uint8)
+            reader.read_into(memoryview(cast(Any, tensor.numpy())))
+            records[entry.name] = tensor
+        else:
+            records[entry.name] = bytes(reader.take(entry.size))
+    reader.skip_to(directory_at)
+    reader.hash(directory)
+    if reader.offset != size:
+        raise _Unusual("the file changed size while it was read")  # pragma: no cover
+    return HeldFile(FileInfo(size, reader.hexdigest()), records, None, offsets)
+
+
+def _central_directory(f: BinaryIO, size: int) -> tuple[int, bytes, list[_Entry]]:
+    """(where the central directory starts, its bytes to the end of the file, the
+    stored entries in file order), or :class:`_Unusual`."""
+    window = min(size, _TAIL_START)
+    while True:
+        f.seek(size - window)
+        tail = f.read(window)
+        if len(tail) != window:
+            raise _Unusual("short read of the tail")
+        try:
+            archive = zipfile.ZipFile(_Tail(tail, size - window, size))
+        except _NeedMore:
+            if window == size:
+                raise _Unusual("the central directory lies outside the file") from None
+            window = min(size, window * 4)
+            continue
+        except zipfile.BadZipFile as exc:
+            raise _Unusual(str(exc)) from None
+        break
+    directory_at = getattr(archive, "start_dir", None)
+    if not isinstance(directory_at, int) or not size - window <= directory_at <= size:
+        raise _Unusual("no central directory offset")
+    return directory_at, tail[directory_at - (size - window) :], _entries(archive, directory_at)
+
+
+def _entries(archive: zipfile.ZipFile, directory_at: int) -> list[_Entry]:
+    infos = sorted(archive.infolist(), key=lambda i: i.header_offset)
+    prefixes = {i.filename.split("/", 1)[0] for i in infos}
+    if len(prefixes) != 1 or any("/" not in i.filename for i in infos):
+        raise _Unusual("not one archive directory")
+    entries = [_Entry(i.filename.split("/", 1)[1], i.header_offset, i.file_size) for i in infos]
+    names = {e.name for e in entries}
+    if "data.pkl" not in names or "constants.pkl" in names:
+        raise _Unusual("not a pickled state (a TorchScript archive?)")
+    if any(i.compress_type != zipfile.ZIP_STORED or i.file_size != i.compress_size for i in infos):
+        raise _Unusual("a compressed entry")
+    if infos and infos[-1].header_offset + infos[-1].file_size > directory_at:
+        raise _Unusual("an entry overlaps the central directory")
+    return entries
+
+
+class _NeedMore(Exception):
+    """The zip parser asked for bytes before the tail that was read."""
+
+
+class _Tail(io.RawIOBase):
+    """The last bytes of a file, seen at their offsets (what the zip parser reads)."""
+
+    def __init__(self, data: bytes, start: int, size: int) -> None:
+        self._data, self._start, self._size, self._pos = data, start, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        if self._pos < self._start:
+            raise _NeedMore()
+        chunk = self._data[self._pos - self._start : self._pos - self._start + len(buffer)]
+        memoryview(buffer).cast("B")[: len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+
+class _SequentialHash:
+    """Reads a file front to back, hashing each chunk while it is still in the cache."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self._digest = xxhash.xxh3_128()
+        self.offset = 0
+        f.seek(0)
+
+    def take(self, n: int) -> memoryview:
+        view = memoryview(bytearray(n))
+        self.read_into(view)
+        return view
+
+    def skip_to(self, offset: int) -> None:
+        """Read (and hash) the bytes up to ``offset`` (a data descriptor, padding)."""
+        if offset < self.offset:
+            raise _Unusual("entries overlap")
+        self.take(offset - self.offset)
+
+    def read_into(self, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            part = view[done : done + self.CHUNK]
+            n = cast(Any, self._f).readinto(part)
+            if not n:
+                raise _Shrunk(self.offset)
+            self._digest.update(part[:n])
+            done += n
+            self.offset += n
+
+    def hash(self, data: bytes) -> None:
+        self._digest.update(data)
+        self.offset += len(data)
+
+    def hexdigest(self) -> str:
+        return str(self._digest.hexdigest())
+
+
+class _Shrunk(_Unusual):
+    """The file ended before the size it had when it was opened."""
+
+    def __init__(self, offset: int) -> None:
+        super().__init__(f"the file ended at {offset}")
+
+
+class _Records:
+    """The records of a held archive, as ``torch.serialization._load`` asks for them."""
+
+    def __init__(self, records: dict[str, Any], offsets: dict[str, tuple[int, int]]) -> None:
+        self._records, self._offsets = records, offsets
+
+    def has_record(self, name: str) -> bool:
+        return name in self._records
+
+    def get_record(self, name: str) -> bytes:
+        return bytes(self._records[name])
+
+    def get_all_records(self) -> list[str]:
+        return list(self._records)
+
+    def get_storage_from_record(self, name: str, numel: int, _cls: object) -> torch.Tensor:
+        tensor: torch.Tensor = self._records[name]
+        if tensor.numel() != numel:
+            raise RuntimeError(f"record {name} holds {tensor.numel()} bytes, not {numel}")
+        return tensor
+
+    # where a record lies in the file (a load onto the meta device asks)
+    def get_record_offset(self, name: str) -> int:
+        return self._offsets[name][1]
+
+    def get_record_header_offset(self, name: str) -> int:
+        return self._offsets[name][0]
+
+    def get_record_offset_no_read(self, _at: int, name: str, _n: int, _align: int) -> int:
+        return self._offsets[name][1]
+
+    def serialization_id(self) -> str:
+        return bytes(self._records.get(".data/serialization_id", b"")).decode()

@@ -1,0 +1,238 @@
+"""Loading in one pass: the bytes hashed are the bytes loaded, and only they.
+
+``LocalStore.verify(..., keep=True)`` reads a ``torch.save`` file once, hashing
+it as it is read, and holds what it read; the load unpickles those held bytes
+and never opens the file again. So a file that changes after it was verified
+cannot reach the caller, and a file that changes while it is read fails the
+hash and is never unpickled.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import patch_unpickle, rows, state, value_of
+
+import ckptdb.storage.heldfile as heldfile
+from ckptdb import CheckpointManager
+from ckptdb.errors import CorruptCheckpointError, InvalidArgumentError
+from ckptdb.storage import LocalStore, hash_file
+from ckptdb.storage.kinds import TORCH_FILE
+
+
+class Opaque:
+    """A plain object: only ``weights_only=False`` unpickles it."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def mixed_state() -> dict[str, Any]:
+    """Dtypes, shapes, views sharing one storage, an empty and a 0-d tensor, nesting."""
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    return {
+        "w": base,
+        "view": base[1:, ::2],  # shares base's storage: saved once, loaded as a view
+        "t": base.t(),
+        "half": torch.linspace(-1, 1, 7, dtype=torch.bfloat16),
+        "ints": torch.arange(5, dtype=torch.int64),
+        "flags": torch.tensor([True, False, True]),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "nested": {"list": [torch.ones(2), 7, "text"], "tuple": (torch.zeros(1), None)},
+    }
+
+
+def saved(tmp_path: Path, obj: Any, name: str = "a.pt", **kwargs: Any) -> Path:
+    path = tmp_path / name
+    torch.save(obj, path, **kwargs)
+    return path
+
+
+def assert_same(loaded: Any, expected: Any) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(loaded, torch.Tensor)
+        assert loaded.dtype == expected.dtype and loaded.shape == expected.shape
+        assert loaded.stride() == expected.stride()
+        assert torch.equal(loaded, expected)
+    elif isinstance(expected, dict):
+        assert isinstance(loaded, dict) and loaded.keys() == expected.keys()
+        for key in expected:
+            assert_same(loaded[key], expected[key])
+    elif isinstance(expected, (list, tuple)):
+        assert type(loaded) is type(expected) and len(loaded) == len(expected)
+        for a, b in zip(loaded, expected, strict=True):
+            assert_same(a, b)
+    else:
+        assert loaded == expected
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        mixed_state(),
+        {f"p{i}": torch.full((3,), float(i)) for i in range(3000)},  # directory > 64 KiB
+        {},
+    ],
+    ids=["mixed", "many-records", "empty-dict"],
+)
+def test_held_records_load_as_torch_loads_the_file(tmp_path: Path, obj: Any) -> None:
+    path = saved(tmp_path, obj)
+    held = heldfile.read_held(path)
+    assert held.info == hash_file(path)  # one pass, the same size and hash as the file's
+    assert held.by_records
+    expected = torch.load(path, weights_only=True)
+    loaded = held.load(None, weights_only=True)
+    assert_same(loaded, expected)
+    if "view" in expected:  # storage sharing survives: the view aliases its base
+        assert loaded["view"].untyped_storage().data_ptr() == (
+            loaded["w"].untyped_storage().data_ptr()
+        )
+
+
+def test_a_legacy_file_is_held_whole_and_loads(tmp_path: Path) -> None:
+    path = saved(tmp_path, mixed_state(), _use_new_zipfile_serialization=False)
+    held = heldfile.read_held(path)
+    assert held.info == hash_file(path) and not held.by_records
+    assert_same(held.load(None, weights_only=True), torch.load(path, weights_only=True))
+
+
+def test_weights_only_and_map_location_are_honoured(tmp_path: Path) -> None:
+    path = saved(tmp_path, {"obj": Opaque(5), "w": torch.ones(3)})
+    with pytest.raises(pickle.UnpicklingError, match=r"Weights only load failed.*Opaque"):
+        heldfile.read_held(path).load(None, weights_only=True)
+    loaded = heldfile.read_held(path).load(None, weights_only=False)
+    assert isinstance(loaded["obj"], Opaque) and loaded["obj"].value == 5
+    meta = heldfile.read_held(path).load("meta", weights_only=False)
+    assert meta["w"].device.type == "meta" and meta["w"].shape == (3,)
+    seen: list[str] = []
+
+    def locate(storage: Any, location: str) -> Any:
+        seen.append(location)
+        return storage
+
+    assert torch.equal(
+        heldfile.read_held(path).load(locate, weights_only=False)["w"], torch.ones(3)
+    )
+    assert seen == ["cpu"]
+
+
+def test_bytes_changed_after_the_read_are_not_loaded(tmp_path: Path) -> None:
+    """The load reads the held bytes, never the file: a later change cannot slip in."""
+    store = LocalStore(tmp_path)
+    (tmp_path / "model").mkdir()
+    original = saved(tmp_path / "model", state(1.0))
+    info = hash_file(original)
+    assert store.verify("model/a.pt", info.size, info.hash, full=True, keep=True) is None
+    torch.save(state(2.0), original)  # same name, same size, other values
+    assert original.stat().st_size == info.size
+    loaded = TORCH_FILE.load(
+        store, "model/a.pt", map_location=None, weights_only=True, into=None, group=None
+    )
+    assert value_of(loaded) == 1.0
+
+
+def test_held_bytes_are_handed_out_once_and_only_when_they_matched(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    (tmp_path / "model").mkdir()
+    path = saved(tmp_path / "model", state(1.0))
+    info = hash_file(path)
+    with pytest.raises(InvalidArgumentError, match="not verified just before"):
+        store.open_verified("model/a.pt")
+    assert store.verify("model/a.pt", info.size, "0" * 32, full=True, keep=True) is not None
+    with pytest.raises(InvalidArgumentError):  # a mismatch holds nothing
+        store.open_verified("model/a.pt")
+    assert store.verify("model/a.pt", info.size, info.hash, full=True, keep=False) is None
+    with pytest.raises(InvalidArgumentError):  # nothing held without keep
+        store.open_verified("model/a.pt")
+    assert store.verify("model/a.pt", info.size, info.hash, full=True, keep=True) is None
+    assert isinstance(store.open_verified("model/a.pt"), heldfile.HeldFile)
+    with pytest.raises(InvalidArgumentError):  # handed out once
+        store.open_verified("model/a.pt")
+
+
+def _change_mid_read(monkeypatch: pytest.MonkeyPatch, change: Any) -> list[Path]:
+    """Run ``change(path)`` after the archive's directory was read, before its body."""
+    changed: list[Path] = []
+    real = heldfile._central_directory
+
+    def directory_then_change(f: Any, size: int) -> Any:
+        found = real(f, size)
+        path = Path(f.name)
+        change(path)
+        changed.append(path)
+        return found
+
+    monkeypatch.setattr(heldfile, "_central_directory", directory_then_change)
+    return changed
+
+
+def _overwrite_body(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    with open(path, "r+b") as f:  # in place: the reader's open file sees it
+        f.write(data)
+
+
+def _cut_short(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("change", [_overwrite_body, _cut_short], ids=["rewritten", "truncated"])
+def test_a_file_changed_while_it_is_read_is_corrupt_and_never_unpickled(
+    open_manager: Any, monkeypatch: pytest.MonkeyPatch, change: Any
+) -> None:
+    mgr: CheckpointManager = open_manager()
+    mgr.save(1, model=state(1.0))
+    target = mgr.save(2, model=state(2.0))["model"]
+    with monkeypatch.context() as patch:
+        changed = _change_mid_read(patch, change)
+        patch_unpickle(patch, lambda real: lambda *a, **k: pytest.fail("unpickled changed bytes"))
+        with pytest.raises(CorruptCheckpointError):
+            mgr.load()
+    assert changed == [target.path.resolve()]
+    assert rows(mgr.root, "SELECT state FROM checkpoints WHERE id = ?", target.id) == [("corrupt",)]
+    assert value_of(mgr.load()) == 1.0  # latest fell back
+
+
+def test_a_file_changed_after_verification_still_loads_the_verified_bytes(
+    open_manager: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mgr: CheckpointManager = open_manager()
+    target = mgr.save(1, model=state(1.0))["model"]
+    real = heldfile.read_held
+
+    def read_then_replace(path: Path) -> heldfile.HeldFile:
+        held = real(path)
+        torch.save(state(9.0), path)  # same size, other values, after the hash
+        return held
+
+    monkeypatch.setattr(heldfile, "read_held", read_then_replace)
+    assert value_of(mgr.load()) == 1.0
+    monkeypatch.undo()
+    with pytest.raises(CorruptCheckpointError):  # the next load finds the change
+        mgr.load()
+    assert rows(mgr.root, "SELECT state FROM checkpoints WHERE id = ?", target.id) == [("corrupt",)]
+
+
+def test_an_unusual_archive_falls_back_to_one_whole_read(tmp_path: Path) -> None:
+    """A zip that torch.save did not lay out (compressed) is held whole and still loads
+    through torch.load, hashed exactly once over the bytes it reads."""
+    import zipfile
+
+    plain = saved(tmp_path, {"w": torch.arange(6.0)}, "plain.pt")
+    squeezed = tmp_path / "squeezed.pt"
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(squeezed, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info), compress_type=zipfile.ZIP_STORED)
+        dst.writestr("plain/extra.txt", b"x" * 100, compress_type=zipfile.ZIP_DEFLATED)
+    held = heldfile.read_held(squeezed)
+    assert held.info == hash_file(squeezed) and not held.by_records
+    assert isinstance(held.stream(), io.BytesIO)
+    assert torch.equal(held.load(None, weights_only=True)["w"], torch.arange(6.0))
