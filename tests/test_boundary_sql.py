@@ -84,6 +84,13 @@ def test_a_steady_boundary_runs_a_fixed_number_of_statements(
     live = db.rows("SELECT stream, step FROM checkpoints WHERE state = 'committed' ORDER BY 1, 2")
     assert live == [("best", 3), ("best", 10), ("ema", 10), ("model", 3), ("model", 10)]
     assert len(db.rows("SELECT id FROM checkpoints WHERE state = 'deleting'")) == 0
+    # the eviction recorded when it happened: in the commit, after the new rows' commit time
+    evicted = db.rows(
+        "SELECT stream, step, deleted_at FROM checkpoints WHERE state = 'deleted' "
+        "AND deleted_at >= (SELECT MAX(committed_at) FROM checkpoints WHERE step = 10) "
+        "ORDER BY 1, 2"
+    )
+    assert [(s, step) for s, step, _ in evicted] == [("best", 2), ("ema", 3), ("model", 2)]
 
 
 def test_a_boundary_that_admits_nothing_still_reads_only_its_members(
