@@ -78,8 +78,10 @@ def test_a_steady_boundary_runs_a_fixed_number_of_statements(
     assert counts["begins"] == 3  # intent, commit, clean-up
     # the one multi-row INSERT ... RETURNING gave every stream its own row
     for stream, record in saved.items():
-        found = db.rows("SELECT stream, step, state, path FROM checkpoints WHERE id = ?", record.id)
-        assert found == [(stream, 10, "committed", f"{stream}/step-000000010.pt")]
+        found = db.rows(
+            "SELECT stream, step, state, path, tmp_path FROM checkpoints WHERE id = ?", record.id
+        )
+        assert found == [(stream, 10, "committed", f"{stream}/step-000000010.pt", None)]
     # and every stream evicted at this boundary, its file gone, its row deleted
     live = db.rows("SELECT stream, step FROM checkpoints WHERE state = 'committed' ORDER BY 1, 2")
     assert live == [("best", 3), ("best", 10), ("ema", 10), ("model", 3), ("model", 10)]
@@ -101,6 +103,23 @@ def test_a_boundary_that_admits_nothing_still_reads_only_its_members(
     assert mgr.save(10, metrics={"loss": 99.0}, best=state(10)) == {}
     assert "INSERT" not in counts["statements"]
     assert counts["begins"] == 1
+
+
+def test_a_name_a_live_row_holds_is_not_reused_even_without_its_file(
+    backend: str | None, open_manager: Opener, db: LedgerClient
+) -> None:
+    """A row that still owns its name (here ``lost``: its file is gone) keeps it: a new
+    save of that step is versioned, found by the one read of taken names."""
+    mgr = open_manager(db_url=backend, streams={"model": Keep(last=None)})
+    first = mgr.save(5, model=state(5))["model"]
+    first.path.unlink()
+    db.execute("UPDATE checkpoints SET state = 'lost' WHERE id = ?", first.id)
+    again = mgr.save(5, model=state(6))["model"]
+    assert again.path != first.path and again.path.exists()
+    assert db.rows("SELECT state, path FROM checkpoints ORDER BY id") == [
+        ("lost", "model/step-000000005.pt"),
+        ("committed", str(again.path.relative_to(again.path.parent.parent))),
+    ]
 
 
 @pytest.mark.parametrize(
