@@ -11,6 +11,7 @@ parameter style.
 from __future__ import annotations
 
 import re
+import sqlite3
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.orm import Session
 
 from ckptdb import CheckpointManager, Keep, TopK
+from ckptdb.errors import DatabaseError
 from ckptdb.ledger import boundary_rows
 from ckptdb.ledger import rows as ledger_rows
 from ckptdb.ledger.boundary_rows import _rendered
@@ -241,3 +243,40 @@ def test_synchronous_is_set_only_when_the_level_changes(open_manager: Opener) ->
         "PRAGMA synchronous = NORMAL",
         "PRAGMA synchronous = NORMAL",  # the new connection's
     ]
+
+
+@SQLITE_ONLY
+def test_a_failed_pragma_leaves_the_level_unknown_and_the_next_transaction_sets_it(
+    open_manager: Opener,
+) -> None:
+    """The remembered level is only what the connection really has: a PRAGMA that failed
+    is issued again, so a durable commit never runs at NORMAL."""
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    ledger = mgr._ctx.ledger
+    with ledger.transaction(durable=False) as session:
+        session.connection()  # the connection is at NORMAL now
+    failed: list[str] = []
+    levels: list[int] = []
+
+    def fail_once(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
+        if statement == "PRAGMA synchronous = FULL" and not failed:
+            failed.append(statement)
+            raise sqlite3.OperationalError("disk I/O error")
+
+    def on_begin(connection: Any) -> None:
+        levels.append(connection.exec_driver_sql("PRAGMA synchronous").scalar())
+
+    event.listen(ledger.engine, "before_cursor_execute", fail_once)
+    try:
+        with (
+            pytest.raises(DatabaseError, match="disk I/O error"),
+            ledger.transaction() as session,
+        ):
+            session.connection()
+        event.listen(ledger.engine, "begin", on_begin)
+        with ledger.transaction() as session:
+            session.connection()
+    finally:
+        event.remove(ledger.engine, "before_cursor_execute", fail_once)
+        event.remove(ledger.engine, "begin", on_begin)
+    assert failed and levels == [2]  # FULL, on the same pooled connection
