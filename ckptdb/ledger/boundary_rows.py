@@ -70,9 +70,23 @@ def _rendered(sql: str, paramstyle: str) -> str:
     return parts[0] + "".join(f":p{i}{part}" for i, part in enumerate(parts[1:]))
 
 
+_CONNECTION = "ckptdb_boundary_connection"
+
+
+def _connection(session: Session) -> Connection:
+    """The session's connection, looked up once per transaction (``session.connection()``
+    walks the session's state machine on every call; a ledger session is one
+    transaction, so its connection cannot change under it)."""
+    found = session.info.get(_CONNECTION)
+    if found is None:
+        found = session.info[_CONNECTION] = session.connection()
+    assert isinstance(found, Connection)
+    return found
+
+
 def run(session: Session, sql: str, params: Params | list[Params] = ()) -> Any:
     """Run ``sql`` with one tuple of parameters, or a list of them (one executemany)."""
-    connection = session.connection()
+    connection = _connection(session)
     dialect = connection.dialect
     rendered = _rendered(sql, dialect.paramstyle)
     if dialect.paramstyle in _POSITIONAL:
@@ -104,7 +118,7 @@ def _stamp_processor(dialect: Dialect) -> Callable[[Any], Any]:
 def stamp(session: Session, when: dt.datetime) -> Any:
     """``when`` as the driver stores a :class:`~ckptdb.ledger.models.UTCDateTime`
     (naive UTC; on SQLite the same text SQLAlchemy writes, so comparisons hold)."""
-    return _stamp_processor(session.connection().dialect)(when)
+    return _stamp_processor(_connection(session).dialect)(when)
 
 
 # --------------------------------------------------------------------- intent
