@@ -34,7 +34,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "s3_mb": 12,  # two 8 MiB parts: the multipart path
     },
     "default": {
-        "publish_mb": [10, 100],
+        "publish_mb": [1, 10, 100],
         "reps": 7,
         "restart": [1_000, 10_000, 20_000],
         "points": 1_000_000,
@@ -44,7 +44,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "s3_mb": 100,
     },
     "full": {
-        "publish_mb": [10, 100, 1024],
+        "publish_mb": [1, 10, 100, 1024],
         "reps": 7,
         "restart": [1_000, 10_000, 20_000, 100_000],
         "points": 1_000_000,
@@ -71,6 +71,7 @@ def run(profile: dict[str, Any], work: Path) -> list[Comparison]:
     reps = profile["reps"]
     results = [cases.publish(work / f"publish{mb}", mb, reps) for mb in profile["publish_mb"]]
     results.append(cases.ledger_overhead(work / "overhead", max(reps, 30)))
+    results.append(cases.boundary_floor(work / "floor", max(reps, 30)))
     results.append(cases.restart(work / "restart", profile["restart"], reps))
     results.extend(cases.growth(work / "growth", profile["growth"], reps))
     results.extend(cases.history(work / "history", profile["points"], min(reps, 3)))

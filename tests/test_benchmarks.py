@@ -43,6 +43,7 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
     for expected in (
         "publish",
         "ledger overhead",
+        "3-stream boundary of tiny payloads",
         "restart",
         "log_metrics",
         "best 5 steps",
@@ -62,6 +63,10 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
         assert_reports_memory(s3)
     overhead = next(r for r in report["results"] if r["name"].startswith("ledger overhead"))
     assert 2 <= overhead["notes"]["transactions_per_boundary"] <= 3
+    floor = next(r for r in report["results"] if r["name"].startswith("3-stream boundary"))
+    # intent, commit, clean-up; the statements are those test_boundary_sql.py pins
+    assert floor["notes"]["transactions_per_boundary"] == 3
+    assert floor["notes"]["statements_per_boundary"] == 18
     assert report["machine"]["torch"]
     table = capsys.readouterr().out
     assert "| case | contender | median | ratio to baseline |" in table

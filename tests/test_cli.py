@@ -26,6 +26,7 @@ import torch
 from click.testing import CliRunner, Result
 from helpers import cli_subprocess, files, invoke, rows, sha256, state
 
+import ckptdb.ledger.boundary_rows
 import ckptdb.ledger.rows
 from ckptdb import CheckpointManager, Keep, TopK
 from ckptdb.cli import main
@@ -853,10 +854,10 @@ def test_readers_never_see_an_uncommitted_boundary(
     mgr.log_metrics(0, {"loss": 1.0})
     old = mgr.save(0, model=state(0))["model"].path
     seen: dict[str, Result] = {}
-    real_set_latest = ckptdb.ledger.rows.set_latest
+    real_point_latest = ckptdb.ledger.boundary_rows.point_latest
 
-    def set_latest_then_look(session: Any, run_id: int, stream: str, checkpoint_id: Any) -> None:
-        real_set_latest(session, run_id, stream, checkpoint_id)
+    def point_latest_then_look(session: Any, run_id: int, latest: Any) -> None:
+        real_point_latest(session, run_id, latest)
         if not seen:  # the commit transaction is still open here
             seen["latest"] = invoke(runner, "latest", root)
             seen["list"] = invoke(runner, "list", root, "--all", "--json")
@@ -871,10 +872,10 @@ def test_readers_never_see_an_uncommitted_boundary(
             seen["history"] = invoke(runner, "history", root, "--metric", "loss", "--json")
             seen["status"] = invoke(runner, "status", root, "--json")
 
-    monkeypatch.setattr(ckptdb.ledger.rows, "set_latest", set_latest_then_look)
+    monkeypatch.setattr(ckptdb.ledger.boundary_rows, "point_latest", point_latest_then_look)
     mgr.log_metrics(1, {"loss": 0.5})
     new = mgr.save(1, model=state(1))["model"].path
-    assert seen, "set_latest was not called inside the commit"
+    assert seen, "point_latest was not called inside the commit"
     assert ok(seen["latest"]).stdout == f"{old}\n"
     listed = json.loads(ok(seen["list"]).stdout)
     assert [(d["step"], d["state"]) for d in listed] == [(0, "committed"), (1, "pending")]

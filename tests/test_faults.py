@@ -43,6 +43,7 @@ import sqlalchemy.exc
 import torch
 from helpers import boundary, db_locked, digest, disk, files, patch_unpickle, rows, state
 
+import ckptdb.ledger.boundary_rows
 import ckptdb.ledger.engine
 import ckptdb.ledger.rows
 import ckptdb.protocol.disposal
@@ -324,14 +325,14 @@ def install_intent_locked(inj: Injector, ctx: Ctx) -> None:
 
 def install_intent_injected(inj: Injector, ctx: Ctx) -> None:
     """An OperationalError from a statement of the intent transaction."""
-    real = ckptdb.ledger.rows.path_in_use
+    real = ckptdb.ledger.boundary_rows.live_paths
 
-    def path_in_use(*args: Any, **kwargs: Any) -> bool:
+    def live_paths(*args: Any, **kwargs: Any) -> set[str]:
         if inj.due():
-            raise inj.fire(db_locked("SELECT count(*) FROM checkpoints"))
+            raise inj.fire(db_locked("SELECT path FROM checkpoints"))
         return real(*args, **kwargs)
 
-    ctx.monkeypatch.setattr(ckptdb.ledger.rows, "path_in_use", path_in_use)
+    ctx.monkeypatch.setattr(ckptdb.ledger.boundary_rows, "live_paths", live_paths)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import pytest
 import torch
 from helpers import LedgerClient, boundary, db_locked, digest, disk, files, on_both_backends, state
 
+import ckptdb.ledger.boundary_rows
 import ckptdb.ledger.rows
 import ckptdb.storage
 from ckptdb import Checkpoint, CheckpointManager, CleanupWarning, Keep, NonFiniteGradGuard, TopK
@@ -197,7 +198,7 @@ def test_protocol_phases_happen_in_order(
     spy_save(monkeypatch, on_save)
 
     real_fsync, real_replace, real_unlink = os.fsync, os.replace, os.unlink
-    real_set_latest = ckptdb.ledger.rows.set_latest
+    real_point_latest = ckptdb.ledger.boundary_rows.point_latest
 
     def fsync(fd: int) -> None:
         st = os.fstat(fd)
@@ -209,9 +210,9 @@ def test_protocol_phases_happen_in_order(
         trace.append(("replace", os.stat(src).st_ino))
         real_replace(src, dst, **kwargs)
 
-    def set_latest(*args: Any, **kwargs: Any) -> None:
+    def point_latest(*args: Any, **kwargs: Any) -> None:
         trace.append(("commit", None))
-        real_set_latest(*args, **kwargs)
+        real_point_latest(*args, **kwargs)
 
     def unlink(path: Any, *args: Any, **kwargs: Any) -> None:
         p = Path(path)
@@ -231,7 +232,7 @@ def test_protocol_phases_happen_in_order(
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     monkeypatch.setattr(os, "unlink", unlink)
-    monkeypatch.setattr(ckptdb.ledger.rows, "set_latest", set_latest)
+    monkeypatch.setattr(ckptdb.ledger.boundary_rows, "point_latest", point_latest)
 
     new = mgr.save(20, **payloads)
 
@@ -385,14 +386,14 @@ class Fault:
 
             monkeypatch.setattr(os, "replace", replace)
         elif kind == "commit_locked":  # a statement inside the commit transaction fails
-            real_set_latest = ckptdb.ledger.rows.set_latest
+            real_point_latest = ckptdb.ledger.boundary_rows.point_latest
 
-            def set_latest(*args: Any, **kwargs: Any) -> None:
+            def point_latest(*args: Any, **kwargs: Any) -> None:
                 if self.due():
                     raise self.fire(db_locked("UPDATE pointers"))
-                real_set_latest(*args, **kwargs)
+                real_point_latest(*args, **kwargs)
 
-            monkeypatch.setattr(ckptdb.ledger.rows, "set_latest", set_latest)
+            monkeypatch.setattr(ckptdb.ledger.boundary_rows, "point_latest", point_latest)
         elif kind == "commit_after_metrics":  # the last work of the commit, metrics written
             real_insert = ckptdb.ledger.rows.insert_metrics
 
@@ -408,10 +409,11 @@ class Fault:
 
 def fault_places(backend: str, kind: str) -> tuple[int, ...]:
     """Whose work the fault hits: the first or the second stream's (the commit writes
-    metrics once, so that fault has only one place to hit). On PostgreSQL only the
+    metrics once, and every stream's latest pointer in one statement, so those faults
+    have only one place to hit). On PostgreSQL only the
     last place: which stream it hits is file work, and what the ledger does (every
     stream's row aborted) is the same."""
-    places = (0,) if kind == "commit_after_metrics" else (0, 1)
+    places = (0,) if kind in ("commit_after_metrics", "commit_locked") else (0, 1)
     return places if backend == "sqlite" else places[-1:]
 
 

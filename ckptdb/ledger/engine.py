@@ -138,9 +138,14 @@ def _configure_postgres_reader(engine: Engine) -> None:
         connection.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
 
 
+#: Where a SQLite connection remembers its ``synchronous`` level (its pool record's info,
+#: which is cleared when the DBAPI connection is replaced).
+_SYNC_LEVEL = "ckptdb_synchronous"
+
+
 def _configure_sqlite(engine: Engine, *, readonly: bool) -> None:
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+    def _on_connect(dbapi_connection: Any, record: Any) -> None:
         dbapi_connection.isolation_level = None  # we emit BEGIN ourselves
         cursor = dbapi_connection.cursor()
         try:
@@ -156,6 +161,7 @@ def _configure_sqlite(engine: Engine, *, readonly: bool) -> None:
                 # only as used) makes a 100k-point flush ~1.6x faster
                 cursor.execute("PRAGMA cache_size = -65536")
                 cursor.execute("PRAGMA synchronous = FULL")
+                record.info[_SYNC_LEVEL] = "FULL"
         finally:
             cursor.close()
 
@@ -172,9 +178,14 @@ def _configure_sqlite(engine: Engine, *, readonly: bool) -> None:
         if _READ_ONLY.get():  # a snapshot read: never waits for the writer (WAL)
             connection.exec_driver_sql("BEGIN")
             return
-        # The safety level may only change between transactions (see Ledger.transaction).
+        # The safety level may only change between transactions (see Ledger.transaction);
+        # set only when it differs from the connection's (a statement saved per boundary).
         level = "FULL" if _DURABLE.get() else "NORMAL"
-        connection.exec_driver_sql(f"PRAGMA synchronous = {level}")
+        info = connection.connection.info
+        if info.get(_SYNC_LEVEL) != level:
+            info.pop(_SYNC_LEVEL, None)  # unknown until the PRAGMA has run
+            connection.exec_driver_sql(f"PRAGMA synchronous = {level}")
+            info[_SYNC_LEVEL] = level
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 

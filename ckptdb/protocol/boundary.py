@@ -62,14 +62,14 @@ from ..errors import (
     RankAgreementError,
 )
 from ..guard import NonFiniteGradGuard
-from ..ledger import after_commit, pins
+from ..ledger import after_commit, boundary_rows, pins
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
 from ..ledger.follow import notify_commit
 from ..policies import Entry
 from ..record import Checkpoint
 from ..storage.external import External, temp_for
-from ..storage.kinds import kind_named, kind_of
+from ..storage.kinds import PayloadKind, kind_named, kind_of
 from ..storage.naming import checkpoint_name, object_name, temp_name
 from . import disposal
 from .asyncsave import BackgroundWriter, InFlight, SaveHandle, Snapshotter, finished
@@ -204,7 +204,7 @@ class Publisher:
                         self.ctx.store.prepare_parent(payload.name)
                     else:
                         self.ctx.store.prepare_stream(stream)
-                return [self._intent_row(session, step, values, s, p) for s, p in admitted.items()]
+                return self._intent_rows(session, step, values, admitted)
         except PhaseError as exc:
             raise PublishError(
                 f"step {step}: could not create {exc.path}: {exc.error}",
@@ -235,45 +235,62 @@ class Publisher:
             metric = policy.ranking_metric
             if metric is None or policy.writes_every_candidate:
                 continue  # every candidate is written: no members to read
-            _, members = ledger_rows.committed_entries(session, self.ctx.run_id, stream)
-            if not policy.admits(members, Entry(id=-1, step=step, metric=values[metric])):
+            members = boundary_rows.committed_members(session, self.ctx.run_id, stream)
+            if not policy.admits(
+                boundary_rows.entries(members), Entry(id=-1, step=step, metric=values[metric])
+            ):
                 del admitted[stream]
         return admitted
 
-    def _intent_row(
-        self, session: Any, step: int, values: dict[str, float], stream: str, payload: Any
-    ) -> Share:
-        metric_name = self.ctx.policies[stream].ranking_metric
-        metric = values.get(metric_name) if metric_name is not None else None
+    def _intent_rows(
+        self, session: Any, step: int, values: dict[str, float], admitted: Mapping[str, Any]
+    ) -> list[Share]:
+        """The admitted streams' ``pending`` rows and names: one insert for all of them,
+        one read of the names already taken, one update recording the names."""
+        ctx, store = self.ctx, self.ctx.store
+        kinds = {stream: self._kind(stream, payload) for stream, payload in admitted.items()}
+        metric_of = {stream: self._ranking_value(stream, values) for stream in admitted}
+        ids = boundary_rows.add_pending(
+            session, ctx.run_id, ctx.attempt_id, step, values, metric_of
+        )
+        own = [s for s, p in admitted.items() if not isinstance(p, External)]
+        taken = boundary_rows.live_paths(session, ctx.run_id, step, own) if store.renames else set()
+        shares = []
+        for stream, payload in admitted.items():
+            kind, row_id = kinds[stream], ids[stream]
+            if isinstance(payload, External):
+                rel, tmp = self._external_names(payload.name, row_id)
+            else:
+                rel, tmp = self._own_names(taken, stream, step, kind.suffix, row_id)
+            if kind.temp_dir_first:  # made here, before any rank enters the collective write
+                store.make_temp_dir(tmp)
+            shares.append(Share(stream, kind, payload, row_id, rel, tmp, metric_of[stream]))
+        boundary_rows.set_paths(session, [(s.row_id, s.final, s.tmp) for s in shares])
+        return shares
+
+    def _kind(self, stream: str, payload: Any) -> PayloadKind:
         kind = kind_of(payload)
         if kind.name not in self.ctx.store.kinds:
             raise InvalidArgumentError(
                 f"stream {stream!r}: a {kind.name!r} payload cannot be saved to "
                 f"{self.ctx.save_dir} (this store holds {sorted(self.ctx.store.kinds)} payloads)"
             )
-        row = ledger_rows.add_pending(
-            session, self.ctx.run_id, self.ctx.attempt_id, stream, step, metric, values
-        )
-        if isinstance(payload, External):
-            rel, tmp = self._external_names(payload.name, row.id)
-        else:
-            rel, tmp = self._own_names(session, stream, step, kind.suffix, row.id)
-        row.path, row.tmp_path = rel, tmp
-        store = self.ctx.store
-        if kind.temp_dir_first:  # made here, before any rank enters the collective write
-            store.make_temp_dir(tmp)
-        return Share(stream, kind, payload, row.id, rel, tmp, metric)
+        return kind
+
+    def _ranking_value(self, stream: str, values: dict[str, float]) -> float | None:
+        metric_name = self.ctx.policies[stream].ranking_metric
+        return values.get(metric_name) if metric_name is not None else None
 
     def _own_names(
-        self, session: Any, stream: str, step: int, suffix: str, row_id: int
+        self, taken: set[str], stream: str, step: int, suffix: str, row_id: int
     ) -> tuple[str, str]:
-        """Final and temporary name in ckptdb's naming (versioned if the name is taken)."""
+        """Final and temporary name in ckptdb's naming (versioned if the name is taken:
+        by a live row, in ``taken``, or by an object in the store)."""
         if not self.ctx.store.renames:
             return self._unique_name(stream, step, suffix, row_id)
         name = checkpoint_name(step, suffix=suffix)
         rel = f"{stream}/{name}"
-        in_use = ledger_rows.path_in_use(session, self.ctx.run_id, rel, stream=stream, step=step)
-        if in_use or self.ctx.store.exists(rel):
+        if rel in taken or self.ctx.store.exists(rel):
             name = checkpoint_name(step, version=row_id, suffix=suffix)
             rel = f"{stream}/{name}"
         return rel, f"{stream}/{temp_name(name, row_id)}"
@@ -499,19 +516,13 @@ class Publisher:
         ctx = self.ctx
         try:
             with ctx.ledger.transaction() as session:
-                for s in shares:
-                    assert s.info is not None
-                    ledger_rows.set_state(
-                        session,
-                        [s.row_id],
-                        m.COMMITTED,
-                        size=s.info.size,
-                        hash=s.info.hash,
-                        committed_at=now,
-                        tmp_path=None,
-                    )
-                    progress.evicted.extend(self._apply_retention(session, s, step))
-                    ledger_rows.set_latest(session, ctx.run_id, s.stream, s.row_id)
+                written = [(s.row_id, s.info.size, s.info.hash) for s in shares if s.info]
+                assert len(written) == len(shares), "every share was sealed"
+                boundary_rows.mark_committed(session, written, now)
+                doomed = [r for s in shares for r in self._retention(session, s, step)]
+                progress.evicted.extend(self._evict(session, doomed))
+                latest = [(s.stream, s.row_id) for s in shares]
+                boundary_rows.point_latest(session, ctx.run_id, latest)
                 progress.evicted.extend(self.unpinned(session, progress.evicted))
                 flushed = ctx.metrics.insert_into(session, ctx.run_id, ctx.attempt_id, metric_limit)
                 notify_commit(session, ctx.run_id)  # delivered to followers once COMMIT returns
@@ -534,17 +545,18 @@ class Publisher:
                 raise
             raise PhaseFailure("commit", exc) from exc
 
-    def _apply_retention(self, session: Any, s: Share, step: int) -> list[Any]:
+    def _retention(self, session: Any, s: Share, step: int) -> list[boundary_rows.Member]:
+        """The committed rows of ``s``'s stream its policy evicts now that ``s`` commits."""
         policy = self.ctx.policies[s.stream]
         # only the rows the policy could evict are read (keep-all: what the new step
         # supersedes; Keep(last, every): not the kept multiples), whatever the history
-        found, entries = ledger_rows.committed_entries(
-            session, self.ctx.run_id, s.stream, reads=policy.reads(step), step=step
+        found = boundary_rows.committed_members(
+            session, self.ctx.run_id, s.stream, policy.reads(step), step
         )
-        others = [e for e in entries if e.id != s.row_id]
+        others = [r.entry for r in found if r.id != s.row_id]
         new = Entry(id=s.row_id, step=step, metric=s.metric)
         doomed = {e.id for e in policy.evictions(others, new)}
-        return self._evict(session, [r for r in found if r.id in doomed])
+        return [r for r in found if r.id in doomed]
 
     def _evict(self, session: Any, chosen: list[Any]) -> list[Any]:
         """Mark ``chosen`` evicted; the rows whose files are to be removed after COMMIT.
@@ -560,10 +572,10 @@ class Publisher:
             session, kept, m.DELETED, deleted_at=now, error=ledger_rows.KEPT_ON_DISK
         )
         evicted = [r for r in chosen if r.id not in self.ctx.protected]
-        ledger_rows.set_state(session, [r.id for r in evicted], m.DELETING, deleted_at=now)
+        boundary_rows.mark_evicted(session, [r.id for r in evicted], now)
         # a pinned row stays 'deleting' with its file until its last pin goes (read after
         # the update above: a reader's pin either committed before it or is refused)
-        held = pins.pinned_ids(session, self.ctx.run_id, [r.id for r in evicted], now)
+        held = boundary_rows.pinned_ids(session, self.ctx.run_id, [r.id for r in evicted], now)
         if held:
             self.ctx.pins_waiting = True
         return [r for r in evicted if r.id not in held]

@@ -23,6 +23,7 @@ from ..errors import (
     PublishError,
     warn_cleanup,
 )
+from ..ledger import boundary_rows
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
 from .context import RunContext
@@ -137,7 +138,7 @@ def clean_up(ctx: RunContext, step: int | None, evicted: list[Any]) -> None:
             failures.append((row, ctx.save_dir / row.path, err))
     try:
         with ctx.ledger.transaction(durable=False) as session:
-            ledger_rows.set_state(session, removed, m.DELETED)
+            boundary_rows.mark_deleted(session, removed)
             for row, path, error in failures:
                 ledger_rows.add_event(
                     session,

@@ -1,0 +1,275 @@
+"""The boundary's statements, run at the driver level: the hot path of every save.
+
+Why not the ORM here: a 3-stream boundary ran 36 SQLAlchemy statements, and
+building them (statement objects, cache keys, unit-of-work flushes, loading
+rows into objects) cost ~10 ms, some 40 fsyncs' worth. Each statement here is
+plain SQL written once, rendered once per driver parameter style, and run with
+``exec_driver_sql``; a list of parameter tuples is one driver ``executemany``
+(one call for all the streams of a boundary). Errors still surface as
+SQLAlchemy's, so :meth:`Ledger.transaction` translates them as before, and the
+statements run inside the caller's transaction, like every helper of
+:mod:`~ckptdb.ledger.rows`.
+
+Nothing is cached between transactions: the ledger stays the only truth, so a
+rolled-back boundary, a reconcile or another process's change is simply read
+by the next one. The rest of the ledger (open, reconcile, queries) keeps the
+ORM, where readability matters more than microseconds.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.orm import Session
+
+from ..policies import Entry, Reads
+from . import models as m
+from .rows import LIVE_STATES, latest_pointer
+
+Params = tuple[Any, ...]
+
+#: Parameter styles whose placeholders are positional (the driver takes tuples).
+_POSITIONAL = {"qmark": "?", "format": "%s", "pyformat": "%s"}
+
+
+@dataclass(frozen=True)
+class Member:
+    """A committed row as admission, retention and the clean-up see it."""
+
+    id: int
+    step: int
+    metric: float | None
+    path: str
+
+    @property
+    def entry(self) -> Entry:
+        return Entry(id=self.id, step=self.step, metric=self.metric)
+
+
+def entries(members: Iterable[Member]) -> list[Entry]:
+    return [member.entry for member in members]
+
+
+@functools.lru_cache(maxsize=256)
+def _rendered(sql: str, paramstyle: str) -> str:
+    """``sql`` (written with ``?`` placeholders and no literal ``%`` or ``?``) in the
+    driver's style; a named or numeric style gets ``:p0``, ``:p1``... (see :func:`run`)."""
+    marker = _POSITIONAL.get(paramstyle)
+    if marker == "%s":
+        return sql.replace("%", "%%").replace("?", "%s")
+    if marker is not None:
+        return sql
+    parts = sql.split("?")
+    return parts[0] + "".join(f":p{i}{part}" for i, part in enumerate(parts[1:]))
+
+
+_CONNECTION = "ckptdb_boundary_connection"
+
+
+def _connection(session: Session) -> Connection:
+    """The session's connection, looked up once per transaction (``session.connection()``
+    walks the session's state machine on every call; a ledger session is one
+    transaction, so its connection cannot change under it)."""
+    found = session.info.get(_CONNECTION)
+    if found is None:
+        found = session.info[_CONNECTION] = session.connection()
+    assert isinstance(found, Connection)
+    return found
+
+
+def run(session: Session, sql: str, params: Params | list[Params] = ()) -> Any:
+    """Run ``sql`` with one tuple of parameters, or a list of them (one executemany)."""
+    connection = _connection(session)
+    dialect = connection.dialect
+    rendered = _rendered(sql, dialect.paramstyle)
+    if dialect.paramstyle in _POSITIONAL:
+        return connection.exec_driver_sql(rendered, params)
+    return _run_named(connection, rendered, params)
+
+
+def fetch(session: Session, sql: str, params: Params) -> list[tuple[Any, ...]]:
+    """The rows ``sql`` returns (a query, or a statement with ``RETURNING``)."""
+    return [tuple(row) for row in run(session, sql, params)]
+
+
+def _run_named(connection: Connection, sql: str, params: Params | list[Params]) -> Any:
+    """Another backend's driver (named parameters): the same SQL through ``text()``."""
+
+    def named(values: Params) -> dict[str, Any]:
+        return {f"p{i}": v for i, v in enumerate(values)}
+
+    many = [named(p) for p in params] if isinstance(params, list) else named(params)
+    return connection.execute(text(sql), many)
+
+
+@functools.lru_cache(maxsize=8)
+def _stamp_processor(dialect: Dialect) -> Callable[[Any], Any]:
+    processor = m.UTCDateTime().dialect_impl(dialect).bind_processor(dialect)
+    return processor if processor is not None else (lambda value: value)
+
+
+def stamp(session: Session, when: dt.datetime) -> Any:
+    """``when`` as the driver stores a :class:`~ckptdb.ledger.models.UTCDateTime`
+    (naive UTC; on SQLite the same text SQLAlchemy writes, so comparisons hold)."""
+    return _stamp_processor(_connection(session).dialect)(when)
+
+
+# --------------------------------------------------------------------- intent
+
+_INSERT_ROW = "(?, ?, ?, ?, '', ?, ?, ?, ?)"
+
+
+def add_pending(
+    session: Session,
+    run_id: int,
+    attempt_id: int,
+    step: int,
+    metrics: dict[str, float],
+    metric_of: dict[str, float | None],
+) -> dict[str, int]:
+    """Insert one ``pending`` row per stream of ``metric_of`` (its ranking value) in one
+    statement; their ids by stream (a boundary has each stream at most once)."""
+    if not metric_of:
+        return {}
+    encoded = json.dumps(metrics) if metrics else None
+    now = stamp(session, m.utcnow())
+    values: list[Any] = []
+    for stream, metric in metric_of.items():
+        values += [run_id, stream, step, attempt_id, m.PENDING, metric, encoded, now]
+    rows = ", ".join([_INSERT_ROW] * len(metric_of))
+    found = fetch(
+        session,
+        "INSERT INTO checkpoints (run_id, stream, step, attempt_id, path, state, metric,"
+        f" metrics, created_at) VALUES {rows} RETURNING id, stream",
+        tuple(values),
+    )
+    ids = {stream: int(row_id) for row_id, stream in found}
+    assert ids.keys() == metric_of.keys(), "one id per inserted stream"
+    return ids
+
+
+def live_paths(session: Session, run_id: int, step: int, streams: Sequence[str]) -> set[str]:
+    """Paths that live rows of ``streams`` at ``step`` hold: where a name in ckptdb's own
+    naming (which only its stream and step can use) is taken. One indexed read for the
+    whole boundary, through ``(run_id, stream, state, step)``."""
+    if not streams:
+        return set()
+    found = fetch(
+        session,
+        "SELECT path FROM checkpoints WHERE run_id = ? AND step = ?"
+        f" AND stream IN ({_marks(len(streams))}) AND state IN ({_marks(len(LIVE_STATES))})",
+        (run_id, step, *streams, *LIVE_STATES),
+    )
+    return {str(path) for (path,) in found}
+
+
+def set_paths(session: Session, named: Sequence[tuple[int, str, str]]) -> None:
+    """Record each (row id, final path, temporary path) of the intent (one executemany)."""
+    if named:
+        rows = [(path, tmp, row_id) for row_id, path, tmp in named]
+        run(session, "UPDATE checkpoints SET path = ?, tmp_path = ? WHERE id = ?", rows)
+
+
+# --------------------------------------------------------------------- commit
+
+
+def mark_committed(
+    session: Session, written: Sequence[tuple[int, int, str]], now: dt.datetime
+) -> None:
+    """Each (row id, size, hash): ``committed`` at ``now``, its temporary name gone."""
+    if written:
+        at = stamp(session, now)
+        rows = [(m.COMMITTED, size, hash_, at, row_id) for row_id, size, hash_ in written]
+        run(
+            session,
+            "UPDATE checkpoints SET state = ?, size = ?, hash = ?, committed_at = ?,"
+            " tmp_path = NULL WHERE id = ?",
+            rows,
+        )
+
+
+def mark_evicted(session: Session, ids: Sequence[int], now: dt.datetime) -> None:
+    """Rows retention evicted: ``deleting`` since ``now`` (the file goes after COMMIT)."""
+    if ids:
+        at = stamp(session, now)
+        rows = [(m.DELETING, at, row_id) for row_id in ids]
+        run(session, "UPDATE checkpoints SET state = ?, deleted_at = ? WHERE id = ?", rows)
+
+
+def mark_deleted(session: Session, ids: Sequence[int]) -> None:
+    """Rows whose evicted files are gone (the clean-up after a commit)."""
+    if ids:
+        run(session, "UPDATE checkpoints SET state = ? WHERE id = ?", [(m.DELETED, i) for i in ids])
+
+
+def point_latest(session: Session, run_id: int, latest: Sequence[tuple[str, int]]) -> None:
+    """Move each ``latest:<stream>`` pointer (created if absent) in one executemany."""
+    if latest:
+        rows = [(run_id, latest_pointer(stream), row_id) for stream, row_id in latest]
+        run(
+            session,
+            "INSERT INTO pointers (run_id, name, checkpoint_id) VALUES (?, ?, ?)"
+            " ON CONFLICT (run_id, name) DO UPDATE SET checkpoint_id = excluded.checkpoint_id",
+            rows,
+        )
+
+
+def pinned_ids(session: Session, run_id: int, ids: Sequence[int], now: dt.datetime) -> set[int]:
+    """Which of ``ids`` have a live pin (unreleased, not expired): what
+    :func:`ckptdb.ledger.pins.pinned_ids` answers, in one driver statement."""
+    if not ids:
+        return set()
+    found = fetch(
+        session,
+        "SELECT checkpoint_id FROM pins WHERE run_id = ?"
+        f" AND checkpoint_id IN ({_marks(len(ids))})"
+        " AND released_at IS NULL AND expires_at > ?",
+        (run_id, *ids, stamp(session, now)),
+    )
+    return {int(i) for (i,) in found}
+
+
+# ------------------------------------------------------------------- members
+
+_MEMBERS = (
+    "SELECT id, step, metric, path FROM checkpoints WHERE run_id = ? AND stream = ? AND state = ?"
+)
+
+
+def committed_members(
+    session: Session, run_id: int, stream: str, reads: Reads | None = None, step: int = 0
+) -> list[Member]:
+    """A stream's committed rows, all of them (``reads`` None or ``everything``) or those
+    ``reads`` selects for a commit at ``step`` (see :class:`~ckptdb.policies.Reads`),
+    ordered by step and id: what :func:`ckptdb.ledger.rows.committed_entries` returns."""
+    key = (run_id, stream, m.COMMITTED)
+    if reads is None or reads.everything:
+        return _members(session, _MEMBERS + " ORDER BY step, id", key)
+    chosen = {r.id: r for r in _members(session, _MEMBERS + " AND step >= ?", (*key, step))}
+    if reads.newest_below:
+        newest = _MEMBERS + " AND step < ? ORDER BY step DESC, id DESC LIMIT ?"
+        chosen.update(
+            (r.id, r) for r in _members(session, newest, (*key, step, reads.newest_below))
+        )
+    if reads.not_multiple_of is not None:
+        odd = _MEMBERS + " AND step % ? != 0"
+        chosen.update((r.id, r) for r in _members(session, odd, (*key, reads.not_multiple_of)))
+    return sorted(chosen.values(), key=lambda r: (r.step, r.id))
+
+
+def _members(session: Session, sql: str, params: Params) -> list[Member]:
+    return [
+        Member(int(i), int(s), None if v is None else float(v), str(p))
+        for i, s, v, p in fetch(session, sql, params)
+    ]
+
+
+def _marks(count: int) -> str:
+    return ", ".join(["?"] * count)

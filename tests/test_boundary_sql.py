@@ -1,0 +1,282 @@
+"""The boundary's driver-level statements (ckptdb/ledger/boundary_rows.py).
+
+A statement count is deterministic (unlike time), so the hot path's cost is
+pinned by counting: a steady-state boundary may not run more statements or
+transactions than it does now. The driver statements must also read and
+write exactly what the ORM would: the same rows for every retention read,
+the same timestamp text, on SQLite and PostgreSQL, and in every driver
+parameter style.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from helpers import LedgerClient, state
+from sqlalchemy import create_engine, event
+from sqlalchemy.orm import Session
+
+from ckptdb import CheckpointManager, Keep, TopK
+from ckptdb.errors import DatabaseError
+from ckptdb.ledger import boundary_rows
+from ckptdb.ledger import rows as ledger_rows
+from ckptdb.ledger.boundary_rows import _rendered
+from ckptdb.policies import Reads
+
+Opener = Callable[..., CheckpointManager]
+SQLITE_ONLY = pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+
+#: Statements of a steady-state 3-stream boundary, every stream evicting. SQLite:
+#: intent 6 (PRAGMA, BEGIN, top-K members, INSERT ... RETURNING, taken names,
+#: names), commit 9 (PRAGMA, BEGIN, committed, 3 retention reads, evicted, pins,
+#: pointers) + metrics, clean-up 2 (BEGIN, deleted: its level is the intent's,
+#: so no PRAGMA). PostgreSQL: no PRAGMA and no BEGIN statement (the driver
+#: begins implicitly), but one pg_notify for followers.
+STEADY_STATEMENTS = {"sqlite": 18, "postgresql": 14}
+STREAMS = {"model": Keep(last=2), "best": TopK(2, "loss"), "ema": Keep(last=1)}
+
+
+@pytest.fixture
+def db_url(backend: str | None) -> str | None:
+    """Runs opened here (``open_manager``, ``db``) use both ledgers in turn."""
+    return backend
+
+
+@pytest.fixture
+def counted(backend: str | None, open_manager: Opener) -> Iterator[tuple[CheckpointManager, dict]]:
+    """A 3-stream run past its warm-up (every stream full), with statement and
+    transaction counters on its engine."""
+    mgr = open_manager(db_url=backend, streams=dict(STREAMS))
+    for step in range(4):
+        mgr.save(step, metrics={"loss": float(-step)}, **{s: state(step) for s in STREAMS})
+    counts: dict[str, Any] = {"statements": [], "begins": 0}
+    engine = mgr._ctx.ledger.engine
+
+    def on_statement(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        counts["statements"].append(statement.split()[0].upper())
+
+    def on_begin(_conn: Any) -> None:
+        counts["begins"] += 1
+
+    event.listen(engine, "before_cursor_execute", on_statement)
+    event.listen(engine, "begin", on_begin)
+    yield mgr, counts
+    event.remove(engine, "before_cursor_execute", on_statement)
+    event.remove(engine, "begin", on_begin)
+
+
+def test_a_steady_boundary_runs_a_fixed_number_of_statements(
+    counted: tuple[CheckpointManager, dict], db: LedgerClient
+) -> None:
+    mgr, counts = counted
+    mgr.log_metrics(9, {"lr": 0.1})
+    saved = mgr.save(10, metrics={"loss": -10.0}, **{s: state(10) for s in STREAMS})
+    backend = mgr._ctx.ledger.backend
+    assert len(counts["statements"]) == STEADY_STATEMENTS[backend], counts["statements"]
+    assert counts["begins"] == 3  # intent, commit, clean-up
+    # the one multi-row INSERT ... RETURNING gave every stream its own row
+    for stream, record in saved.items():
+        found = db.rows(
+            "SELECT stream, step, state, path, tmp_path FROM checkpoints WHERE id = ?", record.id
+        )
+        assert found == [(stream, 10, "committed", f"{stream}/step-000000010.pt", None)]
+    # and every stream evicted at this boundary, its file gone, its row deleted
+    live = db.rows("SELECT stream, step FROM checkpoints WHERE state = 'committed' ORDER BY 1, 2")
+    assert live == [("best", 3), ("best", 10), ("ema", 10), ("model", 3), ("model", 10)]
+    assert len(db.rows("SELECT id FROM checkpoints WHERE state = 'deleting'")) == 0
+    # the eviction recorded when it happened: in the commit, after the new rows' commit time
+    evicted = db.rows(
+        "SELECT stream, step, deleted_at FROM checkpoints WHERE state = 'deleted' "
+        "AND deleted_at >= (SELECT MAX(committed_at) FROM checkpoints WHERE step = 10) "
+        "ORDER BY 1, 2"
+    )
+    assert [(s, step) for s, step, _ in evicted] == [("best", 2), ("ema", 3), ("model", 2)]
+
+
+def test_a_boundary_that_admits_nothing_still_reads_only_its_members(
+    counted: tuple[CheckpointManager, dict],
+) -> None:
+    """A top-K candidate that would not enter: one read transaction, no insert."""
+    mgr, counts = counted
+    assert mgr.save(10, metrics={"loss": 99.0}, best=state(10)) == {}
+    assert "INSERT" not in counts["statements"]
+    assert counts["begins"] == 1
+
+
+def test_a_name_a_live_row_holds_is_not_reused_even_without_its_file(
+    backend: str | None, open_manager: Opener, db: LedgerClient
+) -> None:
+    """A row that still owns its name (here ``lost``: its file is gone) keeps it: a new
+    save of that step is versioned, found by the one read of taken names."""
+    mgr = open_manager(db_url=backend, streams={"model": Keep(last=None)})
+    first = mgr.save(5, model=state(5))["model"]
+    first.path.unlink()
+    db.execute("UPDATE checkpoints SET state = 'lost' WHERE id = ?", first.id)
+    again = mgr.save(5, model=state(6))["model"]
+    assert again.path != first.path and again.path.exists()
+    assert db.rows("SELECT state, path FROM checkpoints ORDER BY id") == [
+        ("lost", "model/step-000000005.pt"),
+        ("committed", str(again.path.relative_to(again.path.parent.parent))),
+    ]
+
+
+@pytest.mark.parametrize(
+    "reads",
+    [
+        None,
+        Reads(everything=True),
+        Reads(),
+        Reads(newest_below=2),
+        Reads(not_multiple_of=3),
+        Reads(newest_below=3, not_multiple_of=4),
+    ],
+    ids=repr,
+)
+def test_retention_reads_match_the_orm_reads(
+    backend: str | None, open_manager: Opener, db: LedgerClient, reads: Reads | None
+) -> None:
+    """The driver read returns the rows (and order) the ORM read returns, for every
+    kind of read retention makes (the modulo also through PostgreSQL's ``%s`` style)."""
+    mgr = open_manager(db_url=backend, streams={"model": Keep(last=None)})
+    for step in range(12):
+        mgr.save(step, metrics={"loss": float(step % 5)}, model=state(step))
+    db.execute("UPDATE checkpoints SET state = 'deleted' WHERE step IN (4, 7)")
+    db.execute("UPDATE checkpoints SET metric = NULL WHERE step = 5")
+    db.execute("UPDATE checkpoints SET metric = 2.5 WHERE step = 6")
+    ctx = mgr._ctx
+    seen = 0
+    for at in (0, 6, 11, 30):
+        with ctx.ledger.transaction(read=True) as session:
+            found, entries = ledger_rows.committed_entries(
+                session, ctx.run_id, "model", reads=reads, step=at
+            )
+            fast = boundary_rows.committed_members(
+                session, ctx.run_id, "model", reads, at if reads is not None else 0
+            )
+        assert [(r.id, r.step, r.metric, r.path) for r in found] == [
+            (r.id, r.step, r.metric, r.path) for r in fast
+        ]
+        assert boundary_rows.entries(fast) == entries
+        seen += len(fast)
+    assert seen, "the comparison saw rows"
+
+
+@SQLITE_ONLY
+def test_the_driver_writes_timestamps_as_the_orm_does(open_manager: Opener, root: Any) -> None:
+    """SQLite compares timestamps as text: the driver's must be the ORM's format, or a
+    pin's expiry and the eviction time would compare wrongly."""
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    first = mgr.save(1, model=state(1))["model"]
+    second = mgr.save(2, model=state(2))["model"]
+    client = LedgerClient(root)
+    try:
+        (orm_written,) = client.rows("SELECT started_at FROM attempts")[0]
+        stamps = client.rows(
+            "SELECT created_at, committed_at, deleted_at FROM checkpoints WHERE id = ?", first.id
+        )[0]
+    finally:
+        client.close()
+    form = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}$")
+    assert form.match(orm_written)
+    assert all(form.match(s) for s in stamps), stamps
+    listed = {c.id: c for c in mgr.checkpoints(states=("committed", "deleted"))}
+    assert listed[second.id].committed_at == second.committed_at  # read back aware, exact
+
+
+def test_statements_render_for_every_parameter_style() -> None:
+    sql = "SELECT id FROM t WHERE a = ? AND b % ? = 0"
+    assert _rendered(sql, "qmark") == sql
+    assert _rendered(sql, "format") == "SELECT id FROM t WHERE a = %s AND b %% %s = 0"
+    assert _rendered(sql, "pyformat") == "SELECT id FROM t WHERE a = %s AND b %% %s = 0"
+    assert _rendered(sql, "named") == "SELECT id FROM t WHERE a = :p0 AND b % :p1 = 0"
+
+
+def test_a_named_parameter_driver_runs_the_same_statements() -> None:
+    """A driver with named parameters (pysqlite can be one) goes through ``text()``:
+    one tuple, a list of tuples (executemany) and RETURNING all work."""
+    engine = create_engine("sqlite://", paramstyle="named")
+    assert engine.dialect.paramstyle == "named"
+    with Session(engine) as session, session.begin():
+        session.connection().exec_driver_sql("CREATE TABLE t (id INTEGER PRIMARY KEY, b INT)")
+        boundary_rows.run(session, "INSERT INTO t (b) VALUES (?)", [(3,), (4,), (6,)])
+        got = boundary_rows.fetch(session, "INSERT INTO t (b) VALUES (?) RETURNING id, b", (9,))
+        assert got == [(4, 9)]
+        odd = boundary_rows.fetch(session, "SELECT b FROM t WHERE b % ? != 0 ORDER BY b", (3,))
+        assert odd == [(4,)]
+
+
+@SQLITE_ONLY
+def test_synchronous_is_set_only_when_the_level_changes(open_manager: Opener) -> None:
+    """Each transaction still runs at its own level (FULL when durable), but the PRAGMA
+    runs only on a change, and a new connection starts from FULL again."""
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    ledger = mgr._ctx.ledger
+    levels: list[int] = []
+    pragmas: list[str] = []
+
+    def on_begin(connection: Any) -> None:
+        levels.append(connection.exec_driver_sql("PRAGMA synchronous").scalar())
+
+    def on_statement(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
+        if statement.startswith("PRAGMA synchronous ="):
+            pragmas.append(statement)
+
+    event.listen(ledger.engine, "begin", on_begin)
+    event.listen(ledger.engine, "before_cursor_execute", on_statement)
+    ledger.engine.dispose()  # a fresh connection: FULL from the connect hook
+    for durable in (True, True, False, False, True, False):
+        with ledger.transaction(durable=durable) as session:
+            session.connection()  # begins
+    ledger.engine.dispose()
+    with ledger.transaction(durable=False) as session:
+        session.connection()
+    event.remove(ledger.engine, "begin", on_begin)
+    event.remove(ledger.engine, "before_cursor_execute", on_statement)
+    assert levels == [2, 2, 1, 1, 2, 1, 1]  # FULL = 2, NORMAL = 1
+    assert pragmas == [
+        "PRAGMA synchronous = NORMAL",
+        "PRAGMA synchronous = FULL",
+        "PRAGMA synchronous = NORMAL",
+        "PRAGMA synchronous = NORMAL",  # the new connection's
+    ]
+
+
+@SQLITE_ONLY
+def test_a_failed_pragma_leaves_the_level_unknown_and_the_next_transaction_sets_it(
+    open_manager: Opener,
+) -> None:
+    """The remembered level is only what the connection really has: a PRAGMA that failed
+    is issued again, so a durable commit never runs at NORMAL."""
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    ledger = mgr._ctx.ledger
+    with ledger.transaction(durable=False) as session:
+        session.connection()  # the connection is at NORMAL now
+    failed: list[str] = []
+    levels: list[int] = []
+
+    def fail_once(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
+        if statement == "PRAGMA synchronous = FULL" and not failed:
+            failed.append(statement)
+            raise sqlite3.OperationalError("disk I/O error")
+
+    def on_begin(connection: Any) -> None:
+        levels.append(connection.exec_driver_sql("PRAGMA synchronous").scalar())
+
+    event.listen(ledger.engine, "before_cursor_execute", fail_once)
+    try:
+        with (
+            pytest.raises(DatabaseError, match="disk I/O error"),
+            ledger.transaction() as session,
+        ):
+            session.connection()
+        event.listen(ledger.engine, "begin", on_begin)
+        with ledger.transaction() as session:
+            session.connection()
+    finally:
+        event.remove(ledger.engine, "before_cursor_execute", fail_once)
+        event.remove(ledger.engine, "begin", on_begin)
+    assert failed and levels == [2]  # FULL, on the same pooled connection
