@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import re
 import signal
 import warnings
@@ -815,3 +816,49 @@ def test_a_shard_missing_or_short_at_the_seal_rolls_back_on_every_rank(
     assert rows(root, "SELECT state FROM checkpoints") == [("aborted",)]
     assert s3lib.keys_under(client, s3_url) == []
     assert s3lib.uploads_under(client, s3_url) == []
+
+
+class _Planted:
+    """A pickle that runs code when it is loaded: ``os.mkdir(path)``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (str(self.path),))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["load", "reconcile"])
+def test_a_planted_manifest_is_refused_before_it_is_unpickled(
+    open_s3: Callable[..., CheckpointManager],
+    client: Any,
+    db: LedgerClient,
+    tmp_path: Path,
+    how: str,
+) -> None:
+    """``.metadata`` is read before the row authenticates it (the row's digest covers
+    the manifest's own hashes), so its bytes are unpickled with DCP's metadata classes
+    only: a ``.metadata`` planted in the bucket cannot run code in whoever verifies it;
+    it is a corrupt checkpoint, and latest falls back."""
+    mgr = open_s3()
+    mgr.save(1, model=Sharded(sd(1.0)))
+    second = mgr.save(2, model=Sharded(sd(2.0)))["model"]
+    ran = tmp_path / "the planted pickle ran"
+    client.put_object(
+        Bucket=s3lib.BUCKET,
+        Key=shard_key(second.path, ".metadata"),
+        Body=pickle.dumps(_Planted(ran)),
+    )
+    if how == "load":
+        with pytest.raises(CorruptCheckpointError, match="not a ckptdb manifest"):
+            mgr.load("latest", into=zeroed())
+    else:
+        report = mgr.reconcile()
+        assert report.counts == {"corrupt": 1, "repointed": 1}
+        assert "posix.mkdir" in report.actions[0].detail
+    assert not ran.exists()
+    assert states(db) == {1: "committed", 2: "corrupt"}
+    target = zeroed()
+    mgr.load("latest", into=target)
+    assert_same(target, sd(1.0))

@@ -39,6 +39,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import xxhash
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
@@ -67,6 +68,23 @@ MANIFEST_ATTR = "ckptdb_files"
 # (taken out before DCP's storage data is built from the results).
 _MANIFEST_INDEX = MetadataIndex("ckptdb.files")
 READ_CHUNK = 8 << 20
+# What a ``.metadata`` may name (DCP's metadata classes, ``torch.Size``, layouts; dtypes
+# are checked by value): it is unpickled before the row can authenticate it.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+}
 
 
 class _Stream:
@@ -230,7 +248,7 @@ def read_manifest(store: S3Store, rel: str) -> tuple[dict[str, FileInfo], Metada
     key = store.key(f"{rel}/{METADATA}")
     info, data = _get(store, key)
     try:
-        metadata = pickle.loads(data)
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         listed = getattr(metadata, MANIFEST_ATTR)
         files = {str(n): FileInfo(int(s), str(h)) for n, (s, h) in listed.items()}
         named = {str(v.relative_path) for v in metadata.storage_data.values()}
@@ -241,6 +259,19 @@ def read_manifest(store: S3Store, rel: str) -> tuple[dict[str, FileInfo], Metada
         raise CorruptCheckpointError(f"{store.url(key)}: files not in the manifest: {unlisted}")
     files[METADATA] = info
     return files, metadata
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata and nothing else: ``.metadata`` holds the manifest that
+    authenticates it (the row's digest covers the hashes inside it), so it is read
+    before it can be trusted; a planted one must not run code in whoever verifies it."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not DCP metadata")
 
 
 def seal(store: S3Store, rel: str) -> FileInfo:
