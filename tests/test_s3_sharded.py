@@ -862,3 +862,58 @@ def test_a_planted_manifest_is_refused_before_it_is_unpickled(
     target = zeroed()
     mgr.load("latest", into=target)
     assert_same(target, sd(1.0))
+
+
+class _CountingBody:
+    """A response body that counts the bytes read from it."""
+
+    def __init__(self, inner: Any, counts: Counter[str], key: str) -> None:
+        self.inner, self.counts, self.key = inner, counts, key
+
+    def read(self, amount: int | None = None) -> bytes:
+        data: bytes = self.inner.read(amount)
+        self.counts[self.key] += len(data)
+        return data
+
+    def iter_chunks(self, size: int) -> Any:
+        for chunk in self.inner.iter_chunks(size):
+            self.counts[self.key] += len(chunk)
+            yield chunk
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_an_object_larger_than_the_checkpoint_is_refused_unread(
+    open_s3: Callable[..., CheckpointManager], client: Any, db: LedgerClient, name: str
+) -> None:
+    """Every object read whole into memory (``.metadata`` at the verify, a shard when
+    DCP reads it) is read to at most one byte more than it may hold: one replaced by
+    a far larger object (after the commit, or between the verify and the read) is
+    refused without being held in memory."""
+    mgr = open_s3()
+    mgr.save(1, model=Sharded(sd(1.0)))
+    second = mgr.save(2, model=Sharded(sd(2.0)))["model"]
+    key = shard_key(second.path, name)
+    huge = b"\0" * (8 * MiB)
+    read: Counter[str] = Counter()
+    gets: list[str] = []
+
+    def count_the_reads(parsed: Any, model: Any, context: Any, **_: Any) -> None:
+        got = context.get("input_params", {}).get("Key", "") if context else ""
+        gets.append(got)
+        if got == key and name == "__0_0.distcp" and gets.count(got) == 1:
+            # verify's GET of the shard is done: now it is replaced before DCP's read
+            client.delete_object(Bucket=s3lib.BUCKET, Key=key)
+            client.put_object(Bucket=s3lib.BUCKET, Key=key, Body=huge)
+        elif got == key:
+            parsed["Body"] = _CountingBody(parsed["Body"], read, got)
+
+    if name == ".metadata":
+        client.put_object(Bucket=s3lib.BUCKET, Key=key, Body=huge)
+    events = mgr._ctx.store.calls.client.meta.events  # type: ignore[attr-defined]
+    events.register("before-parameter-build.s3.GetObject", _keep_params)
+    events.register("after-call.s3.GetObject", count_the_reads)
+    with pytest.raises(CorruptCheckpointError):
+        mgr.load("latest", into=zeroed())
+    assert second.size is not None and 0 < read[key] <= second.size + 1
+    assert states(db) == {1: "committed", 2: "corrupt" if name == ".metadata" else "committed"}

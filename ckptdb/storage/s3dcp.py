@@ -151,7 +151,7 @@ class ObjectFiles(FileSystemBase):
         known = (self.expected or {}).get(name)
         if known is None:
             raise CorruptCheckpointError(f"{self.store.url(self.key(path))} is not in the manifest")
-        info, data = _get(self.store, self.key(path))
+        info, data = _get(self.store, self.key(path), known.size)
         if info != known:
             raise CorruptCheckpointError(
                 f"{self.store.url(self.key(path))}: size {info.size}, hash {info.hash} "
@@ -238,15 +238,18 @@ class ShardReader(FileSystemReader):
 # ---------------------------------------------------------------- the manifest
 
 
-def read_manifest(store: S3Store, rel: str) -> tuple[dict[str, FileInfo], Metadata]:
+def read_manifest(
+    store: S3Store, rel: str, limit: int | None = None
+) -> tuple[dict[str, FileInfo], Metadata]:
     """Every file of the checkpoint (``.metadata`` too, as read now) and DCP's metadata.
 
+    ``limit``: the most ``.metadata`` may hold (the row's size: every file's).
     Raises :class:`ObjectStoreError` if ``.metadata`` cannot be read and
-    :class:`CorruptCheckpointError` if it is not a manifest of ours, or if a
-    file that DCP's metadata names is not in it.
+    :class:`CorruptCheckpointError` if it is larger, not a manifest of ours, or
+    if a file that DCP's metadata names is not in it.
     """
     key = store.key(f"{rel}/{METADATA}")
-    info, data = _get(store, key)
+    info, data = _get(store, key, limit)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         listed = getattr(metadata, MANIFEST_ATTR)
@@ -305,7 +308,7 @@ def verify(
     from the manifest, or a manifest that differs from the row: ``corrupt``.
     """
     try:
-        files, _ = read_manifest(store, rel)
+        files, _ = read_manifest(store, rel, size)
     except ObjectStoreError as exc:
         return store.unreadable(exc, METADATA), None
     except CorruptCheckpointError as exc:
@@ -329,12 +332,21 @@ def verify(
     return None, files
 
 
-def _get(store: S3Store, key: str) -> tuple[FileInfo, bytes]:
-    """One whole object (a shard file DCP reads, or ``.metadata``), measured and hashed."""
+def _get(store: S3Store, key: str, limit: int | None = None) -> tuple[FileInfo, bytes]:
+    """One whole object (a shard file DCP reads, or ``.metadata``), measured and hashed.
+
+    At most ``limit`` bytes (what the object may hold) and one more are read: an
+    object replaced by a far larger one is refused, never held whole in memory.
+    """
     try:
-        data = store.calls("get_object", Bucket=store.bucket, Key=key)["Body"].read()
+        body = store.calls("get_object", Bucket=store.bucket, Key=key)["Body"]
+        data = body.read() if limit is None else body.read(limit + 1)
     except Exception as exc:
         raise store_error("GetObject", store.url(key), exc) from exc
+    if limit is not None and len(data) > limit:
+        raise CorruptCheckpointError(
+            f"{store.url(key)}: more than the {limit} bytes it may hold; refusing to read it"
+        )
     return FileInfo(len(data), xxhash.xxh3_128(data).hexdigest()), data
 
 
