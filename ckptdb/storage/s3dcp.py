@@ -26,7 +26,10 @@ seals by reading ``.metadata`` back (one GET), checking that every file DCP's
 metadata names is in the manifest, and HEADing each shard (its size must be
 what was written). The row gets the total size and the digest of every file
 (``.metadata`` included): the digest a local directory of the same files has
-(:func:`~ckptdb.storage.files.hash_checkpoint`).
+(:func:`~ckptdb.storage.files.hash_checkpoint`). ``.metadata`` is read before
+the row can authenticate it, so only DCP's metadata classes may be unpickled
+from it, and every object read whole is read to at most its expected size
+and one byte more.
 """
 
 from __future__ import annotations
