@@ -18,6 +18,7 @@ injected with botocore event hooks (``s3client.set_client_hook``) and
 from __future__ import annotations
 
 import errno
+import io
 import os
 import pickle
 import re
@@ -38,6 +39,7 @@ from helpers import LedgerClient, rows
 from test_s3 import FlippingBody, error_response
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint import save as dcp_save
 
 from ckptdb import CheckpointManager, External, Keep, RunReader, Sharded, faults
 from ckptdb.errors import (
@@ -47,7 +49,7 @@ from ckptdb.errors import (
     PublishError,
 )
 from ckptdb.location import ObjectPath
-from ckptdb.storage import s3client
+from ckptdb.storage import s3client, s3dcp
 from ckptdb.storage.files import hash_checkpoint
 
 MiB = 1 << 20
@@ -917,3 +919,31 @@ def test_an_object_larger_than_the_checkpoint_is_refused_unread(
         mgr.load("latest", into=zeroed())
     assert second.size is not None and 0 < read[key] <= second.size + 1
     assert states(db) == {1: "committed", 2: "corrupt" if name == ".metadata" else "committed"}
+
+
+def test_the_manifest_unpickler_takes_every_metadata_dcp_writes(tmp_path: Path) -> None:
+    """The allow-list is wide enough for what DCP puts in ``.metadata``: every dtype
+    class (float, bfloat16, bool, complex, int), a non-contiguous and a channels-last
+    tensor, an optimizer's state and plain values, read back equal to DCP's own."""
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    state = {
+        "model": model.state_dict(),
+        "optim": optimizer.state_dict(),
+        "t": torch.arange(6).reshape(2, 3).t(),
+        "c": torch.ones(1, 2, 2, 2).to(memory_format=torch.channels_last),
+        "z": torch.zeros(3, dtype=torch.complex64),
+        "b": torch.ones(2, dtype=torch.bool),
+        "h": torch.ones(2, dtype=torch.float16),
+        "epoch": 3,
+        "names": ["a", "b"],
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_save(state, checkpoint_id=tmp_path, no_dist=True)
+    data = (tmp_path / ".metadata").read_bytes()
+    got = s3dcp._MetadataUnpickler(io.BytesIO(data)).load()
+    assert got.state_dict_metadata == pickle.loads(data).state_dict_metadata
+    assert len(got.state_dict_metadata) > 10

@@ -87,6 +87,7 @@ _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},  # DCP's own storage_meta (a path, no I/O)
 }
 
 
