@@ -947,3 +947,44 @@ def test_the_manifest_unpickler_takes_every_metadata_dcp_writes(tmp_path: Path) 
     got = s3dcp._MetadataUnpickler(io.BytesIO(data)).load()
     assert got.state_dict_metadata == pickle.loads(data).state_dict_metadata
     assert len(got.state_dict_metadata) > 10
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("listing", ["ListMultipartUploads", "ListObjectsV2"])
+def test_a_truncated_listing_without_a_marker_fails_the_eviction_never_loops(
+    open_s3: Callable[..., CheckpointManager],
+    client: Any,
+    s3_url: str,
+    db: LedgerClient,
+    listing: str,
+) -> None:
+    """A page that says it is truncated but names no marker to go on from cannot be
+    followed: starting over would list the same page forever, and stopping would
+    take part of the prefix for all of it (objects left behind a row marked deleted).
+    The eviction fails instead (the row stays ``deleting``), and the next open,
+    whose listings are whole, finishes it."""
+    mgr = open_s3(streams={"model": Keep(last=1)})
+    first = mgr.save(1, model=Sharded(sd(1.0)))["model"]
+    events = mgr._ctx.store.calls.client.meta.events  # type: ignore[attr-defined]
+    pages: list[str] = []
+
+    def truncate(parsed: Any, context: Any, **_: Any) -> None:
+        if context.get("input_params", {}).get("Prefix") != f"{shard_key(first.path, '')}":
+            return  # only the eviction's listings of the first checkpoint's prefix
+        pages.append(listing)
+        parsed["IsTruncated"] = True
+        for marker in ("NextKeyMarker", "NextUploadIdMarker", "NextContinuationToken"):
+            parsed.pop(marker, None)
+
+    events.register(f"before-parameter-build.s3.{listing}", _keep_params)
+    events.register(f"after-call.s3.{listing}", truncate, unique_id="truncate")
+    with pytest.warns(UserWarning, match="truncated"):
+        mgr.save(2, model=Sharded(sd(2.0)))
+    events.unregister(f"after-call.s3.{listing}", unique_id="truncate")
+    assert pages == [listing]
+    assert states(db) == {1: "deleting", 2: "committed"}
+    assert names_under(client, first.path) == [".metadata", "__0_0.distcp"]
+    mgr.close()
+    again = open_s3(streams={"model": Keep(last=1)})
+    assert again.last_reconcile.counts == {"deleted": 1}
+    assert names_under(client, first.path) == []
