@@ -18,7 +18,9 @@ injected with botocore event hooks (``s3client.set_client_hook``) and
 from __future__ import annotations
 
 import errno
+import io
 import os
+import pickle
 import re
 import signal
 import warnings
@@ -37,6 +39,7 @@ from helpers import LedgerClient, rows
 from test_s3 import FlippingBody, error_response
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint import save as dcp_save
 
 from ckptdb import CheckpointManager, External, Keep, RunReader, Sharded, faults
 from ckptdb.errors import (
@@ -46,7 +49,7 @@ from ckptdb.errors import (
     PublishError,
 )
 from ckptdb.location import ObjectPath
-from ckptdb.storage import s3client
+from ckptdb.storage import s3client, s3dcp
 from ckptdb.storage.files import hash_checkpoint
 
 MiB = 1 << 20
@@ -815,3 +818,173 @@ def test_a_shard_missing_or_short_at_the_seal_rolls_back_on_every_rank(
     assert rows(root, "SELECT state FROM checkpoints") == [("aborted",)]
     assert s3lib.keys_under(client, s3_url) == []
     assert s3lib.uploads_under(client, s3_url) == []
+
+
+class _Planted:
+    """A pickle that runs code when it is loaded: ``os.mkdir(path)``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (str(self.path),))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["load", "reconcile"])
+def test_a_planted_manifest_is_refused_before_it_is_unpickled(
+    open_s3: Callable[..., CheckpointManager],
+    client: Any,
+    db: LedgerClient,
+    tmp_path: Path,
+    how: str,
+) -> None:
+    """``.metadata`` is read before the row authenticates it (the row's digest covers
+    the manifest's own hashes), so its bytes are unpickled with DCP's metadata classes
+    only: a ``.metadata`` planted in the bucket cannot run code in whoever verifies it;
+    it is a corrupt checkpoint, and latest falls back."""
+    mgr = open_s3()
+    mgr.save(1, model=Sharded(sd(1.0)))
+    second = mgr.save(2, model=Sharded(sd(2.0)))["model"]
+    ran = tmp_path / "the planted pickle ran"
+    client.put_object(
+        Bucket=s3lib.BUCKET,
+        Key=shard_key(second.path, ".metadata"),
+        Body=pickle.dumps(_Planted(ran)),
+    )
+    if how == "load":
+        with pytest.raises(CorruptCheckpointError, match="not a ckptdb manifest"):
+            mgr.load("latest", into=zeroed())
+    else:
+        report = mgr.reconcile()
+        assert report.counts == {"corrupt": 1, "repointed": 1}
+        assert "posix.mkdir" in report.actions[0].detail
+    assert not ran.exists()
+    assert states(db) == {1: "committed", 2: "corrupt"}
+    target = zeroed()
+    mgr.load("latest", into=target)
+    assert_same(target, sd(1.0))
+
+
+class _CountingBody:
+    """A response body that counts the bytes read from it."""
+
+    def __init__(self, inner: Any, counts: Counter[str], key: str) -> None:
+        self.inner, self.counts, self.key = inner, counts, key
+
+    def read(self, amount: int | None = None) -> bytes:
+        data: bytes = self.inner.read(amount)
+        self.counts[self.key] += len(data)
+        return data
+
+    def iter_chunks(self, size: int) -> Any:
+        for chunk in self.inner.iter_chunks(size):
+            self.counts[self.key] += len(chunk)
+            yield chunk
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_an_object_larger_than_the_checkpoint_is_refused_unread(
+    open_s3: Callable[..., CheckpointManager], client: Any, db: LedgerClient, name: str
+) -> None:
+    """Every object read whole into memory (``.metadata`` at the verify, a shard when
+    DCP reads it) is read to at most one byte more than it may hold: one replaced by
+    a far larger object (after the commit, or between the verify and the read) is
+    refused without being held in memory."""
+    mgr = open_s3()
+    mgr.save(1, model=Sharded(sd(1.0)))
+    second = mgr.save(2, model=Sharded(sd(2.0)))["model"]
+    key = shard_key(second.path, name)
+    huge = b"\0" * (8 * MiB)
+    read: Counter[str] = Counter()
+    gets: list[str] = []
+
+    def count_the_reads(parsed: Any, model: Any, context: Any, **_: Any) -> None:
+        got = context.get("input_params", {}).get("Key", "") if context else ""
+        gets.append(got)
+        if got == key and name == "__0_0.distcp" and gets.count(got) == 1:
+            # verify's GET of the shard is done: now it is replaced before DCP's read
+            client.delete_object(Bucket=s3lib.BUCKET, Key=key)
+            client.put_object(Bucket=s3lib.BUCKET, Key=key, Body=huge)
+        elif got == key:
+            parsed["Body"] = _CountingBody(parsed["Body"], read, got)
+
+    if name == ".metadata":
+        client.put_object(Bucket=s3lib.BUCKET, Key=key, Body=huge)
+    events = mgr._ctx.store.calls.client.meta.events  # type: ignore[attr-defined]
+    events.register("before-parameter-build.s3.GetObject", _keep_params)
+    events.register("after-call.s3.GetObject", count_the_reads)
+    with pytest.raises(CorruptCheckpointError):
+        mgr.load("latest", into=zeroed())
+    assert second.size is not None and 0 < read[key] <= second.size + 1
+    assert states(db) == {1: "committed", 2: "corrupt" if name == ".metadata" else "committed"}
+
+
+def test_the_manifest_unpickler_takes_every_metadata_dcp_writes(tmp_path: Path) -> None:
+    """The allow-list is wide enough for what DCP puts in ``.metadata``: every dtype
+    class (float, bfloat16, bool, complex, int), a non-contiguous and a channels-last
+    tensor, an optimizer's state and plain values, read back equal to DCP's own."""
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    state = {
+        "model": model.state_dict(),
+        "optim": optimizer.state_dict(),
+        "t": torch.arange(6).reshape(2, 3).t(),
+        "c": torch.ones(1, 2, 2, 2).to(memory_format=torch.channels_last),
+        "z": torch.zeros(3, dtype=torch.complex64),
+        "b": torch.ones(2, dtype=torch.bool),
+        "h": torch.ones(2, dtype=torch.float16),
+        "epoch": 3,
+        "names": ["a", "b"],
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_save(state, checkpoint_id=tmp_path, no_dist=True)
+    data = (tmp_path / ".metadata").read_bytes()
+    got = s3dcp._MetadataUnpickler(io.BytesIO(data)).load()
+    assert got.state_dict_metadata == pickle.loads(data).state_dict_metadata
+    assert len(got.state_dict_metadata) > 10
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("listing", ["ListMultipartUploads", "ListObjectsV2"])
+def test_a_truncated_listing_without_a_marker_fails_the_eviction_never_loops(
+    open_s3: Callable[..., CheckpointManager],
+    client: Any,
+    s3_url: str,
+    db: LedgerClient,
+    listing: str,
+) -> None:
+    """A page that says it is truncated but names no marker to go on from cannot be
+    followed: starting over would list the same page forever, and stopping would
+    take part of the prefix for all of it (objects left behind a row marked deleted).
+    The eviction fails instead (the row stays ``deleting``), and the next open,
+    whose listings are whole, finishes it."""
+    mgr = open_s3(streams={"model": Keep(last=1)})
+    first = mgr.save(1, model=Sharded(sd(1.0)))["model"]
+    events = mgr._ctx.store.calls.client.meta.events  # type: ignore[attr-defined]
+    pages: list[str] = []
+
+    def truncate(parsed: Any, context: Any, **_: Any) -> None:
+        if context.get("input_params", {}).get("Prefix") != f"{shard_key(first.path, '')}":
+            return  # only the eviction's listings of the first checkpoint's prefix
+        pages.append(listing)
+        parsed["IsTruncated"] = True
+        for marker in ("NextKeyMarker", "NextUploadIdMarker", "NextContinuationToken"):
+            parsed.pop(marker, None)
+
+    events.register(f"before-parameter-build.s3.{listing}", _keep_params)
+    events.register(f"after-call.s3.{listing}", truncate, unique_id="truncate")
+    with pytest.warns(UserWarning, match="truncated"):
+        mgr.save(2, model=Sharded(sd(2.0)))
+    events.unregister(f"after-call.s3.{listing}", unique_id="truncate")
+    assert pages == [listing]
+    assert states(db) == {1: "deleting", 2: "committed"}
+    assert names_under(client, first.path) == [".metadata", "__0_0.distcp"]
+    mgr.close()
+    again = open_s3(streams={"model": Keep(last=1)})
+    assert again.last_reconcile.counts == {"deleted": 1}
+    assert names_under(client, first.path) == []

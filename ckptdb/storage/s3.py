@@ -358,9 +358,10 @@ class S3Store:
             except Exception as exc:
                 raise store_error("ListObjectsV2", self.url(head), exc) from exc
             yield from (o["Key"] for o in page.get("Contents", []))
-            if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
+            if not page.get("IsTruncated"):
                 return
-            params["ContinuationToken"] = page["NextContinuationToken"]
+            where = f"ListObjectsV2 {self.url(head)}"
+            params["ContinuationToken"] = _marker(page, "NextContinuationToken", where)
 
     def _list_uploads(self) -> dict[str, list[str]]:
         if self._uploads is not None:
@@ -380,7 +381,8 @@ class S3Store:
                 uploads.setdefault(upload["Key"], []).append(upload["UploadId"])
             if not page.get("IsTruncated"):
                 return uploads
-            params["KeyMarker"] = page.get("NextKeyMarker", "")
+            where = f"ListMultipartUploads {self.url(head)}"
+            params["KeyMarker"] = _marker(page, "NextKeyMarker", where)
             params["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
 
     # ------------------------------------------------------------------ removing
@@ -462,6 +464,16 @@ class S3Store:
 
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
+
+
+def _marker(page: dict[str, Any], name: str, where: str) -> str:
+    """The marker a truncated page names to go on from. Without one the listing cannot
+    go on: starting over would list the same page forever, and stopping would take
+    part of the listing for all of it."""
+    marker = page.get(name)
+    if not marker:
+        raise ObjectStoreError(f"{where}: a truncated page without {name}; cannot go on")
+    return str(marker)
 
 
 def _stale_probe(name: str) -> Found | None:

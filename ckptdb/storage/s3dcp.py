@@ -26,7 +26,10 @@ seals by reading ``.metadata`` back (one GET), checking that every file DCP's
 metadata names is in the manifest, and HEADing each shard (its size must be
 what was written). The row gets the total size and the digest of every file
 (``.metadata`` included): the digest a local directory of the same files has
-(:func:`~ckptdb.storage.files.hash_checkpoint`).
+(:func:`~ckptdb.storage.files.hash_checkpoint`). ``.metadata`` is read before
+the row can authenticate it, so only DCP's metadata classes may be unpickled
+from it, and every object read whole is read to at most its expected size
+and one byte more.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import xxhash
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
@@ -67,6 +71,24 @@ MANIFEST_ATTR = "ckptdb_files"
 # (taken out before DCP's storage data is built from the results).
 _MANIFEST_INDEX = MetadataIndex("ckptdb.files")
 READ_CHUNK = 8 << 20
+# What a ``.metadata`` may name (DCP's metadata classes, ``torch.Size``, layouts; dtypes
+# are checked by value): it is unpickled before the row can authenticate it.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},  # DCP's own storage_meta (a path, no I/O)
+}
 
 
 class _Stream:
@@ -133,7 +155,7 @@ class ObjectFiles(FileSystemBase):
         known = (self.expected or {}).get(name)
         if known is None:
             raise CorruptCheckpointError(f"{self.store.url(self.key(path))} is not in the manifest")
-        info, data = _get(self.store, self.key(path))
+        info, data = _get(self.store, self.key(path), known.size)
         if info != known:
             raise CorruptCheckpointError(
                 f"{self.store.url(self.key(path))}: size {info.size}, hash {info.hash} "
@@ -220,17 +242,20 @@ class ShardReader(FileSystemReader):
 # ---------------------------------------------------------------- the manifest
 
 
-def read_manifest(store: S3Store, rel: str) -> tuple[dict[str, FileInfo], Metadata]:
+def read_manifest(
+    store: S3Store, rel: str, limit: int | None = None
+) -> tuple[dict[str, FileInfo], Metadata]:
     """Every file of the checkpoint (``.metadata`` too, as read now) and DCP's metadata.
 
+    ``limit``: the most ``.metadata`` may hold (the row's size: every file's).
     Raises :class:`ObjectStoreError` if ``.metadata`` cannot be read and
-    :class:`CorruptCheckpointError` if it is not a manifest of ours, or if a
-    file that DCP's metadata names is not in it.
+    :class:`CorruptCheckpointError` if it is larger, not a manifest of ours, or
+    if a file that DCP's metadata names is not in it.
     """
     key = store.key(f"{rel}/{METADATA}")
-    info, data = _get(store, key)
+    info, data = _get(store, key, limit)
     try:
-        metadata = pickle.loads(data)
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         listed = getattr(metadata, MANIFEST_ATTR)
         files = {str(n): FileInfo(int(s), str(h)) for n, (s, h) in listed.items()}
         named = {str(v.relative_path) for v in metadata.storage_data.values()}
@@ -241,6 +266,19 @@ def read_manifest(store: S3Store, rel: str) -> tuple[dict[str, FileInfo], Metada
         raise CorruptCheckpointError(f"{store.url(key)}: files not in the manifest: {unlisted}")
     files[METADATA] = info
     return files, metadata
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata and nothing else: ``.metadata`` holds the manifest that
+    authenticates it (the row's digest covers the hashes inside it), so it is read
+    before it can be trusted; a planted one must not run code in whoever verifies it."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not DCP metadata")
 
 
 def seal(store: S3Store, rel: str) -> FileInfo:
@@ -274,7 +312,7 @@ def verify(
     from the manifest, or a manifest that differs from the row: ``corrupt``.
     """
     try:
-        files, _ = read_manifest(store, rel)
+        files, _ = read_manifest(store, rel, size)
     except ObjectStoreError as exc:
         return store.unreadable(exc, METADATA), None
     except CorruptCheckpointError as exc:
@@ -298,12 +336,21 @@ def verify(
     return None, files
 
 
-def _get(store: S3Store, key: str) -> tuple[FileInfo, bytes]:
-    """One whole object (a shard file DCP reads, or ``.metadata``), measured and hashed."""
+def _get(store: S3Store, key: str, limit: int | None = None) -> tuple[FileInfo, bytes]:
+    """One whole object (a shard file DCP reads, or ``.metadata``), measured and hashed.
+
+    At most ``limit`` bytes (what the object may hold) and one more are read: an
+    object replaced by a far larger one is refused, never held whole in memory.
+    """
     try:
-        data = store.calls("get_object", Bucket=store.bucket, Key=key)["Body"].read()
+        body = store.calls("get_object", Bucket=store.bucket, Key=key)["Body"]
+        data = body.read() if limit is None else body.read(limit + 1)
     except Exception as exc:
         raise store_error("GetObject", store.url(key), exc) from exc
+    if limit is not None and len(data) > limit:
+        raise CorruptCheckpointError(
+            f"{store.url(key)}: more than the {limit} bytes it may hold; refusing to read it"
+        )
     return FileInfo(len(data), xxhash.xxh3_128(data).hexdigest()), data
 
 
