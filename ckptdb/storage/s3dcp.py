@@ -40,7 +40,7 @@ import os
 import pickle
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import xxhash
@@ -58,11 +58,25 @@ from .. import faults
 from ..errors import CorruptCheckpointError, InvalidArgumentError, ObjectStoreError, PhaseError
 from .base import CORRUPT, Finding
 from .files import FileInfo, combine
-from .s3client import store_error
+from .s3client import Calls, store_error
 from .s3upload import ObjectWriter
 
-if TYPE_CHECKING:
-    from .s3 import S3Store
+
+class S3Store(Protocol):
+    """What this module uses of :class:`~ckptdb.storage.s3.S3Store` (which uses this
+    module: a structural type instead of an import keeps the two out of a cycle)."""
+
+    bucket: str
+    calls: Calls
+
+    def key(self, rel: str) -> str: ...
+    def url(self, key: str) -> str: ...
+    def local_path(self, rel: str) -> Path: ...
+    def exists(self, rel: str) -> bool: ...
+    def head_size(self, key: str) -> FileInfo: ...
+    def abandon(self, writer: ObjectWriter) -> None: ...
+    def unreadable(self, exc: ObjectStoreError, name: str) -> Finding: ...
+
 
 METADATA = ".metadata"
 #: The attribute of DCP's ``Metadata`` that holds the manifest: {file name: (size, hash)}.
