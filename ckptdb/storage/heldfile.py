@@ -91,16 +91,28 @@ def unpickle(source: Any, *, map_location: Any, weights_only: bool) -> Any:
     if not isinstance(source, _Records):
         return torch.load(source, map_location=map_location, weights_only=weights_only)
     assert _TORCH_LOAD_RECORDS is not None  # else read_hashed held raw bytes
-    if not weights_only:
+    if not _forced_weights_only(weights_only):
         return _TORCH_LOAD_RECORDS(source, map_location, pickle, encoding="utf-8")
-    try:
-        return _TORCH_LOAD_RECORDS(source, map_location, _WEIGHTS_ONLY_UNPICKLER)
+    try:  # torch.load passes this encoding to its weights-only unpickler too
+        return _TORCH_LOAD_RECORDS(source, map_location, _WEIGHTS_ONLY_UNPICKLER, encoding="utf-8")
     except pickle.UnpicklingError as exc:  # worded as torch.load words it
         raise pickle.UnpicklingError(
             "Weights only load failed: the checkpoint holds an object that is not a "
             "tensor or an allowed type. Load it with weights_only=False only if you "
             f"trust its source. WeightsUnpickler error: {exc}"
         ) from None
+
+
+#: What torch reads as "on" in its environment switches.
+_TORCH_TRUE = ("1", "y", "yes", "true")
+
+
+def _forced_weights_only(weights_only: bool) -> bool:
+    """``weights_only`` as ``torch.load`` settles it: ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``
+    (an administrator's safety switch) makes every load weights-only, an explicit
+    ``False`` included. Held records bypass ``torch.load``, so its check is repeated."""
+    forced = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TORCH_TRUE
+    return weights_only or forced
 
 
 def read_held(path: Path) -> HeldFile:
