@@ -236,3 +236,23 @@ def test_an_unusual_archive_falls_back_to_one_whole_read(tmp_path: Path) -> None
     assert held.info == hash_file(squeezed) and not held.by_records
     assert isinstance(held.stream(), io.BytesIO)
     assert torch.equal(held.load(None, weights_only=True)["w"], torch.arange(6.0))
+
+
+def test_weights_only_records_decode_byte_strings_as_torch_load_does(tmp_path: Path) -> None:
+    """A pickle's 8-bit string (``SHORT_BINSTRING``, as Python 2 pickles wrote them) is
+    decoded as utf-8 by torch.load's weights-only unpickler: so must the held load,
+    or a file torch.load reads fails (UnicodeDecodeError, not even a pickle error)."""
+    import zipfile
+
+    plain = saved(tmp_path, {"w": torch.arange(6.0)}, "plain.pt")
+    crafted = tmp_path / "crafted.pt"
+    text = "é".encode()
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(crafted, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/data.pkl"):
+                data = b"\x80\x02U" + bytes([len(text)]) + text + b"."
+            dst.writestr(info.filename, data, compress_type=zipfile.ZIP_STORED)
+    held = heldfile.read_held(crafted)
+    assert held.by_records and held.info == hash_file(crafted)
+    assert held.load(None, weights_only=True) == torch.load(crafted, weights_only=True)
