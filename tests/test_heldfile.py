@@ -256,3 +256,71 @@ def test_weights_only_records_decode_byte_strings_as_torch_load_does(tmp_path: P
     held = heldfile.read_held(crafted)
     assert held.by_records and held.info == hash_file(crafted)
     assert held.load(None, weights_only=True) == torch.load(crafted, weights_only=True)
+
+
+def test_a_damaged_central_directory_is_corruption_whatever_the_zip_parser_raises(
+    tmp_path: Path,
+) -> None:
+    """Damage that makes the zip parser fail with something other than BadZipFile (a
+    name flagged utf-8 that is not: UnicodeDecodeError) is still found by the hash:
+    the file is read whole, and the verify reports it corrupt instead of raising."""
+    import struct
+    import zipfile
+
+    from ckptdb.storage.base import CORRUPT
+
+    store = LocalStore(tmp_path)
+    (tmp_path / "model").mkdir()
+    path = saved(tmp_path / "model", state(1.0))
+    info = hash_file(path)
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as archive:
+        at = archive.start_dir  # the first central directory entry
+    flags = struct.unpack_from("<H", data, at + 8)[0]
+    struct.pack_into("<H", data, at + 8, flags | 0x800)  # "the name is utf-8"
+    data[at + 46] = 0xFF  # never valid utf-8
+    path.write_bytes(bytes(data))
+    finding = store.verify("model/a.pt", info.size, info.hash, full=True, keep=True)
+    assert finding is not None and finding.state == CORRUPT
+    assert finding.actual == hash_file(path)  # hashed whole, once, as it is now
+
+
+def test_a_damaged_record_size_never_sizes_a_buffer_past_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record (not the last one) whose sizes in the central directory were damaged
+    alike must not make the read allocate that much: it is read whole, and corrupt."""
+    import struct
+    import zipfile
+
+    from ckptdb.storage.base import CORRUPT
+
+    store = LocalStore(tmp_path)
+    (tmp_path / "model").mkdir()
+    path = saved(tmp_path / "model", state(1.0))
+    info = hash_file(path)
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as archive:
+        at = archive.start_dir
+        records = [i for i in archive.infolist() if "/data/" in i.filename]
+        first = min(records, key=lambda i: i.header_offset)
+        assert first.header_offset < max(i.header_offset for i in archive.infolist())
+    while True:  # walk the central directory to the first entry's record
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", data, at + 28)
+        if bytes(data[at + 46 : at + 46 + name_len]).decode() == first.filename:
+            break
+        at += 46 + name_len + extra_len + comment_len
+    struct.pack_into("<II", data, at + 20, 1 << 30, 1 << 30)  # compressed, uncompressed
+    path.write_bytes(bytes(data))
+    sizes: list[int] = []
+    real_empty = torch.empty
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        sizes.append(int(args[0]) if args and isinstance(args[0], int) else 0)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", spy)
+    finding = store.verify("model/a.pt", info.size, info.hash, full=True, keep=True)
+    monkeypatch.undo()
+    assert finding is not None and finding.state == CORRUPT
+    assert all(size <= info.size for size in sizes), sizes

@@ -181,7 +181,9 @@ def _central_directory(f: BinaryIO, size: int) -> tuple[int, bytes, list[_Entry]
                 raise _Unusual("the central directory lies outside the file") from None
             window = min(size, window * 4)
             continue
-        except zipfile.BadZipFile as exc:
+        except (zipfile.BadZipFile, ValueError, EOFError, struct.error) as exc:
+            # damage can make the parser fail in any of these ways (a name flagged utf-8
+            # that is not: UnicodeDecodeError): the whole read's hash judges the file
             raise _Unusual(str(exc)) from None
         break
     directory_at = getattr(archive, "start_dir", None)
@@ -201,7 +203,8 @@ def _entries(archive: zipfile.ZipFile, directory_at: int) -> list[_Entry]:
         raise _Unusual("not a pickled state (a TorchScript archive?)")
     if any(i.compress_type != zipfile.ZIP_STORED or i.file_size != i.compress_size for i in infos):
         raise _Unusual("a compressed entry")
-    if infos and infos[-1].header_offset + infos[-1].file_size > directory_at:
+    if any(i.header_offset + i.file_size > directory_at for i in infos):
+        # checked for every entry: a damaged size must not size a buffer past the file
         raise _Unusual("an entry overlaps the central directory")
     return entries
 
