@@ -324,3 +324,31 @@ def test_a_damaged_record_size_never_sizes_a_buffer_past_the_file(
     monkeypatch.undo()
     assert finding is not None and finding.state == CORRUPT
     assert all(size <= info.size for size in sizes), sizes
+
+
+class ShortReads(io.FileIO):
+    """A file whose every read returns at most a few KiB, as one read(2) returns at most
+    ~2 GiB on Linux: a reader must loop until it has what it asked for."""
+
+    CAP = 4096
+
+    def read(self, size: int | None = -1) -> bytes:
+        return super().read(self.CAP if size is None or size < 0 else min(size, self.CAP))
+
+    def readinto(self, buffer: Any) -> int:
+        return super().readinto(memoryview(buffer).cast("B")[: self.CAP])
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["records", "whole"])
+def test_short_reads_still_read_the_whole_file(tmp_path: Path, zipped: bool) -> None:
+    """A large file (past 2 GiB one read returns less) is read whole either way: held
+    records or one whole read; a short read must never look like a shorter file
+    (that would mark a healthy checkpoint corrupt)."""
+    obj = {"big": torch.arange(100_000.0), **mixed_state()}
+    path = saved(tmp_path, obj, _use_new_zipfile_serialization=zipped)
+    assert path.stat().st_size > 20 * ShortReads.CAP
+    with ShortReads(path, "rb") as f:
+        held = heldfile.read_hashed(f)
+    assert held.info == hash_file(path)
+    assert held.by_records == zipped
+    assert_same(held.load(None, weights_only=True), torch.load(path, weights_only=True))

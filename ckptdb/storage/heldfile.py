@@ -134,8 +134,23 @@ def read_hashed(f: BinaryIO) -> HeldFile:
         return _read_archive(f, size)
     except _Unusual:
         f.seek(0)
-        raw = f.read(size)
+        raw = _read_up_to(f, size)
         return HeldFile(FileInfo(len(raw), xxhash.xxh3_128(raw).hexdigest()), None, raw)
+
+
+def _read_up_to(f: BinaryIO, size: int) -> bytes:
+    """``size`` bytes of ``f`` from its position, fewer only at its end: one read(2)
+    returns at most ~2 GiB on Linux, and a short read is not a shorter file (which
+    would make a healthy checkpoint look corrupt). One part (the common case): no copy."""
+    parts: list[bytes] = []
+    left = size
+    while left > 0:
+        part = f.read(left)
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _read_archive(f: BinaryIO, size: int) -> HeldFile:
@@ -171,7 +186,7 @@ def _central_directory(f: BinaryIO, size: int) -> tuple[int, bytes, list[_Entry]
     window = min(size, _TAIL_START)
     while True:
         f.seek(size - window)
-        tail = f.read(window)
+        tail = _read_up_to(f, window)
         if len(tail) != window:
             raise _Unusual("short read of the tail")
         try:
