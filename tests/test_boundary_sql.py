@@ -336,3 +336,31 @@ def test_a_boundary_of_many_streams_stays_within_an_old_sqlite_parameter_limit(
     for i, stream in enumerate(streams):
         assert saved[stream].stream == stream
         assert value_of(mgr.load(saved[stream])) == float(i)
+
+
+@SQLITE_ONLY
+def test_a_sqlite_without_returning_still_saves_every_stream(
+    open_manager: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite before 3.35 (Debian 11, Ubuntu 20.04) has no RETURNING, and SQLAlchemy says
+    so on its dialect: the pending rows then go in one by one, each id matched to its
+    stream, and a boundary saves as anywhere else."""
+    streams = {"model": Keep(last=1), "ema": Keep(last=1), "aux": Keep(last=1)}
+    mgr = open_manager(streams=dict(streams))
+    engine = mgr._ctx.ledger.engine
+    monkeypatch.setattr(engine.dialect, "insert_returning", False)
+    inserts: list[str] = []
+
+    def on_statement(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
+        if statement.startswith("INSERT INTO checkpoints"):
+            inserts.append(statement)
+
+    event.listen(engine, "before_cursor_execute", on_statement)
+    try:
+        saved = mgr.save(3, model=state(1), ema=state(2), aux=state(3))
+    finally:
+        event.remove(engine, "before_cursor_execute", on_statement)
+    assert len(inserts) == len(streams) and not any("RETURNING" in s for s in inserts)
+    for i, stream in enumerate(("model", "ema", "aux"), start=1):
+        assert saved[stream].stream == stream
+        assert value_of(mgr.load(saved[stream])) == float(i)

@@ -129,6 +129,10 @@ def stamp(session: Session, when: dt.datetime) -> Any:
 
 # --------------------------------------------------------------------- intent
 
+_INSERT = (
+    "INSERT INTO checkpoints (run_id, stream, step, attempt_id, path, state, metric, metrics,"
+    " created_at)"
+)
 _INSERT_ROW = "(?, ?, ?, ?, '', ?, ?, ?, ?)"
 
 
@@ -147,22 +151,31 @@ def add_pending(
         return {}
     encoded = json.dumps(metrics) if metrics else None
     now = stamp(session, m.utcnow())
+    rows = [
+        (run_id, stream, step, attempt_id, m.PENDING, metric, encoded, now)
+        for stream, metric in metric_of.items()
+    ]
+    if not _connection(session).dialect.insert_returning:
+        return _add_one_by_one(session, rows)
     ids: dict[str, int] = {}
-    for part in _batches(list(metric_of.items()), MAX_BOUND // 8):
-        values: list[Any] = []
-        for stream, metric in part:
-            values += [run_id, stream, step, attempt_id, m.PENDING, metric, encoded, now]
-        rows = ", ".join([_INSERT_ROW] * len(part))
+    for part in _batches(rows, MAX_BOUND // 8):
         found = fetch(
             session,
-            "INSERT INTO checkpoints (run_id, stream, step, attempt_id, path, state, metric,"
-            f" metrics, created_at) VALUES {rows} RETURNING id, stream",
-            tuple(values),
+            f"{_INSERT} VALUES {', '.join([_INSERT_ROW] * len(part))} RETURNING id, stream",
+            tuple(value for row in part for value in row),
         )
         # RETURNING's row order is unspecified (SQLite, PostgreSQL): matched by stream
         ids.update((stream, int(row_id)) for row_id, stream in found)
     assert ids.keys() == metric_of.keys(), "one id per inserted stream"
     return ids
+
+
+def _add_one_by_one(session: Session, rows: list[Params]) -> dict[str, int]:
+    """SQLite before 3.35 (Debian 11, Ubuntu 20.04) has no ``RETURNING``: one INSERT per
+    stream, its id the driver's ``lastrowid`` (what the ORM did on such a build)."""
+    return {
+        row[1]: int(run(session, f"{_INSERT} VALUES {_INSERT_ROW}", row).lastrowid) for row in rows
+    }
 
 
 def live_paths(session: Session, run_id: int, step: int, streams: Sequence[str]) -> set[str]:
