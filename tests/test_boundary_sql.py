@@ -16,13 +16,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from helpers import LedgerClient, state
+from helpers import LedgerClient, state, value_of
 from sqlalchemy import create_engine, event
 from sqlalchemy.orm import Session
 
 from ckptdb import CheckpointManager, Keep, TopK
 from ckptdb.errors import DatabaseError
-from ckptdb.ledger import boundary_rows
+from ckptdb.ledger import boundary_rows, pins
+from ckptdb.ledger import models as m
 from ckptdb.ledger import rows as ledger_rows
 from ckptdb.ledger.boundary_rows import _rendered
 from ckptdb.policies import Reads
@@ -280,3 +281,86 @@ def test_a_failed_pragma_leaves_the_level_unknown_and_the_next_transaction_sets_
         event.remove(ledger.engine, "before_cursor_execute", fail_once)
         event.remove(ledger.engine, "begin", on_begin)
     assert failed and levels == [2]  # FULL, on the same pooled connection
+
+
+#: Bound parameters a statement may carry on an old SQLite build (SQLITE_MAX_VARIABLE_NUMBER).
+OLD_SQLITE_LIMIT = 999
+#: More ids than one PostgreSQL statement may bind (psycopg: 65535).
+MANY = 70_000
+
+
+@pytest.fixture
+def old_sqlite_limit(backend: str | None) -> Callable[[Any], None]:
+    """Gives a run's SQLite connections an old build's parameter limit (999)."""
+
+    def limit(engine: Any) -> None:
+        if backend is None:
+            engine.dispose()
+            event.listen(engine, "connect", _limit_variables)
+
+    return limit
+
+
+def _limit_variables(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, OLD_SQLITE_LIMIT)
+
+
+def test_a_large_eviction_checks_its_pins_within_the_parameter_limit(
+    backend: str | None, open_manager: Opener, old_sqlite_limit: Callable[[Any], None]
+) -> None:
+    """A policy tightened on a long run evicts many rows in one commit: their pin check
+    must not bind more parameters than the driver allows (or every save fails)."""
+    mgr = open_manager(db_url=backend, streams={"model": Keep(last=None)})
+    pinned = mgr.save(1, model=state(1))["model"]
+    free = mgr.save(2, model=state(2))["model"]
+    ctx = mgr._ctx
+    old_sqlite_limit(ctx.ledger.engine)
+    with ctx.ledger.transaction() as session:
+        pins.add(session, ctx.run_id, pinned.id, "test", 600.0)
+    ids = [free.id, *range(10**7, 10**7 + MANY), pinned.id]
+    with ctx.ledger.transaction() as session:
+        held = boundary_rows.pinned_ids(session, ctx.run_id, ids, m.utcnow())
+    assert held == {pinned.id}
+
+
+@SQLITE_ONLY
+def test_a_boundary_of_many_streams_stays_within_an_old_sqlite_parameter_limit(
+    open_manager: Opener, old_sqlite_limit: Callable[[Any], None]
+) -> None:
+    """One INSERT for every stream of a boundary binds 8 values a stream: 130 streams
+    would pass 999, so the rows go in batches; every id still matches its stream."""
+    streams = {f"s{i}": Keep(last=1) for i in range(130)}
+    mgr = open_manager(streams=dict(streams))
+    old_sqlite_limit(mgr._ctx.ledger.engine)
+    saved = mgr.save(1, **{s: state(i) for i, s in enumerate(streams)})
+    for i, stream in enumerate(streams):
+        assert saved[stream].stream == stream
+        assert value_of(mgr.load(saved[stream])) == float(i)
+
+
+@SQLITE_ONLY
+def test_a_sqlite_without_returning_still_saves_every_stream(
+    open_manager: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite before 3.35 (Debian 11, Ubuntu 20.04) has no RETURNING, and SQLAlchemy says
+    so on its dialect: the pending rows then go in one by one, each id matched to its
+    stream, and a boundary saves as anywhere else."""
+    streams = {"model": Keep(last=1), "ema": Keep(last=1), "aux": Keep(last=1)}
+    mgr = open_manager(streams=dict(streams))
+    engine = mgr._ctx.ledger.engine
+    monkeypatch.setattr(engine.dialect, "insert_returning", False)
+    inserts: list[str] = []
+
+    def on_statement(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
+        if statement.startswith("INSERT INTO checkpoints"):
+            inserts.append(statement)
+
+    event.listen(engine, "before_cursor_execute", on_statement)
+    try:
+        saved = mgr.save(3, model=state(1), ema=state(2), aux=state(3))
+    finally:
+        event.remove(engine, "before_cursor_execute", on_statement)
+    assert len(inserts) == len(streams) and not any("RETURNING" in s for s in inserts)
+    for i, stream in enumerate(("model", "ema", "aux"), start=1):
+        assert saved[stream].stream == stream
+        assert value_of(mgr.load(saved[stream])) == float(i)

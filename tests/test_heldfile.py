@@ -236,3 +236,119 @@ def test_an_unusual_archive_falls_back_to_one_whole_read(tmp_path: Path) -> None
     assert held.info == hash_file(squeezed) and not held.by_records
     assert isinstance(held.stream(), io.BytesIO)
     assert torch.equal(held.load(None, weights_only=True)["w"], torch.arange(6.0))
+
+
+def test_weights_only_records_decode_byte_strings_as_torch_load_does(tmp_path: Path) -> None:
+    """A pickle's 8-bit string (``SHORT_BINSTRING``, as Python 2 pickles wrote them) is
+    decoded as utf-8 by torch.load's weights-only unpickler: so must the held load,
+    or a file torch.load reads fails (UnicodeDecodeError, not even a pickle error)."""
+    import zipfile
+
+    plain = saved(tmp_path, {"w": torch.arange(6.0)}, "plain.pt")
+    crafted = tmp_path / "crafted.pt"
+    text = "é".encode()
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(crafted, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/data.pkl"):
+                data = b"\x80\x02U" + bytes([len(text)]) + text + b"."
+            dst.writestr(info.filename, data, compress_type=zipfile.ZIP_STORED)
+    held = heldfile.read_held(crafted)
+    assert held.by_records and held.info == hash_file(crafted)
+    assert held.load(None, weights_only=True) == torch.load(crafted, weights_only=True)
+
+
+def test_a_damaged_central_directory_is_corruption_whatever_the_zip_parser_raises(
+    tmp_path: Path,
+) -> None:
+    """Damage that makes the zip parser fail with something other than BadZipFile (a
+    name flagged utf-8 that is not: UnicodeDecodeError) is still found by the hash:
+    the file is read whole, and the verify reports it corrupt instead of raising."""
+    import struct
+    import zipfile
+
+    from ckptdb.storage.base import CORRUPT
+
+    store = LocalStore(tmp_path)
+    (tmp_path / "model").mkdir()
+    path = saved(tmp_path / "model", state(1.0))
+    info = hash_file(path)
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as archive:
+        at = archive.start_dir  # the first central directory entry
+    flags = struct.unpack_from("<H", data, at + 8)[0]
+    struct.pack_into("<H", data, at + 8, flags | 0x800)  # "the name is utf-8"
+    data[at + 46] = 0xFF  # never valid utf-8
+    path.write_bytes(bytes(data))
+    finding = store.verify("model/a.pt", info.size, info.hash, full=True, keep=True)
+    assert finding is not None and finding.state == CORRUPT
+    assert finding.actual == hash_file(path)  # hashed whole, once, as it is now
+
+
+def test_a_damaged_record_size_never_sizes_a_buffer_past_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record (not the last one) whose sizes in the central directory were damaged
+    alike must not make the read allocate that much: it is read whole, and corrupt."""
+    import struct
+    import zipfile
+
+    from ckptdb.storage.base import CORRUPT
+
+    store = LocalStore(tmp_path)
+    (tmp_path / "model").mkdir()
+    path = saved(tmp_path / "model", state(1.0))
+    info = hash_file(path)
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as archive:
+        at = archive.start_dir
+        records = [i for i in archive.infolist() if "/data/" in i.filename]
+        first = min(records, key=lambda i: i.header_offset)
+        assert first.header_offset < max(i.header_offset for i in archive.infolist())
+    while True:  # walk the central directory to the first entry's record
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", data, at + 28)
+        if bytes(data[at + 46 : at + 46 + name_len]).decode() == first.filename:
+            break
+        at += 46 + name_len + extra_len + comment_len
+    struct.pack_into("<II", data, at + 20, 1 << 30, 1 << 30)  # compressed, uncompressed
+    path.write_bytes(bytes(data))
+    sizes: list[int] = []
+    real_empty = torch.empty
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        sizes.append(int(args[0]) if args and isinstance(args[0], int) else 0)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", spy)
+    finding = store.verify("model/a.pt", info.size, info.hash, full=True, keep=True)
+    monkeypatch.undo()
+    assert finding is not None and finding.state == CORRUPT
+    assert all(size <= info.size for size in sizes), sizes
+
+
+class ShortReads(io.FileIO):
+    """A file whose every read returns at most a few KiB, as one read(2) returns at most
+    ~2 GiB on Linux: a reader must loop until it has what it asked for."""
+
+    CAP = 4096
+
+    def read(self, size: int | None = -1) -> bytes:
+        return super().read(self.CAP if size is None or size < 0 else min(size, self.CAP))
+
+    def readinto(self, buffer: Any) -> int:
+        return super().readinto(memoryview(buffer).cast("B")[: self.CAP])
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["records", "whole"])
+def test_short_reads_still_read_the_whole_file(tmp_path: Path, zipped: bool) -> None:
+    """A large file (past 2 GiB one read returns less) is read whole either way: held
+    records or one whole read; a short read must never look like a shorter file
+    (that would mark a healthy checkpoint corrupt)."""
+    obj = {"big": torch.arange(100_000.0), **mixed_state()}
+    path = saved(tmp_path, obj, _use_new_zipfile_serialization=zipped)
+    assert path.stat().st_size > 20 * ShortReads.CAP
+    with ShortReads(path, "rb") as f:
+        held = heldfile.read_hashed(f)
+    assert held.info == hash_file(path)
+    assert held.by_records == zipped
+    assert_same(held.load(None, weights_only=True), torch.load(path, weights_only=True))

@@ -319,3 +319,16 @@ def test_load_of_a_vanished_file_marks_it_lost_and_falls_back(open_manager, root
     assert rows(root, "SELECT state FROM checkpoints WHERE id = ?", second.id) == [("lost",)]
     assert rows(root, "SELECT count(*) FROM events WHERE kind = 'lost'") == [(1,)]
     assert torch.equal(mgr.load("latest")["w"], state(1)["w"])
+
+
+def test_a_forced_weights_only_load_is_honoured_like_torch_load(open_manager, monkeypatch):
+    """``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` makes torch.load refuse arbitrary objects even
+    when the caller asks for ``weights_only=False`` (an administrator's safety switch):
+    the one-pass load, which calls torch's zip loader itself, must honour it too."""
+    mgr = open_manager()
+    mgr.save(1, model={"obj": Opaque(41)})
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(pickle.UnpicklingError, match=r"[Ww]eights only"):
+        mgr.load(weights_only=False)
+    monkeypatch.delenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    assert mgr.load(weights_only=False)["obj"].value == 41

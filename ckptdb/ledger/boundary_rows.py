@@ -21,9 +21,9 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, Dialect
@@ -34,6 +34,12 @@ from . import models as m
 from .rows import LIVE_STATES, latest_pointer
 
 Params = tuple[Any, ...]
+T = TypeVar("T")
+
+#: The most values one statement binds: under the 999 of old SQLite builds (newer ones
+#: allow 32766, psycopg 65535). A long list (a large eviction's pin check, a boundary of
+#: many streams) goes in batches, else a driver error would fail every save from then on.
+MAX_BOUND = 900
 
 #: Parameter styles whose placeholders are positional (the driver takes tuples).
 _POSITIONAL = {"qmark": "?", "format": "%s", "pyformat": "%s"}
@@ -123,6 +129,10 @@ def stamp(session: Session, when: dt.datetime) -> Any:
 
 # --------------------------------------------------------------------- intent
 
+_INSERT = (
+    "INSERT INTO checkpoints (run_id, stream, step, attempt_id, path, state, metric, metrics,"
+    " created_at)"
+)
 _INSERT_ROW = "(?, ?, ?, ?, '', ?, ?, ?, ?)"
 
 
@@ -135,39 +145,56 @@ def add_pending(
     metric_of: dict[str, float | None],
 ) -> dict[str, int]:
     """Insert one ``pending`` row per stream of ``metric_of`` (its ranking value) in one
-    statement; their ids by stream (a boundary has each stream at most once)."""
+    statement (one per :data:`MAX_BOUND` values: a boundary of very many streams); their
+    ids by stream (a boundary has each stream at most once)."""
     if not metric_of:
         return {}
     encoded = json.dumps(metrics) if metrics else None
     now = stamp(session, m.utcnow())
-    values: list[Any] = []
-    for stream, metric in metric_of.items():
-        values += [run_id, stream, step, attempt_id, m.PENDING, metric, encoded, now]
-    rows = ", ".join([_INSERT_ROW] * len(metric_of))
-    found = fetch(
-        session,
-        "INSERT INTO checkpoints (run_id, stream, step, attempt_id, path, state, metric,"
-        f" metrics, created_at) VALUES {rows} RETURNING id, stream",
-        tuple(values),
-    )
-    ids = {stream: int(row_id) for row_id, stream in found}
+    rows = [
+        (run_id, stream, step, attempt_id, m.PENDING, metric, encoded, now)
+        for stream, metric in metric_of.items()
+    ]
+    if not _connection(session).dialect.insert_returning:
+        return _add_one_by_one(session, rows)
+    ids: dict[str, int] = {}
+    for part in _batches(rows, MAX_BOUND // 8):
+        found = fetch(
+            session,
+            f"{_INSERT} VALUES {', '.join([_INSERT_ROW] * len(part))} RETURNING id, stream",
+            tuple(value for row in part for value in row),
+        )
+        # RETURNING's row order is unspecified (SQLite, PostgreSQL): matched by stream
+        ids.update((stream, int(row_id)) for row_id, stream in found)
     assert ids.keys() == metric_of.keys(), "one id per inserted stream"
     return ids
+
+
+def _add_one_by_one(session: Session, rows: list[Params]) -> dict[str, int]:
+    """SQLite before 3.35 (Debian 11, Ubuntu 20.04) has no ``RETURNING``: one INSERT per
+    stream, its id the driver's ``lastrowid`` (what the ORM did on such a build)."""
+    return {
+        row[1]: int(run(session, f"{_INSERT} VALUES {_INSERT_ROW}", row).lastrowid) for row in rows
+    }
 
 
 def live_paths(session: Session, run_id: int, step: int, streams: Sequence[str]) -> set[str]:
     """Paths that live rows of ``streams`` at ``step`` hold: where a name in ckptdb's own
     naming (which only its stream and step can use) is taken. One indexed read for the
-    whole boundary, through ``(run_id, stream, state, step)``."""
+    whole boundary (batched as :data:`MAX_BOUND` requires), through
+    ``(run_id, stream, state, step)``."""
+    paths: set[str] = set()
     if not streams:
-        return set()
-    found = fetch(
-        session,
-        "SELECT path FROM checkpoints WHERE run_id = ? AND step = ?"
-        f" AND stream IN ({_marks(len(streams))}) AND state IN ({_marks(len(LIVE_STATES))})",
-        (run_id, step, *streams, *LIVE_STATES),
-    )
-    return {str(path) for (path,) in found}
+        return paths
+    for part in _batches(streams, MAX_BOUND - 2 - len(LIVE_STATES)):
+        found = fetch(
+            session,
+            "SELECT path FROM checkpoints WHERE run_id = ? AND step = ?"
+            f" AND stream IN ({_marks(len(part))}) AND state IN ({_marks(len(LIVE_STATES))})",
+            (run_id, step, *part, *LIVE_STATES),
+        )
+        paths.update(str(path) for (path,) in found)
+    return paths
 
 
 def set_paths(session: Session, named: Sequence[tuple[int, str, str]]) -> None:
@@ -223,17 +250,22 @@ def point_latest(session: Session, run_id: int, latest: Sequence[tuple[str, int]
 
 def pinned_ids(session: Session, run_id: int, ids: Sequence[int], now: dt.datetime) -> set[int]:
     """Which of ``ids`` have a live pin (unreleased, not expired): what
-    :func:`ckptdb.ledger.pins.pinned_ids` answers, in one driver statement."""
+    :func:`ckptdb.ledger.pins.pinned_ids` answers, in one driver statement (one per
+    :data:`MAX_BOUND` ids: a large eviction)."""
+    held: set[int] = set()
     if not ids:
-        return set()
-    found = fetch(
-        session,
-        "SELECT checkpoint_id FROM pins WHERE run_id = ?"
-        f" AND checkpoint_id IN ({_marks(len(ids))})"
-        " AND released_at IS NULL AND expires_at > ?",
-        (run_id, *ids, stamp(session, now)),
-    )
-    return {int(i) for (i,) in found}
+        return held
+    at = stamp(session, now)
+    for part in _batches(ids, MAX_BOUND - 2):
+        found = fetch(
+            session,
+            "SELECT checkpoint_id FROM pins WHERE run_id = ?"
+            f" AND checkpoint_id IN ({_marks(len(part))})"
+            " AND released_at IS NULL AND expires_at > ?",
+            (run_id, *part, at),
+        )
+        held.update(int(i) for (i,) in found)
+    return held
 
 
 # ------------------------------------------------------------------- members
@@ -273,3 +305,9 @@ def _members(session: Session, sql: str, params: Params) -> list[Member]:
 
 def _marks(count: int) -> str:
     return ", ".join(["?"] * count)
+
+
+def _batches(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    """``items`` in consecutive slices of at most ``size`` (see :data:`MAX_BOUND`)."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

@@ -91,16 +91,28 @@ def unpickle(source: Any, *, map_location: Any, weights_only: bool) -> Any:
     if not isinstance(source, _Records):
         return torch.load(source, map_location=map_location, weights_only=weights_only)
     assert _TORCH_LOAD_RECORDS is not None  # else read_hashed held raw bytes
-    if not weights_only:
+    if not _forced_weights_only(weights_only):
         return _TORCH_LOAD_RECORDS(source, map_location, pickle, encoding="utf-8")
-    try:
-        return _TORCH_LOAD_RECORDS(source, map_location, _WEIGHTS_ONLY_UNPICKLER)
+    try:  # torch.load passes this encoding to its weights-only unpickler too
+        return _TORCH_LOAD_RECORDS(source, map_location, _WEIGHTS_ONLY_UNPICKLER, encoding="utf-8")
     except pickle.UnpicklingError as exc:  # worded as torch.load words it
         raise pickle.UnpicklingError(
             "Weights only load failed: the checkpoint holds an object that is not a "
             "tensor or an allowed type. Load it with weights_only=False only if you "
             f"trust its source. WeightsUnpickler error: {exc}"
         ) from None
+
+
+#: What torch reads as "on" in its environment switches.
+_TORCH_TRUE = ("1", "y", "yes", "true")
+
+
+def _forced_weights_only(weights_only: bool) -> bool:
+    """``weights_only`` as ``torch.load`` settles it: ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``
+    (an administrator's safety switch) makes every load weights-only, an explicit
+    ``False`` included. Held records bypass ``torch.load``, so its check is repeated."""
+    forced = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TORCH_TRUE
+    return weights_only or forced
 
 
 def read_held(path: Path) -> HeldFile:
@@ -122,8 +134,23 @@ def read_hashed(f: BinaryIO) -> HeldFile:
         return _read_archive(f, size)
     except _Unusual:
         f.seek(0)
-        raw = f.read(size)
+        raw = _read_up_to(f, size)
         return HeldFile(FileInfo(len(raw), xxhash.xxh3_128(raw).hexdigest()), None, raw)
+
+
+def _read_up_to(f: BinaryIO, size: int) -> bytes:
+    """``size`` bytes of ``f`` from its position, fewer only at its end: one read(2)
+    returns at most ~2 GiB on Linux, and a short read is not a shorter file (which
+    would make a healthy checkpoint look corrupt). One part (the common case): no copy."""
+    parts: list[bytes] = []
+    left = size
+    while left > 0:
+        part = f.read(left)
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _read_archive(f: BinaryIO, size: int) -> HeldFile:
@@ -159,7 +186,7 @@ def _central_directory(f: BinaryIO, size: int) -> tuple[int, bytes, list[_Entry]
     window = min(size, _TAIL_START)
     while True:
         f.seek(size - window)
-        tail = f.read(window)
+        tail = _read_up_to(f, window)
         if len(tail) != window:
             raise _Unusual("short read of the tail")
         try:
@@ -169,7 +196,9 @@ def _central_directory(f: BinaryIO, size: int) -> tuple[int, bytes, list[_Entry]
                 raise _Unusual("the central directory lies outside the file") from None
             window = min(size, window * 4)
             continue
-        except zipfile.BadZipFile as exc:
+        except (zipfile.BadZipFile, ValueError, EOFError, struct.error) as exc:
+            # damage can make the parser fail in any of these ways (a name flagged utf-8
+            # that is not: UnicodeDecodeError): the whole read's hash judges the file
             raise _Unusual(str(exc)) from None
         break
     directory_at = getattr(archive, "start_dir", None)
@@ -189,7 +218,8 @@ def _entries(archive: zipfile.ZipFile, directory_at: int) -> list[_Entry]:
         raise _Unusual("not a pickled state (a TorchScript archive?)")
     if any(i.compress_type != zipfile.ZIP_STORED or i.file_size != i.compress_size for i in infos):
         raise _Unusual("a compressed entry")
-    if infos and infos[-1].header_offset + infos[-1].file_size > directory_at:
+    if any(i.header_offset + i.file_size > directory_at for i in infos):
+        # checked for every entry: a damaged size must not size a buffer past the file
         raise _Unusual("an entry overlaps the central directory")
     return entries
 
