@@ -248,7 +248,19 @@ def test_the_protocol_reaches_payloads_only_through_the_store(tmp_path: Path) ->
     ]
     # verify (which holds the bytes it hashed), the confinement check, then the
     # read of those held bytes: the file is not opened again by its path
-    assert loading == ["verify", "local_path", "open_verified"]
+    assert loading == ["verify", "local_path", "open_verified", "forget_verified"]
+
+
+def test_a_load_refused_after_its_verify_holds_nothing(tmp_path: Path) -> None:
+    """The verify of a load holds the whole payload for the read that follows; a load
+    refused between the two (here: ``into=`` for a file) must not leave it held until
+    the next verify."""
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, model=state(1.0))
+        with pytest.raises(e.InvalidArgumentError, match="into= is for sharded"):
+            mgr.load(into={"w": torch.zeros(4)})
+        assert mgr._ctx.store._held is None  # type: ignore[attr-defined]
+        assert torch.equal(mgr.load()["w"], state(1.0)["w"])
 
 
 def test_verify_sorts_a_bad_payload_into_lost_or_corrupt(tmp_path: Path) -> None:

@@ -49,6 +49,19 @@ class Loader:
     ) -> Any:
         if self.inflight.writes(self._stream_of(which, stream)):
             self.inflight.wait()
+        try:
+            return self._load(which, stream, map_location, weights_only, into)
+        finally:  # a load refused after its verify leaves nothing held
+            self.ctx.store.forget_verified()
+
+    def _load(
+        self,
+        which: object,
+        stream: str | None,
+        map_location: Any,
+        weights_only: bool,
+        into: dict[str, Any] | None,
+    ) -> Any:
         target = self.coord.shared("resolve", lambda: self.verified(which, stream, keep=True))
         kind = kind_of_path(target.path)
         rel = self.ctx.rel(target.path)

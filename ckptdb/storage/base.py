@@ -144,6 +144,11 @@ class PayloadStore(Protocol):
         them (object storage: one GET serves both; a local file: one read, see
         :mod:`~ckptdb.storage.heldfile`); None: read :meth:`local_path` (a directory)."""
 
+    def forget_verified(self) -> None:
+        """Drop what a ``verify(keep=True)`` holds for a load that will not come (one
+        refused after its verify): a whole payload must not stay in memory until the
+        next verify."""
+
     def local_path(self, rel: str) -> Path:
         """A confined local path to read ``rel`` from (refused if ``rel`` escapes the store)."""
 

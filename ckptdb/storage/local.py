@@ -56,6 +56,9 @@ class LocalStore:
         """Never: a local file is published by rename, so a write never meets another's."""
         return False
 
+    def forget_verified(self) -> None:
+        self._held = None
+
     def open_verified(self, rel: str) -> HeldFile | None:
         """The bytes the last full :meth:`verify` of ``rel`` with ``keep`` hashed (handed
         out once, then dropped); None for a directory, which is read by its path."""

@@ -301,6 +301,9 @@ class S3Store:
             raise store_error("GetObject", self.url(key), exc) from exc
         return FileInfo(size, digest.hexdigest()), data
 
+    def forget_verified(self) -> None:
+        self._verified = self._manifest = None
+
     def open_verified(self, rel: str) -> BinaryIO | None:
         """The bytes the last full :meth:`verify` of ``rel`` hashed (read once, then dropped)."""
         held, self._verified = self._verified, None
