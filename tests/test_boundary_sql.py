@@ -321,6 +321,12 @@ def test_a_large_eviction_checks_its_pins_within_the_parameter_limit(
     with ctx.ledger.transaction() as session:
         held = boundary_rows.pinned_ids(session, ctx.run_id, ids, m.utcnow())
     assert held == {pinned.id}
+    with ctx.ledger.transaction() as session:  # the ORM's check (gc, reconcile) too
+        assert pins.pinned_ids(session, ctx.run_id, ids, m.utcnow()) == {pinned.id}
+    with ctx.ledger.transaction() as session:
+        pins.drop(session, ids)
+    with ctx.ledger.transaction() as session:
+        assert pins.pinned_ids(session, ctx.run_id, [pinned.id], m.utcnow()) == set()
 
 
 @SQLITE_ONLY

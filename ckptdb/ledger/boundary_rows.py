@@ -158,7 +158,7 @@ def add_pending(
     if not _connection(session).dialect.insert_returning:
         return _add_one_by_one(session, rows)
     ids: dict[str, int] = {}
-    for part in _batches(rows, MAX_BOUND // 8):
+    for part in batches(rows, MAX_BOUND // 8):
         found = fetch(
             session,
             f"{_INSERT} VALUES {', '.join([_INSERT_ROW] * len(part))} RETURNING id, stream",
@@ -186,7 +186,7 @@ def live_paths(session: Session, run_id: int, step: int, streams: Sequence[str])
     paths: set[str] = set()
     if not streams:
         return paths
-    for part in _batches(streams, MAX_BOUND - 2 - len(LIVE_STATES)):
+    for part in batches(streams, MAX_BOUND - 2 - len(LIVE_STATES)):
         found = fetch(
             session,
             "SELECT path FROM checkpoints WHERE run_id = ? AND step = ?"
@@ -256,7 +256,7 @@ def pinned_ids(session: Session, run_id: int, ids: Sequence[int], now: dt.dateti
     if not ids:
         return held
     at = stamp(session, now)
-    for part in _batches(ids, MAX_BOUND - 2):
+    for part in batches(ids, MAX_BOUND - 2):
         found = fetch(
             session,
             "SELECT checkpoint_id FROM pins WHERE run_id = ?"
@@ -307,7 +307,7 @@ def _marks(count: int) -> str:
     return ", ".join(["?"] * count)
 
 
-def _batches(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+def batches(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
     """``items`` in consecutive slices of at most ``size`` (see :data:`MAX_BOUND`)."""
     for start in range(0, len(items), size):
         yield items[start : start + size]

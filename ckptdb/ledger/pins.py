@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session
 
 from ..errors import CheckpointNotFoundError
 from . import models as m
+from .boundary_rows import MAX_BOUND, batches
 
 
 def _live(now: dt.datetime) -> Any:
@@ -82,13 +83,15 @@ def release(session: Session, pin_id: int) -> None:
 
 
 def pinned_ids(session: Session, run_id: int, ids: Sequence[int], now: dt.datetime) -> set[int]:
-    """Which of the checkpoints ``ids`` have a live pin."""
-    if not ids:
-        return set()
-    query = select(m.Pin.checkpoint_id).where(
-        m.Pin.run_id == run_id, m.Pin.checkpoint_id.in_(list(ids)), _live(now)
-    )
-    return set(session.scalars(query))
+    """Which of the checkpoints ``ids`` have a live pin (asked in batches: a gc or
+    reconcile after a large eviction may hold more ids than a statement may bind)."""
+    held: set[int] = set()
+    for part in batches(ids, MAX_BOUND - 4):
+        query = select(m.Pin.checkpoint_id).where(
+            m.Pin.run_id == run_id, m.Pin.checkpoint_id.in_(list(part)), _live(now)
+        )
+        held.update(session.scalars(query))
+    return held
 
 
 def live_pinned(session: Session, run_id: int, now: dt.datetime) -> set[int]:
@@ -108,9 +111,10 @@ def held_back(session: Session, run_id: int) -> list[m.Checkpoint]:
 
 
 def drop(session: Session, checkpoint_ids: Sequence[int]) -> None:
-    """Forget the pins of checkpoints whose files are being removed."""
-    if checkpoint_ids:
-        session.execute(delete(m.Pin).where(m.Pin.checkpoint_id.in_(list(checkpoint_ids))))
+    """Forget the pins of checkpoints whose files are being removed (in batches, as
+    :func:`pinned_ids`)."""
+    for part in batches(checkpoint_ids, MAX_BOUND):
+        session.execute(delete(m.Pin).where(m.Pin.checkpoint_id.in_(list(part))))
 
 
 def clear_stale(session: Session, run_id: int, now: dt.datetime) -> int:
