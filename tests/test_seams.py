@@ -17,6 +17,7 @@ import errno
 import inspect
 import os
 import sqlite3
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -249,6 +250,27 @@ def test_the_protocol_reaches_payloads_only_through_the_store(tmp_path: Path) ->
     # verify (which holds the bytes it hashed), the confinement check, then the
     # read of those held bytes: the file is not opened again by its path
     assert loading == ["verify", "local_path", "open_verified", "forget_verified"]
+
+
+def test_threads_loading_at_once_keep_their_own_verified_bytes(tmp_path: Path) -> None:
+    """A verify holds the bytes its load reads next; another thread's verify, load or
+    refused load in between must neither replace nor drop them."""
+    store = LocalStore(tmp_path)
+    (tmp_path / "model").mkdir()
+    infos = {
+        rel: store.write_object(rel, lambda f, v=v: torch.save({"w": v}, f))
+        for rel, v in (("model/a.pt", 1.0), ("model/b.pt", 2.0))
+    }
+
+    def verify(rel: str) -> None:
+        assert store.verify(rel, infos[rel].size, infos[rel].hash, full=True, keep=True) is None
+
+    verify("model/a.pt")
+    other = threading.Thread(target=lambda: (verify("model/b.pt"), store.forget_verified()))
+    other.start()
+    other.join(10)
+    held = store.open_verified("model/a.pt")
+    assert held is not None and held.load(None, True) == {"w": 1.0}
 
 
 def test_a_load_refused_after_its_verify_holds_nothing(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ confined to the save directory (no ``..``, no symlinked directory out of it).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -39,7 +40,7 @@ class LocalStore:
         self.save_dir = save_dir
         # Directory resolutions, memoized while one pass walks many rows (reconcile).
         self._resolved: dict[Any, Path] | None = None
-        self._held: tuple[str, HeldFile] | None = None  # the last full verify's bytes (keep)
+        self._loading = threading.local()  # a verify's held bytes, per loading thread
 
     @property
     def location(self) -> Path:
@@ -55,6 +56,17 @@ class LocalStore:
     def disowned(self, rel: str) -> bool:
         """Never: a local file is published by rename, so a write never meets another's."""
         return False
+
+    @property
+    def _held(self) -> tuple[str, HeldFile] | None:
+        """The last full verify's bytes (``keep``) in this thread: threads that load
+        through one manager at once never take (or drop) each other's bytes."""
+        held: tuple[str, HeldFile] | None = getattr(self._loading, "held", None)
+        return held
+
+    @_held.setter
+    def _held(self, value: tuple[str, HeldFile] | None) -> None:
+        self._loading.held = value
 
     def forget_verified(self) -> None:
         self._held = None

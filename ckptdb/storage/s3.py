@@ -37,6 +37,7 @@ which writes local files) are refused with
 from __future__ import annotations
 
 import io
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -90,8 +91,7 @@ class S3Store:
         self._unaborted: dict[str, list[str]] = {}  # uploads whose abort failed
         self._foreign: set[str] = set()  # keys a conditional write found taken
         self.run_token: str | None = None  # set by the writer (see PayloadStore.run_token)
-        self._verified: tuple[str, bytes] | None = None  # the last full verify's bytes
-        self._manifest: tuple[str, dict[str, FileInfo]] | None = None  # a sharded verify's
+        self._loading = threading.local()  # a verify's held bytes or manifest, per thread
         if probe and options.require_conditional_writes:
             probe_conditional_writes(self.calls, self.bucket, self.prefix)
 
@@ -300,6 +300,26 @@ class S3Store:
         except Exception as exc:
             raise store_error("GetObject", self.url(key), exc) from exc
         return FileInfo(size, digest.hexdigest()), data
+
+    @property
+    def _verified(self) -> tuple[str, bytes] | None:
+        """The last full verify's bytes in this thread (see :class:`LocalStore`)."""
+        held: tuple[str, bytes] | None = getattr(self._loading, "verified", None)
+        return held
+
+    @_verified.setter
+    def _verified(self, value: tuple[str, bytes] | None) -> None:
+        self._loading.verified = value
+
+    @property
+    def _manifest(self) -> tuple[str, dict[str, FileInfo]] | None:
+        """The last sharded verify's manifest in this thread."""
+        held: tuple[str, dict[str, FileInfo]] | None = getattr(self._loading, "manifest", None)
+        return held
+
+    @_manifest.setter
+    def _manifest(self, value: tuple[str, dict[str, FileInfo]] | None) -> None:
+        self._loading.manifest = value
 
     def forget_verified(self) -> None:
         self._verified = self._manifest = None
