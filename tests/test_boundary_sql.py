@@ -16,16 +16,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from helpers import LedgerClient, state, value_of
+from helpers import LedgerClient, pg_admin, state, value_of
 from sqlalchemy import create_engine, event
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ckptdb import CheckpointManager, Keep, TopK
-from ckptdb.errors import DatabaseError
+from ckptdb.errors import DatabaseError, LedgerError
 from ckptdb.ledger import boundary_rows, pins
 from ckptdb.ledger import models as m
 from ckptdb.ledger import rows as ledger_rows
 from ckptdb.ledger.boundary_rows import _rendered
+from ckptdb.ledger.driver import Executed
 from ckptdb.policies import Reads
 
 Opener = Callable[..., CheckpointManager]
@@ -370,3 +372,109 @@ def test_a_sqlite_without_returning_still_saves_every_stream(
     for i, stream in enumerate(("model", "ema", "aux"), start=1):
         assert saved[stream].stream == stream
         assert value_of(mgr.load(saved[stream])) == float(i)
+
+
+# ------------------------------------------------- the driver runner (ledger/driver.py)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
+def test_a_driver_error_is_sqlalchemys_and_rolls_the_transaction_back(
+    backend: str | None, open_manager: Opener
+) -> None:
+    """A statement the database refuses raises what exec_driver_sql raised (so the ledger
+    translates it to DatabaseError with the driver's message), and nothing of the
+    transaction it was in commits."""
+    mgr = open_manager(db_url=backend, streams={"model": Keep(last=1)})
+    ledger = mgr._ctx.ledger
+    with pytest.raises(DatabaseError) as raised, ledger.transaction() as session:
+        boundary_rows.run(
+            session, "UPDATE checkpoints SET path = ? WHERE id = ?", ("planted", -1)
+        )
+        boundary_rows.run(session, "INSERT INTO pointers (run_id, name) VALUES (?, ?)", (1, "x"))
+    assert isinstance(raised.value.original, IntegrityError)
+    assert "null" in str(raised.value).lower()  # the driver's own words reach the user
+    with ledger.transaction(read=True) as session:
+        names = boundary_rows.fetch(session, "SELECT name FROM pointers WHERE name = ?", ("x",))
+    assert names == []
+
+
+@SQLITE_ONLY
+def test_a_listeners_own_error_propagates_unchanged(open_manager: Opener) -> None:
+    """Only the driver's errors are wrapped: anything else a statement observer raises
+    reaches the caller as itself (never wrapped, never its own cause)."""
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    engine = mgr._ctx.ledger.engine
+
+    class Observed(Exception):
+        pass
+
+    def fail(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
+        if statement.startswith("INSERT INTO checkpoints"):
+            raise Observed(statement)
+
+    event.listen(engine, "before_cursor_execute", fail)
+    try:
+        with pytest.raises(Observed) as raised:
+            mgr.save(1, model=state(1))
+    finally:
+        event.remove(engine, "before_cursor_execute", fail)
+    assert raised.value.__cause__ is None  # as raised, not wrapped around itself
+    assert mgr.save(2, model=state(2))["model"].step == 2
+    assert [c.step for c in mgr.checkpoints()] == [2]  # the failed intent left no row
+
+
+@SQLITE_ONLY
+def test_statement_observers_see_and_may_rewrite_each_driver_statement(
+    open_manager: Opener,
+) -> None:
+    """``before_cursor_execute`` listeners run around the driver statements as they do
+    around SQLAlchemy's own, ``retval=True`` ones included, and
+    ``after_cursor_execute`` ones follow."""
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    engine = mgr._ctx.ledger.engine
+    after: list[str] = []
+
+    def rewrite(_c: Any, _cur: Any, statement: str, params: Any, *_: Any) -> Any:
+        return statement.replace("SELECT 41", "SELECT 42"), params
+
+    def seen(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
+        after.append(statement)
+
+    event.listen(engine, "before_cursor_execute", rewrite, retval=True)
+    event.listen(engine, "after_cursor_execute", seen)
+    try:
+        with mgr._ctx.ledger.transaction(read=True) as session:
+            answer = boundary_rows.fetch(session, "SELECT 41", ())
+    finally:
+        event.remove(engine, "before_cursor_execute", rewrite)
+        event.remove(engine, "after_cursor_execute", seen)
+    assert answer == [(42,)]
+    assert after[-1] == "SELECT 42"
+
+
+def test_an_insert_whose_id_the_driver_does_not_report_is_refused() -> None:
+    with pytest.raises(LedgerError, match="did not report the id"):
+        boundary_rows._inserted_id(Executed([], None))
+    assert boundary_rows._inserted_id(Executed([], 7)) == 7
+
+
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+def test_a_lost_postgresql_connection_is_invalidated_and_replaced(
+    backend: str, open_manager: Opener
+) -> None:
+    """The server drops the connection mid-transaction: the statement fails as a
+    DatabaseError, the pool discards that connection (as SQLAlchemy does for its own
+    statements: its ``invalidate`` event fires), and the next save runs on a new one."""
+    mgr = open_manager(db_url=backend, streams={"model": Keep(last=1)})
+    mgr.save(0, model=state(0))
+    ledger = mgr._ctx.ledger
+    invalidated: list[BaseException | None] = []
+    event.listen(ledger.engine, "invalidate", lambda _c, _r, exc: invalidated.append(exc))
+    with pytest.raises(DatabaseError, match="terminat"), ledger.transaction() as session:
+        (pid,) = boundary_rows.fetch(session, "SELECT pg_backend_pid()", ())[0]
+        with pg_admin(backend) as admin:
+            admin.exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})")
+        boundary_rows.fetch(session, "SELECT 1", ())
+    assert len(invalidated) == 1 and "terminat" in str(invalidated[0])
+    assert mgr.save(1, model=state(1))["model"].step == 1
+    assert value_of(mgr.load("latest")) == 1.0

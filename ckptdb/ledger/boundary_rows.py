@@ -3,9 +3,9 @@
 Why not the ORM here: a 3-stream boundary ran 36 SQLAlchemy statements, and
 building them (statement objects, cache keys, unit-of-work flushes, loading
 rows into objects) cost ~10 ms, some 40 fsyncs' worth. Each statement here is
-plain SQL written once, rendered once per driver parameter style, and run with
-``exec_driver_sql``; a list of parameter tuples is one driver ``executemany``
-(one call for all the streams of a boundary). Errors still surface as
+plain SQL written once, rendered once per driver parameter style, and run on
+the driver's cursor (:mod:`~ckptdb.ledger.driver`); a list of parameter tuples
+is one driver ``executemany`` (one call for all the streams of a boundary). Errors still surface as
 SQLAlchemy's, so :meth:`Ledger.transaction` translates them as before, and the
 statements run inside the caller's transaction, like every helper of
 :mod:`~ckptdb.ledger.rows`.
@@ -29,8 +29,10 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.orm import Session
 
+from ..errors import LedgerError
 from ..policies import Entry, Reads
 from . import models as m
+from .driver import Executed, execute
 from .rows import LIVE_STATES, latest_pointer
 
 Params = tuple[Any, ...]
@@ -90,29 +92,31 @@ def _connection(session: Session) -> Connection:
     return found
 
 
-def run(session: Session, sql: str, params: Params | list[Params] = ()) -> Any:
+def run(session: Session, sql: str, params: Params | list[Params] = ()) -> Executed:
     """Run ``sql`` with one tuple of parameters, or a list of them (one executemany)."""
     connection = _connection(session)
     dialect = connection.dialect
     rendered = _rendered(sql, dialect.paramstyle)
     if dialect.paramstyle in _POSITIONAL:
-        return connection.exec_driver_sql(rendered, params)
+        return execute(connection, rendered, params)
     return _run_named(connection, rendered, params)
 
 
 def fetch(session: Session, sql: str, params: Params) -> list[tuple[Any, ...]]:
     """The rows ``sql`` returns (a query, or a statement with ``RETURNING``)."""
-    return [tuple(row) for row in run(session, sql, params)]
+    return run(session, sql, params).rows
 
 
-def _run_named(connection: Connection, sql: str, params: Params | list[Params]) -> Any:
+def _run_named(connection: Connection, sql: str, params: Params | list[Params]) -> Executed:
     """Another backend's driver (named parameters): the same SQL through ``text()``."""
 
     def named(values: Params) -> dict[str, Any]:
         return {f"p{i}": v for i, v in enumerate(values)}
 
     many = [named(p) for p in params] if isinstance(params, list) else named(params)
-    return connection.execute(text(sql), many)
+    result = connection.execute(text(sql), many)
+    rows = [tuple(row) for row in result] if result.returns_rows else []
+    return Executed(rows, getattr(result, "lastrowid", None))
 
 
 @functools.lru_cache(maxsize=8)
@@ -174,8 +178,14 @@ def _add_one_by_one(session: Session, rows: list[Params]) -> dict[str, int]:
     """SQLite before 3.35 (Debian 11, Ubuntu 20.04) has no ``RETURNING``: one INSERT per
     stream, its id the driver's ``lastrowid`` (what the ORM did on such a build)."""
     return {
-        row[1]: int(run(session, f"{_INSERT} VALUES {_INSERT_ROW}", row).lastrowid) for row in rows
+        row[1]: _inserted_id(run(session, f"{_INSERT} VALUES {_INSERT_ROW}", row)) for row in rows
     }
+
+
+def _inserted_id(result: Executed) -> int:
+    if result.lastrowid is None:  # a driver that cannot say: never guess an id
+        raise LedgerError("the database driver did not report the id of an inserted row")
+    return int(result.lastrowid)
 
 
 def live_paths(session: Session, run_id: int, step: int, streams: Sequence[str]) -> set[str]:

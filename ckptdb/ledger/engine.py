@@ -49,6 +49,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from .. import trace
 from ..errors import DatabaseError, LedgerError, SchemaVersionError
+from . import driver
 
 log = logging.getLogger(__name__)
 
@@ -169,14 +170,14 @@ def _configure_sqlite(engine: Engine, *, readonly: bool) -> None:
 
         @event.listens_for(engine, "begin")
         def _on_read_begin(connection: Connection) -> None:
-            connection.exec_driver_sql("BEGIN")
+            driver.execute(connection, "BEGIN")
 
         return
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Connection) -> None:
         if _READ_ONLY.get():  # a snapshot read: never waits for the writer (WAL)
-            connection.exec_driver_sql("BEGIN")
+            driver.execute(connection, "BEGIN")
             return
         # The safety level may only change between transactions (see Ledger.transaction);
         # set only when it differs from the connection's (a statement saved per boundary).
@@ -184,9 +185,9 @@ def _configure_sqlite(engine: Engine, *, readonly: bool) -> None:
         info = connection.connection.info
         if info.get(_SYNC_LEVEL) != level:
             info.pop(_SYNC_LEVEL, None)  # unknown until the PRAGMA has run
-            connection.exec_driver_sql(f"PRAGMA synchronous = {level}")
+            driver.execute(connection, f"PRAGMA synchronous = {level}")
             info[_SYNC_LEVEL] = level
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        driver.execute(connection, "BEGIN IMMEDIATE")
 
 
 def _deny_attach(action: int, *_: object) -> int:
@@ -270,7 +271,10 @@ class Ledger:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._sessions = sessionmaker(engine, expire_on_commit=False)
+        # A session joins the transaction of a connection begun by Ledger.transaction:
+        # the connection (not the session) begins and commits, which costs a third of
+        # the session's own lazy begin/commit, and a boundary runs three transactions.
+        self._sessions = sessionmaker(expire_on_commit=False)
 
     @contextlib.contextmanager
     def transaction(self, *, durable: bool = True, read: bool = False) -> Iterator[Session]:
@@ -290,8 +294,13 @@ class Ledger:
         """
         token, read_token = _DURABLE.set(durable), _READ_ONLY.set(read)
         try:
-            with translated(), self._sessions.begin() as session:
-                yield session
+            with translated(), self.engine.begin() as connection:
+                session = self._sessions(bind=connection)
+                try:
+                    yield session
+                    session.flush()  # what the ORM still holds, before COMMIT
+                finally:
+                    session.close()
         finally:
             _READ_ONLY.reset(read_token)
             _DURABLE.reset(token)
