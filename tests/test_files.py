@@ -301,6 +301,7 @@ def test_a_stream_directory_swapped_for_a_link_is_never_followed(
     (model / "step-000000001.pt").write_bytes(b"ours")
     (outside / "step-000000002.pt").write_bytes(b"not ours")
     assert store.remove("model/step-000000001.pt")
+    assert store.path("model/step-000000002.pt") == model / "step-000000002.pt"
     model.rmdir()
     model.symlink_to(outside, target_is_directory=True)
     with pytest.raises(InvalidArgumentError, match="outside"):
@@ -371,12 +372,19 @@ def test_remove_of_what_is_absent_is_false(store: LocalStore, recorded: Recorded
     assert recorded == []
 
 
+@pytest.mark.parametrize("kind", ["file", "link to a directory"])
 def test_an_unlink_refused_for_another_reason_raises(
-    store: LocalStore, monkeypatch: pytest.MonkeyPatch
+    store: LocalStore, outside: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    """EPERM on a file (not a directory: macOS's answer) is not taken for a directory."""
+    """EPERM (macOS's answer for a directory) on what is not a real directory is
+    raised: nothing is removed in its place, least of all through a link."""
     path = store.save_dir / "model" / "step-000000006.pt"
-    path.write_bytes(b"x")
+    (outside / "dir").mkdir()
+    (outside / "dir" / "kept").write_bytes(b"kept")
+    if kind == "file":
+        path.write_bytes(b"x")
+    else:
+        path.symlink_to(outside / "dir", target_is_directory=True)
 
     def unlink(target: Any, *args: Any, **kwargs: Any) -> None:
         raise PermissionError(errno.EPERM, "immutable", str(target))
@@ -384,4 +392,15 @@ def test_an_unlink_refused_for_another_reason_raises(
     monkeypatch.setattr(os, "unlink", unlink)
     with pytest.raises(PermissionError):
         store.remove("model/step-000000006.pt")
-    assert path.exists()
+    assert os.path.lexists(path) and (outside / "dir" / "kept").read_bytes() == b"kept"
+
+
+def test_a_relative_save_dir_gives_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plain path is only taken from an absolute base: a later chdir must not move it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "save" / "model").mkdir(parents=True)
+    store = LocalStore(Path("save"))
+    expected = tmp_path.resolve() / "save/model/step-000000001.pt"
+    assert store.path("model/step-000000001.pt") == expected
