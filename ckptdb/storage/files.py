@@ -318,7 +318,9 @@ def confine(base: Path, relative: str | Path, resolved: dict[Any, Path] | None =
     """``base / relative``, refused if it escapes ``base`` (``..``, absolute, symlinked dirs).
 
     The last component may itself be a symlink: removing or renaming it acts
-    on the link, never on its target, so that stays inside ``base`` too.
+    on the link, never on its target, so that stays inside ``base`` too. A
+    plain name (a stream's file) is checked with one ``lstat`` per directory
+    part, on every call (:func:`_plain_child`); anything else is resolved.
     ``resolved`` memoizes directory resolutions for one pass over many rows
     (a reconcile of 100k checkpoints confines each stream directory once, by
     its text, and then only joins names to it).
