@@ -217,7 +217,10 @@ class Ctx:
 class FaultyFile:
     """The real file under ckptdb's ``HashingWriter``; its ``write`` fails when due.
 
-    ``after_bytes`` lets some bytes reach the disk first (a partial file).
+    ``after_bytes`` lets some bytes reach the disk first (a partial file), as a
+    full disk does: a write that crosses ``after_bytes`` is short (only the bytes
+    before it are written), and the next one fails. ``HashingWriter`` gathers a
+    small file's writes into one, so the partial file comes from that short write.
     """
 
     def __init__(self, raw: Any, inj: Injector, code: int, after_bytes: int) -> None:
@@ -227,7 +230,11 @@ class FaultyFile:
     def write(self, data: Any) -> int:
         if self.written >= self._after and self._inj.due():
             raise self._inj.fire(os_error(self._code))
-        n: int = self._raw.write(data)
+        view = memoryview(data)
+        room = self._after - self.written
+        if self._inj.due() and 0 < room < view.nbytes:
+            view = view[:room]  # the short write of a disk about to be full
+        n: int = self._raw.write(view)
         self.written += n
         return n
 
