@@ -387,9 +387,7 @@ def test_a_driver_error_is_sqlalchemys_and_rolls_the_transaction_back(
     mgr = open_manager(db_url=backend, streams={"model": Keep(last=1)})
     ledger = mgr._ctx.ledger
     with pytest.raises(DatabaseError) as raised, ledger.transaction() as session:
-        boundary_rows.run(
-            session, "UPDATE checkpoints SET path = ? WHERE id = ?", ("planted", -1)
-        )
+        boundary_rows.run(session, "UPDATE checkpoints SET path = ? WHERE id = ?", ("planted", -1))
         boundary_rows.run(session, "INSERT INTO pointers (run_id, name) VALUES (?, ?)", (1, "x"))
     assert isinstance(raised.value.original, IntegrityError)
     assert "null" in str(raised.value).lower()  # the driver's own words reach the user

@@ -588,6 +588,37 @@ def test_rollback_never_removes_a_file_it_did_not_write(
     assert foreign.read_bytes() == b"someone else's file"
 
 
+@pytest.mark.parametrize("link_to", ["outside", "dangling"])
+def test_a_stream_directory_swapped_for_a_link_out_is_never_written_through(
+    open_manager: Opener, tmp_path: Path, db: LedgerClient, link_to: str
+) -> None:
+    """A link put in place of a stream's directory, to outside the save directory: the
+    next save of that stream is refused at its intent (nothing is written through the
+    link, nothing is recorded but the failed intent) and what was published stays."""
+    mgr = open_manager(streams={"model": Keep(last=1), "ema": Keep(last=1)})
+    first = mgr.save(1, model=state(1.0), ema=state(1.0))
+    outside = tmp_path / "elsewhere"
+    if link_to == "outside":
+        outside.mkdir()
+    model = mgr.save_dir / "model"
+    kept = first["model"].path.read_bytes()
+    model.rename(tmp_path / "moved-model")
+    model.symlink_to(outside, target_is_directory=True)
+    ledger = "SELECT id, stream, step, state FROM checkpoints ORDER BY id"
+    before = db.rows(ledger)
+    refusal = "is outside" if link_to == "outside" else "File exists"  # mkdir over a link
+    with pytest.raises(PublishError, match=refusal) as raised:
+        mgr.save(2, model=state(2.0), ema=state(2.0))
+    assert raised.value.phase == "intent"
+    assert files(outside) == []
+    assert db.rows(ledger) == before  # the intent rolled back: no row, for either stream
+    assert mgr.latest("ema") == first["ema"]
+    model.unlink()
+    (tmp_path / "moved-model").rename(model)
+    assert first["model"].path.read_bytes() == kept
+    assert mgr.save(3, model=state(3.0), ema=state(3.0))["model"].step == 3
+
+
 # ----------------------------------------------------- cleanup failures
 
 

@@ -23,6 +23,9 @@ from .files import FileInfo
 from .heldfile import HeldFile
 from .naming import CHECKPOINT_NAME, SHARDED_SUFFIX, TEMP_NAME
 
+#: A name confined in a stream's directory to check the directory itself.
+_PROBE = "step-000000000.pt"
+
 
 class LocalStore:
     """Payloads in ``<save_dir>/<stream>/``, as files or DCP directories."""
@@ -88,7 +91,15 @@ class LocalStore:
     # ------------------------------------------------------------------ writing
 
     def prepare_stream(self, stream: str) -> None:
-        files.make_dir(self.save_dir / stream)
+        """The stream's directory, created durably if missing; refused if it leads out of
+        the save directory (a link put in its place): what lies outside is never ours to
+        write, nor to evict or reconcile later, so nothing is written through it."""
+        directory = self.save_dir / stream
+        files.make_dir(directory)
+        try:
+            files.confine(self.save_dir, f"{stream}/{_PROBE}")
+        except InvalidArgumentError as exc:
+            raise PhaseError("mkdir", directory, exc) from exc
 
     def prepare_parent(self, rel: str) -> None:
         files.make_dir(self.path(rel).parent)
