@@ -325,23 +325,25 @@ def _hash_while_reading(
 ) -> T:
     """``job``'s result, once ``digest`` has hashed every byte ``job`` read, in file order.
 
-    ``job`` runs in a reader thread; each chunk it fills is handed through a FIFO
-    to this thread, which hashes it while the reader fills the next. An error on
-    either side ends both: the reader's is raised here as it was raised (never
-    swallowed, its type kept: a short file is :class:`_Unusual`, an ``EIO`` an
-    ``OSError``); on this side's (an interrupt), the reader is told to stop and is
-    joined before anything else happens, so no thread outlives the call and none
+    ``job`` runs in a reader thread; what it fills is handed through a FIFO to this
+    thread (:class:`_Batches`), which hashes it while the reader fills the next. An
+    error on either side ends both: the reader's is raised here as it was raised
+    (never swallowed, its type kept: a short file is :class:`_Unusual`, an ``EIO``
+    an ``OSError``); on this side's (an interrupt), the reader is told to stop and
+    is joined before anything else happens, so no thread outlives the call and none
     reads the file after it was handed back. Without ``ahead`` (a small file) all of
     it runs in this thread.
     """
     if not ahead:
         return job(_Sequential(f, digest.update, threading.Event()))
-    handed: queue.SimpleQueue[memoryview | _Finished] = queue.SimpleQueue()
+    handed: queue.SimpleQueue[list[memoryview] | _Finished] = queue.SimpleQueue()
     stop = threading.Event()
 
     def read() -> None:
+        batches = _Batches(handed.put)
         try:
-            done = _Finished(job(_Sequential(f, handed.put, stop)), None)
+            done = _Finished(job(_Sequential(f, batches.add, stop)), None)
+            batches.flush()
         except BaseException as exc:  # handed over, and raised by the hashing thread
             done = _Finished(None, exc)
         handed.put(done)
@@ -349,14 +351,36 @@ def _hash_while_reading(
     reader = threading.Thread(target=read, name="ckptdb-read-ahead", daemon=True)
     reader.start()
     try:
-        while isinstance(item := handed.get(), memoryview):
-            digest.update(item)
+        while isinstance(item := handed.get(), list):
+            for view in item:
+                digest.update(view)
     finally:
         stop.set()
         reader.join()
     if item.error is not None:
         raise item.error
     return cast(T, item.result)
+
+
+class _Batches:
+    """Filled views handed on a chunk's worth at a time: one wake-up of the hashing
+    thread per chunk, not one per local header (two of those per record)."""
+
+    def __init__(self, put: Callable[[list[memoryview]], object]) -> None:
+        self._put = put
+        self._views: list[memoryview] = []
+        self._bytes = 0
+
+    def add(self, view: memoryview) -> None:
+        self._views.append(view)
+        self._bytes += len(view)
+        if self._bytes >= _Sequential.CHUNK:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._views:
+            self._put(self._views)
+            self._views, self._bytes = [], 0
 
 
 @dataclass(frozen=True)
