@@ -66,7 +66,9 @@ def test_every_lookup_answers_what_the_orm_answers(open_manager: Opener, db: Led
         mgr.save(
             step, metrics={"loss": loss, "lr": 0.1 * step}, model=state(step), best=state(loss)
         )
-    mgr.save(2, model=state(9))  # the same step again: a second committed row, newer
+    mgr.save(2, model=state(9))  # the same step again: a newer row (the old one deleted)
+    # ... both committed, as an adopted or hand-edited ledger may have them: the newest wins
+    db.execute("UPDATE checkpoints SET state = 'committed' WHERE stream = 'model' AND step = 2")
     mgr.save(4, model=state(4))  # no metrics at all
     first = mgr.checkpoints("model")[0]
     db.execute("UPDATE checkpoints SET size = ? WHERE id = ?", 5 * 2**31 + 7, first.id)
