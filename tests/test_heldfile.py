@@ -33,10 +33,11 @@ from ckptdb.storage.kinds import TORCH_FILE
 @pytest.fixture(autouse=True, params=["inline", "ahead"])
 def read_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test reads both ways: in the calling thread (what a small file gets), and
-    with the reader thread (forced here, in chunks of 4 KiB: many hand-offs)."""
+    with the reader thread (forced here, chunks and batches of 4 KiB: many hand-offs)."""
     if request.param == "ahead":
         monkeypatch.setattr(heldfile, "_READ_AHEAD_FROM", 0)
         monkeypatch.setattr(heldfile._Sequential, "CHUNK", 4096)
+        monkeypatch.setattr(heldfile._Batches, "SIZE", 4096)
     return str(request.param)
 
 
@@ -560,3 +561,17 @@ def test_records_are_allocated_by_the_caller_and_read_by_the_reader(
     assert allocated_on and set(allocated_on) == {threading.current_thread().name}
     assert set(f.threads) == {"ckptdb-read-ahead"}
     assert_same(held.load(None, weights_only=True), torch.load(path, weights_only=True))
+
+
+@AHEAD
+def test_one_usable_cpu_reads_in_the_calling_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one CPU a reader thread overlaps nothing: the file is read inline, and is
+    held and hashed exactly as with two."""
+    path = saved(tmp_path, {"big": torch.arange(50_000.0)})
+    monkeypatch.setattr(heldfile, "_usable_cpus", lambda: 1)
+    with Hooked(path, lambda _at, _n: None) as f:
+        held = heldfile.read_hashed(f)
+    assert set(f.threads) == {threading.current_thread().name}
+    assert held.info == hash_file(path) and held.by_records

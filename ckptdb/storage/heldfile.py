@@ -175,7 +175,7 @@ def _read_archive(f: BinaryIO, size: int) -> HeldFile:
         f,
         digest,
         lambda reader: _read_entries(reader, entries, tensors, directory_at),
-        ahead=directory_at >= _READ_AHEAD_FROM,
+        ahead=directory_at >= _READ_AHEAD_FROM and _usable_cpus() > 1,
     )
     digest.update(directory)
     if layout.end + len(directory) != size:
@@ -320,6 +320,13 @@ T = TypeVar("T")
 _READ_AHEAD_FROM = 4 << 20
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on: with one, a reader thread cannot overlap
+    anything and its hand-offs are pure cost, so the file is read inline."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 def _hash_while_reading(
     f: BinaryIO, digest: Any, job: Callable[[_Sequential], T], *, ahead: bool
 ) -> T:
@@ -363,8 +370,10 @@ def _hash_while_reading(
 
 
 class _Batches:
-    """Filled views handed on a chunk's worth at a time: one wake-up of the hashing
-    thread per chunk, not one per local header (two of those per record)."""
+    """Filled views handed on ``SIZE`` bytes at a time: one wake-up of the hashing
+    thread per batch, not one per chunk or local header (two of those per record)."""
+
+    SIZE = 1 << 20
 
     def __init__(self, put: Callable[[list[memoryview]], object]) -> None:
         self._put = put
@@ -374,7 +383,7 @@ class _Batches:
     def add(self, view: memoryview) -> None:
         self._views.append(view)
         self._bytes += len(view)
-        if self._bytes >= _Sequential.CHUNK:
+        if self._bytes >= self.SIZE:
             self.flush()
 
     def flush(self) -> None:
