@@ -529,8 +529,23 @@ def test_an_error_while_hashing_stops_the_reader_before_it_returns(
                 raise Interrupted()
 
     monkeypatch.setattr(heldfile, "xxhash", types.SimpleNamespace(xxh3_128=Digest))
+    stops: list[threading.Event] = []
+    real_init = heldfile._Sequential.__init__
+
+    def init(self: Any, f: Any, hand: Any, stop: threading.Event) -> None:
+        stops.append(stop)
+        real_init(self, f, hand, stop)
+
+    monkeypatch.setattr(heldfile._Sequential, "__init__", init)
+
+    waited: list[bool] = []
+
+    def before(at: int, _n: int) -> None:
+        if at >= 8 * 4096 and not waited:  # past a few batches: wait (5 s at most) for a stop
+            waited.append(stops[0].wait(5))
+
     threads = threading.active_count()
-    with Hooked(path, lambda _at, _n: None) as f, pytest.raises(Interrupted):
+    with Hooked(path, before) as f, pytest.raises(Interrupted):
         heldfile.read_hashed(f)
     assert threading.active_count() == threads
     read = len(f.threads)
