@@ -373,7 +373,7 @@ class _Batches:
     """Filled views handed on ``SIZE`` bytes at a time: one wake-up of the hashing
     thread per batch, not one per chunk or local header (two of those per record)."""
 
-    SIZE = 1 << 20
+    SIZE = 8 << 20
 
     def __init__(self, put: Callable[[list[memoryview]], object]) -> None:
         self._put = put
