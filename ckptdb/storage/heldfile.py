@@ -10,6 +10,12 @@ record (torch's own reader allocates the same way, so memory is reused as with
 records unpickled (:meth:`HeldFile.load`). Any other file (a legacy pickle, a
 TorchScript archive, a compressed entry) is held as one ``bytes`` object and
 handed to ``torch.load`` as a stream.
+
+An archive of a few MiB or more is read by a second thread while this one hashes
+what it read (:func:`_hash_while_reading`): ``readinto`` releases the GIL and
+xxhash does not, so the hash hides behind the read when a second CPU is free.
+The records are still returned only after every byte was hashed, and the bytes
+unpickled are the very buffers that were hashed.
 """
 
 from __future__ import annotations
