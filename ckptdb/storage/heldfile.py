@@ -11,9 +11,10 @@ records unpickled (:meth:`HeldFile.load`). Any other file (a legacy pickle, a
 TorchScript archive, a compressed entry) is held as one ``bytes`` object and
 handed to ``torch.load`` as a stream.
 
-An archive of a few MiB or more is read by a second thread while this one hashes
-what it read (:func:`_hash_while_reading`): ``readinto`` releases the GIL and
-xxhash does not, so the hash hides behind the read when a second CPU is free.
+On a machine of several CPUs, an archive of a few MiB or more is read by a second
+thread while this one hashes what it read (:func:`_hash_while_reading`):
+``readinto`` releases the GIL and xxhash does not, so the hash hides behind the
+read when a second CPU is free (see :data:`_READ_AHEAD_CPUS`).
 The records are still returned only after every byte was hashed, and the bytes
 unpickled are the very buffers that were hashed.
 """
@@ -181,7 +182,7 @@ def _read_archive(f: BinaryIO, size: int) -> HeldFile:
         f,
         digest,
         lambda reader: _read_entries(reader, entries, tensors, directory_at),
-        ahead=directory_at >= _READ_AHEAD_FROM and _usable_cpus() > 1,
+        ahead=directory_at >= _READ_AHEAD_FROM and _usable_cpus() >= _READ_AHEAD_CPUS,
     )
     digest.update(directory)
     if layout.end + len(directory) != size:
@@ -326,9 +327,16 @@ T = TypeVar("T")
 _READ_AHEAD_FROM = 4 << 20
 
 
+#: The reader thread pays only where a CPU is likely to be free for it. On a 2-CPU
+#: machine shared with other work (docs/performance.md, "the hash beside the read")
+#: it was 2-5 ms slower than reading inline for a 100 MB load: the hand-offs, and
+#: the hash reading from the other core's cache, cost CPU that only an idle core
+#: hides. 4 is a judgement, not a measurement: no larger machine was measured.
+_READ_AHEAD_CPUS = 4
+
+
 def _usable_cpus() -> int:
-    """The CPUs this process may run on: with one, a reader thread cannot overlap
-    anything and its hand-offs are pure cost, so the file is read inline."""
+    """The CPUs this process may run on (its affinity, not the machine's count)."""
     affinity = getattr(os, "sched_getaffinity", None)
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
