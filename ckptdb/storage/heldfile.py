@@ -167,13 +167,13 @@ def _read_archive(f: BinaryIO, size: int) -> HeldFile:
     """The entries' layout from the central directory at the end, then one pass from
     the start; the central directory's bytes are hashed from the copy that was parsed.
 
-    The pass is two threads (:func:`_hash_while_reading`; one for a small file): a
-    reader fills the records front to back while this thread hashes what it filled,
-    chunk by chunk, in file order.
-    ``readinto`` releases the GIL and xxhash does not, so the read of chunk i+1 and
-    the hash of chunk i overlap and the hash costs ~nothing next to the read. Nothing
-    leaves here before every chunk was hashed, and the records are the very buffers
-    that were hashed: the caller compares the digest before anything is unpickled.
+    On a machine of several CPUs the pass is two threads (:func:`_hash_while_reading`;
+    one for a small file): a reader fills the records front to back while this thread
+    hashes what it filled, in file order. ``readinto`` releases the GIL and xxhash
+    does not, so the read of one chunk and the hash of the one before it overlap when
+    a second CPU is free. Nothing leaves here before every chunk was hashed, and the
+    records are the very buffers that were hashed: the caller compares the digest
+    before anything is unpickled.
     """
     directory_at, directory, entries = _central_directory(f, size)
     tensors = _allocate(entries)
@@ -352,8 +352,8 @@ def _hash_while_reading(
     (never swallowed, its type kept: a short file is :class:`_Unusual`, an ``EIO``
     an ``OSError``); on this side's (an interrupt), the reader is told to stop and
     is joined before anything else happens, so no thread outlives the call and none
-    reads the file after it was handed back. Without ``ahead`` (a small file) all of
-    it runs in this thread.
+    reads the file after it was handed back. Without ``ahead`` (a small file, or too
+    few CPUs) all of it runs in this thread.
     """
     if not ahead:
         return job(_Sequential(f, digest.update, threading.Event()))
