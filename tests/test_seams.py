@@ -30,7 +30,8 @@ import torch
 from helpers import rows, state
 
 import ckptdb.errors as e
-from ckptdb import CheckpointManager, CleanupWarning, Keep, NonFiniteGradGuard, TopK
+from ckptdb import CheckpointManager, CleanupWarning, Keep, NonFiniteGradGuard, Sharded, TopK
+from ckptdb.coord.base import LocalCoordinator
 from ckptdb.ledger import after_commit, open_ledger
 from ckptdb.ledger.engine import default_sqlite_url
 from ckptdb.policies import AnyOf, Best, Entry, EveryStep, Newest, policy_from_record
@@ -247,9 +248,37 @@ def test_the_protocol_reaches_payloads_only_through_the_store(tmp_path: Path) ->
         "sync_placed",
         "remove",
     ]
-    # verify (which holds the bytes it hashed), the confinement check, then the
-    # read of those held bytes: the file is not opened again by its path
-    assert loading == ["verify", "local_path", "open_verified", "forget_verified"]
+    # verify (which confines the name and holds the bytes it hashed), then the read of
+    # those held bytes: the file is not opened again by its path, nor its name resolved
+    assert loading == ["verify", "open_verified", "forget_verified"]
+
+
+class NotTheChief(LocalCoordinator):
+    """A rank other than the chief, alone: each agreement is its own outcome."""
+
+    is_chief = False
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "directory"])
+def test_a_rank_that_is_not_the_chief_confines_what_it_reads_by_path(
+    tmp_path: Path, sharded: bool
+) -> None:
+    """The chief's verify confined the name; another rank that reads a directory by its
+    path confines the name itself (``local_path``), and one that reads a file verifies
+    its own read (which confines it) and reads the bytes it hashed."""
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, model=Sharded(state(1.0)) if sharded else state(1.0))
+        store = RecordingStore(mgr._ctx.store)  # type: ignore[arg-type]
+        mgr._ctx.store = store  # type: ignore[assignment]
+        mgr._loader.coord = NotTheChief()
+        into = state(0.0) if sharded else None
+        loaded = mgr.load(into=into)
+        assert torch.equal(loaded["w"], state(1.0)["w"])
+    calls = [c for c in store.calls if c in ("verify", "local_path", "open_verified")]
+    if sharded:  # the chief's verify, then this rank's own confinement, then a read by path
+        assert calls[:2] == ["verify", "local_path"] and "open_verified" not in calls
+    else:  # the chief's verify, this rank's own, then its own held bytes
+        assert calls == ["verify", "verify", "open_verified"]
 
 
 def test_threads_loading_at_once_keep_their_own_verified_bytes(tmp_path: Path) -> None:

@@ -24,8 +24,8 @@ from ..errors import (
 from ..location import is_object_url, relative_within
 from ..policies import Policy, policy_of
 from ..record import Checkpoint
+from . import lookup, rows
 from . import models as m
-from . import rows
 from .engine import Ledger
 
 
@@ -45,8 +45,7 @@ class RunQueries:
         """The newest committed checkpoint of ``stream`` (by publication, not by mtime)."""
         self.policy(stream)
         with self.db.transaction(read=True) as session:
-            row = rows.latest_row(session, self.run_id, stream)
-            return rows.to_record(row, self.save_dir) if row is not None else None
+            return lookup.latest(session, self.run_id, stream, self.save_dir)
 
     def best(self, stream: str = "best") -> list[Checkpoint]:
         """The members of a ranked (top-K) stream, best first."""
@@ -100,7 +99,8 @@ class RunQueries:
         if isinstance(which, int) and not isinstance(which, bool):
             name = stream or "model"
             self.policy(name)
-            found = self.find_committed(stream=name, step=which)
+            with self.db.transaction(read=True) as session:
+                found = lookup.committed_at_step(session, self.run_id, name, which, self.save_dir)
             if found is None:
                 raise CheckpointNotFoundError(
                     f"stream {name!r} has no committed checkpoint at step {which}"
@@ -118,7 +118,8 @@ class RunQueries:
         rel = relative_within(path, self.save_dir)
         found = None
         if rel is not None:
-            found = self.find_committed(path=rel)
+            with self.db.transaction(read=True) as session:
+                found = lookup.committed_at_path(session, self.run_id, rel, self.save_dir)
         if found is None:
             raise CheckpointNotFoundError(f"{path} is not a committed checkpoint of run {where}")
         return found

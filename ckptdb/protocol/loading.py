@@ -66,12 +66,16 @@ class Loader:
         kind = kind_of_path(target.path)
         rel = self.ctx.rel(target.path)
         problem: BaseException | None = None
+        verifies_here = not self.coord.is_chief and self._reads_verified_bytes(kind)
         try:  # everything that could fail on one rank only, before the collective read
             kind.check_into(str(target.path), into)
-            self.ctx.store.local_path(rel)
+            if not self.coord.is_chief and not verifies_here:
+                # the name is confined (not re-resolved where a verify just did: the
+                # chief's, or this rank's own below), as this rank reads it by its path
+                self.ctx.store.local_path(rel)
             if into is not None:
                 resolve_stateful(into)
-            if not self.coord.is_chief and self._reads_verified_bytes(kind):
+            if verifies_here:
                 self._verify_here(target, rel)
         except Exception as exc:
             problem = exc

@@ -10,19 +10,29 @@ record (torch's own reader allocates the same way, so memory is reused as with
 records unpickled (:meth:`HeldFile.load`). Any other file (a legacy pickle, a
 TorchScript archive, a compressed entry) is held as one ``bytes`` object and
 handed to ``torch.load`` as a stream.
+
+On a machine of several CPUs, an archive of a few MiB or more is read by a second
+thread while this one hashes what it read (:func:`_hash_while_reading`):
+``readinto`` releases the GIL and xxhash does not, so the hash hides behind the
+read when a second CPU is free (see :data:`_READ_AHEAD_CPUS`).
+The records are still returned only after every byte was hashed, and the bytes
+unpickled are the very buffers that were hashed.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import pickle
+import queue
 import struct
+import threading
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, TypeVar, cast
 
 import torch
 import torch.serialization as torch_serialization
@@ -155,9 +165,65 @@ def _read_up_to(f: BinaryIO, size: int) -> bytes:
 
 def _read_archive(f: BinaryIO, size: int) -> HeldFile:
     """The entries' layout from the central directory at the end, then one pass from
-    the start; the central directory's bytes are hashed from the copy that was parsed."""
+    the start; the central directory's bytes are hashed from the copy that was parsed.
+
+    On a machine of several CPUs the pass is two threads (:func:`_hash_while_reading`;
+    one for a small file): a reader fills the records front to back while this thread
+    hashes what it filled, in file order. ``readinto`` releases the GIL and xxhash
+    does not, so the read of one chunk and the hash of the one before it overlap when
+    a second CPU is free. Nothing leaves here before every chunk was hashed, and the
+    records are the very buffers that were hashed: the caller compares the digest
+    before anything is unpickled.
+    """
     directory_at, directory, entries = _central_directory(f, size)
-    reader = _SequentialHash(f)
+    tensors = _allocate(entries)
+    digest = xxhash.xxh3_128()
+    layout = _hash_while_reading(
+        f,
+        digest,
+        lambda reader: _read_entries(reader, entries, tensors, directory_at),
+        ahead=directory_at >= _READ_AHEAD_FROM and _usable_cpus() >= _READ_AHEAD_CPUS,
+    )
+    digest.update(directory)
+    if layout.end + len(directory) != size:
+        raise _Unusual("the file changed size while it was read")  # pragma: no cover
+    return HeldFile(FileInfo(size, digest.hexdigest()), layout.records, None, layout.offsets)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the reader thread read: the records, where they lie, where it stopped."""
+
+    records: dict[str, Any]
+    offsets: dict[str, tuple[int, int]]  # record: (local header offset, data offset)
+    end: int
+
+
+def _allocate(entries: list[_Entry]) -> dict[str, torch.Tensor]:
+    """An empty tensor for each tensor record, allocated here, in the calling thread.
+
+    Why not in the reader thread: glibc serves a thread from an arena of its own,
+    and 100 MB of records allocated there and freed here left the allocator so that
+    every later large allocation of the process (``torch.load``'s own included)
+    faulted in fresh pages: 10 ms loads took 60. Entries must not overlap (checked
+    before anything is allocated), so the records together never exceed the file.
+    """
+    for entry, after in itertools.pairwise(entries):
+        if entry.header_offset + entry.size > after.header_offset:
+            raise _Unusual("entries overlap")
+    return {
+        e.name: torch.empty(e.size, dtype=torch.uint8)
+        for e in entries
+        if e.name.startswith("data/")
+    }
+
+
+def _read_entries(
+    reader: _Sequential, entries: list[_Entry], tensors: dict[str, torch.Tensor], directory_at: int
+) -> _Layout:
+    """Every entry's local header and bytes, in file order, up to the central directory
+    (run by the reader thread: each byte it reads is handed on to be hashed); a tensor
+    record is read into its tensor from ``tensors``."""
     records: dict[str, Any] = {}
     offsets: dict[str, tuple[int, int]] = {}
     for entry in entries:
@@ -167,17 +233,14 @@ def _read_archive(f: BinaryIO, size: int) -> HeldFile:
             raise _Unusual("no local header where the central directory says")
         reader.take(name_len + extra_len)
         offsets[entry.name] = (entry.header_offset, reader.offset)
-        if entry.name.startswith("data/"):
-            tensor = torch.empty(entry.size, dtype=torch.uint8)
+        if entry.name in tensors:
+            tensor = tensors[entry.name]
             reader.read_into(memoryview(cast(Any, tensor.numpy())))
             records[entry.name] = tensor
         else:
             records[entry.name] = bytes(reader.take(entry.size))
     reader.skip_to(directory_at)
-    reader.hash(directory)
-    if reader.offset != size:
-        raise _Unusual("the file changed size while it was read")  # pragma: no cover
-    return HeldFile(FileInfo(size, reader.hexdigest()), records, None, offsets)
+    return _Layout(records, offsets, reader.offset)
 
 
 def _central_directory(f: BinaryIO, size: int) -> tuple[int, bytes, list[_Entry]]:
@@ -257,14 +320,115 @@ class _Tail(io.RawIOBase):
         return len(chunk)
 
 
-class _SequentialHash:
-    """Reads a file front to back, hashing each chunk while it is still in the cache."""
+T = TypeVar("T")
+
+#: Archives smaller than this are read and hashed in the calling thread: below a few
+#: chunks a thread's start and hand-offs cost more than the overlap saves.
+_READ_AHEAD_FROM = 4 << 20
+
+
+#: The reader thread pays only where a CPU is likely to be free for it. On a 2-CPU
+#: machine shared with other work (docs/performance.md, "the hash beside the read")
+#: it was 2-5 ms slower than reading inline for a 100 MB load: the hand-offs, and
+#: the hash reading from the other core's cache, cost CPU that only an idle core
+#: hides. 4 is a judgement, not a measurement: no larger machine was measured.
+_READ_AHEAD_CPUS = 4
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, not the machine's count)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def _hash_while_reading(
+    f: BinaryIO, digest: Any, job: Callable[[_Sequential], T], *, ahead: bool
+) -> T:
+    """``job``'s result, once ``digest`` has hashed every byte ``job`` read, in file order.
+
+    ``job`` runs in a reader thread; what it fills is handed through a FIFO to this
+    thread (:class:`_Batches`), which hashes it while the reader fills the next. An
+    error on either side ends both: the reader's is raised here as it was raised
+    (never swallowed, its type kept: a short file is :class:`_Unusual`, an ``EIO``
+    an ``OSError``); on this side's (an interrupt), the reader is told to stop and
+    is joined before anything else happens, so no thread outlives the call and none
+    reads the file after it was handed back. Without ``ahead`` (a small file, or too
+    few CPUs) all of it runs in this thread.
+    """
+    if not ahead:
+        return job(_Sequential(f, digest.update, threading.Event()))
+    handed: queue.SimpleQueue[list[memoryview] | _Finished] = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def read() -> None:
+        batches = _Batches(handed.put)
+        try:
+            done = _Finished(job(_Sequential(f, batches.add, stop)), None)
+            batches.flush()
+        except BaseException as exc:  # handed over, and raised by the hashing thread
+            done = _Finished(None, exc)
+        handed.put(done)
+
+    reader = threading.Thread(target=read, name="ckptdb-read-ahead", daemon=True)
+    reader.start()
+    try:
+        while isinstance(item := handed.get(), list):
+            for view in item:
+                digest.update(view)
+    finally:
+        stop.set()
+        reader.join()
+    if item.error is not None:
+        raise item.error
+    return cast(T, item.result)
+
+
+class _Batches:
+    """Filled views handed on ``SIZE`` bytes at a time: one wake-up of the hashing
+    thread per batch, not one per chunk or local header (two of those per record)."""
+
+    SIZE = 8 << 20
+
+    def __init__(self, put: Callable[[list[memoryview]], object]) -> None:
+        self._put = put
+        self._views: list[memoryview] = []
+        self._bytes = 0
+
+    def add(self, view: memoryview) -> None:
+        self._views.append(view)
+        self._bytes += len(view)
+        if self._bytes >= self.SIZE:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._views:
+            self._put(self._views)
+            self._views, self._bytes = [], 0
+
+
+@dataclass(frozen=True)
+class _Finished:
+    """The reader's last word: what its job returned, or what it raised."""
+
+    result: Any
+    error: BaseException | None
+
+
+class _Stopped(Exception):
+    """The hashing side gave up (it raised): the reader stops at its next chunk."""
+
+
+class _Sequential:
+    """Reads a file front to back, handing each chunk on (to be hashed) as it is filled."""
 
     CHUNK = 1 << 20
 
-    def __init__(self, f: BinaryIO) -> None:
+    def __init__(
+        self, f: BinaryIO, hand: Callable[[memoryview], object], stop: threading.Event
+    ) -> None:
         self._f = f
-        self._digest = xxhash.xxh3_128()
+        self._hand = hand
+        self._stop = stop
         self.offset = 0
         f.seek(0)
 
@@ -274,28 +438,24 @@ class _SequentialHash:
         return view
 
     def skip_to(self, offset: int) -> None:
-        """Read (and hash) the bytes up to ``offset`` (a data descriptor, padding)."""
+        """Read (and hand on) the bytes up to ``offset`` (a data descriptor, padding)."""
         if offset < self.offset:
             raise _Unusual("entries overlap")
         self.take(offset - self.offset)
 
     def read_into(self, view: memoryview) -> None:
+        """Fill ``view`` from the file; a buffer is never written again once handed on."""
         done = 0
         while done < len(view):
+            if self._stop.is_set():
+                raise _Stopped()
             part = view[done : done + self.CHUNK]
             n = cast(Any, self._f).readinto(part)
             if not n:
                 raise _Shrunk(self.offset)
-            self._digest.update(part[:n])
+            self._hand(part[:n])
             done += n
             self.offset += n
-
-    def hash(self, data: bytes) -> None:
-        self._digest.update(data)
-        self.offset += len(data)
-
-    def hexdigest(self) -> str:
-        return str(self._digest.hexdigest())
 
 
 class _Shrunk(_Unusual):
