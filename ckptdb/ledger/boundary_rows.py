@@ -115,8 +115,10 @@ def _run_named(connection: Connection, sql: str, params: Params | list[Params]) 
 
     many = [named(p) for p in params] if isinstance(params, list) else named(params)
     result = connection.execute(text(sql), many)
-    rows = [tuple(row) for row in result] if result.returns_rows else []
-    return Executed(rows, getattr(result, "lastrowid", None))
+    if not result.returns_rows:
+        return Executed([], getattr(result, "lastrowid", None))
+    types = tuple(column[1] for column in result.cursor.description)
+    return Executed([tuple(row) for row in result], None, types)
 
 
 @functools.lru_cache(maxsize=8)

@@ -29,10 +29,12 @@ Params = tuple[Any, ...] | list[tuple[Any, ...]] | dict[str, Any] | list[dict[st
 
 
 class Executed(NamedTuple):
-    """What a statement gave back: its rows (if it returns any) and ``lastrowid``."""
+    """What a statement gave back: its rows (if it returns any), ``lastrowid``, and the
+    driver's type code of each column (a PostgreSQL type OID; None on SQLite)."""
 
     rows: list[tuple[Any, ...]]
     lastrowid: int | None
+    types: tuple[Any, ...] = ()
 
 
 def execute(connection: Connection, sql: str, params: Params = ()) -> Executed:
@@ -48,8 +50,10 @@ def execute(connection: Connection, sql: str, params: Params = ()) -> Executed:
         else:
             cursor.execute(sql, params)
         _after(connection, cursor, sql, params, many)
-        rows = [tuple(row) for row in cursor.fetchall()] if cursor.description else []
-        return Executed(rows, getattr(cursor, "lastrowid", None))  # psycopg has none
+        described = cursor.description
+        rows = [tuple(row) for row in cursor.fetchall()] if described else []
+        types = tuple(column[1] for column in described) if described else ()
+        return Executed(rows, getattr(cursor, "lastrowid", None), types)  # psycopg: no lastrowid
     except Exception as exc:
         if not isinstance(exc, connection.dialect.loaded_dbapi.Error):
             raise

@@ -72,14 +72,10 @@ def latest(session: Session, run_id: int, stream: str, save_dir: Path) -> Checkp
 
 def _one(session: Session, sql: str, params: tuple[Any, ...], save_dir: Path) -> Checkpoint | None:
     result = run(session, sql, params)
-    # the driver's type of each column (a PostgreSQL OID; None on SQLite), read before
-    # the rows: a result closes its cursor once it is exhausted
-    codes = tuple(column[1] for column in result.cursor.description)
-    row = result.first()
-    if row is None:
+    if not result.rows:
         return None
-    processors = _processors(session.get_bind().dialect, codes)
-    values = dict(zip(_COLUMNS, _processed(tuple(row), processors), strict=True))
+    processors = _processors(session.get_bind().dialect, result.types)
+    values = dict(zip(_COLUMNS, _processed(result.rows[0], processors), strict=True))
     return _record(values, save_dir)
 
 
