@@ -40,6 +40,7 @@ from .ledger import models as m
 from .ledger import rows as ledger_rows
 from .ledger.engine import default_sqlite_url, normalize_url
 from .ledger.lock import writer_lock
+from .ledger.models import MAX_STEP
 from .ledger.netfs import check_ledger_location
 from .ledger.runs import open_as_writer
 from .location import ObjectPath, is_object_url, object_path
@@ -579,7 +580,7 @@ class CheckpointManager:
         with Lightning's rank-zero logging): other ranks validate and drop them.
         """
         self._check_open()
-        if type(step) is not int or step < 0:
+        if type(step) is not int or not 0 <= step <= MAX_STEP:
             step = validate_step(step)
         # Fast path for the common call (a dict of str -> float): no per-value ABC checks.
         if type(values) is dict and all(

@@ -397,6 +397,8 @@ API_CORPUS = [
     # -- steps
     saving("step-negative", InvalidArgumentError, ValueError, step=-1),
     saving("step-huge-negative", InvalidArgumentError, ValueError, step=-(2**70)),
+    saving("step-past-64-bits", InvalidArgumentError, ValueError, step=2**63),
+    saving("step-huge", InvalidArgumentError, ValueError, step=2**70),
     saving("step-float", ArgumentTypeError, TypeError, step=1.5),
     saving("step-integral-float", ArgumentTypeError, TypeError, step=3.0),
     saving("step-nan", ArgumentTypeError, TypeError, step=math.nan),
@@ -410,6 +412,12 @@ API_CORPUS = [
     api(
         "log-metrics-negative-step",
         lambda e: e.m.log_metrics(-1, {"x": 1.0}),
+        InvalidArgumentError,
+        ValueError,
+    ),
+    api(
+        "log-metrics-step-past-64-bits",
+        lambda e: e.m.log_metrics(2**63, {"x": 1.0}),
         InvalidArgumentError,
         ValueError,
     ),
@@ -618,6 +626,7 @@ API_CORPUS = [
     ),
     # -- loading
     api("load-missing-step", lambda e: e.m.load(99), CheckpointNotFoundError, LookupError),
+    api("load-step-past-64-bits", lambda e: e.m.load(2**70), InvalidArgumentError, ValueError),
     api(
         "load-evicted-step",
         lambda e: e.m.load(1, stream="ema"),

@@ -52,6 +52,10 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
+#: The largest step a ledger holds: a signed 64-bit integer, on every backend.
+MAX_STEP = 2**63 - 1
+
+
 class UTCDateTime(TypeDecorator[dt.datetime]):
     """A timestamp stored as naive UTC (readable in SQLite) and read back aware."""
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..ledger.models import MAX_STEP
 
 
 def validate_step(step: object) -> int:
@@ -20,6 +21,8 @@ def validate_step(step: object) -> int:
         raise ArgumentTypeError(f"step must be a non-negative int, got {step!r}")
     if step < 0:
         raise InvalidArgumentError(f"step must be >= 0, got {step}")
+    if step > MAX_STEP:  # the driver would refuse it mid-transaction (OverflowError)
+        raise InvalidArgumentError(f"step must be at most 2**63 - 1, got {step}")
     return step
 
 
