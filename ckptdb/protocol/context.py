@@ -10,7 +10,10 @@ into each other.
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +24,10 @@ from ..ledger.lock import RunLock
 from ..policies import Policy
 from ..storage.base import PayloadStore
 
-METRIC_FLUSH_THRESHOLD = 100_000
+METRIC_FLUSH_THRESHOLD = 100_000  # points, not calls
 
-Point = tuple[int, str, float, float]  # (step, name, value, wall time)
+#: One buffered call: (step, its values, wall time). The dict is the buffer's own copy.
+Call = tuple[int, dict[str, float], float]
 
 
 @dataclass
@@ -32,25 +36,75 @@ class MetricBuffer:
 
     A transaction inserts a prefix of the buffer; the prefix is dropped only
     after that transaction committed, so a failed commit loses no metric.
+
+    One entry per call (step, values, wall time) instead of one tuple per
+    point: the call is on the training loop's path at every step, and the
+    rows are built once anyway, at insert time (see issue 17). Counts (``len``,
+    a ``limit``, what ``drop`` removes) are in points, as before, so
+    METRIC_FLUSH_THRESHOLD and a boundary's limit keep their meaning; a
+    prefix may end inside a call, whose remaining points stay buffered.
+
+    ``len`` is kept by two counters, each written by one side only (``added``
+    by the thread that logs, ``dropped`` by the thread whose commit dropped
+    the points), so a background commit dropping while the training thread
+    logs never loses an update. The entries themselves, never the counters,
+    decide what is inserted and dropped.
     """
 
-    points: list[Point] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
+    added: int = 0  # points ever buffered
+    dropped: int = 0  # points ever dropped after their commit
 
-    def add(self, step: int, values: dict[str, float]) -> None:
-        now = time.time()
-        self.points.extend((step, name, v, now) for name, v in values.items())
+    def add(self, step: int, values: dict[str, float]) -> int:
+        """Buffer a copy of ``values`` (the caller may reuse its dict); the points now buffered."""
+        if values:
+            self.calls.append((step, values.copy(), time.time()))
+            self.added += len(values)
+        return self.added - self.dropped
 
     def insert_into(self, session: Any, run_id: int, attempt_id: int, limit: int | None) -> int:
         """Insert the buffer (or its first ``limit`` points) in ``session``; how many."""
-        batch = self.points if limit is None else self.points[:limit]
-        ledger_rows.insert_metrics(session, run_id, attempt_id, batch)
-        return len(batch)
+        batch, count = self._prefix(limit)
+        ledger_rows.insert_metric_calls(session, run_id, attempt_id, batch)
+        return count
 
     def drop(self, count: int) -> None:
-        del self.points[:count]
+        """Forget the first ``count`` points (their commit is done)."""
+        whole, rest, taken = self._split(count)
+        calls = self.calls
+        if rest:
+            step, values, wall = calls[whole]
+            calls[whole] = (step, dict(list(values.items())[rest:]), wall)
+        del calls[:whole]
+        self.dropped += taken
 
     def __len__(self) -> int:
-        return len(self.points)
+        return self.added - self.dropped
+
+    def _prefix(self, limit: int | None) -> tuple[list[Call], int]:
+        """The calls holding the first ``limit`` points (the last one cut), and their count."""
+        if limit is None:
+            batch = self.calls[:]  # a snapshot: another thread may log meanwhile
+            return batch, sum(map(len, map(itemgetter(1), batch)))
+        whole, rest, taken = self._split(limit)
+        batch = self.calls[:whole]
+        if rest:
+            step, values, wall = self.calls[whole]
+            batch.append((step, dict(list(values.items())[:rest]), wall))
+        return batch, taken
+
+    def _split(self, count: int) -> tuple[int, int, int]:
+        """The first ``count`` points (at most all): (whole calls, points of the next call, total).
+
+        Walks the entries (in C: the sizes, their running sum, a bisection),
+        not the counters, so it is exact whatever the threads did.
+        """
+        ends = list(accumulate(map(len, map(itemgetter(1), self.calls))))
+        whole = bisect_right(ends, count)
+        done = ends[whole - 1] if whole else 0
+        if whole == len(ends):
+            return whole, 0, done
+        return whole, count - done, count
 
 
 @dataclass
