@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_right
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import accumulate
-from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -37,28 +37,34 @@ class MetricBuffer:
     A transaction inserts a prefix of the buffer; the prefix is dropped only
     after that transaction committed, so a failed commit loses no metric.
 
-    One entry per call (step, values, wall time) instead of one tuple per
-    point: the call is on the training loop's path at every step, and the
-    rows are built once anyway, at insert time (see issue 17). Counts (``len``,
-    a ``limit``, what ``drop`` removes) are in points, as before, so
-    METRIC_FLUSH_THRESHOLD and a boundary's limit keep their meaning; a
-    prefix may end inside a call, whose remaining points stay buffered.
+    A call is kept as it came (step, a copy of its dict, wall time) instead of
+    a tuple per point: the call is on the training loop's path at every step,
+    and the rows are built once anyway, at insert time (issue 17). The three
+    go flat into one list, not as a tuple: a tuple holding a dict stays
+    tracked by the garbage collector, whose collections then walk the whole
+    buffer again and again (measured: twice the cost of the call); ints,
+    floats and a dict of floats are not tracked. One ``extend`` of three also
+    keeps a call whole for a thread reading the list meanwhile.
 
-    ``len`` is kept by two counters, each written by one side only (``added``
-    by the thread that logs, ``dropped`` by the thread whose commit dropped
-    the points), so a background commit dropping while the training thread
-    logs never loses an update. The entries themselves, never the counters,
-    decide what is inserted and dropped.
+    Counts (``len``, a ``limit``, what ``drop`` removes) are in points, as
+    before, so METRIC_FLUSH_THRESHOLD and a boundary's limit keep their
+    meaning; a prefix may end inside a call, whose remaining points stay
+    buffered. ``len`` is two counters, each written by one side only
+    (``added`` by the thread that logs, ``dropped`` by the thread whose commit
+    dropped the points), so a background commit dropping while the training
+    thread logs never loses an update. What is inserted and dropped is decided
+    by the entries themselves, never by the counters.
     """
 
-    calls: list[Call] = field(default_factory=list)
+    #: step, values, wall time, step, values, ... (three per call)
+    entries: list[Any] = field(default_factory=list)
     added: int = 0  # points ever buffered
     dropped: int = 0  # points ever dropped after their commit
 
     def add(self, step: int, values: dict[str, float]) -> int:
         """Buffer a copy of ``values`` (the caller may reuse its dict); the points now buffered."""
         if values:
-            self.calls.append((step, values.copy(), time.time()))
+            self.entries.extend((step, values.copy(), time.time()))
             self.added += len(values)
         return self.added - self.dropped
 
@@ -71,27 +77,32 @@ class MetricBuffer:
     def drop(self, count: int) -> None:
         """Forget the first ``count`` points (their commit is done)."""
         whole, rest, taken = self._split(count)
-        calls = self.calls
+        entries = self.entries
         if rest:
-            step, values, wall = calls[whole]
-            calls[whole] = (step, dict(list(values.items())[rest:]), wall)
-        del calls[:whole]
+            values = entries[3 * whole + 1]
+            entries[3 * whole + 1] = dict(list(values.items())[rest:])
+        del entries[: 3 * whole]
         self.dropped += taken
+
+    def calls(self) -> list[Call]:
+        """The buffered calls, oldest first."""
+        entries = self.entries[:]  # a snapshot: another thread may log meanwhile
+        return list(zip(entries[0::3], entries[1::3], entries[2::3], strict=True))
 
     def __len__(self) -> int:
         return self.added - self.dropped
 
-    def _prefix(self, limit: int | None) -> tuple[list[Call], int]:
+    def _prefix(self, limit: int | None) -> tuple[Iterable[Call], int]:
         """The calls holding the first ``limit`` points (the last one cut), and their count."""
+        entries = self.entries[:]  # a snapshot: another thread may log meanwhile
         if limit is None:
-            batch = self.calls[:]  # a snapshot: another thread may log meanwhile
-            return batch, sum(map(len, map(itemgetter(1), batch)))
+            return _calls(entries), sum(map(len, entries[1::3]))
         whole, rest, taken = self._split(limit)
-        batch = self.calls[:whole]
+        batch = entries[: 3 * whole]
         if rest:
-            step, values, wall = self.calls[whole]
-            batch.append((step, dict(list(values.items())[:rest]), wall))
-        return batch, taken
+            step, values, wall = entries[3 * whole : 3 * whole + 3]
+            batch += (step, dict(list(values.items())[:rest]), wall)
+        return _calls(batch), taken
 
     def _split(self, count: int) -> tuple[int, int, int]:
         """The first ``count`` points (at most all): (whole calls, points of the next call, total).
@@ -99,12 +110,17 @@ class MetricBuffer:
         Walks the entries (in C: the sizes, their running sum, a bisection),
         not the counters, so it is exact whatever the threads did.
         """
-        ends = list(accumulate(map(len, map(itemgetter(1), self.calls))))
+        ends = list(accumulate(map(len, self.entries[1::3])))
         whole = bisect_right(ends, count)
         done = ends[whole - 1] if whole else 0
         if whole == len(ends):
             return whole, 0, done
         return whole, count - done, count
+
+
+def _calls(entries: list[Any]) -> Iterable[Call]:
+    """Flat entries as (step, values, wall time) calls, made one at a time."""
+    return zip(entries[0::3], entries[1::3], entries[2::3], strict=True)
 
 
 @dataclass
