@@ -96,6 +96,25 @@ def test_values_off_the_fast_path_are_converted_as_before(
     assert all(type(v) is float for _, _, v in points(db)[:3])
 
 
+@pytest.mark.parametrize("per_call", [1, 3], ids=["one-per-call", "three-per-call"])
+def test_nan_is_stored_as_null_and_infinities_as_they_are(
+    open_manager: Opener, db: LedgerClient, per_call: int
+) -> None:
+    """The flush looks for NaN by summing the batch (inf + -inf is NaN too): whatever
+    the mix, each NaN becomes NULL and nothing else changes."""
+    mgr = open_manager()
+    values = [math.inf, -math.inf, math.nan, 1.5, -0.0, 1e308, 1e308]
+    for i, value in enumerate(values):
+        mgr.log_metrics(i, {f"m{j}": value for j in range(per_call)})
+    mgr.flush()
+    stored = [v for _, _, v in points(db)]
+    expected = [None if v != v else v for v in values for _ in range(per_call)]
+    assert stored == expected
+    mgr.log_metrics(9, {"m0": 1e308, "m1": 1e308})  # the sum overflows: no NaN, none made
+    mgr.flush()
+    assert [v for _, _, v in points(db)][-2:] == [1e308, 1e308]
+
+
 def test_the_flush_threshold_counts_points_not_calls(
     open_manager: Opener, db: LedgerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -131,8 +150,11 @@ def inserted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str, float, flo
     """What MetricBuffer.insert_into hands to the ledger, as (step, name, value, wall) points."""
     got: list[tuple[int, str, float, float]] = []
 
-    def insert_metric_calls(session: Any, run_id: int, attempt_id: int, calls: Any) -> None:
-        got.extend((s, n, v, w) for s, values, w in calls for n, v in values.items())
+    def insert_metric_calls(
+        session: Any, run_id: int, attempt_id: int, steps: Any, values: Any, walls: Any
+    ) -> None:
+        calls = zip(steps, values, walls, strict=True)
+        got.extend((s, n, v, w) for s, vs, w in calls for n, v in vs.items())
 
     monkeypatch.setattr(ledger_rows, "insert_metric_calls", insert_metric_calls)
     return got

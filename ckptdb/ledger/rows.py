@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 from collections.abc import Iterable, Sequence
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
 
@@ -344,45 +345,64 @@ def insert_metrics(
     session: Session, run_id: int, attempt_id: int, points: Sequence[tuple[int, str, float, float]]
 ) -> None:
     """Insert (step, name, value, wall_time) points in one executemany (see insert_metric_calls)."""
-    _insert_metric_rows(
-        session, [(run_id, attempt_id, s, n, None if v != v else v, t) for s, n, v, t in points]
-    )
+    if points:
+        rows = [(run_id, attempt_id, s, n, None if v != v else v, t) for s, n, v, t in points]
+        _insert_metric_rows(session, rows)
 
 
 def insert_metric_calls(
     session: Session,
     run_id: int,
     attempt_id: int,
-    calls: Iterable[tuple[int, dict[str, float], float]],
+    steps: Sequence[int],
+    values: Sequence[dict[str, float]],
+    walls: Sequence[float],
 ) -> None:
-    """Insert buffered (step, {name: value}, wall_time) calls, a row per point, in call order.
+    """Insert buffered calls (the i-th: ``steps[i]``, ``values[i]``, ``walls[i]``), a row
+    per point, in call order.
 
-    The rows are built here, once, so that ``log_metrics`` only keeps its call
-    (issue 17). Call order is the rows' id order, which ``metric_history``
-    uses to order a step logged twice; sorting by name and step was measured
-    and does not pay for itself (docs/performance.md, Targets, history).
+    The rows are made here, once, so that ``log_metrics`` only keeps its call
+    (issue 17), and they are made in C (``zip`` of the columns, the driver
+    consuming one row at a time): a comprehension over the calls cost more
+    than the call saved at one point per call. Call order is the rows' id
+    order, which ``metric_history`` uses to order a step logged twice.
     NaN is stored as NULL (SQLite has no NaN); readers turn it back into NaN.
     """
-    _insert_metric_rows(
-        session,
-        [
-            (run_id, attempt_id, step, name, None if value != value else value, wall)
-            for step, values, wall in calls
-            for name, value in values.items()
-        ],
+    names = list(chain.from_iterable(values))
+    if not names:
+        return
+    floats = list(chain.from_iterable(map(dict.values, values)))
+    total = sum(floats)
+    numbers: Sequence[float | None] = floats
+    if total != total:  # a NaN among them (or inf and -inf): only then a pass in Python
+        numbers = [None if v != v else v for v in floats]
+    count = len(names)
+    sizes = list(map(len, values))
+    row_steps: Iterable[int] = steps
+    row_walls: Iterable[float] = walls
+    if sizes.count(1) != len(sizes):  # some call logged several points: repeat its step, time
+        row_steps = chain.from_iterable(map(repeat, steps, sizes))
+        row_walls = chain.from_iterable(map(repeat, walls, sizes))
+    rows = zip(
+        repeat(run_id, count),
+        repeat(attempt_id, count),
+        row_steps,
+        names,
+        numbers,
+        row_walls,
+        strict=True,
     )
+    _insert_metric_rows(session, rows)
 
 
 _METRIC_COLUMNS = ("run_id", "attempt_id", "step", "name", "value", "wall_time")
 _PLACEHOLDER = {"qmark": "?", "format": "%s", "pyformat": "%s"}
 
 
-def _insert_metric_rows(session: Session, rows: list[tuple[Any, ...]]) -> None:
-    """One executemany of plain tuples: about four times the throughput of ORM/Core
-    dictionaries, which matters at a point per step; a driver with another
-    parameter style goes through Core."""
-    if not rows:
-        return
+def _insert_metric_rows(session: Session, rows: Iterable[tuple[Any, ...]]) -> None:
+    """One executemany of plain tuples (at least one): about four times the throughput
+    of ORM/Core dictionaries, which matters at a point per step; a driver with
+    another parameter style goes through Core."""
     marker = _PLACEHOLDER.get(session.connection().dialect.paramstyle)
     if marker is None:
         dicts = [dict(zip(_METRIC_COLUMNS, r, strict=True)) for r in rows]
@@ -393,7 +413,7 @@ def _insert_metric_rows(session: Session, rows: list[tuple[Any, ...]]) -> None:
     driver_executemany(session, f"INSERT INTO metrics ({columns}) VALUES ({placeholders})", rows)
 
 
-def driver_executemany(session: Session, statement: str, rows: Sequence[tuple[Any, ...]]) -> None:
+def driver_executemany(session: Session, statement: str, rows: Iterable[tuple[Any, ...]]) -> None:
     """``statement`` once per row, on the session's DB-API connection, in its transaction.
 
     The only place that reaches past SQLAlchemy to the driver: skipping its
@@ -404,7 +424,7 @@ def driver_executemany(session: Session, statement: str, rows: Sequence[tuple[An
     """
     connection = session.connection()
     driver_error: type[Exception] = connection.dialect.loaded_dbapi.Error
-    cursor = connection.connection.cursor()
+    cursor: Any = connection.connection.cursor()  # the driver's; it takes any iterable
     try:
         cursor.executemany(statement, rows)
     except BaseException as exc:

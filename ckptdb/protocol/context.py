@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_right
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
@@ -71,7 +70,8 @@ class MetricBuffer:
     def insert_into(self, session: Any, run_id: int, attempt_id: int, limit: int | None) -> int:
         """Insert the buffer (or its first ``limit`` points) in ``session``; how many."""
         batch, count = self._prefix(limit)
-        ledger_rows.insert_metric_calls(session, run_id, attempt_id, batch)
+        steps, values, walls = batch[0::3], batch[1::3], batch[2::3]
+        ledger_rows.insert_metric_calls(session, run_id, attempt_id, steps, values, walls)
         return count
 
     def drop(self, count: int) -> None:
@@ -92,17 +92,17 @@ class MetricBuffer:
     def __len__(self) -> int:
         return self.added - self.dropped
 
-    def _prefix(self, limit: int | None) -> tuple[Iterable[Call], int]:
-        """The calls holding the first ``limit`` points (the last one cut), and their count."""
+    def _prefix(self, limit: int | None) -> tuple[list[Any], int]:
+        """The entries of the first ``limit`` points (the last call cut), and their count."""
         entries = self.entries[:]  # a snapshot: another thread may log meanwhile
         if limit is None:
-            return _calls(entries), sum(map(len, entries[1::3]))
+            return entries, sum(map(len, entries[1::3]))
         whole, rest, taken = self._split(limit)
         batch = entries[: 3 * whole]
         if rest:
             step, values, wall = entries[3 * whole : 3 * whole + 3]
             batch += (step, dict(list(values.items())[:rest]), wall)
-        return _calls(batch), taken
+        return batch, taken
 
     def _split(self, count: int) -> tuple[int, int, int]:
         """The first ``count`` points (at most all): (whole calls, points of the next call, total).
@@ -116,11 +116,6 @@ class MetricBuffer:
         if whole == len(ends):
             return whole, 0, done
         return whole, count - done, count
-
-
-def _calls(entries: list[Any]) -> Iterable[Call]:
-    """Flat entries as (step, values, wall time) calls, made one at a time."""
-    return zip(entries[0::3], entries[1::3], entries[2::3], strict=True)
 
 
 @dataclass
