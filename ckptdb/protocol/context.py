@@ -107,15 +107,17 @@ class MetricBuffer:
     def _split(self, count: int) -> tuple[int, int, int]:
         """The first ``count`` points (at most all): (whole calls, points of the next call, total).
 
-        Walks the entries (in C: the sizes, their running sum, a bisection),
-        not the counters, so it is exact whatever the threads did.
+        Walks the entries (in C: the sizes, their sum, or their running sum
+        and a bisection), not the counters, so it is exact whatever the
+        threads did. All of them (a flush) is the common case: one sum.
         """
-        ends = list(accumulate(map(len, self.entries[1::3])))
+        sizes = list(map(len, self.entries[1::3]))
+        total = sum(sizes)
+        if count >= total:
+            return len(sizes), 0, total
+        ends = list(accumulate(sizes))
         whole = bisect_right(ends, count)
-        done = ends[whole - 1] if whole else 0
-        if whole == len(ends):
-            return whole, 0, done
-        return whole, count - done, count
+        return whole, count - (ends[whole - 1] if whole else 0), count
 
 
 @dataclass
