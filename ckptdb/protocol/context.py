@@ -38,7 +38,7 @@ class MetricBuffer:
 
     A call is kept as it came (step, a copy of its dict, wall time) instead of
     a tuple per point: the call is on the training loop's path at every step,
-    and the rows are built once anyway, at insert time (issue 17). The three
+    and the rows are built once anyway, at insert time. The three
     go flat into one list, not as a tuple: a tuple holding a dict stays
     tracked by the garbage collector, whose collections then walk the whole
     buffer again and again (measured: twice the cost of the call); ints,
