@@ -417,8 +417,8 @@ def driver_executemany(session: Session, statement: str, rows: Iterable[tuple[An
     """``statement`` once per row, on the session's DB-API connection, in its transaction.
 
     The only place that reaches past SQLAlchemy to the driver: skipping its
-    statement execution (events, result set-up) takes 4-10% off a metric flush
-    faster. A driver error is raised as SQLAlchemy's ``DBAPIError`` (what
+    statement execution (events, result set-up) takes 4-10% off a metric
+    flush's CPU. A driver error is raised as SQLAlchemy's ``DBAPIError`` (what
     ``exec_driver_sql`` raises), so :meth:`Ledger.transaction` translates it
     into ``DatabaseError`` with the driver's message and rolls back.
     """
