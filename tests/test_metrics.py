@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import LedgerClient
+from sqlalchemy import event
 
 import ckptdb.manager
 from ckptdb import CheckpointManager
@@ -253,9 +254,36 @@ def test_the_cursor_is_closed_after_a_failure_and_a_failed_close_is_noted(
         pytest.raises(DatabaseError, match="database is locked") as info,
         mgr._ctx.ledger.transaction() as session,
     ):
-        proxy = types.SimpleNamespace(dialect=session.connection().dialect, connection=fake)
+        real = session.connection()
+        proxy = types.SimpleNamespace(dialect=real.dialect, dispatch=real.dispatch, connection=fake)
         stub = types.SimpleNamespace(connection=lambda: proxy)
         ledger_rows.driver_executemany(stub, "INSERT ...", [(1,)])  # type: ignore[arg-type]
     assert cursor.closed
     notes = getattr(info.value.__cause__, "__notes__", [])
     assert ("disk I/O error" in " ".join(notes)) is close_fails
+
+
+def test_engine_listeners_see_the_flush_as_with_sqlalchemy(open_manager: Opener) -> None:
+    """Tracing (and the statement counts of tests and benchmarks) hooks the engine's
+    cursor events: the driver-level insert fires them, with its rows as a list."""
+    mgr = open_manager()
+    seen: list[tuple[str, str, int, bool]] = []
+
+    def before(_c: Any, _cur: Any, statement: str, rows: Any, _ctx: Any, many: bool) -> None:
+        seen.append(("before", statement.split()[0], len(rows), many))
+
+    def after(_c: Any, _cur: Any, statement: str, rows: Any, _ctx: Any, many: bool) -> None:
+        seen.append(("after", statement.split()[0], len(rows), many))
+
+    engine = mgr._ctx.ledger.engine
+    event.listen(engine, "before_cursor_execute", before)
+    event.listen(engine, "after_cursor_execute", after)
+    try:
+        mgr.log_metrics(1, {"a": 1.0, "b": 2.0})
+        mgr.log_metrics(2, {"a": 1.5})
+        mgr.flush()
+    finally:
+        event.remove(engine, "before_cursor_execute", before)
+        event.remove(engine, "after_cursor_execute", after)
+    inserts = [s for s in seen if s[1] == "INSERT"]
+    assert inserts == [("before", "INSERT", 3, True), ("after", "INSERT", 3, True)]

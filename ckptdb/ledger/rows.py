@@ -425,6 +425,12 @@ def driver_executemany(session: Session, statement: str, rows: Iterable[tuple[An
     connection = session.connection()
     driver_error: type[Exception] = connection.dialect.loaded_dbapi.Error
     cursor: Any = connection.connection.cursor()  # the driver's; it takes any iterable
+    events = connection.dispatch
+    if events.before_cursor_execute or events.after_cursor_execute:
+        # listeners (tracing, the statement counts of tests and benchmarks) see the
+        # statement as with exec_driver_sql; they may read the rows, so make them a list
+        rows = list(rows)
+        events.before_cursor_execute(connection, cursor, statement, rows, None, True)
     try:
         cursor.executemany(statement, rows)
     except BaseException as exc:
@@ -436,6 +442,7 @@ def driver_executemany(session: Session, statement: str, rows: Iterable[tuple[An
         )
         _close_after(cursor, error)
         raise error from exc
+    events.after_cursor_execute(connection, cursor, statement, rows, None, True)
     cursor.close()
 
 
