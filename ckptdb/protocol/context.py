@@ -76,8 +76,8 @@ class MetricBuffer:
 
     def drop(self, count: int) -> None:
         """Forget the first ``count`` points (their commit is done)."""
-        whole, rest, taken = self._split(count)
         entries = self.entries
+        whole, rest, taken = _split(entries, count)
         if rest:
             values = entries[3 * whole + 1]
             entries[3 * whole + 1] = dict(list(values.items())[rest:])
@@ -97,27 +97,28 @@ class MetricBuffer:
         entries = self.entries[:]  # a snapshot: another thread may log meanwhile
         if limit is None:
             return entries, sum(map(len, entries[1::3]))
-        whole, rest, taken = self._split(limit)
+        whole, rest, taken = _split(entries, limit)  # the snapshot's, not the live list's
         batch = entries[: 3 * whole]
         if rest:
             step, values, wall = entries[3 * whole : 3 * whole + 3]
             batch += (step, dict(list(values.items())[:rest]), wall)
         return batch, taken
 
-    def _split(self, count: int) -> tuple[int, int, int]:
-        """The first ``count`` points (at most all): (whole calls, points of the next call, total).
 
-        Walks the entries (in C: the sizes, their sum, or their running sum
-        and a bisection), not the counters, so it is exact whatever the
-        threads did. All of them (a flush) is the common case: one sum.
-        """
-        sizes = list(map(len, self.entries[1::3]))
-        total = sum(sizes)
-        if count >= total:
-            return len(sizes), 0, total
-        ends = list(accumulate(sizes))
-        whole = bisect_right(ends, count)
-        return whole, count - (ends[whole - 1] if whole else 0), count
+def _split(entries: list[Any], count: int) -> tuple[int, int, int]:
+    """The first ``count`` points (at most all): (whole calls, points of the next call, total).
+
+    Walks the entries (in C: the sizes, their sum, or their running sum
+    and a bisection), not the counters, so it is exact whatever the
+    threads did. All of them (a flush) is the common case: one sum.
+    """
+    sizes = list(map(len, entries[1::3]))
+    total = sum(sizes)
+    if count >= total:
+        return len(sizes), 0, total
+    ends = list(accumulate(sizes))
+    whole = bisect_right(ends, count)
+    return whole, count - (ends[whole - 1] if whole else 0), count
 
 
 @dataclass
