@@ -395,14 +395,14 @@ class Fault:
 
             monkeypatch.setattr(ckptdb.ledger.boundary_rows, "point_latest", point_latest)
         elif kind == "commit_after_metrics":  # the last work of the commit, metrics written
-            real_insert = ckptdb.ledger.rows.insert_metrics
+            real_insert = ckptdb.ledger.rows.insert_metric_calls
 
-            def insert_metrics(*args: Any, **kwargs: Any) -> None:
+            def insert_metric_calls(*args: Any, **kwargs: Any) -> None:
                 real_insert(*args, **kwargs)
                 if self.due():
                     raise self.fire(db_locked("INSERT INTO metrics"))
 
-            monkeypatch.setattr(ckptdb.ledger.rows, "insert_metrics", insert_metrics)
+            monkeypatch.setattr(ckptdb.ledger.rows, "insert_metric_calls", insert_metric_calls)
         else:  # pragma: no cover
             raise AssertionError(kind)
 

@@ -20,10 +20,14 @@ callers rely on from SQLAlchemy:
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
+
+log = logging.getLogger(__name__)
 
 Params = tuple[Any, ...] | list[tuple[Any, ...]] | dict[str, Any] | list[dict[str, Any]]
 
@@ -40,10 +44,21 @@ class Executed(NamedTuple):
 def execute(connection: Connection, sql: str, params: Params = ()) -> Executed:
     """Run ``sql`` (in the driver's parameter style) with ``params`` on ``connection``'s
     DBAPI connection; a list of parameter sets is one ``executemany``."""
-    many = isinstance(params, list)
-    dbapi_connection: Any = connection.connection.dbapi_connection
-    cursor = dbapi_connection.cursor()
+    return _run(connection, sql, params, many=isinstance(params, list))
+
+
+def executemany(connection: Connection, sql: str, rows: Iterable[Any]) -> None:
+    """``sql`` once per row of ``rows``, which may be any iterable (a metric flush hands
+    a generator: the driver consumes it row by row, no list of 100k tuples is built
+    unless a listener is there to see it). A failure's message leaves the rows out."""
+    _run(connection, sql, rows, many=True)
+
+
+def _run(connection: Connection, sql: str, params: Any, *, many: bool) -> Executed:
+    cursor = connection.connection.cursor()
     try:
+        if many and _listened(connection) and not isinstance(params, list):
+            params = list(params)  # listeners may read the rows the driver then consumes
         sql, params = _before(connection, cursor, sql, params, many)
         if many:
             cursor.executemany(sql, params)
@@ -53,13 +68,22 @@ def execute(connection: Connection, sql: str, params: Params = ()) -> Executed:
         described = cursor.description
         rows = [tuple(row) for row in cursor.fetchall()] if described else []
         types = tuple(column[1] for column in described) if described else ()
-        return Executed(rows, getattr(cursor, "lastrowid", None), types)  # psycopg: no lastrowid
-    except Exception as exc:
-        if not isinstance(exc, connection.dialect.loaded_dbapi.Error):
+        found = Executed(rows, getattr(cursor, "lastrowid", None), types)  # psycopg: none
+    except BaseException as exc:
+        error = exc
+        if isinstance(exc, connection.dialect.loaded_dbapi.Error):
+            error = _wrapped(connection, sql, None if many else params, exc, many)
+        _close_after(cursor, error)
+        if error is exc:
             raise
-        raise _wrapped(connection, sql, params, exc, many) from exc
-    finally:
-        cursor.close()
+        raise error from exc
+    cursor.close()
+    return found
+
+
+def _listened(connection: Connection) -> bool:
+    events = connection.dispatch
+    return bool(events.before_cursor_execute or events.after_cursor_execute)
 
 
 def _before(connection: Connection, cursor: Any, sql: str, params: Any, many: bool) -> Any:
@@ -80,11 +104,12 @@ def _after(connection: Connection, cursor: Any, sql: str, params: Any, many: boo
 
 def _wrapped(connection: Connection, sql: str, params: Any, exc: Any, many: bool) -> Exception:
     """The driver's error ``exc`` as SQLAlchemy raises it: wrapped in its DBAPIError
-    subclass, after invalidating a connection the driver reports as lost."""
+    subclass (without the parameters of an ``executemany``: a metric flush's rows do
+    not belong in a message), after invalidating a connection the driver reports as
+    lost."""
     dialect = connection.dialect
     driver_error = dialect.loaded_dbapi.Error
-    dbapi_connection = connection.connection.dbapi_connection
-    lost = dialect.is_disconnect(exc, dbapi_connection, None)
+    lost = dialect.is_disconnect(exc, connection.connection.dbapi_connection, None)
     if lost:
         connection.invalidate(exc)
     wrapped: Exception = DBAPIError.instance(
@@ -92,8 +117,22 @@ def _wrapped(connection: Connection, sql: str, params: Any, exc: Any, many: bool
         params,
         exc,
         driver_error,
+        hide_parameters=many,
         connection_invalidated=lost,
         dialect=dialect,
         ismulti=many,
     )
     return wrapped
+
+
+def _close_after(cursor: Any, primary: BaseException) -> None:
+    """Close a cursor whose statement failed; a failure to close is noted on ``primary``
+    (the error the caller gets), never raised in its place."""
+    try:
+        cursor.close()
+    except Exception as exc:
+        note = f"closing the cursor failed too: {type(exc).__name__}: {exc}"
+        if hasattr(primary, "add_note"):
+            primary.add_note(note)
+        else:  # Python 3.10: no notes; the log keeps it
+            log.error("ckptdb: %s", note)

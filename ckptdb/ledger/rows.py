@@ -7,9 +7,11 @@ never commits: the caller decides what one transaction contains.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from collections.abc import Iterable, Sequence
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +22,14 @@ from ..errors import InvalidArgumentError
 from ..location import is_object_url, location_of
 from ..policies import Entry, Policy, PolicyRecord, Reads, policy_from_record
 from ..record import Checkpoint
+from . import driver
 from . import models as m
 
 LIVE_STATES = (m.PENDING, m.COMMITTED, m.DELETING, m.LOST, m.CORRUPT)
 #: The event kind that records a name another writer took first (see disowned_paths).
 FOREIGN = "foreign"
+
+log = logging.getLogger(__name__)
 
 
 def latest_pointer(stream: str) -> str:
@@ -339,26 +344,74 @@ def repoint_latest(session: Session, run_id: int, stream: str) -> tuple[int | No
 def insert_metrics(
     session: Session, run_id: int, attempt_id: int, points: Sequence[tuple[int, str, float, float]]
 ) -> None:
-    """Insert buffered (step, name, value, wall_time) points in one executemany.
+    """Insert (step, name, value, wall_time) points in one executemany (see insert_metric_calls)."""
+    if points:
+        rows = [(run_id, attempt_id, s, n, None if v != v else v, t) for s, n, v, t in points]
+        _insert_metric_rows(session, rows)
 
-    Goes through the DB-API driver with plain tuples: about four times the
-    throughput of ORM/Core dictionaries, which matters at a point per step.
+
+def insert_metric_calls(
+    session: Session,
+    run_id: int,
+    attempt_id: int,
+    steps: Sequence[int],
+    values: Sequence[dict[str, float]],
+    walls: Sequence[float],
+) -> None:
+    """Insert buffered calls (the i-th: ``steps[i]``, ``values[i]``, ``walls[i]``), a row
+    per point, in call order.
+
+    The rows are made here, once, so that ``log_metrics`` only keeps its call
+    at every step, and they are made in C (``zip`` of the columns, the driver
+    consuming one row at a time): a comprehension over the calls cost more
+    than the call saved at one point per call. Call order is the rows' id
+    order, which ``metric_history`` uses to order a step logged twice.
     NaN is stored as NULL (SQLite has no NaN); readers turn it back into NaN.
     """
-    if not points:
+    names = list(chain.from_iterable(values))
+    if not names:
         return
-    connection = session.connection()
-    marker = {"qmark": "?", "format": "%s", "pyformat": "%s"}.get(connection.dialect.paramstyle)
-    rows = [(run_id, attempt_id, s, n, None if v != v else v, t) for s, n, v, t in points]
+    floats = list(chain.from_iterable(map(dict.values, values)))
+    total = sum(floats)
+    numbers: Sequence[float | None] = floats
+    if total != total:  # a NaN among them (or inf and -inf): only then a pass in Python
+        numbers = [None if v != v else v for v in floats]
+    count = len(names)
+    sizes = list(map(len, values))
+    row_steps: Iterable[int] = steps
+    row_walls: Iterable[float] = walls
+    if sizes.count(1) != len(sizes):  # some call logged several points: repeat its step, time
+        row_steps = chain.from_iterable(map(repeat, steps, sizes))
+        row_walls = chain.from_iterable(map(repeat, walls, sizes))
+    rows = zip(
+        repeat(run_id, count),
+        repeat(attempt_id, count),
+        row_steps,
+        names,
+        numbers,
+        row_walls,
+        strict=True,
+    )
+    _insert_metric_rows(session, rows)
+
+
+_METRIC_COLUMNS = ("run_id", "attempt_id", "step", "name", "value", "wall_time")
+_PLACEHOLDER = {"qmark": "?", "format": "%s", "pyformat": "%s"}
+
+
+def _insert_metric_rows(session: Session, rows: Iterable[tuple[Any, ...]]) -> None:
+    """One executemany of plain tuples (at least one): about four times the throughput
+    of ORM/Core dictionaries, which matters at a point per step; a driver with
+    another parameter style goes through Core."""
+    marker = _PLACEHOLDER.get(session.connection().dialect.paramstyle)
     if marker is None:
-        columns = ("run_id", "attempt_id", "step", "name", "value", "wall_time")
-        session.execute(insert(m.Metric), [dict(zip(columns, r, strict=True)) for r in rows])
+        dicts = [dict(zip(_METRIC_COLUMNS, r, strict=True)) for r in rows]
+        session.execute(insert(m.Metric), dicts)
         return
-    placeholders = ", ".join([marker] * 6)
-    connection.exec_driver_sql(
-        "INSERT INTO metrics (run_id, attempt_id, step, name, value, wall_time) "
-        f"VALUES ({placeholders})",
-        rows,
+    placeholders = ", ".join([marker] * len(_METRIC_COLUMNS))
+    columns = ", ".join(_METRIC_COLUMNS)
+    driver.executemany(
+        session.connection(), f"INSERT INTO metrics ({columns}) VALUES ({placeholders})", rows
     )
 
 

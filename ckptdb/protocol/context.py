@@ -10,7 +10,9 @@ into each other.
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +23,10 @@ from ..ledger.lock import RunLock
 from ..policies import Policy
 from ..storage.base import PayloadStore
 
-METRIC_FLUSH_THRESHOLD = 100_000
+METRIC_FLUSH_THRESHOLD = 100_000  # points, not calls
 
-Point = tuple[int, str, float, float]  # (step, name, value, wall time)
+#: One buffered call: (step, its values, wall time). The dict is the buffer's own copy.
+Call = tuple[int, dict[str, float], float]
 
 
 @dataclass
@@ -32,25 +35,90 @@ class MetricBuffer:
 
     A transaction inserts a prefix of the buffer; the prefix is dropped only
     after that transaction committed, so a failed commit loses no metric.
+
+    A call is kept as it came (step, a copy of its dict, wall time) instead of
+    a tuple per point: the call is on the training loop's path at every step,
+    and the rows are built once anyway, at insert time. The three
+    go flat into one list, not as a tuple: a tuple holding a dict stays
+    tracked by the garbage collector, whose collections then walk the whole
+    buffer again and again (measured: twice the cost of the call); ints,
+    floats and a dict of floats are not tracked. One ``extend`` of three also
+    keeps a call whole for a thread reading the list meanwhile.
+
+    Counts (``len``, a ``limit``, what ``drop`` removes) are in points, as
+    before, so METRIC_FLUSH_THRESHOLD and a boundary's limit keep their
+    meaning; a prefix may end inside a call, whose remaining points stay
+    buffered. ``len`` is two counters, each written by one side only
+    (``added`` by the thread that logs, ``dropped`` by the thread whose commit
+    dropped the points), so a background commit dropping while the training
+    thread logs never loses an update. What is inserted and dropped is decided
+    by the entries themselves, never by the counters.
     """
 
-    points: list[Point] = field(default_factory=list)
+    #: step, values, wall time, step, values, ... (three per call)
+    entries: list[Any] = field(default_factory=list)
+    added: int = 0  # points ever buffered
+    dropped: int = 0  # points ever dropped after their commit
 
-    def add(self, step: int, values: dict[str, float]) -> None:
-        now = time.time()
-        self.points.extend((step, name, v, now) for name, v in values.items())
+    def add(self, step: int, values: dict[str, float]) -> int:
+        """Buffer a copy of ``values`` (the caller may reuse its dict); the points now buffered."""
+        if values:
+            self.entries.extend((step, values.copy(), time.time()))
+            self.added += len(values)
+        return self.added - self.dropped
 
     def insert_into(self, session: Any, run_id: int, attempt_id: int, limit: int | None) -> int:
         """Insert the buffer (or its first ``limit`` points) in ``session``; how many."""
-        batch = self.points if limit is None else self.points[:limit]
-        ledger_rows.insert_metrics(session, run_id, attempt_id, batch)
-        return len(batch)
+        batch, count = self._prefix(limit)
+        steps, values, walls = batch[0::3], batch[1::3], batch[2::3]
+        ledger_rows.insert_metric_calls(session, run_id, attempt_id, steps, values, walls)
+        return count
 
     def drop(self, count: int) -> None:
-        del self.points[:count]
+        """Forget the first ``count`` points (their commit is done)."""
+        entries = self.entries
+        whole, rest, taken = _split(entries, count)
+        if rest:
+            values = entries[3 * whole + 1]
+            entries[3 * whole + 1] = dict(list(values.items())[rest:])
+        del entries[: 3 * whole]
+        self.dropped += taken
+
+    def calls(self) -> list[Call]:
+        """The buffered calls, oldest first."""
+        entries = self.entries[:]  # a snapshot: another thread may log meanwhile
+        return list(zip(entries[0::3], entries[1::3], entries[2::3], strict=True))
 
     def __len__(self) -> int:
-        return len(self.points)
+        return self.added - self.dropped
+
+    def _prefix(self, limit: int | None) -> tuple[list[Any], int]:
+        """The entries of the first ``limit`` points (the last call cut), and their count."""
+        entries = self.entries[:]  # a snapshot: another thread may log meanwhile
+        if limit is None:
+            return entries, sum(map(len, entries[1::3]))
+        whole, rest, taken = _split(entries, limit)  # the snapshot's, not the live list's
+        batch = entries[: 3 * whole]
+        if rest:
+            step, values, wall = entries[3 * whole : 3 * whole + 3]
+            batch += (step, dict(list(values.items())[:rest]), wall)
+        return batch, taken
+
+
+def _split(entries: list[Any], count: int) -> tuple[int, int, int]:
+    """The first ``count`` points (at most all): (whole calls, points of the next call, total).
+
+    Walks the entries (in C: the sizes, their sum, or their running sum
+    and a bisection), not the counters, so it is exact whatever the
+    threads did. All of them (a flush) is the common case: one sum.
+    """
+    sizes = list(map(len, entries[1::3]))
+    total = sum(sizes)
+    if count >= total:
+        return len(sizes), 0, total
+    ends = list(accumulate(sizes))
+    whole = bisect_right(ends, count)
+    return whole, count - (ends[whole - 1] if whole else 0), count
 
 
 @dataclass
