@@ -599,6 +599,10 @@ class CheckpointManager:
         if not ctx.is_writer:
             return
         self._inflight.wait()
+        if not len(ctx.metrics):
+            # Nothing to write: no transaction, which on SQLite takes the write lock as it
+            # begins (a no-op flush would wait for, and fail on, another writer's lock).
+            return
         with ctx.ledger.transaction() as session:
             flushed = ctx.metrics.insert_into(session, ctx.run_id, ctx.attempt_id, None)
             after_commit(session, lambda: ctx.metrics.drop(flushed))

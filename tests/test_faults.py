@@ -529,6 +529,25 @@ def test_ledger_locked_for_a_whole_topk_save_is_a_typed_error(
     assert_clean(mgr)
 
 
+def test_a_flush_with_nothing_buffered_never_waits_for_a_locked_ledger(
+    warm: CheckpointManager, root: Path, ledger_lock: LedgerLock
+) -> None:
+    """``flush()`` with no metric buffered has nothing to write: it opens no write
+    transaction, so another writer holding the ledger can neither make it wait nor
+    fail it (a transaction now takes SQLite's write lock as it begins, even one that
+    runs no statement)."""
+    mgr = warm
+    mgr.flush()  # what the boundaries buffered goes now
+    dump_before = ledger_dump(root)
+    ledger_lock.acquire()
+    mgr.flush()
+    ledger_lock.release()
+    assert ledger_dump(root) == dump_before
+    mgr.log_metrics(30, {"val_loss": 3.0})
+    mgr.flush()  # something to write: written as before
+    assert rows(root, "SELECT step FROM metrics WHERE step = 30") == [(30,)]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_ledger_locked_right_after_commit_does_not_fail_the_save(
     open_manager: Opener,
