@@ -40,7 +40,7 @@ from .ledger import models as m
 from .ledger import rows as ledger_rows
 from .ledger.engine import default_sqlite_url, normalize_url
 from .ledger.lock import writer_lock
-from .ledger.models import MAX_STEP
+from .ledger.models import max_step
 from .ledger.netfs import check_ledger_location
 from .ledger.runs import open_as_writer
 from .location import ObjectPath, is_object_url, object_path
@@ -276,6 +276,7 @@ class CheckpointManager:
             is_writer=True,
             db=db,
             lock=lock,
+            max_step=max_step(db.backend),
         )
         self._assemble(ctx)
         self._closed = False
@@ -581,10 +582,10 @@ class CheckpointManager:
         """
         if self._closed:
             self._check_open()
-        if type(step) is not int or not 0 <= step <= MAX_STEP:
-            step = validate_step(step)
-        checked = values if _plain_metrics(values) else validate_metrics(values)
         ctx = self._ctx
+        if type(step) is not int or not 0 <= step <= ctx.max_step:
+            step = validate_step(step, ctx.max_step)
+        checked = values if _plain_metrics(values) else validate_metrics(values)
         if ctx.is_writer and ctx.metrics.add(step, checked) >= METRIC_FLUSH_THRESHOLD:
             self.flush()
 

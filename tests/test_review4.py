@@ -1,0 +1,58 @@
+"""Review 4: bugs found in the fastmetrics / lookup / held-file merge, one test each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from helpers import LedgerClient
+
+from ckptdb import CheckpointManager
+from ckptdb.errors import InvalidArgumentError
+
+Opener = Callable[..., CheckpointManager]
+
+
+@pytest.fixture
+def db_url(backend: str | None) -> str | None:
+    return backend
+
+
+def test_a_step_the_ledger_cannot_hold_is_bad_input_and_poisons_nothing(
+    open_manager: Opener, db: LedgerClient
+) -> None:
+    """The ledger's step columns are INTEGER: 32-bit on PostgreSQL. A step past
+    2**31 - 1 was buffered by log_metrics, and then every flush (and every
+    commit, which inserts the buffered prefix) failed on it for the rest of the run."""
+    mgr = open_manager()
+    mgr.log_metrics(1, {"loss": 0.5})
+    held = []
+    for step in (2**31 - 1, 2**31, 2**40, 2**63 - 1):
+        try:
+            mgr.log_metrics(step, {"loss": 0.25})
+            held.append(step)
+        except InvalidArgumentError:
+            assert len(mgr._ctx.metrics) == 1 + len(held)  # nothing buffered
+    mgr.flush()  # whatever the backend held or refused, the flush must work
+    got = db.rows("SELECT step, name, value FROM metrics ORDER BY id")
+    assert got == [(1, "loss", 0.5)] + [(s, "loss", 0.25) for s in held]
+    assert 2**31 - 1 in held
+
+
+def test_a_save_at_a_step_the_ledger_cannot_hold_records_nothing(
+    open_manager: Opener, db: LedgerClient, backend: str | None
+) -> None:
+    """save() at a step past the ledger's bound is bad input before its metrics are
+    buffered: on PostgreSQL the pending row's insert failed and the boundary's
+    metrics stayed buffered, failing every later commit."""
+    import torch
+
+    mgr = open_manager()
+    if backend is None:
+        pytest.skip("SQLite holds every 64-bit step (the save-past-64-bits corpus case)")
+    limit = 2**31 - 1
+    with pytest.raises(InvalidArgumentError):
+        mgr.save(limit + 1, metrics={"loss": 0.5}, model={"w": torch.zeros(2)})
+    assert len(mgr._ctx.metrics) == 0
+    mgr.save(limit, metrics={"loss": 0.25}, model={"w": torch.zeros(2)})
+    assert db.rows("SELECT step, value FROM metrics") == [(limit, 0.25)]
