@@ -40,7 +40,7 @@ from .ledger import models as m
 from .ledger import rows as ledger_rows
 from .ledger.engine import default_sqlite_url, normalize_url
 from .ledger.lock import writer_lock
-from .ledger.models import max_step
+from .ledger.models import MAX_METRIC_NAME, max_step
 from .ledger.netfs import check_ledger_location
 from .ledger.runs import open_as_writer
 from .location import ObjectPath, is_object_url, object_path
@@ -645,5 +645,7 @@ def _plain_metrics(values: object) -> TypeGuard[dict[str, float]]:
         return False
     for name, value in values.items():
         if type(name) is not str or not name or type(value) is not float:
+            return False
+        if len(name) > MAX_METRIC_NAME or "\x00" in name:  # validate_metrics words it
             return False
     return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 from helpers import LedgerClient
 
 from ckptdb import CheckpointManager
@@ -45,8 +46,6 @@ def test_a_save_at_a_step_the_ledger_cannot_hold_records_nothing(
     """save() at a step past the ledger's bound is bad input before its metrics are
     buffered: on PostgreSQL the pending row's insert failed and the boundary's
     metrics stayed buffered, failing every later commit."""
-    import torch
-
     mgr = open_manager()
     if backend is None:
         pytest.skip("SQLite holds every 64-bit step (the save-past-64-bits corpus case)")
@@ -56,3 +55,20 @@ def test_a_save_at_a_step_the_ledger_cannot_hold_records_nothing(
     assert len(mgr._ctx.metrics) == 0
     mgr.save(limit, metrics={"loss": 0.25}, model={"w": torch.zeros(2)})
     assert db.rows("SELECT step, value FROM metrics") == [(limit, 0.25)]
+
+
+@pytest.mark.parametrize("name", ["n" * 256, "nul\x00name"], ids=["too-long", "nul"])
+def test_a_metric_name_the_ledger_cannot_hold_is_bad_input_and_poisons_nothing(
+    open_manager: Opener, db: LedgerClient, name: str
+) -> None:
+    """``metrics.name`` is VARCHAR(255), and PostgreSQL's text holds no NUL: such a
+    name was buffered, then every flush and commit of the run failed on it."""
+    mgr = open_manager()
+    mgr.log_metrics(1, {"loss": 0.5})
+    with pytest.raises(InvalidArgumentError):
+        mgr.log_metrics(2, {"ok": 1.0, name: 2.0})
+    with pytest.raises(InvalidArgumentError):
+        mgr.save(3, metrics={"ok": 1.0, name: 2.0}, model={"w": torch.zeros(2)})
+    assert len(mgr._ctx.metrics) == 1
+    mgr.flush()
+    assert db.rows("SELECT step, name, value FROM metrics ORDER BY id") == [(1, "loss", 0.5)]

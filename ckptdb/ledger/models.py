@@ -52,6 +52,9 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
+#: The longest metric name ``metrics.name`` (VARCHAR(255)) holds; PostgreSQL enforces it.
+MAX_METRIC_NAME = 255
+
 #: The largest step a ledger holds: a signed 64-bit integer (SQLite's INTEGER)...
 MAX_STEP = 2**63 - 1
 #: ... except where the step columns (``Integer``) are 32-bit: PostgreSQL's INTEGER.

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..ledger.models import MAX_STEP
+from ..ledger.models import MAX_METRIC_NAME, MAX_STEP
 
 
 def validate_step(step: object, limit: int = MAX_STEP) -> int:
@@ -29,6 +29,13 @@ def validate_step(step: object, limit: int = MAX_STEP) -> int:
     return step
 
 
+def fits_metric_name(name: str) -> bool:
+    """Whether the ledger can hold ``name`` (``metrics.name`` is VARCHAR(255); PostgreSQL's
+    text holds no NUL). Why here: a name buffered that no insert can write failed every
+    later flush and commit of the run, on PostgreSQL."""
+    return len(name) <= MAX_METRIC_NAME and "\x00" not in name
+
+
 def validate_metrics(metrics: object) -> dict[str, float]:
     if metrics is None:
         return {}
@@ -38,6 +45,11 @@ def validate_metrics(metrics: object) -> dict[str, float]:
     for name, value in metrics.items():
         if not isinstance(name, str) or not name:
             raise ArgumentTypeError(f"metric names must be non-empty str, got {name!r}")
+        if not fits_metric_name(name):
+            raise InvalidArgumentError(
+                f"metric names hold at most {MAX_METRIC_NAME} characters and no NUL, "
+                f"got {name[:40]!r}... ({len(name)} characters)"
+            )
         out[name] = _real(name, value)
     return out
 
