@@ -646,6 +646,6 @@ def _plain_metrics(values: object) -> TypeGuard[dict[str, float]]:
     for name, value in values.items():
         if type(name) is not str or not name or type(value) is not float:
             return False
-        if len(name) > MAX_METRIC_NAME or "\x00" in name:  # validate_metrics words it
-            return False
+        if len(name) > MAX_METRIC_NAME or not name.isascii() or "\x00" in name:
+            return False  # validate_metrics checks (and words) it; isascii() is O(1)
     return True

@@ -57,7 +57,9 @@ def test_a_save_at_a_step_the_ledger_cannot_hold_records_nothing(
     assert db.rows("SELECT step, value FROM metrics") == [(limit, 0.25)]
 
 
-@pytest.mark.parametrize("name", ["n" * 256, "nul\x00name"], ids=["too-long", "nul"])
+@pytest.mark.parametrize(
+    "name", ["n" * 256, "nul\x00name", "lone\ud800surrogate"], ids=["too-long", "nul", "surrogate"]
+)
 def test_a_metric_name_the_ledger_cannot_hold_is_bad_input_and_poisons_nothing(
     open_manager: Opener, db: LedgerClient, name: str
 ) -> None:

@@ -30,10 +30,16 @@ def validate_step(step: object, limit: int = MAX_STEP) -> int:
 
 
 def fits_metric_name(name: str) -> bool:
-    """Whether the ledger can hold ``name`` (``metrics.name`` is VARCHAR(255); PostgreSQL's
-    text holds no NUL). Why here: a name buffered that no insert can write failed every
-    later flush and commit of the run, on PostgreSQL."""
-    return len(name) <= MAX_METRIC_NAME and "\x00" not in name
+    """Whether the ledger can hold ``name``: ``metrics.name`` is VARCHAR(255), PostgreSQL's
+    text holds no NUL, every driver sends UTF-8. Why here: a name buffered that no insert
+    can write failed every later flush and commit of the run (and its close)."""
+    if len(name) > MAX_METRIC_NAME or "\x00" in name:
+        return False
+    try:  # a lone surrogate: no driver can encode it (UnicodeEncodeError at the flush)
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def validate_metrics(metrics: object) -> dict[str, float]:
@@ -47,8 +53,8 @@ def validate_metrics(metrics: object) -> dict[str, float]:
             raise ArgumentTypeError(f"metric names must be non-empty str, got {name!r}")
         if not fits_metric_name(name):
             raise InvalidArgumentError(
-                f"metric names hold at most {MAX_METRIC_NAME} characters and no NUL, "
-                f"got {name[:40]!r}... ({len(name)} characters)"
+                f"metric names hold at most {MAX_METRIC_NAME} characters, no NUL and no "
+                f"lone surrogate, got {name[:40]!r}... ({len(name)} characters)"
             )
         out[name] = _real(name, value)
     return out
