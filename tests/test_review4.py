@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -74,3 +75,35 @@ def test_a_metric_name_the_ledger_cannot_hold_is_bad_input_and_poisons_nothing(
     assert len(mgr._ctx.metrics) == 1
     mgr.flush()
     assert db.rows("SELECT step, name, value FROM metrics ORDER BY id") == [(1, "loss", 0.5)]
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["execute", "executemany"])
+def test_an_interrupt_mid_statement_invalidates_the_connection_as_sqlalchemy_does(
+    many: bool,
+) -> None:
+    """``exec_driver_sql`` invalidates the connection on an exit exception (Ctrl-C
+    mid-statement: its protocol state is unknown); the driver runner kept it for the pool."""
+    from sqlalchemy import create_engine, event
+
+    from ckptdb.ledger import driver
+
+    def invalidated(run: Callable[[Any], object]) -> bool:
+        engine = create_engine("sqlite://")
+        with engine.connect() as c:
+            c.exec_driver_sql("CREATE TABLE t (x INTEGER)")
+
+            def interrupt(*args: Any) -> None:
+                raise KeyboardInterrupt
+
+            event.listen(c, "before_cursor_execute", interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                run(c)
+            return c.invalidated
+
+    rows = [(1,), (2,)]
+    sql = "INSERT INTO t VALUES (?)"
+    assert invalidated(lambda c: c.exec_driver_sql(sql, rows if many else rows[0]))
+    if many:
+        assert invalidated(lambda c: driver.executemany(c, sql, iter(rows)))
+    else:
+        assert invalidated(lambda c: driver.execute(c, sql, rows[0]))
