@@ -107,3 +107,20 @@ def test_an_interrupt_mid_statement_invalidates_the_connection_as_sqlalchemy_doe
         assert invalidated(lambda c: driver.executemany(c, sql, iter(rows)))
     else:
         assert invalidated(lambda c: driver.execute(c, sql, rows[0]))
+
+
+def test_a_step_past_the_ledgers_bound_does_not_reset_a_tripped_guard(
+    open_manager: Opener, db: LedgerClient, backend: str | None
+) -> None:
+    """Bad input is checked before the guard, which a typo must not reset: the bound
+    of a PostgreSQL ledger was checked after it (in the chief's plan)."""
+    from ckptdb import NonFiniteGradGuard
+
+    if backend is None:
+        pytest.skip("SQLite holds every 64-bit step")
+    guard = NonFiniteGradGuard()
+    mgr = open_manager(guard=guard)
+    guard.update(torch.tensor(float("nan")))
+    with pytest.raises(InvalidArgumentError):
+        mgr.save(2**31, model={"w": torch.zeros(2)})
+    assert guard.tripped() is True

@@ -115,7 +115,7 @@ class Publisher:
         shares: list[Share] = []
         rolls_back_itself = False
         try:
-            verdict = Preflight(self.ctx.policies, self.guard).verdict(
+            verdict = Preflight(self.ctx.policies, self.guard, self.ctx.max_step).verdict(
                 step, metrics, payloads, blocking
             )
             try:
