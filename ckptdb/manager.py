@@ -75,6 +75,7 @@ class _RunInfo:
     run_id: int
     attempt_id: int
     last_reconcile: ReconcileReport
+    max_step: int  # the ledger's: every rank refuses the same steps
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,12 @@ class CheckpointManager:
             self._open_writer(streams, save_dir, db_url, maintenance, allow_network_sqlite)
             ctx = self._ctx
             return _RunInfo(
-                ctx.save_dir, ctx.policies, ctx.run_id, ctx.attempt_id, self.last_reconcile
+                ctx.save_dir,
+                ctx.policies,
+                ctx.run_id,
+                ctx.attempt_id,
+                self.last_reconcile,
+                ctx.max_step,
             )
 
         info = self._coord.shared("open", open_as_chief)
@@ -213,6 +219,7 @@ class CheckpointManager:
                     info.policies,
                     store,
                     is_writer=False,
+                    max_step=info.max_step,
                 )
             )
             self._closed = False
