@@ -124,3 +124,13 @@ def test_a_step_past_the_ledgers_bound_does_not_reset_a_tripped_guard(
     with pytest.raises(InvalidArgumentError):
         mgr.save(2**31, model={"w": torch.zeros(2)})
     assert guard.tripped() is True
+
+
+def test_names_off_the_ascii_fast_path_still_log(open_manager: Opener, db: LedgerClient) -> None:
+    """A non-ASCII name (checked by validate_metrics, not the fast path) is stored as is,
+    and 255 characters is still a name."""
+    mgr = open_manager()
+    mgr.log_metrics(1, {"损失": 0.5, "é" * 255: 1.5, "n" * 255: 2.5})
+    mgr.flush()
+    got = db.rows("SELECT name, value FROM metrics ORDER BY id")
+    assert got == [("损失", 0.5), ("é" * 255, 1.5), ("n" * 255, 2.5)]
