@@ -134,3 +134,52 @@ def test_names_off_the_ascii_fast_path_still_log(open_manager: Opener, db: Ledge
     mgr.flush()
     got = db.rows("SELECT name, value FROM metrics ORDER BY id")
     assert got == [("损失", 0.5), ("é" * 255, 1.5), ("n" * 255, 2.5)]
+
+
+def test_a_background_drop_and_the_training_threads_calls_lose_and_repeat_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One thread logs calls of 1-4 points while another inserts prefixes of any size
+    (ending inside calls) and drops them, as a background commit does: every point is
+    inserted once, in order (checked: it held; kept as a regression test)."""
+    import random
+    import sys
+    import threading
+
+    from ckptdb.protocol import context
+
+    inserted: list[tuple[int, str, float]] = []
+
+    def insert(_s: Any, _r: int, _a: int, steps: Any, values: Any, walls: Any) -> None:
+        inserted.extend((s, n, x) for s, v in zip(steps, values, strict=True) for n, x in v.items())
+
+    monkeypatch.setattr(context.ledger_rows, "insert_metric_calls", insert)
+    buffer = context.MetricBuffer()
+    logged: list[tuple[int, str, float]] = []
+    done = threading.Event()
+    rng = random.Random(4)
+
+    def training() -> None:
+        for i in range(5000):
+            values = {f"m{j}": float(i) for j in range(1 + i % 4)}
+            logged.extend((i, n, x) for n, x in values.items())
+            buffer.add(i, values)
+        done.set()
+
+    def committing() -> None:
+        while not done.is_set():
+            limit = rng.randint(0, 20) if rng.random() < 0.9 else None
+            buffer.drop(buffer.insert_into(None, 1, 1, limit))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        threads = [threading.Thread(target=training), threading.Thread(target=committing)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    buffer.drop(buffer.insert_into(None, 1, 1, None))
+    assert inserted == logged and len(buffer) == 0 and buffer.entries == []
