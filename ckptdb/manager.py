@@ -40,7 +40,7 @@ from .ledger import models as m
 from .ledger import rows as ledger_rows
 from .ledger.engine import default_sqlite_url, normalize_url
 from .ledger.lock import writer_lock
-from .ledger.models import MAX_STEP
+from .ledger.models import MAX_METRIC_NAME, max_step
 from .ledger.netfs import check_ledger_location
 from .ledger.runs import open_as_writer
 from .location import ObjectPath, is_object_url, object_path
@@ -75,6 +75,7 @@ class _RunInfo:
     run_id: int
     attempt_id: int
     last_reconcile: ReconcileReport
+    max_step: int  # the ledger's: every rank refuses the same steps
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,12 @@ class CheckpointManager:
             self._open_writer(streams, save_dir, db_url, maintenance, allow_network_sqlite)
             ctx = self._ctx
             return _RunInfo(
-                ctx.save_dir, ctx.policies, ctx.run_id, ctx.attempt_id, self.last_reconcile
+                ctx.save_dir,
+                ctx.policies,
+                ctx.run_id,
+                ctx.attempt_id,
+                self.last_reconcile,
+                ctx.max_step,
             )
 
         info = self._coord.shared("open", open_as_chief)
@@ -213,6 +219,7 @@ class CheckpointManager:
                     info.policies,
                     store,
                     is_writer=False,
+                    max_step=info.max_step,
                 )
             )
             self._closed = False
@@ -276,6 +283,7 @@ class CheckpointManager:
             is_writer=True,
             db=db,
             lock=lock,
+            max_step=max_step(db.backend),
         )
         self._assemble(ctx)
         self._closed = False
@@ -581,10 +589,10 @@ class CheckpointManager:
         """
         if self._closed:
             self._check_open()
-        if type(step) is not int or not 0 <= step <= MAX_STEP:
-            step = validate_step(step)
-        checked = values if _plain_metrics(values) else validate_metrics(values)
         ctx = self._ctx
+        if type(step) is not int or not 0 <= step <= ctx.max_step:
+            step = validate_step(step, ctx.max_step)
+        checked = values if _plain_metrics(values) else validate_metrics(values)
         if ctx.is_writer and ctx.metrics.add(step, checked) >= METRIC_FLUSH_THRESHOLD:
             self.flush()
 
@@ -649,4 +657,6 @@ def _plain_metrics(values: object) -> TypeGuard[dict[str, float]]:
     for name, value in values.items():
         if type(name) is not str or not name or type(value) is not float:
             return False
+        if len(name) > MAX_METRIC_NAME or not name.isascii() or "\x00" in name:
+            return False  # validate_metrics checks (and words) it; isascii() is O(1)
     return True

@@ -955,3 +955,35 @@ def test_a_rank_dying_inside_dcp_is_rolled_back_once(tmp_path: Path) -> None:
     assert ledger_states(root) == [("model", "aborted", 1)]
     assert files(root / "checkpoints") == []
     assert rows(root, "SELECT COUNT(*) FROM events WHERE kind = 'publish_failed'") == [(1,)]
+
+
+def _past_the_ledgers_step(rank: int, world: int, root: str, url: str) -> dict[str, Any]:
+    with manager(root, db_url=url) as mgr:
+
+        def log() -> None:
+            mgr.log_metrics(2**31, {"loss": 1.0})
+
+        def save() -> None:
+            mgr.save(2**31, model=Sharded(sd(1, rank)))
+
+        return {
+            "max_step": mgr._ctx.max_step,
+            "log": attempt(mgr, log)["error"],
+            "save": attempt(mgr, save)["error"],
+        }
+
+
+def test_every_rank_refuses_a_step_past_a_postgresql_ledgers_bound(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """The bound is the chief's ledger's (32-bit steps on PostgreSQL): every rank
+    refuses the same steps, not the chief alone (review 4)."""
+    root = tmp_path / "run"
+    outcomes = run_ranks(_past_the_ledgers_step, 2, tmp_path, str(root), pg_url)
+    for o in outcomes:
+        assert o.error is None, o.trace
+        assert o.value == {
+            "max_step": 2**31 - 1,
+            "log": "InvalidArgumentError",
+            "save": "InvalidArgumentError",
+        }

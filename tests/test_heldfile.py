@@ -592,3 +592,37 @@ def test_too_few_usable_cpus_read_in_the_calling_thread(
         held = heldfile.read_hashed(f)
     assert set(f.threads) == {threading.current_thread().name}
     assert held.info == hash_file(path) and held.by_records
+
+
+def test_a_fallback_read_holds_no_record_of_the_failed_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records are allocated (the file's size) before the pass; when the pass finds
+    the archive unusual, the whole-file read that follows must not still hold them
+    (the error's traceback, or a cycle through it, kept 2x the file alive)."""
+    import weakref
+
+    path = saved(tmp_path, {"w": torch.arange(50_000.0)}, "damaged.pt")
+    data = bytearray(path.read_bytes())
+    data[0:4] = b"XXXX"  # the first local header is gone: unusual, read whole
+    path.write_bytes(bytes(data))
+    allocated: list[weakref.ref[torch.Tensor]] = []
+    real_allocate, real_read = heldfile._allocate, heldfile._read_up_to
+
+    def allocate(entries: Any) -> dict[str, torch.Tensor]:
+        tensors = real_allocate(entries)
+        allocated.extend(weakref.ref(t) for t in tensors.values())
+        return tensors
+
+    alive_at_fallback: list[int] = []
+
+    def read_up_to(f: Any, size: int) -> bytes:
+        if allocated:  # the fallback's read (the tail's came before any allocation)
+            alive_at_fallback.append(sum(r() is not None for r in allocated))
+        return real_read(f, size)
+
+    monkeypatch.setattr(heldfile, "_allocate", allocate)
+    monkeypatch.setattr(heldfile, "_read_up_to", read_up_to)
+    held = heldfile.read_held(path)
+    assert not held.by_records and held.info == hash_file(path)
+    assert allocated and alive_at_fallback == [0]

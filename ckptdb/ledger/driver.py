@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.util import is_exit_exception
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ def _run(connection: Connection, sql: str, params: Any, *, many: bool) -> Execut
         error = exc
         if isinstance(exc, connection.dialect.loaded_dbapi.Error):
             error = _wrapped(connection, sql, None if many else params, exc, many)
+        elif is_exit_exception(exc) and not connection.invalidated:
+            # as SQLAlchemy does: an interrupt mid-statement leaves the connection in
+            # a state nobody knows (psycopg may be mid-pipeline), so the pool drops it
+            connection.invalidate(exc)
         _close_after(cursor, error)
         if error is exc:
             raise

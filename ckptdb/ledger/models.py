@@ -52,8 +52,23 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
-#: The largest step a ledger holds: a signed 64-bit integer, on every backend.
+#: The longest metric name ``metrics.name`` (VARCHAR(255)) holds; PostgreSQL enforces it.
+MAX_METRIC_NAME = 255
+
+#: The largest step a ledger holds: a signed 64-bit integer (SQLite's INTEGER)...
 MAX_STEP = 2**63 - 1
+#: ... except where the step columns (``Integer``) are 32-bit: PostgreSQL's INTEGER.
+_STEP_LIMITS = {"postgresql": 2**31 - 1}
+
+
+def max_step(backend: str) -> int:
+    """The largest step a ledger on ``backend`` (a dialect name) can hold.
+
+    Why per backend: the ``step`` columns are ``Integer``, 32-bit on PostgreSQL; a
+    step past it buffered by ``log_metrics`` made every later flush and commit of
+    the run fail (``integer out of range``).
+    """
+    return _STEP_LIMITS.get(backend, MAX_STEP)
 
 
 class UTCDateTime(TypeDecorator[dt.datetime]):

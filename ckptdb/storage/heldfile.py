@@ -143,9 +143,10 @@ def read_hashed(f: BinaryIO) -> HeldFile:
             raise _Unusual("this torch has no zip loader to feed")  # pragma: no cover
         return _read_archive(f, size)
     except _Unusual:
-        f.seek(0)
-        raw = _read_up_to(f, size)
-        return HeldFile(FileInfo(len(raw), xxhash.xxh3_128(raw).hexdigest()), None, raw)
+        pass  # read whole below, once the error (its traceback holds the records) is gone
+    f.seek(0)
+    raw = _read_up_to(f, size)
+    return HeldFile(FileInfo(len(raw), xxhash.xxh3_128(raw).hexdigest()), None, raw)
 
 
 def _read_up_to(f: BinaryIO, size: int) -> bytes:
@@ -368,6 +369,7 @@ def _hash_while_reading(
         except BaseException as exc:  # handed over, and raised by the hashing thread
             done = _Finished(None, exc)
         handed.put(done)
+        del done  # the error's traceback holds this frame: no cycle through it
 
     reader = threading.Thread(target=read, name="ckptdb-read-ahead", daemon=True)
     reader.start()
@@ -378,9 +380,14 @@ def _hash_while_reading(
     finally:
         stop.set()
         reader.join()
-    if item.error is not None:
-        raise item.error
-    return cast(T, item.result)
+    error, result = item.error, item.result
+    del item  # no frame of the raise may hold the error: a cycle would keep the records
+    if error is not None:
+        try:
+            raise error
+        finally:
+            del error
+    return cast(T, result)
 
 
 class _Batches:

@@ -1,0 +1,185 @@
+"""Review 4: bugs found in the fastmetrics / lookup / held-file merge, one test each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from helpers import LedgerClient
+
+from ckptdb import CheckpointManager
+from ckptdb.errors import InvalidArgumentError
+
+Opener = Callable[..., CheckpointManager]
+
+
+@pytest.fixture
+def db_url(backend: str | None) -> str | None:
+    return backend
+
+
+def test_a_step_the_ledger_cannot_hold_is_bad_input_and_poisons_nothing(
+    open_manager: Opener, db: LedgerClient
+) -> None:
+    """The ledger's step columns are INTEGER: 32-bit on PostgreSQL. A step past
+    2**31 - 1 was buffered by log_metrics, and then every flush (and every
+    commit, which inserts the buffered prefix) failed on it for the rest of the run."""
+    mgr = open_manager()
+    mgr.log_metrics(1, {"loss": 0.5})
+    held = []
+    for step in (2**31 - 1, 2**31, 2**40, 2**63 - 1):
+        try:
+            mgr.log_metrics(step, {"loss": 0.25})
+            held.append(step)
+        except InvalidArgumentError:
+            assert len(mgr._ctx.metrics) == 1 + len(held)  # nothing buffered
+    mgr.flush()  # whatever the backend held or refused, the flush must work
+    got = db.rows("SELECT step, name, value FROM metrics ORDER BY id")
+    assert got == [(1, "loss", 0.5)] + [(s, "loss", 0.25) for s in held]
+    assert 2**31 - 1 in held
+
+
+def test_a_save_at_a_step_the_ledger_cannot_hold_records_nothing(
+    open_manager: Opener, db: LedgerClient, backend: str | None
+) -> None:
+    """save() at a step past the ledger's bound is bad input before its metrics are
+    buffered: on PostgreSQL the pending row's insert failed and the boundary's
+    metrics stayed buffered, failing every later commit."""
+    mgr = open_manager()
+    if backend is None:
+        pytest.skip("SQLite holds every 64-bit step (the save-past-64-bits corpus case)")
+    limit = 2**31 - 1
+    with pytest.raises(InvalidArgumentError):
+        mgr.save(limit + 1, metrics={"loss": 0.5}, model={"w": torch.zeros(2)})
+    assert len(mgr._ctx.metrics) == 0
+    mgr.save(limit, metrics={"loss": 0.25}, model={"w": torch.zeros(2)})
+    assert db.rows("SELECT step, value FROM metrics") == [(limit, 0.25)]
+
+
+@pytest.mark.parametrize(
+    "name", ["n" * 256, "nul\x00name", "lone\ud800surrogate"], ids=["too-long", "nul", "surrogate"]
+)
+def test_a_metric_name_the_ledger_cannot_hold_is_bad_input_and_poisons_nothing(
+    open_manager: Opener, db: LedgerClient, name: str
+) -> None:
+    """``metrics.name`` is VARCHAR(255), and PostgreSQL's text holds no NUL: such a
+    name was buffered, then every flush and commit of the run failed on it."""
+    mgr = open_manager()
+    mgr.log_metrics(1, {"loss": 0.5})
+    with pytest.raises(InvalidArgumentError):
+        mgr.log_metrics(2, {"ok": 1.0, name: 2.0})
+    with pytest.raises(InvalidArgumentError):
+        mgr.save(3, metrics={"ok": 1.0, name: 2.0}, model={"w": torch.zeros(2)})
+    assert len(mgr._ctx.metrics) == 1
+    mgr.flush()
+    assert db.rows("SELECT step, name, value FROM metrics ORDER BY id") == [(1, "loss", 0.5)]
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["execute", "executemany"])
+def test_an_interrupt_mid_statement_invalidates_the_connection_as_sqlalchemy_does(
+    many: bool,
+) -> None:
+    """``exec_driver_sql`` invalidates the connection on an exit exception (Ctrl-C
+    mid-statement: its protocol state is unknown); the driver runner kept it for the pool."""
+    from sqlalchemy import create_engine, event
+
+    from ckptdb.ledger import driver
+
+    def invalidated(run: Callable[[Any], object]) -> bool:
+        engine = create_engine("sqlite://")
+        with engine.connect() as c:
+            c.exec_driver_sql("CREATE TABLE t (x INTEGER)")
+
+            def interrupt(*args: Any) -> None:
+                raise KeyboardInterrupt
+
+            event.listen(c, "before_cursor_execute", interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                run(c)
+            return c.invalidated
+
+    rows = [(1,), (2,)]
+    sql = "INSERT INTO t VALUES (?)"
+    assert invalidated(lambda c: c.exec_driver_sql(sql, rows if many else rows[0]))
+    if many:
+        assert invalidated(lambda c: driver.executemany(c, sql, iter(rows)))
+    else:
+        assert invalidated(lambda c: driver.execute(c, sql, rows[0]))
+
+
+def test_a_step_past_the_ledgers_bound_does_not_reset_a_tripped_guard(
+    open_manager: Opener, db: LedgerClient, backend: str | None
+) -> None:
+    """Bad input is checked before the guard, which a typo must not reset: the bound
+    of a PostgreSQL ledger was checked after it (in the chief's plan)."""
+    from ckptdb import NonFiniteGradGuard
+
+    if backend is None:
+        pytest.skip("SQLite holds every 64-bit step")
+    guard = NonFiniteGradGuard()
+    mgr = open_manager(guard=guard)
+    guard.update(torch.tensor(float("nan")))
+    with pytest.raises(InvalidArgumentError):
+        mgr.save(2**31, model={"w": torch.zeros(2)})
+    assert guard.tripped() is True
+
+
+def test_names_off_the_ascii_fast_path_still_log(open_manager: Opener, db: LedgerClient) -> None:
+    """A non-ASCII name (checked by validate_metrics, not the fast path) is stored as is,
+    and 255 characters is still a name."""
+    mgr = open_manager()
+    mgr.log_metrics(1, {"损失": 0.5, "é" * 255: 1.5, "n" * 255: 2.5})
+    mgr.flush()
+    got = db.rows("SELECT name, value FROM metrics ORDER BY id")
+    assert got == [("损失", 0.5), ("é" * 255, 1.5), ("n" * 255, 2.5)]
+
+
+def test_a_background_drop_and_the_training_threads_calls_lose_and_repeat_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One thread logs calls of 1-4 points while another inserts prefixes of any size
+    (ending inside calls) and drops them, as a background commit does: every point is
+    inserted once, in order (checked: it held; kept as a regression test)."""
+    import random
+    import sys
+    import threading
+
+    from ckptdb.protocol import context
+
+    inserted: list[tuple[int, str, float]] = []
+
+    def insert(_s: Any, _r: int, _a: int, steps: Any, values: Any, walls: Any) -> None:
+        inserted.extend((s, n, x) for s, v in zip(steps, values, strict=True) for n, x in v.items())
+
+    monkeypatch.setattr(context.ledger_rows, "insert_metric_calls", insert)
+    buffer = context.MetricBuffer()
+    logged: list[tuple[int, str, float]] = []
+    done = threading.Event()
+    rng = random.Random(4)
+
+    def training() -> None:
+        for i in range(5000):
+            values = {f"m{j}": float(i) for j in range(1 + i % 4)}
+            logged.extend((i, n, x) for n, x in values.items())
+            buffer.add(i, values)
+        done.set()
+
+    def committing() -> None:
+        while not done.is_set():
+            limit = rng.randint(0, 20) if rng.random() < 0.9 else None
+            buffer.drop(buffer.insert_into(None, 1, 1, limit))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        threads = [threading.Thread(target=training), threading.Thread(target=committing)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    buffer.drop(buffer.insert_into(None, 1, 1, None))
+    assert inserted == logged and len(buffer) == 0 and buffer.entries == []
