@@ -1,4 +1,11 @@
-"""Review 4: bugs found in the fastmetrics / lookup / held-file merge, one test each."""
+"""What the ledger cannot hold, and the edges of the paths that write it fast.
+
+A step or a metric name a ledger cannot store is bad input, refused before
+anything is buffered: once buffered, it failed every later flush, commit and
+close of the run. Also here: an interrupt inside a driver-level statement
+invalidates its connection (as SQLAlchemy does), and the metric buffer's
+training-thread appends and background drops lose and repeat nothing.
+"""
 
 from __future__ import annotations
 
