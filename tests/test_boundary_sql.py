@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from ckptdb import CheckpointManager, Keep, TopK
 from ckptdb.errors import DatabaseError, LedgerError
-from ckptdb.ledger import boundary_rows, pins
+from ckptdb.ledger import boundary_rows, driver, pins
 from ckptdb.ledger import models as m
 from ckptdb.ledger import rows as ledger_rows
 from ckptdb.ledger.boundary_rows import _rendered
@@ -476,3 +477,29 @@ def test_a_lost_postgresql_connection_is_invalidated_and_replaced(
     assert len(invalidated) == 1 and "terminat" in str(invalidated[0])
     assert mgr.save(1, model=state(1))["model"].step == 1
     assert value_of(mgr.load("latest")) == 1.0
+
+
+@SQLITE_ONLY
+def test_a_cursor_the_driver_cannot_open_is_a_database_error(open_manager: Opener) -> None:
+    """The cursor itself is the driver's too: a connection it closed under us is a
+    DatabaseError with the driver's words, never a bare driver exception."""
+    mgr = open_manager(streams={"model": Keep(last=1)})
+
+    def closed() -> Any:
+        raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
+
+    with (
+        pytest.raises(DatabaseError, match="closed database"),
+        mgr._ctx.ledger.transaction() as session,
+    ):
+        real = session.connection()
+        pooled = types.SimpleNamespace(cursor=closed, dbapi_connection=None)
+        proxy = types.SimpleNamespace(
+            dialect=real.dialect,
+            dispatch=real.dispatch,
+            connection=pooled,
+            invalidate=lambda exc: dropped.append(exc),
+        )
+        dropped: list[BaseException] = []
+        driver.execute(proxy, "SELECT 1")  # type: ignore[arg-type]
+    assert len(dropped) == 1  # SQLite's word for a lost connection: the pool drops it

@@ -10,8 +10,10 @@ callers rely on from SQLAlchemy:
 * **Errors** are SQLAlchemy's: a driver error becomes the same
   :class:`sqlalchemy.exc.DBAPIError` subclass ``exec_driver_sql`` raises, so
   :meth:`~ckptdb.ledger.engine.Ledger.transaction` translates it as before,
-  and a connection the driver reports as lost is invalidated (the pool
-  replaces it) exactly as SQLAlchemy would.
+  and a connection the driver reports as lost, or one interrupted mid-statement,
+  is invalidated so that the pool replaces it (SQLAlchemy would also
+  invalidate the pool's other connections on a lost one; PostgreSQL's
+  pre-ping at checkout finds those).
 * **Observers** still see every statement: ``before_cursor_execute`` and
   ``after_cursor_execute`` listeners on the engine or connection run around it
   (with no execution context: ``context`` is None), so statement counts,
@@ -56,7 +58,12 @@ def executemany(connection: Connection, sql: str, rows: Iterable[Any]) -> None:
 
 
 def _run(connection: Connection, sql: str, params: Any, *, many: bool) -> Executed:
-    cursor = connection.connection.cursor()
+    try:
+        cursor = connection.connection.cursor()
+    except Exception as exc:  # a connection the driver closed under us
+        if not isinstance(exc, connection.dialect.loaded_dbapi.Error):
+            raise
+        raise _wrapped(connection, sql, None, exc, many) from exc
     try:
         if many and _listened(connection) and not isinstance(params, list):
             params = list(params)  # listeners may read the rows the driver then consumes
