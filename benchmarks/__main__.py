@@ -1,7 +1,7 @@
 """Run the benchmark suite: ``python -m benchmarks [--quick] [--full] [--out FILE]``.
 
-Prints a markdown table and writes every figure (medians, ratios, notes,
-machine description) to a JSON file.
+Prints a markdown table of the ratios to each case's baseline and writes every
+figure (medians, ratios, notes, machine description) to a JSON file.
 """
 
 from __future__ import annotations

@@ -67,18 +67,11 @@ def compare(
 
 
 def markdown(comparisons: list[Comparison]) -> str:
-    lines = ["| case | contender | median | ratio to baseline |", "| --- | --- | ---: | ---: |"]
+    """The ratios to each case's baseline, the one figure comparable across machines
+    and runs; the absolute medians (and every sample count) are in the JSON report."""
+    lines = ["| case | contender | ratio to baseline |", "| --- | --- | ---: |"]
     for c in comparisons:
-        ratios = c.ratios()
-        for key, med in c.medians().items():
+        for key, ratio in c.ratios().items():
             mark = " (baseline)" if key == c.baseline else ""
-            lines.append(f"| {c.name} | {key}{mark} | {_human(med)} | {ratios[key]:.2f} |")
+            lines.append(f"| {c.name} | {key}{mark} | {ratio:.2f} |")
     return "\n".join(lines)
-
-
-def _human(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.1f} ms"
-    return f"{seconds * 1e6:.0f} µs"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,12 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
     assert floor["notes"]["statements_per_boundary"] == 18
     assert report["machine"]["torch"]
     table = capsys.readouterr().out
-    assert "| case | contender | median | ratio to baseline |" in table
+    assert "| case | contender | ratio to baseline |" in table
+    rows = [line for line in table.splitlines() if line.startswith("| ")][2:]
+    assert len(rows) == sum(len(r["median_s"]) for r in report["results"])
+    # ratios only: the absolute times are the JSON's (they mean nothing on another machine)
+    assert not [row for row in rows if re.search(r"\d (s|ms|µs) \|", row)], rows
+    assert all(re.fullmatch(r"\| .+ \| .+ \| \d+\.\d\d \|", row) for row in rows), rows
 
 
 @pytest.mark.timeout(120)
