@@ -69,6 +69,11 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
     assert floor["notes"]["transactions_per_boundary"] == 3
     assert floor["notes"]["statements_per_boundary"] == 18
     assert report["machine"]["torch"]
+    growth = [r for r in report["results"] if r["name"].startswith("boundary cost as history")]
+    assert len(growth) == 3
+    for result in growth:  # one run per size, timed round by round: as many samples each
+        assert len(result["repetitions"]) == 2
+        assert len(set(result["repetitions"].values())) == 1, result["repetitions"]
     table = capsys.readouterr().out
     assert "| case | contender | ratio to baseline |" in table
     rows = [line for line in table.splitlines() if line.startswith("| ")][2:]
