@@ -40,7 +40,7 @@ from .ledger import models as m
 from .ledger import rows as ledger_rows
 from .ledger.engine import default_sqlite_url, normalize_url
 from .ledger.lock import writer_lock
-from .ledger.models import MAX_METRIC_NAME, max_step
+from .ledger.models import MAX_METRIC_NAME, MAX_STEP
 from .ledger.netfs import check_ledger_location
 from .ledger.runs import open_as_writer
 from .location import ObjectPath, is_object_url, object_path
@@ -75,7 +75,6 @@ class _RunInfo:
     run_id: int
     attempt_id: int
     last_reconcile: ReconcileReport
-    max_step: int  # the ledger's: every rank refuses the same steps
 
 
 @dataclass(frozen=True)
@@ -203,7 +202,6 @@ class CheckpointManager:
                 ctx.run_id,
                 ctx.attempt_id,
                 self.last_reconcile,
-                ctx.max_step,
             )
 
         info = self._coord.shared("open", open_as_chief)
@@ -219,7 +217,6 @@ class CheckpointManager:
                     info.policies,
                     store,
                     is_writer=False,
-                    max_step=info.max_step,
                 )
             )
             self._closed = False
@@ -283,7 +280,6 @@ class CheckpointManager:
             is_writer=True,
             db=db,
             lock=lock,
-            max_step=max_step(db.backend),
         )
         self._assemble(ctx)
         self._closed = False
@@ -590,8 +586,8 @@ class CheckpointManager:
         if self._closed:
             self._check_open()
         ctx = self._ctx
-        if type(step) is not int or not 0 <= step <= ctx.max_step:
-            step = validate_step(step, ctx.max_step)
+        if type(step) is not int or not 0 <= step <= MAX_STEP:
+            step = validate_step(step)
         checked = values if _plain_metrics(values) else validate_metrics(values)
         if ctx.is_writer and ctx.metrics.add(step, checked) >= METRIC_FLUSH_THRESHOLD:
             self.flush()

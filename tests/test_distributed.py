@@ -957,33 +957,23 @@ def test_a_rank_dying_inside_dcp_is_rolled_back_once(tmp_path: Path) -> None:
     assert rows(root, "SELECT COUNT(*) FROM events WHERE kind = 'publish_failed'") == [(1,)]
 
 
-def _past_the_ledgers_step(rank: int, world: int, root: str, url: str) -> dict[str, Any]:
+def _steps_past_32_bits(rank: int, world: int, root: str, url: str) -> dict[str, Any]:
     with manager(root, db_url=url) as mgr:
+        mgr.log_metrics(2**31, {"loss": 1.0})
+        mgr.save(2**31, model=Sharded(sd(1, rank)))
 
-        def log() -> None:
-            mgr.log_metrics(2**31, {"loss": 1.0})
+        def past() -> None:
+            mgr.save(2**63, model=Sharded(sd(1, rank)))
 
-        def save() -> None:
-            mgr.save(2**31, model=Sharded(sd(1, rank)))
-
-        return {
-            "max_step": mgr._ctx.max_step,
-            "log": attempt(mgr, log)["error"],
-            "save": attempt(mgr, save)["error"],
-        }
+        latest = mgr.latest()
+        return {"latest": latest.step if latest else None, "past": attempt(mgr, past)["error"]}
 
 
-def test_every_rank_refuses_a_step_past_a_postgresql_ledgers_bound(
-    tmp_path: Path, pg_url: str
-) -> None:
-    """The bound is the chief's ledger's (32-bit steps on PostgreSQL): every rank
-    refuses the same steps, not the chief alone (review 4)."""
+def test_every_rank_saves_a_64_bit_step_on_postgresql(tmp_path: Path, pg_url: str) -> None:
+    """PostgreSQL's step columns are BIGINT (revision 0003): a step past 2**31 - 1
+    commits on every rank, and past 2**63 - 1 every rank refuses it alike."""
     root = tmp_path / "run"
-    outcomes = run_ranks(_past_the_ledgers_step, 2, tmp_path, str(root), pg_url)
+    outcomes = run_ranks(_steps_past_32_bits, 2, tmp_path, str(root), pg_url)
     for o in outcomes:
         assert o.error is None, o.trace
-        assert o.value == {
-            "max_step": 2**31 - 1,
-            "log": "InvalidArgumentError",
-            "save": "InvalidArgumentError",
-        }
+        assert o.value == {"latest": 2**31, "past": "InvalidArgumentError"}

@@ -30,37 +30,42 @@ def db_url(backend: str | None) -> str | None:
 def test_a_step_the_ledger_cannot_hold_is_bad_input_and_poisons_nothing(
     open_manager: Opener, db: LedgerClient
 ) -> None:
-    """The ledger's step columns are INTEGER: 32-bit on PostgreSQL. A step past
-    2**31 - 1 was buffered by log_metrics, and then every flush (and every
-    commit, which inserts the buffered prefix) failed on it for the rest of the run."""
+    """Steps are 64-bit on both backends (PostgreSQL's were 32-bit before revision
+    0003, and a step past 2**31 - 1 was buffered by log_metrics, then failed every
+    flush and commit of the run). Past 2**63 - 1 a step is bad input, never buffered."""
     mgr = open_manager()
     mgr.log_metrics(1, {"loss": 0.5})
-    held = []
-    for step in (2**31 - 1, 2**31, 2**40, 2**63 - 1):
-        try:
-            mgr.log_metrics(step, {"loss": 0.25})
-            held.append(step)
-        except InvalidArgumentError:
-            assert len(mgr._ctx.metrics) == 1 + len(held)  # nothing buffered
-    mgr.flush()  # whatever the backend held or refused, the flush must work
+    held = (2**31 - 1, 2**31, 2**40, 2**63 - 1)
+    for step in held:
+        mgr.log_metrics(step, {"loss": 0.25})
+    with pytest.raises(InvalidArgumentError, match=r"at most 2\*\*63 - 1"):
+        mgr.log_metrics(2**63, {"loss": 0.25})
+    assert len(mgr._ctx.metrics) == 1 + len(held)  # nothing buffered
+    mgr.flush()
     got = db.rows("SELECT step, name, value FROM metrics ORDER BY id")
     assert got == [(1, "loss", 0.5)] + [(s, "loss", 0.25) for s in held]
-    assert 2**31 - 1 in held
 
 
 def test_a_save_at_a_step_the_ledger_cannot_hold_records_nothing(
-    open_manager: Opener, db: LedgerClient, backend: str | None
+    open_manager: Opener, db: LedgerClient
 ) -> None:
-    """save() at a step past the ledger's bound is bad input before its metrics are
-    buffered: on PostgreSQL the pending row's insert failed and the boundary's
-    metrics stayed buffered, failing every later commit."""
+    """save() past the bound is bad input before its metrics are buffered; at the
+    bound itself (64 bits, on both backends) the checkpoint commits, loads and shows
+    in the views."""
     mgr = open_manager()
-    limit = 2**31 - 1 if backend is not None else 2**63 - 1  # PostgreSQL: 32-bit steps
+    limit = 2**63 - 1
     with pytest.raises(InvalidArgumentError):
         mgr.save(limit + 1, metrics={"loss": 0.5}, model={"w": torch.zeros(2)})
     assert len(mgr._ctx.metrics) == 0
+    mgr.save(2**31, metrics={"loss": 0.5}, model={"w": torch.ones(2)})
     mgr.save(limit, metrics={"loss": 0.25}, model={"w": torch.zeros(2)})
-    assert db.rows("SELECT step, value FROM metrics") == [(limit, 0.25)]
+    assert db.rows("SELECT step, value FROM metrics ORDER BY step") == [
+        (2**31, 0.5),
+        (limit, 0.25),
+    ]
+    assert db.rows("SELECT step FROM latest_checkpoints") == [(limit,)]
+    assert torch.equal(mgr.load(2**31, stream="model")["w"], torch.ones(2))
+    assert mgr.latest().step == limit
 
 
 @pytest.mark.parametrize(
@@ -117,9 +122,8 @@ def test_an_interrupt_mid_statement_invalidates_the_connection_as_sqlalchemy_doe
 def test_a_step_past_the_ledgers_bound_does_not_reset_a_tripped_guard(
     open_manager: Opener, db: LedgerClient, backend: str | None
 ) -> None:
-    """Bad input is checked before the guard, which a typo must not reset: the bound
-    of a PostgreSQL ledger was checked after it (in the chief's plan)."""
-    past = 2**31 if backend is not None else 2**63  # PostgreSQL: 32-bit; SQLite: 64-bit
+    """Bad input is checked before the guard, which a typo must not reset."""
+    past = 2**63
     guard = NonFiniteGradGuard()
     mgr = open_manager(guard=guard)
     guard.update(torch.tensor(float("nan")))

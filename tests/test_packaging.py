@@ -20,6 +20,7 @@ SHIPPED = (
     "ckptdb/migrations/script.py.mako",
     "ckptdb/migrations/versions/0001_initial.py",
     "ckptdb/migrations/versions/0002_pins_evaluations.py",
+    "ckptdb/migrations/versions/0003_bigint_steps.py",
     "ckptdb/integrations/lightning.py",
     "ckptdb/integrations/transformers.py",
     "ckptdb/integrations/accelerate.py",

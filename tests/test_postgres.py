@@ -36,6 +36,7 @@ from helpers import (
     value_of,
 )
 from sqlalchemy import create_engine, inspect
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from ckptdb import CheckpointManager, Keep, TopK
@@ -306,33 +307,123 @@ def test_migrated_schema_matches_the_models(
     assert diff == [], "a model change lacks a migration:\n" + "\n".join(map(str, diff))
 
 
+def step_types(url: str) -> set[str]:
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            insp = inspect(conn)
+            return {
+                str(c["type"])
+                for table in ("checkpoints", "metrics", "events")
+                for c in insp.get_columns(table)
+                if c["name"] == "step"
+            }
+    finally:
+        engine.dispose()
+
+
 def test_downgrade_of_the_last_revision_then_upgrade(
     ledger: Opener, root: Path, backend: str | None
 ) -> None:
+    """0003 only widens the step columns on PostgreSQL: undone, every table and view
+    is still there (the views were dropped and created again around the change)."""
     ledger().close()
     url = url_of(root, backend)
+    engine = create_engine(url, poolclass=NullPool)
+    cfg = alembic_config()
+    wide = {"BIGINT"} if backend is not None else {"INTEGER"}  # SQLite's is 64-bit
+    assert step_types(url) == wide
+    try:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "-1")
+        with engine.connect() as conn:
+            assert set(inspect(conn).get_table_names()) >= TABLES
+            assert set(inspect(conn).get_view_names()) == set(VIEW_NAMES)
+        assert step_types(url) == {"INTEGER"}
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+        with engine.connect() as conn:
+            assert set(inspect(conn).get_view_names()) == set(VIEW_NAMES)
+    finally:
+        engine.dispose()
+    assert step_types(url) == wide
+    assert schema_diff(url) == []
+    mgr = ledger()
+    mgr.save(1, model=state(1))
+    assert mgr.latest().step == 1
+
+
+def test_a_downgrade_that_would_truncate_a_step_changes_nothing(pg_url: str, root: Path) -> None:
+    """Back to 32-bit steps is refused by PostgreSQL while a step needs 64 bits: the
+    revision, the columns and the views stay as they were (one transaction)."""
+    with CheckpointManager(root, db_url=pg_url, streams={"model": Keep(last=None)}) as mgr:
+        mgr.save(2**40, metrics={"loss": 0.5}, model=state(1))
+    url = url_of(root, pg_url)
+    engine = create_engine(url, poolclass=NullPool)
+    cfg = alembic_config()
+    try:
+        with pytest.raises(DBAPIError, match="out of range"), engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "-1")
+        with engine.connect() as conn:
+            assert set(inspect(conn).get_view_names()) == set(VIEW_NAMES)
+    finally:
+        engine.dispose()
+    assert step_types(url) == {"BIGINT"}
+    with RunReader(root, db_url=pg_url) as reader:
+        assert reader.latest().step == 2**40
+        assert reader.sql("SELECT step FROM latest_checkpoints")[1] == [(2**40,)]
+
+
+def at_0002_with_views(url: str, *views: str) -> None:
     engine = create_engine(url, poolclass=NullPool)
     cfg = alembic_config()
     try:
         with engine.begin() as conn:
             cfg.attributes["connection"] = conn
-            command.downgrade(cfg, "-1")
-        with engine.connect() as conn:  # 0002 undone: 0001's tables and views remain
-            assert set(inspect(conn).get_table_names()) & TABLES == TABLES_0001
-            views = set(VIEW_NAMES) - {"checkpoint_evaluations"}
-            assert set(inspect(conn).get_view_names()) == views
-        with engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "head")
-        with engine.connect() as conn:
-            assert set(inspect(conn).get_table_names()) >= TABLES
-            assert set(inspect(conn).get_view_names()) == set(VIEW_NAMES)
+            command.upgrade(cfg, "0002")
+            for view in views:
+                conn.exec_driver_sql(view)
     finally:
         engine.dispose()
-    assert schema_diff(url) == []
-    mgr = ledger()
-    mgr.save(1, model=state(1))
-    assert mgr.latest().step == 1
+
+
+def revision_and_views(url: str) -> tuple[str, set[str]]:
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            version = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
+            return str(version), set(inspect(conn).get_view_names())
+    finally:
+        engine.dispose()
+
+
+def test_a_users_view_on_the_steps_stops_the_upgrade_by_name_and_changes_nothing(
+    pg_url: str, root: Path
+) -> None:
+    """0003 must drop ckptdb's views to widen the steps; a view of the user's own
+    that reads them, or reads a step column, is never dropped: the open fails
+    naming both, and the ledger stays at 0002 with every view in place."""
+    at_0002_with_views(
+        pg_url,
+        "CREATE VIEW my_best AS SELECT step FROM best_checkpoints",
+        "CREATE VIEW my_steps AS SELECT name, step FROM metrics",
+    )
+    with pytest.raises(SchemaVersionError, match="not ckptdb's: my_best, my_steps"):
+        CheckpointManager(root, db_url=pg_url, streams={"model": Keep(last=None)})
+    assert revision_and_views(pg_url) == ("0002", set(VIEW_NAMES) | {"my_best", "my_steps"})
+    assert step_types(pg_url) == {"INTEGER"}
+
+
+def test_a_users_view_that_reads_no_step_survives_the_upgrade(pg_url: str, root: Path) -> None:
+    at_0002_with_views(pg_url, "CREATE VIEW my_paths AS SELECT path, state FROM checkpoints")
+    with CheckpointManager(root, db_url=pg_url, streams={"model": Keep(last=None)}) as mgr:
+        mgr.save(2**33, model=state(1))
+    assert revision_and_views(pg_url) == (newest_revision(), set(VIEW_NAMES) | {"my_paths"})
+    assert step_types(pg_url) == {"BIGINT"}
+    assert len(sql(root, pg_url, "SELECT path FROM my_paths")) == 1
 
 
 # --------------------------------------------------------------- readers during a save loop

@@ -55,20 +55,13 @@ def utcnow() -> dt.datetime:
 #: The longest metric name ``metrics.name`` (VARCHAR(255)) holds; PostgreSQL enforces it.
 MAX_METRIC_NAME = 255
 
-#: The largest step a ledger holds: a signed 64-bit integer (SQLite's INTEGER)...
+#: The largest step a ledger holds: the step columns are 64-bit on every backend
+#: (SQLite's INTEGER; BIGINT on PostgreSQL since revision 0003).
 MAX_STEP = 2**63 - 1
-#: ... except where the step columns (``Integer``) are 32-bit: PostgreSQL's INTEGER.
-_STEP_LIMITS = {"postgresql": 2**31 - 1}
 
-
-def max_step(backend: str) -> int:
-    """The largest step a ledger on ``backend`` (a dialect name) can hold.
-
-    Why per backend: the ``step`` columns are ``Integer``, 32-bit on PostgreSQL; a
-    step past it buffered by ``log_metrics`` made every later flush and commit of
-    the run fail (``integer out of range``).
-    """
-    return _STEP_LIMITS.get(backend, MAX_STEP)
+#: A 64-bit integer column: BIGINT, except on SQLite, whose INTEGER already is 64-bit
+#: (and where BIGINT would only be a spelling).
+INT64 = BigInteger().with_variant(Integer(), "sqlite")
 
 
 class UTCDateTime(TypeDecorator[dt.datetime]):
@@ -150,13 +143,12 @@ class Checkpoint(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
     stream: Mapped[str] = mapped_column(String(64))
-    step: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(INT64)  # steps counted in samples pass 2**31
     attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"), index=True)
     path: Mapped[str] = mapped_column(Text)
     tmp_path: Mapped[str | None] = mapped_column(Text)
     state: Mapped[str] = mapped_column(String(16))
-    # 64-bit: checkpoints pass 2 GiB (SQLite's INTEGER already is 64-bit)
-    size: Mapped[int | None] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"))
+    size: Mapped[int | None] = mapped_column(INT64)  # checkpoints pass 2 GiB
     hash: Mapped[str | None] = mapped_column(String(64))
     metric: Mapped[float | None] = mapped_column(Float)
     metrics: Mapped[str | None] = mapped_column(Text)  # JSON object of the boundary's metrics
@@ -184,7 +176,7 @@ class Metric(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
     attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"))
-    step: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(INT64)  # steps counted in samples pass 2**31
     name: Mapped[str] = mapped_column(String(255))
     # NULL stands for NaN: SQLite cannot store NaN (a diverged loss is history too)
     value: Mapped[float | None] = mapped_column(Float)
@@ -201,7 +193,7 @@ class Event(Base):
     time: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
     kind: Mapped[str] = mapped_column(String(32))
     checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"))
-    step: Mapped[int | None] = mapped_column(Integer)
+    step: Mapped[int | None] = mapped_column(INT64)
     detail: Mapped[str | None] = mapped_column(Text)  # JSON
 
 

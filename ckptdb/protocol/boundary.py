@@ -115,7 +115,7 @@ class Publisher:
         shares: list[Share] = []
         rolls_back_itself = False
         try:
-            verdict = Preflight(self.ctx.policies, self.guard, self.ctx.max_step).verdict(
+            verdict = Preflight(self.ctx.policies, self.guard).verdict(
                 step, metrics, payloads, blocking
             )
             try:
@@ -168,9 +168,7 @@ class Publisher:
         """
         if objection is not None and objection.stage == 0:
             return None
-        at = validate_step(
-            step, self.ctx.max_step
-        )  # the ledger's bound: before anything is buffered
+        at = validate_step(step)
         if objection is not None:
             self.ctx.metrics.add(at, values)
             self._record_objection(objection)

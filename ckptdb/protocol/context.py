@@ -20,7 +20,6 @@ from ..errors import CkptDBError
 from ..ledger import Ledger, RunQueries
 from ..ledger import rows as ledger_rows
 from ..ledger.lock import RunLock
-from ..ledger.models import MAX_STEP
 from ..policies import Policy
 from ..storage.base import PayloadStore
 
@@ -136,8 +135,6 @@ class RunContext:
     db: Ledger | None = None
     lock: RunLock | None = None
     metrics: MetricBuffer = field(default_factory=MetricBuffer)
-    #: The largest step the ledger can hold (checked before anything is buffered).
-    max_step: int = MAX_STEP
     #: Row ids whose files stay on disk if retention evicts them (see ``mgr.protect``).
     protected: set[int] = field(default_factory=set)
     #: Whether an evicted row may still be waiting for its pins to go (then each commit

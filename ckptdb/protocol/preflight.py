@@ -23,7 +23,6 @@ from ..errors import (
     NonFiniteGradientError,
 )
 from ..guard import NonFiniteGradGuard
-from ..ledger.models import MAX_STEP
 from ..policies import Policy, policy_of
 from ..storage.external import External
 from ..storage.kinds import kind_of
@@ -37,10 +36,8 @@ class Preflight:
         self,
         policies: Mapping[str, Policy],
         guard: NonFiniteGradGuard | None,
-        max_step: int = MAX_STEP,
     ) -> None:
         self.policies, self.guard = policies, guard
-        self.max_step = max_step  # the ledger's (the chief's): a step past it is bad input
 
     def verdict(
         self, step: object, metrics: object, payloads: dict[str, Any], blocking: object
@@ -76,7 +73,7 @@ class Preflight:
 
     def validate(self, step: object, metrics: object, payloads: dict[str, Any]) -> dict[str, float]:
         """Bad input, checked before the guard (which a typo must not reset)."""
-        validate_step(step, self.max_step)
+        validate_step(step)
         values = validate_metrics(metrics)
         if not payloads:
             raise InvalidArgumentError(
