@@ -31,7 +31,15 @@ from helpers import LedgerClient, boundary, db_locked, digest, disk, files, on_b
 import ckptdb.ledger.boundary_rows
 import ckptdb.ledger.rows
 import ckptdb.storage
-from ckptdb import Checkpoint, CheckpointManager, CleanupWarning, Keep, NonFiniteGradGuard, TopK
+from ckptdb import (
+    Checkpoint,
+    CheckpointManager,
+    CleanupWarning,
+    Keep,
+    NonFiniteGradGuard,
+    TopK,
+    faults,
+)
 from ckptdb.errors import (
     CkptDBError,
     InvalidArgumentError,
@@ -617,6 +625,55 @@ def test_a_stream_directory_swapped_for_a_link_out_is_never_written_through(
     (tmp_path / "moved-model").rename(model)
     assert first["model"].path.read_bytes() == kept
     assert mgr.save(3, model=state(3.0), ema=state(3.0))["model"].step == 3
+
+
+@pytest.mark.parametrize(
+    ("swapped_at", "phase"),
+    [("after_intent", "write"), ("after_fsync", "replace"), ("after_replace", "fsync_dir")],
+)
+def test_a_stream_directory_swapped_for_a_link_mid_boundary_is_never_written_through(
+    open_manager: Opener,
+    tmp_path: Path,
+    db: LedgerClient,
+    swapped_at: str,
+    phase: str,
+) -> None:
+    """The stream's directory is checked at the intent, and again at every later step:
+    swapped for a link out of the save directory after the intent (before the write),
+    after the write (before the rename) or after the rename (before the directory's
+    fsync), nothing is written, renamed or synced through the link and nothing commits.
+    Put back, the run reopens and saves again."""
+    mgr = open_manager(streams={"model": Keep(last=None), "ema": Keep(last=1)})
+    first = mgr.save(1, model=state(1.0), ema=state(1.0))
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    model, moved = mgr.save_dir / "model", tmp_path / "moved-model"
+
+    def swap(name: str) -> None:
+        if name == swapped_at:
+            model.rename(moved)
+            model.symlink_to(outside, target_is_directory=True)
+
+    previous = faults.set_hook(swap)
+    try:
+        with pytest.warns(CleanupWarning), pytest.raises(PublishError) as raised:
+            mgr.save(2, model=state(2.0), ema=state(2.0))
+    finally:
+        faults.set_hook(previous)
+    assert raised.value.phase == phase
+    assert isinstance(raised.value.__cause__, InvalidArgumentError)  # refused, not failed
+    assert "is outside" in str(raised.value.__cause__)
+    assert files(outside) == []
+    committed_rows = "SELECT stream, step FROM checkpoints WHERE state = 'committed' ORDER BY 1"
+    assert db.rows(committed_rows) == [("ema", 1), ("model", 1)]
+    assert mgr.latest("model") == first["model"] and mgr.latest("ema") == first["ema"]
+    mgr.close()
+    model.unlink()
+    moved.rename(model)
+    mgr = open_manager(streams={"model": Keep(last=None), "ema": Keep(last=1)})
+    assert db.rows("SELECT COUNT(*) FROM checkpoints WHERE state = 'pending'") == [(0,)]
+    assert mgr.save(3, model=state(3.0), ema=state(3.0))["model"].step == 3
+    assert [c.step for c in mgr.checkpoints("model")] == [1, 3]
 
 
 # ----------------------------------------------------- cleanup failures

@@ -108,29 +108,38 @@ class LocalStore:
         return os.path.lexists(self.save_dir / rel)
 
     def make_temp_dir(self, rel: str) -> None:
-        files.make_dir(self.save_dir / rel)
+        files.make_dir(self._within(rel, "mkdir"))
 
     def write_object(self, rel: str, serialize: Callable[[Any], object]) -> FileInfo:
-        return files.write_stream(serialize, self.save_dir / rel)
+        return files.write_stream(serialize, self._within(rel, "write"))
 
     def dcp_writer(self, rel: str) -> Any:
-        return dcp.file_writer(self.save_dir / rel)
+        return dcp.file_writer(self._within(rel, "write"))
 
     def dcp_reader(self, rel: str) -> Any:
         return dcp.file_reader(self.path(rel))
 
     def seal(self, rel: str) -> FileInfo:
-        return files.seal_directory(self.save_dir / rel)
+        return files.seal_directory(self._within(rel, "fsync"))
 
     def seal_written(self, rel: str) -> FileInfo:
-        return external.seal_written(self.save_dir / rel)
+        return external.seal_written(self._within(rel, "fsync"))
 
     def place(self, tmp: str, final: str) -> None:
-        files.place(self.save_dir / tmp, self.save_dir / final)
+        files.place(self._within(tmp, "replace"), self._within(final, "replace"))
 
     def sync_placed(self, finals: list[str]) -> None:
-        for directory in sorted({(self.save_dir / rel).parent for rel in finals}):
+        for directory in sorted({self._within(rel, "fsync_dir").parent for rel in finals}):
             files.fsync_dir(directory)
+
+    def _within(self, rel: str, phase: str) -> Path:
+        """``rel``'s path, confined again at every step of a boundary (one ``lstat`` per
+        directory part): a stream directory swapped for a link since the intent (or
+        since the write) is never written, sealed, renamed or synced through."""
+        try:
+            return self.path(rel)
+        except InvalidArgumentError as exc:
+            raise PhaseError(phase, self.save_dir / rel, exc) from exc
 
     # ------------------------------------------------------------------ reading
 
