@@ -24,6 +24,7 @@ from fractions import Fraction
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from .errors import ArgumentTypeError, InvalidArgumentError, UnknownStreamError
+from .ledger.models import MAX_STEP
 
 STREAM_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 #: save()'s own keyword arguments: a stream of that name could never receive a payload.
@@ -192,12 +193,16 @@ class AnyOf:
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool) -> None:
+    """A count or a number of steps the ledger can store (64-bit): past it, the run's
+    stream could not even be recorded at open."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArgumentTypeError(f"{name} must be a positive int, got {value!r}")
     if value < 1:
         raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
+    if value > MAX_STEP:
+        raise InvalidArgumentError(f"{name} must be at most 2**63 - 2, got {value}")
 
 
 @dataclass(frozen=True)

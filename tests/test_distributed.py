@@ -971,7 +971,7 @@ def _steps_past_32_bits(rank: int, world: int, root: str, url: str) -> dict[str,
 
 def test_every_rank_saves_a_64_bit_step_on_postgresql(tmp_path: Path, pg_url: str) -> None:
     """PostgreSQL's step columns are BIGINT (revision 0003): a step past 2**31 - 1
-    commits on every rank, and past 2**63 - 1 every rank refuses it alike."""
+    commits on every rank, and past 2**63 - 2 every rank refuses it alike."""
     root = tmp_path / "run"
     outcomes = run_ranks(_steps_past_32_bits, 2, tmp_path, str(root), pg_url)
     for o in outcomes:

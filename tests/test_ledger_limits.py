@@ -32,14 +32,14 @@ def test_a_step_the_ledger_cannot_hold_is_bad_input_and_poisons_nothing(
 ) -> None:
     """Steps are 64-bit on both backends (PostgreSQL's were 32-bit before revision
     0003, and a step past 2**31 - 1 was buffered by log_metrics, then failed every
-    flush and commit of the run). Past 2**63 - 1 a step is bad input, never buffered."""
+    flush and commit of the run). Past 2**63 - 2 a step is bad input, never buffered."""
     mgr = open_manager()
     mgr.log_metrics(1, {"loss": 0.5})
-    held = (2**31 - 1, 2**31, 2**40, 2**63 - 1)
+    held = (2**31 - 1, 2**31, 2**40, 2**63 - 2)
     for step in held:
         mgr.log_metrics(step, {"loss": 0.25})
-    with pytest.raises(InvalidArgumentError, match=r"at most 2\*\*63 - 1"):
-        mgr.log_metrics(2**63, {"loss": 0.25})
+    with pytest.raises(InvalidArgumentError, match=r"at most 2\*\*63 - 2"):
+        mgr.log_metrics(2**63 - 1, {"loss": 0.25})
     assert len(mgr._ctx.metrics) == 1 + len(held)  # nothing buffered
     mgr.flush()
     got = db.rows("SELECT step, name, value FROM metrics ORDER BY id")
@@ -53,7 +53,7 @@ def test_a_save_at_a_step_the_ledger_cannot_hold_records_nothing(
     bound itself (64 bits, on both backends) the checkpoint commits, loads and shows
     in the views."""
     mgr = open_manager()
-    limit = 2**63 - 1
+    limit = 2**63 - 2  # so that attempt_summary's steps lost (limit + 1) fits in 64 bits
     with pytest.raises(InvalidArgumentError):
         mgr.save(limit + 1, metrics={"loss": 0.5}, model={"w": torch.zeros(2)})
     assert len(mgr._ctx.metrics) == 0
@@ -66,6 +66,21 @@ def test_a_save_at_a_step_the_ledger_cannot_hold_records_nothing(
     assert db.rows("SELECT step FROM latest_checkpoints") == [(limit,)]
     assert torch.equal(mgr.load(2**31, stream="model")["w"], torch.ones(2))
     assert mgr.latest().step == limit
+
+
+def test_the_steps_a_crash_lost_are_counted_at_the_largest_step(
+    open_manager: Opener, db: LedgerClient
+) -> None:
+    """attempt_summary counts a crashed attempt's lost steps as its last step + 1 when
+    nothing committed: at 2**63 - 1 that overflowed, and PostgreSQL refused the
+    whole view, for every run in the database."""
+    mgr = open_manager()
+    mgr.log_metrics(2**63 - 2, {"loss": 0.5})
+    mgr.close()
+    db.execute("UPDATE attempts SET end_state = 'crashed'")
+    assert db.rows("SELECT last_step_seen, steps_lost FROM attempt_summary") == [
+        (2**63 - 2, 2**63 - 1)
+    ]
 
 
 @pytest.mark.parametrize(

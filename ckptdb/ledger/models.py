@@ -56,8 +56,10 @@ def utcnow() -> dt.datetime:
 MAX_METRIC_NAME = 255
 
 #: The largest step a ledger holds: the step columns are 64-bit on every backend
-#: (SQLite's INTEGER; BIGINT on PostgreSQL since revision 0003).
-MAX_STEP = 2**63 - 1
+#: (SQLite's INTEGER; BIGINT on PostgreSQL since revision 0003), less one, so that
+#: ``attempt_summary``'s steps lost (the last step seen + 1 when nothing committed)
+#: still fits in 64 bits (PostgreSQL raised ``bigint out of range`` for every run).
+MAX_STEP = 2**63 - 2
 
 #: A 64-bit integer column: BIGINT, except on SQLite, whose INTEGER already is 64-bit
 #: (and where BIGINT would only be a spelling).
@@ -124,9 +126,9 @@ class Stream(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
     name: Mapped[str] = mapped_column(String(64))
     kind: Mapped[str] = mapped_column(String(16))  # keep | topk
-    keep_last: Mapped[int | None] = mapped_column(Integer)
-    keep_every: Mapped[int | None] = mapped_column(Integer)
-    k: Mapped[int | None] = mapped_column(Integer)
+    keep_last: Mapped[int | None] = mapped_column(INT64)
+    keep_every: Mapped[int | None] = mapped_column(INT64)  # a number of steps
+    k: Mapped[int | None] = mapped_column(INT64)
     metric: Mapped[str | None] = mapped_column(String(255))
     mode: Mapped[str | None] = mapped_column(String(8))  # min | max
 

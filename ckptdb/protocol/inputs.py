@@ -17,13 +17,13 @@ from ..ledger.models import MAX_METRIC_NAME, MAX_STEP
 
 
 def validate_step(step: object) -> int:
-    """``step`` if it is an int the ledger can hold (0 to 2**63 - 1), else the typed error."""
+    """``step`` if it is an int the ledger can hold (0 to 2**63 - 2), else the typed error."""
     if isinstance(step, bool) or not isinstance(step, int):
         raise ArgumentTypeError(f"step must be a non-negative int, got {step!r}")
     if step < 0:
         raise InvalidArgumentError(f"step must be >= 0, got {step}")
     if step > MAX_STEP:  # the driver would refuse it mid-transaction (OverflowError)
-        raise InvalidArgumentError(f"step must be at most 2**63 - 1, got {step}")
+        raise InvalidArgumentError(f"step must be at most 2**63 - 2, got {step}")
     return step
 
 

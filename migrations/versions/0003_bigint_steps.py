@@ -32,7 +32,7 @@ from pathlib import Path
 from types import ModuleType
 
 import sqlalchemy as sa
-from alembic import op
+from alembic import context, op
 
 from ckptdb.errors import SchemaVersionError
 
@@ -42,6 +42,14 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 STEP_COLUMNS = (("checkpoints", False), ("metrics", False), ("events", True))
+#: A policy's numbers (``Keep(last, every)``, ``TopK(k)``): 64-bit as on SQLite, where a
+#: ``Keep(every=...)`` in steps counted in tokens, or a ``Keep.from_ratio`` of a long
+#: run, is stored as it is.
+POLICY_NUMBERS = (
+    ("streams", "keep_last", True),
+    ("streams", "keep_every", True),
+    ("streams", "k", True),
+)
 
 
 def upgrade() -> None:
@@ -56,16 +64,101 @@ def _retype_steps(old: sa.types.TypeEngine[int], new: sa.types.TypeEngine[int]) 
     if op.get_bind().dialect.name != "postgresql":
         return  # SQLite's INTEGER is 64-bit already
     views = views_of_0002()
-    _refuse_views_of_others(list(views))
+    offline = context.is_offline_mode()
+    if not offline:
+        schema = _enter_ledger_schema()
+        _refuse_views_of_others(schema, list(views))
+        extras = _view_extras(schema, list(views))
     for name in reversed(list(views)):
         op.execute(f"DROP VIEW {name}")
-    for table, nullable in STEP_COLUMNS:
-        op.alter_column(table, "step", existing_type=old, type_=new, existing_nullable=nullable)
+    columns = [(t, "step", n) for t, n in STEP_COLUMNS] + list(POLICY_NUMBERS)
+    for table, column, nullable in columns:
+        op.alter_column(table, column, existing_type=old, type_=new, existing_nullable=nullable)
     for name, sql in views.items():
         op.execute(f"CREATE VIEW {name} AS {sql}")
+    if offline:
+        op.execute("-- grants, owners and comments of the views above are not restored")
+        return
+    for statement in extras:
+        op.execute(statement)
+    _leave_ledger_schema()
 
 
-def _refuse_views_of_others(ours: list[str]) -> None:
+def _enter_ledger_schema() -> str:
+    """Work in the schema that holds the ledger (the one ``checkpoints`` resolves to
+    on the caller's search path), for this revision only: with another schema first
+    on the path, the views would be created there. Returns it, quoted as needed."""
+    bind = op.get_bind()
+    schema: str = bind.execute(
+        sa.text(
+            "SELECT relnamespace::regnamespace::text FROM pg_class "
+            "WHERE oid = 'checkpoints'::regclass"
+        )
+    ).scalar_one()
+    previous = bind.execute(sa.text("SELECT current_setting('search_path')")).scalar_one()
+    op.get_context().opts["_ckptdb_search_path"] = previous
+    bind.execute(sa.text("SELECT set_config('search_path', :schema, true)"), {"schema": schema})
+    return schema
+
+
+def _leave_ledger_schema() -> None:
+    previous = op.get_context().opts.pop("_ckptdb_search_path")
+    op.get_bind().execute(
+        sa.text("SELECT set_config('search_path', :path, true)"), {"path": previous}
+    )
+
+
+def _view_extras(schema: str, names: list[str]) -> list[str]:
+    """What ``DROP VIEW`` would lose and ``CREATE VIEW`` does not bring back: the
+    privileges granted on each view (a dashboard's read-only role), its owner and
+    its comment, as the statements that restore them."""
+    bind = op.get_bind()
+    rows = bind.execute(
+        sa.text(
+            """
+            SELECT c.relname,
+                   CASE WHEN c.relowner <> (
+                       SELECT oid FROM pg_roles WHERE rolname = current_user
+                   ) THEN pg_get_userbyid(c.relowner) END,
+                   obj_description(c.oid, 'pg_class'),
+                   c.relacl IS NULL
+            FROM pg_class c
+            WHERE c.relnamespace = CAST(:schema AS regnamespace)
+              AND c.relkind = 'v' AND c.relname = ANY(:names)
+            """
+        ),
+        {"schema": schema, "names": names},
+    ).all()
+    quote = bind.dialect.identifier_preparer.quote
+    statements = []
+    for view, owner, comment, default_acl in rows:
+        if owner is not None:  # another role's view: it stays theirs
+            statements.append(f"ALTER VIEW {view} OWNER TO {quote(owner)}")
+        if comment is not None:
+            literal = comment.replace("'", "''")
+            statements.append(f"COMMENT ON VIEW {view} IS '{literal}'")
+        if default_acl:
+            continue
+        statements.append(f"REVOKE ALL ON {view} FROM PUBLIC")
+        grants = bind.execute(
+            sa.text(
+                """
+                SELECT CASE WHEN a.grantee = 0 THEN 'PUBLIC'
+                            ELSE quote_ident(pg_get_userbyid(a.grantee)) END,
+                       a.privilege_type, a.is_grantable
+                FROM pg_class c, aclexplode(c.relacl) a
+                WHERE c.relnamespace = CAST(:schema AS regnamespace) AND c.relname = :view
+                """
+            ),
+            {"schema": schema, "view": view},
+        ).all()
+        for grantee, privilege, grantable in grants:
+            option = " WITH GRANT OPTION" if grantable else ""
+            statements.append(f"GRANT {privilege} ON {view} TO {grantee}{option}")
+    return statements
+
+
+def _refuse_views_of_others(schema: str, ours: list[str]) -> None:
     """A view that is not ckptdb's and reads a step column or one of ckptdb's views
     would make the change fail half-way (PostgreSQL's message names only the view
     it could not drop): refused up front, by name, before anything is changed."""
@@ -74,21 +167,23 @@ def _refuse_views_of_others(ours: list[str]) -> None:
         .execute(
             sa.text(
                 """
-            SELECT DISTINCT dependent.relname
+            SELECT DISTINCT dependent.relnamespace::regnamespace::text || '.' || dependent.relname
             FROM pg_depend d
             JOIN pg_rewrite r ON r.oid = d.objid
             JOIN pg_class dependent ON dependent.oid = r.ev_class
             JOIN pg_class used ON used.oid = d.refobjid
             LEFT JOIN pg_attribute a ON a.attrelid = used.oid AND a.attnum = d.refobjsubid
-            WHERE used.relnamespace = current_schema()::regnamespace
+            WHERE d.classid = 'pg_rewrite'::regclass AND d.refclassid = 'pg_class'::regclass
+              AND used.relnamespace = CAST(:schema AS regnamespace)
               AND dependent.oid <> used.oid
-              AND NOT dependent.relname = ANY(:ours)
+              AND NOT (dependent.relnamespace = used.relnamespace
+                       AND dependent.relname = ANY(:ours))
               AND (used.relname = ANY(:ours)
                    OR (used.relname = ANY(:tables) AND a.attname = 'step'))
             ORDER BY 1
             """
             ),
-            {"ours": ours, "tables": [table for table, _ in STEP_COLUMNS]},
+            {"schema": schema, "ours": ours, "tables": [table for table, _ in STEP_COLUMNS]},
         )
         .scalars()
     )
