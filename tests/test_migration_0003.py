@@ -17,6 +17,7 @@ import torch
 from alembic import command
 from helpers import pg_admin, pg_schema_url
 from sqlalchemy import create_engine, inspect
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from ckptdb import CheckpointManager, Keep, RunReader
@@ -158,3 +159,24 @@ def test_the_revision_renders_offline_as_sql(pg_url: str) -> None:
     for view in VIEW_NAMES:
         assert f"DROP VIEW {view}" in script and f"CREATE VIEW {view} AS" in script
     assert "UPDATE alembic_version SET version_num='0003'" in script
+
+
+def test_metric_ids_pass_32_bits(pg_url: str, tmp_path: Path) -> None:
+    """One row per point, shared by every run of the database: ids and their sequence
+    are 64-bit, so the 2**31-th point of a database is stored like the first."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, db_url=pg_url, streams={"model": Keep(last=None)}) as mgr:
+        assert scalar(pg_url, f"SELECT setval('metrics_id_seq', {2**31 + 5})") == 2**31 + 5
+        mgr.log_metrics(1, {"loss": 0.5})
+    assert scalar(pg_url, "SELECT id FROM metrics") == 2**31 + 6
+    sequence_type = "SELECT data_type FROM information_schema.sequences"
+    assert scalar(pg_url, f"{sequence_type} WHERE sequence_name = 'metrics_id_seq'") == "bigint"
+    migrate_down = create_engine(pg_url, poolclass=NullPool)
+    cfg = alembic_config()
+    try:
+        with pytest.raises(DBAPIError), migrate_down.begin() as conn:
+            cfg.attributes["connection"] = conn  # back to 32-bit ids: refused, nothing changes
+            command.downgrade(cfg, "0002")
+    finally:
+        migrate_down.dispose()
+    assert scalar(pg_url, "SELECT version_num FROM alembic_version") == "0003"

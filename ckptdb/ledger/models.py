@@ -175,7 +175,7 @@ class Metric(Base):
         Index("ix_metrics_run_name_value", "run_id", "name", "value"),
     )
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[int] = mapped_column(INT64, primary_key=True)  # a row per point, all runs
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
     attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id"))
     step: Mapped[int] = mapped_column(INT64)  # steps counted in samples pass 2**31

@@ -53,14 +53,20 @@ POLICY_NUMBERS = (
 
 
 def upgrade() -> None:
-    _retype_steps(sa.Integer(), sa.BigInteger())
+    _retype(sa.Integer(), sa.BigInteger(), "BIGINT")
 
 
 def downgrade() -> None:
-    _retype_steps(sa.BigInteger(), sa.Integer())
+    _retype(sa.BigInteger(), sa.Integer(), "INTEGER")
 
 
-def _retype_steps(old: sa.types.TypeEngine[int], new: sa.types.TypeEngine[int]) -> None:
+def _retype(old: sa.types.TypeEngine[int], new: sa.types.TypeEngine[int], new_sql: str) -> None:
+    """Steps, policy numbers and ``metrics.id`` (with its sequence) become ``new``.
+
+    ``metrics.id``: one row per point, in a table every run of the database
+    shares, passes 2**31 - 1 within a team's year of runs; the rewrite of
+    ``metrics`` for its steps pays for this too.
+    """
     if op.get_bind().dialect.name != "postgresql":
         return  # SQLite's INTEGER is 64-bit already
     views = views_of_0002()
@@ -74,6 +80,8 @@ def _retype_steps(old: sa.types.TypeEngine[int], new: sa.types.TypeEngine[int]) 
     columns = [(t, "step", n) for t, n in STEP_COLUMNS] + list(POLICY_NUMBERS)
     for table, column, nullable in columns:
         op.alter_column(table, column, existing_type=old, type_=new, existing_nullable=nullable)
+    op.alter_column("metrics", "id", existing_type=old, type_=new, existing_nullable=False)
+    op.execute(f"ALTER SEQUENCE metrics_id_seq AS {new_sql}")
     for name, sql in views.items():
         op.execute(f"CREATE VIEW {name} AS {sql}")
     if offline:
