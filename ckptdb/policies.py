@@ -24,7 +24,7 @@ from fractions import Fraction
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from .errors import ArgumentTypeError, InvalidArgumentError, UnknownStreamError
-from .ledger.models import MAX_STEP
+from .ledger.models import INT64_MAX
 
 STREAM_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 #: save()'s own keyword arguments: a stream of that name could never receive a payload.
@@ -192,17 +192,17 @@ class AnyOf:
         return kept
 
 
-def _positive_int(name: str, value: Any, *, allow_none: bool) -> None:
-    """A count or a number of steps the ledger can store (64-bit): past it, the run's
-    stream could not even be recorded at open."""
+def _positive_int(name: str, value: Any, *, allow_none: bool, most: int | None = INT64_MAX) -> None:
+    """A positive int; a policy's own numbers (``most``) must fit the ledger's 64-bit
+    columns, or the run's stream could not even be recorded at open."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArgumentTypeError(f"{name} must be a positive int, got {value!r}")
     if value < 1:
         raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
-    if value > MAX_STEP:
-        raise InvalidArgumentError(f"{name} must be at most 2**63 - 2, got {value}")
+    if most is not None and value > most:
+        raise InvalidArgumentError(f"{name} must be at most 2**63 - 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -230,8 +230,8 @@ class Keep:
             raise ArgumentTypeError(f"ratio must be a real number, got {ratio!r}")
         if not 0 < ratio <= 1:
             raise InvalidArgumentError(f"ratio must be in (0, 1], got {ratio}")
-        _positive_int("num_steps", num_steps, allow_none=False)
-        _positive_int("save_freq", save_freq, allow_none=False)
+        _positive_int("num_steps", num_steps, allow_none=False, most=None)  # never stored
+        _positive_int("save_freq", save_freq, allow_none=False, most=None)
         saves = -(-num_steps // save_freq)
         # exact arithmetic: 0.07 * 100 saves is 7, not the float 7.000000000000001
         exact = ratio if isinstance(ratio, (int, Fraction)) else Fraction(repr(float(ratio)))

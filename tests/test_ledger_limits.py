@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import LedgerClient
 
-from ckptdb import CheckpointManager, NonFiniteGradGuard
+from ckptdb import CheckpointManager, Keep, NonFiniteGradGuard, TopK
 from ckptdb.errors import InvalidArgumentError
 
 Opener = Callable[..., CheckpointManager]
@@ -81,6 +81,21 @@ def test_the_steps_a_crash_lost_are_counted_at_the_largest_step(
     assert db.rows("SELECT last_step_seen, steps_lost FROM attempt_summary") == [
         (2**63 - 2, 2**63 - 1)
     ]
+
+
+def test_a_policy_at_the_64_bit_maximum_is_stored_and_read_back(
+    open_manager: Opener, db: LedgerClient
+) -> None:
+    """A policy's numbers fit the ledger's 64-bit columns (PostgreSQL's were 32-bit
+    before revision 0003, and the run could not be recorded at open); one stored at
+    the maximum is read back at the next open, with no streams given."""
+    most = 2**63 - 1
+    first = open_manager(streams={"best": TopK(most, "loss"), "model": Keep(last=most)})
+    first.save(1, metrics={"loss": 0.5}, best={"w": torch.ones(1)}, model={"w": torch.ones(1)})
+    first.close()
+    again = open_manager(streams=None)
+    assert again.policies == {"best": TopK(most, "loss"), "model": Keep(last=most)}
+    assert db.rows("SELECT k FROM streams WHERE name = 'best'") == [(most,)]
 
 
 @pytest.mark.parametrize(

@@ -627,6 +627,29 @@ def test_a_stream_directory_swapped_for_a_link_out_is_never_written_through(
     assert mgr.save(3, model=state(3.0), ema=state(3.0))["model"].step == 3
 
 
+def test_a_stream_directory_swapped_for_a_loop_of_links_is_refused_and_the_run_reopens(
+    open_manager: Opener, tmp_path: Path, db: LedgerClient
+) -> None:
+    """A link that leads back to itself: resolving it raised a bare RuntimeError (Python
+    3.11), out of save() and out of the next open's reconcile."""
+    mgr = open_manager(streams={"model": Keep(last=None)})
+    mgr.save(1, model=state(1.0))
+    model, moved = mgr.save_dir / "model", tmp_path / "moved-model"
+    model.rename(moved)
+    model.symlink_to(model)  # a loop
+    with pytest.raises(PublishError) as raised:
+        mgr.save(2, model=state(2.0))
+    assert raised.value.phase == "intent"
+    mgr.close()
+    again = open_manager(streams={"model": Keep(last=None)})  # reconcile meets the loop
+    again.close()
+    model.unlink()
+    moved.rename(model)
+    mgr = open_manager(streams={"model": Keep(last=None)})
+    assert db.rows("SELECT step FROM checkpoints WHERE step = 2 AND state = 'committed'") == []
+    assert mgr.save(3, model=state(3.0))["model"].path.read_bytes()
+
+
 @pytest.mark.parametrize(
     ("swapped_at", "phase"),
     [("after_intent", "write"), ("after_fsync", "replace"), ("after_replace", "fsync_dir")],

@@ -55,11 +55,13 @@ def utcnow() -> dt.datetime:
 #: The longest metric name ``metrics.name`` (VARCHAR(255)) holds; PostgreSQL enforces it.
 MAX_METRIC_NAME = 255
 
+#: What a 64-bit integer column holds (SQLite's INTEGER; PostgreSQL's BIGINT).
+INT64_MAX = 2**63 - 1
 #: The largest step a ledger holds: the step columns are 64-bit on every backend
 #: (SQLite's INTEGER; BIGINT on PostgreSQL since revision 0003), less one, so that
 #: ``attempt_summary``'s steps lost (the last step seen + 1 when nothing committed)
 #: still fits in 64 bits (PostgreSQL raised ``bigint out of range`` for every run).
-MAX_STEP = 2**63 - 2
+MAX_STEP = INT64_MAX - 1
 
 #: A 64-bit integer column: BIGINT, except on SQLite, whose INTEGER already is 64-bit
 #: (and where BIGINT would only be a spelling).

@@ -99,8 +99,8 @@ class RunQueries:
         if isinstance(which, int) and not isinstance(which, bool):
             name = stream or "model"
             self.policy(name)
-            if not 0 <= which <= m.MAX_STEP:  # no ledger holds it (as save and log_metrics say)
-                raise InvalidArgumentError(f"step must be from 0 to 2**63 - 2, got {which}")
+            if not 0 <= which <= m.INT64_MAX:  # no ledger holds it: the driver would raise
+                raise InvalidArgumentError(f"step must be from 0 to 2**63 - 1, got {which}")
             with self.db.transaction(read=True) as session:
                 found = lookup.committed_at_step(session, self.run_id, name, which, self.save_dir)
             if found is None:

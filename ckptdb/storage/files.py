@@ -399,7 +399,10 @@ def _plain_child(base: Path, relative: str | Path) -> Path | None:
 def _resolve(path: Path, cache: dict[Any, Path]) -> Path:
     found = cache.get(path)
     if found is None:
-        found = cache[path] = path.resolve()
+        try:
+            found = cache[path] = path.resolve()
+        except RuntimeError as exc:  # Python 3.11-3.12: a loop of links (3.13: OSError)
+            raise InvalidArgumentError(f"{path} is a loop of links; refusing to touch it") from exc
     return found
 
 
