@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -38,7 +39,7 @@ from helpers import (
 
 import ckptdb
 from ckptdb import CheckpointManager, Keep
-from ckptdb.errors import CheckpointNotFoundError, LedgerLockedError
+from ckptdb.errors import CheckpointNotFoundError, LedgerLockedError, RunDirectoryError
 from ckptdb.protocol.reconcile import Reconciler
 
 QUARANTINE = "ckptdb.quarantine"
@@ -567,6 +568,42 @@ def test_no_healthy_checkpoint_left_means_no_latest(
     with pytest.raises(CheckpointNotFoundError):
         mgr.load("latest")
     assert_nothing_to_do(mgr, db, three)
+
+
+def test_an_absent_save_directory_is_refused_not_taken_for_lost_checkpoints(
+    three: Path,
+    save_dir: Path,
+    tmp_path: Path,
+    open_manager: Callable[..., CheckpointManager],
+    db: LedgerClient,
+) -> None:
+    """The whole save directory missing (a filesystem not mounted yet, a disk moved)
+    is not three lost checkpoints: marked lost, latest went to None for good, and a
+    job resuming from it started again from scratch. The open is refused, naming
+    the directory, with nothing marked; back in place, the run resumes as it was."""
+    rows = "SELECT id, state, error FROM checkpoints ORDER BY id"
+    before = db.rows(rows), db.rows("SELECT name, checkpoint_id FROM pointers")
+    save_dir.rename(tmp_path / "unmounted")
+    with pytest.raises(RunDirectoryError, match=r"does not exist.*3 committed") as refused:
+        open_manager()
+    assert isinstance(refused.value, OSError) and str(save_dir) in str(refused.value)
+    assert not save_dir.exists()  # not recreated empty either
+    assert (db.rows(rows), db.rows("SELECT name, checkpoint_id FROM pointers")) == before
+    (tmp_path / "unmounted").rename(save_dir)
+    mgr = open_manager()
+    assert mgr.last_reconcile.counts == {}
+    assert mgr.latest() is not None and mgr.latest().step == 3
+    assert torch.equal(mgr.load("latest")["w"], state(3)["w"])
+
+
+def test_an_empty_save_directory_made_on_purpose_says_the_checkpoints_are_gone(
+    three: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager]
+) -> None:
+    shutil.rmtree(save_dir)
+    save_dir.mkdir()
+    mgr = open_manager()
+    assert mgr.last_reconcile.counts == {"lost": 3, "repointed": 1}
+    assert mgr.latest() is None
 
 
 def test_fallback_is_per_stream(

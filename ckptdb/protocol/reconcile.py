@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import faults
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, RunDirectoryError
 from ..ledger import Ledger, pins
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
@@ -142,6 +142,7 @@ class Reconciler:
                 self._disowned = ledger_rows.disowned_paths(session, self.run_id)
                 kept |= self._disowned
                 self._aborted = ledger_rows.paths_in_state(session, self.run_id, (m.ABORTED,))
+        self._refuse_an_absent_store(rows)
         plan = _Plan()
         keep_paths: set[str] = set(kept)  # protected files stay where they are
         with self.store.memoized():  # each stream directory is resolved once per pass
@@ -160,6 +161,21 @@ class Reconciler:
                 f"ckptdb reconcile could not repair {failure.path}: {failure.detail}", stacklevel=3
             )
         return report
+
+    def _refuse_an_absent_store(self, rows: list[LiveRow]) -> None:
+        """A save directory that is not there at all, while the ledger records committed
+        checkpoints in it, is storage not mounted (or moved), not checkpoints lost:
+        marking every row ``lost`` would make ``latest`` None and the job start again
+        from scratch, for good. Refused before anything changes; an empty directory
+        made on purpose says they are gone."""
+        committed = sum(1 for row in rows if row.state == m.COMMITTED)
+        if committed and self.store.absent():
+            raise RunDirectoryError(
+                f"the save directory {self.store.location} does not exist, yet the ledger "
+                f"records {committed} committed checkpoint(s) in it: is its filesystem "
+                "mounted? No checkpoint was marked. If they are gone for good, create the "
+                "directory (empty) and open the run again: reconcile then marks them lost"
+            )
 
     def _check_row(
         self,

@@ -101,6 +101,9 @@ class LocalStore:
         except InvalidArgumentError as exc:
             raise PhaseError("mkdir", directory, exc) from exc
 
+    def absent(self) -> bool:
+        return not self.save_dir.is_dir()
+
     def prepare_parent(self, rel: str) -> None:
         files.make_dir(self.path(rel).parent)
 

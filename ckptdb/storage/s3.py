@@ -102,6 +102,9 @@ class S3Store:
     def location(self) -> Path:
         return self._location
 
+    def absent(self) -> bool:
+        return False  # a prefix: there as soon as the bucket is (which the open checked)
+
     def key(self, rel: str) -> str:
         """The key of ``rel``; refused unless it is ``<segment>/...`` with plain segments."""
         segments = rel.split("/")
