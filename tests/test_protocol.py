@@ -684,6 +684,7 @@ def test_a_stream_directory_swapped_for_a_link_mid_boundary_is_never_written_thr
     finally:
         faults.set_hook(previous)
     assert raised.value.phase == phase
+    assert raised.value.path == (model if phase == "fsync_dir" else model / raised.value.path.name)
     assert isinstance(raised.value.__cause__, InvalidArgumentError)  # refused, not failed
     assert "is outside" in str(raised.value.__cause__)
     assert files(outside) == []

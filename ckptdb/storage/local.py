@@ -132,17 +132,19 @@ class LocalStore:
         files.place(self._within(tmp, "replace"), self._within(final, "replace"))
 
     def sync_placed(self, finals: list[str]) -> None:
-        for directory in sorted({self._within(rel, "fsync_dir").parent for rel in finals}):
+        for directory in sorted({self._within(rel, "fsync_dir", parent=True) for rel in finals}):
             files.fsync_dir(directory)
 
-    def _within(self, rel: str, phase: str) -> Path:
+    def _within(self, rel: str, phase: str, *, parent: bool = False) -> Path:
         """``rel``'s path, confined again at every step of a boundary (one ``lstat`` per
         directory part): a stream directory swapped for a link since the intent (or
         since the write) is never written, sealed, renamed or synced through."""
         try:
-            return self.path(rel)
+            path = self.path(rel)
         except InvalidArgumentError as exc:
-            raise PhaseError(phase, self.save_dir / rel, exc) from exc
+            where = self.save_dir / rel
+            raise PhaseError(phase, where.parent if parent else where, exc) from exc
+        return path.parent if parent else path
 
     # ------------------------------------------------------------------ reading
 
