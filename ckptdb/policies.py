@@ -24,8 +24,10 @@ from fractions import Fraction
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from .errors import ArgumentTypeError, InvalidArgumentError, UnknownStreamError
-from .ledger.models import INT64_MAX
 
+#: The largest number a policy holds: what the ledger's 64-bit integer columns store
+#: (the ledger's own bounds, e.g. its largest step, start from it).
+INT64_MAX = 2**63 - 1
 STREAM_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 #: save()'s own keyword arguments: a stream of that name could never receive a payload.
 RESERVED_STREAM_NAMES = frozenset({"step", "metrics", "blocking"})

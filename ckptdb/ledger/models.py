@@ -29,6 +29,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from ..policies import INT64_MAX
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -55,8 +57,6 @@ def utcnow() -> dt.datetime:
 #: The longest metric name ``metrics.name`` (VARCHAR(255)) holds; PostgreSQL enforces it.
 MAX_METRIC_NAME = 255
 
-#: What a 64-bit integer column holds (SQLite's INTEGER; PostgreSQL's BIGINT).
-INT64_MAX = 2**63 - 1
 #: The largest step a ledger holds: the step columns are 64-bit on every backend
 #: (SQLite's INTEGER; BIGINT on PostgreSQL since revision 0003), less one, so that
 #: ``attempt_summary``'s steps lost (the last step seen + 1 when nothing committed)

@@ -22,7 +22,7 @@ from ..errors import (
     InvalidArgumentError,
 )
 from ..location import is_object_url, relative_within
-from ..policies import Policy, policy_of
+from ..policies import INT64_MAX, Policy, policy_of
 from ..record import Checkpoint
 from . import lookup, rows
 from . import models as m
@@ -99,7 +99,7 @@ class RunQueries:
         if isinstance(which, int) and not isinstance(which, bool):
             name = stream or "model"
             self.policy(name)
-            if not 0 <= which <= m.INT64_MAX:  # no ledger holds it: the driver would raise
+            if not 0 <= which <= INT64_MAX:  # no ledger holds it: the driver would raise
                 raise InvalidArgumentError(f"step must be from 0 to 2**63 - 1, got {which}")
             with self.db.transaction(read=True) as session:
                 found = lookup.committed_at_step(session, self.run_id, name, which, self.save_dir)
