@@ -94,9 +94,17 @@ def publish(work: Path, megabytes: float, reps: int) -> Comparison:
     finally:
         mgr.close()
         shutil.rmtree(work)
-    result.notes["target"] = "ckptdb save <= 1.05x durable publish"
+    result.notes["target"] = f"ckptdb save <= {publish_target(megabytes)}x durable publish"
     result.notes["settled"] = "os.sync() before each sample, untimed"
     return result
+
+
+def publish_target(megabytes: float) -> float:
+    """The publish target by size: the fixed cost per boundary weighs more on a small
+    payload (1.05x at 100 MB and above, 1.10x at 10 MB, 1.5x below)."""
+    if megabytes >= 100:
+        return 1.05
+    return 1.10 if megabytes >= 10 else 1.5
 
 
 def settled(run: Any) -> Any:
@@ -394,7 +402,7 @@ def history(work: Path, points: int, reps: int) -> list[Comparison]:
     )
     med = logging.medians()
     logging.notes["points_per_second"] = {k: points / v for k, v in med.items()}
-    logging.notes["target"] = ">= 300k points/s"
+    logging.notes["target"] = ">= 500k points/s"
     con = sqlite3.connect(f"file:{work / 'ckptdb.sqlite'}?mode=ro", uri=True)
 
     def best5() -> None:

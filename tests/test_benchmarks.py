@@ -142,3 +142,16 @@ def assert_stopped_and_cleaned(started: list[s3server.S3Server], scratch: Path) 
     assert started[0].process.poll() is not None  # the server exited
     assert not started[0].log.exists()  # its data and log were removed with the work dir
     assert not any(scratch.rglob("weed*"))
+
+
+def test_each_publish_size_prints_its_own_target() -> None:
+    """The issue's targets by size (the fixed cost weighs more on a small payload); every
+    size printed the 100 MB one, 1.05x, so a 1 MB ratio of 1.4x read as a miss."""
+    from benchmarks.cases import publish_target
+
+    assert {mb: publish_target(mb) for mb in (1, 10, 100, 1000)} == {
+        1: 1.5,
+        10: 1.10,
+        100: 1.05,
+        1000: 1.05,
+    }
