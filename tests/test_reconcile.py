@@ -822,6 +822,34 @@ def test_symlink_to_outside_file_is_not_followed(
     )
 
 
+def test_a_stream_directory_linked_to_a_sibling_inside_is_reconciled_through_its_link(
+    save_dir: Path, open_manager: Callable[..., CheckpointManager], db: LedgerClient
+) -> None:
+    """``model`` a link to ``model_v2`` beside it: the saves go through the link (it stays
+    inside), the rows name ``model/...``; the scan listed the files under ``model_v2``,
+    found no rows for them and quarantined every checkpoint of the stream at reopen."""
+    save_dir.mkdir(parents=True)
+    (save_dir / "model_v2").mkdir()
+    (save_dir / "model").symlink_to("model_v2", target_is_directory=True)
+    mgr = open_manager(streams={"model": Keep(last=None)})
+    for step in (1, 2):
+        mgr.save(step, model=state(step))
+    (save_dir / "model_v2" / ".step-000000003.pt.tmp-99").write_bytes(b"left by a crash")
+    mgr.close()
+
+    mgr = open_manager()
+    assert mgr.last_reconcile.counts == {"removed_temp": 1}
+    assert sorted(p.name for p in (save_dir / "model_v2").iterdir()) == [
+        "step-000000001.pt",
+        "step-000000002.pt",
+    ]
+    assert torch.equal(mgr.load("latest")["w"], state(2)["w"])
+    assert db.rows("SELECT step FROM checkpoints WHERE state = 'committed' ORDER BY step") == [
+        (1,),
+        (2,),
+    ]
+
+
 def test_stream_directory_symlinked_outside_is_not_entered(
     three: Path, save_dir: Path, outside: Path, open_manager: Callable[..., CheckpointManager]
 ) -> None:

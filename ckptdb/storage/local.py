@@ -195,22 +195,43 @@ class LocalStore:
         Only real directories with valid stream names are entered. A ``.pt``
         name counts only as a regular file and a sharded ``.dcp`` name only as
         a real directory: symlinks and anything else are never ours to touch.
+        A directory that a stream's link in the save directory leads to is
+        listed under the link's name, as the ledger names its files (listed
+        under its own, they had no rows and were quarantined).
         """
         if not self.save_dir.is_dir():
             return
+        linked = self._linked_streams()
         for stream_dir in sorted(os.scandir(self.save_dir), key=lambda e: e.name):
             name = stream_dir.name
             if stream_dir.is_symlink() or not stream_dir.is_dir():
                 continue
             if not STREAM_NAME.fullmatch(name) or name.startswith("ckptdb."):
                 continue
+            listed = linked.get(name, name)
             for entry in sorted(os.scandir(stream_dir.path), key=lambda e: e.name):
                 if entry.is_symlink() or not _right_kind(entry):
                     continue
                 if CHECKPOINT_NAME.fullmatch(entry.name):  # the common case: one match
-                    yield Found(name, entry.name, "checkpoint")
+                    yield Found(listed, entry.name, "checkpoint")
                 elif TEMP_NAME.fullmatch(entry.name):
-                    yield Found(name, entry.name, "temp")
+                    yield Found(listed, entry.name, "temp")
+
+    def _linked_streams(self) -> dict[str, str]:
+        """{directory: stream} for each stream directory that is a link to another
+        directory directly in the save directory (the first link by name wins)."""
+        found: dict[str, str] = {}
+        base = self.save_dir.resolve()
+        for entry in sorted(os.scandir(self.save_dir), key=lambda e: e.name):
+            if not entry.is_symlink() or not STREAM_NAME.fullmatch(entry.name):
+                continue
+            try:
+                target = Path(entry.path).resolve(strict=True)
+            except (OSError, RuntimeError):  # dangling, or a loop of links
+                continue
+            if target.parent == base and target.is_dir():
+                found.setdefault(target.name, entry.name)
+        return found
 
     # ------------------------------------------------------------------ removing
 
