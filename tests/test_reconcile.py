@@ -606,6 +606,87 @@ def test_an_empty_save_directory_made_on_purpose_says_the_checkpoints_are_gone(
     assert mgr.latest() is None
 
 
+def lose_the_stream_directory(save_dir: Path, away: Path, opener: Callable[..., Any]) -> None:
+    """Open with the model stream's directory gone (its rows become lost), then close."""
+    (save_dir / "model").rename(away)
+    mgr = opener()
+    assert mgr.last_reconcile.counts == {"lost": 3, "repointed": 1} and mgr.latest() is None
+    mgr.close()
+
+
+def test_lost_checkpoints_whose_files_come_back_whole_are_restored(
+    three: Path,
+    save_dir: Path,
+    tmp_path: Path,
+    open_manager: Callable[..., CheckpointManager],
+    db: LedgerClient,
+) -> None:
+    """A stream's directory moved away and back: its rows were lost for good and latest
+    stayed None, with every checkpoint on disk again."""
+    lose_the_stream_directory(save_dir, tmp_path / "away", open_manager)
+    (tmp_path / "away").rename(save_dir / "model")
+    mgr = open_manager()
+    assert mgr.last_reconcile.counts == {"restored": 3, "repointed": 1}
+    assert [c.step for c in mgr.checkpoints()] == [1, 2, 3]
+    assert mgr.latest() is not None and mgr.latest().step == 3
+    assert torch.equal(mgr.load("latest")["w"], state(3)["w"])
+    restored = "SELECT COUNT(*) FROM events WHERE kind = 'restored'"
+    assert db.rows(restored) == [(3,)]
+    assert db.rows("SELECT DISTINCT error FROM checkpoints") == [(None,)]
+    assert_nothing_to_do(mgr, db, three)
+
+
+def test_lost_checkpoints_stay_lost_once_the_stream_has_saved_since(
+    three: Path,
+    save_dir: Path,
+    tmp_path: Path,
+    open_manager: Callable[..., CheckpointManager],
+) -> None:
+    """The run went on without them (a save since): back, they would jump ahead of it."""
+    lose_the_stream_directory(save_dir, tmp_path / "away", open_manager)
+    mgr = open_manager()
+    mgr.save(4, model=state(4))
+    mgr.close()
+    for step in (1, 2, 3):
+        (tmp_path / "away" / ckpt(save_dir, step).name).rename(ckpt(save_dir, step))
+    mgr = open_manager()
+    assert "restored" not in mgr.last_reconcile.counts
+    assert [c.step for c in mgr.checkpoints()] == [4]
+    assert mgr.latest() is not None and mgr.latest().step == 4
+
+
+def test_a_lost_checkpoint_back_with_other_bytes_stays_lost(
+    three: Path,
+    save_dir: Path,
+    tmp_path: Path,
+    open_manager: Callable[..., CheckpointManager],
+) -> None:
+    """Same size, one byte different: not the checkpoint that was committed."""
+    lose_the_stream_directory(save_dir, tmp_path / "away", open_manager)
+    flip_byte(tmp_path / "away" / ckpt(save_dir, 3).name)
+    (tmp_path / "away").rename(save_dir / "model")
+    mgr = open_manager()
+    assert mgr.last_reconcile.counts == {"restored": 2, "repointed": 1}
+    assert mgr.latest() is not None and mgr.latest().step == 2
+
+
+def test_a_dry_run_lists_the_restores_and_changes_nothing(
+    three: Path,
+    save_dir: Path,
+    tmp_path: Path,
+    open_manager: Callable[..., CheckpointManager],
+    db: LedgerClient,
+) -> None:
+    lose_the_stream_directory(save_dir, tmp_path / "away", open_manager)
+    (tmp_path / "away").rename(save_dir / "model")
+    before = ledger_snapshot(db)
+    mgr = open_manager(maintenance=True)
+    report = mgr.reconcile(dry_run=True)
+    assert report.counts == {"restored": 3, "repointed": 1}
+    assert ledger_snapshot(db)["checkpoints"] == before["checkpoints"]
+    assert ledger_snapshot(db)["pointers"] == before["pointers"]
+
+
 def test_fallback_is_per_stream(
     root: Path,
     save_dir: Path,

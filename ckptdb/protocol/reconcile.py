@@ -10,6 +10,8 @@ found                                           action
 ``deleting`` row                                remove the payload, ``deleted`` (not while pinned)
 ``committed`` row, payload missing              ``lost``
 ``committed`` row, size (``verify``: hash) off  ``corrupt``
+``lost`` row, payload back whole                ``committed`` again (``restored``), unless
+                                                its stream saved anything since
 latest pointer on a lost/corrupt row            moved to the newest healthy committed row
 temporary payload of ours, no row               removed
 payload in our naming, no row                   moved to ``<root>/ckptdb.quarantine``
@@ -55,7 +57,8 @@ QUARANTINE_NAME = "ckptdb.quarantine"
 class Action:
     """One repair (or, in a dry run, one repair that would be made)."""
 
-    # rolled_back | deleted | lost | corrupt | repointed | removed_temp | quarantined | failed
+    # rolled_back | deleted | lost | corrupt | restored | repointed | removed_temp |
+    # quarantined | failed
     kind: str
     path: str
     detail: str = ""
@@ -95,7 +98,9 @@ class _Plan:
     """Row changes decided by the file phase, applied in one transaction."""
 
     state: dict[int, str] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
+    errors: dict[int, str | None] = field(default_factory=dict)  # None: cleared
+    #: ``lost`` rows whose file is back: their newest id by stream (the new latest)
+    restored: dict[str, int] = field(default_factory=dict)
 
 
 class Reconciler:
@@ -145,11 +150,16 @@ class Reconciler:
         self._refuse_an_absent_store(rows)
         plan = _Plan()
         keep_paths: set[str] = set(kept)  # protected files stay where they are
+        lost: list[LiveRow] = []
         with self.store.memoized():  # each stream directory is resolved once per pass
             for done, row in enumerate(rows, 1):
+                if row.state == m.LOST:
+                    lost.append(row)
                 self._check_row(row, plan, report, keep_paths, verify=verify, dry_run=dry_run)
                 if progress is not None:
                     progress(done, len(rows))
+            if lost:
+                self._restore(lost, rows, plan, report)
             self._scan(keep_paths, report, dry_run=dry_run)
         faults.point("mid_reconcile")
         if not dry_run:
@@ -220,6 +230,38 @@ class Reconciler:
                 report.actions.append(
                     Action("deleted", row.path, "evicted by policy", row.id, row.step)
                 )
+
+    def _restore(
+        self, lost: list[LiveRow], rows: list[LiveRow], plan: _Plan, report: ReconcileReport
+    ) -> None:
+        """``lost`` rows whose file is back, whole, become ``committed`` again.
+
+        Why: a stream's directory missing for a while (moved and moved back, a
+        mount late) made its rows ``lost`` for good, and ``latest`` stayed None
+        with the checkpoints on disk. Only when nothing can have moved past them:
+        no other live row of the stream is newer (no save since, committed or
+        not), no live row names its path (a later save at the same step may
+        reuse the name), and the file's size and hash are the ones committed
+        (read in full).
+        """
+        newest: dict[str, int] = {}
+        named: set[str] = set()
+        for row in rows:
+            if row.state != m.LOST:
+                named.add(row.path)
+                newest[row.stream] = max(newest.get(row.stream, -1), row.id)
+        for row in lost:
+            if newest.get(row.stream, -1) > row.id or row.path in named:
+                continue
+            if not self.store.exists(row.path):
+                continue
+            if self.store.verify(row.path, row.size, row.hash, full=True) is not None:
+                continue
+            named.add(row.path)  # a second lost row of the same path stays lost
+            plan.state[row.id], plan.errors[row.id] = m.COMMITTED, None
+            plan.restored[row.stream] = max(plan.restored.get(row.stream, -1), row.id)
+            detail = "its file is back, size and hash as committed"
+            report.actions.append(Action("restored", row.path, detail, row.id, row.step))
 
     def _unsure(self, finding: Finding) -> bool:
         """An object that could not be read (a store error after retries) is not known to
@@ -323,7 +365,7 @@ class Reconciler:
         with self.db.transaction(read=True) as session:
             for stream in streams:
                 pointer = ledger_rows.latest_row(session, self.run_id, stream)
-                new = ledger_rows.newest_committed_id(
+                new = plan.restored.get(stream) or ledger_rows.newest_committed_id(
                     session, self.run_id, stream, excluding=plan.state
                 )
                 old = pointer.id if pointer is not None else None
