@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import s3lib
 from click.testing import CliRunner
-from helpers import LedgerClient, boundary, pg_admin, pg_schema_url
+from helpers import LedgerClient, boundary, pg_schema, pg_schema_url
 
 from ckptdb import CheckpointManager, Keep, TopK
 
@@ -124,15 +124,8 @@ def postgres_url() -> str:
 @pytest.fixture
 def pg_url(postgres_url: str) -> Iterator[str]:
     """A ledger URL whose ``search_path`` is a fresh schema ``t_<random>``, dropped after."""
-    schema = f"t_{secrets.token_hex(6)}"
-    with pg_admin(postgres_url) as conn:
-        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
-    try:
+    with pg_schema(postgres_url, f"t_{secrets.token_hex(6)}") as schema:
         yield pg_schema_url(postgres_url, schema)
-    finally:
-        with pg_admin(postgres_url) as conn:
-            conn.exec_driver_sql("SET lock_timeout = '20s'")
-            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -20,12 +20,14 @@ import pytest
 import sqlalchemy.exc
 import torch
 import xxhash
+from alembic import command
 from click.testing import CliRunner, Result
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.pool import NullPool
 
 from ckptdb.cli import main
+from ckptdb.ledger.engine import alembic_config
 
 CHILD_TIMEOUT = 90  # seconds; generous for a cold torch import, far below pytest's timeout
 
@@ -287,6 +289,44 @@ def pg_admin(url: str) -> Iterator[Connection]:
     try:
         with engine.connect() as conn:
             yield conn
+    finally:
+        engine.dispose()
+
+
+@contextlib.contextmanager
+def pg_schema(url: str, name: str) -> Iterator[str]:
+    """Schema ``name`` (as SQL spells it: quoted if it must be) for the block, dropped
+    after with everything in it."""
+    with pg_admin(url) as conn:
+        conn.exec_driver_sql(f"CREATE SCHEMA {name}")
+    try:
+        yield name
+    finally:
+        with pg_admin(url) as conn:
+            conn.exec_driver_sql("SET lock_timeout = '20s'")
+            conn.exec_driver_sql(f"DROP SCHEMA {name} CASCADE")
+
+
+def migrate_to(url: str, revision: str, *, down: bool = False) -> None:
+    """Alembic ``upgrade`` (or ``downgrade``) of the ledger at ``url``, in one transaction."""
+    engine = create_engine(url, poolclass=NullPool)
+    cfg = alembic_config()
+    try:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            (command.downgrade if down else command.upgrade)(cfg, revision)
+    finally:
+        engine.dispose()
+
+
+def ledger_objects(url: str) -> tuple[set[str], set[str], str]:
+    """(tables, views, schema revision) of the ledger at ``url``."""
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            version = conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one()
+            insp = inspect(conn)
+            return set(insp.get_table_names()), set(insp.get_view_names()), version
     finally:
         engine.dispose()
 

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from alembic import command
+from helpers import ledger_objects, migrate_to
 from sqlalchemy import MetaData, create_engine, inspect, select, text
 from sqlalchemy.pool import NullPool
 
 from ckptdb import CheckpointManager, RunReader
 from ckptdb.errors import SchemaVersionError
-from ckptdb.ledger.engine import alembic_config, newest_revision
+from ckptdb.ledger.engine import newest_revision
 
 pytestmark = pytest.mark.usefixtures("no_db_url_from_environment")
 
@@ -49,31 +49,6 @@ def snapshot(url: str) -> dict[str, list[tuple[Any, ...]]]:
 def _plain(value: Any) -> Any:
     """Dates compare as text: SQLite keeps strings, PostgreSQL gives datetimes."""
     return value.isoformat(sep=" ") if hasattr(value, "isoformat") else value
-
-
-def migrate_to(url: str, revision: str, *, down: bool = False) -> None:
-    engine = create_engine(url, poolclass=NullPool)
-    cfg = alembic_config()
-    try:
-        with engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            (command.downgrade if down else command.upgrade)(cfg, revision)
-    finally:
-        engine.dispose()
-
-
-def objects(url: str) -> tuple[set[str], set[str], str]:
-    engine = create_engine(url, poolclass=NullPool)
-    try:
-        with engine.connect() as conn:
-            version = conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one()
-            return (
-                set(inspect(conn).get_table_names()),
-                set(inspect(conn).get_view_names()),
-                version,
-            )
-    finally:
-        engine.dispose()
 
 
 def definitions(url: str) -> dict[str, Any]:
@@ -159,7 +134,7 @@ def old_ledger(request: pytest.FixtureRequest) -> tuple[Path, str]:
 
 def test_the_fixture_is_a_populated_0001_ledger(old_ledger: tuple[Path, str]) -> None:
     _, url = old_ledger
-    tables, views, version = objects(url)
+    tables, views, version = ledger_objects(url)
     assert version == "0001" and not tables & ADDED and "checkpoint_evaluations" not in views
     rows = snapshot(url)
     states = {
@@ -175,7 +150,7 @@ def test_a_reader_meeting_the_old_schema_says_what_to_run(old_ledger: tuple[Path
     with pytest.raises(SchemaVersionError, match=r"ckptdb db upgrade") as caught:
         RunReader(root, db_url=db_url)
     assert "0001" in str(caught.value) and newest_revision() in str(caught.value)
-    assert objects(url)[2] == "0001"  # a reader never migrates
+    assert ledger_objects(url)[2] == "0001"  # a reader never migrates
 
 
 def test_opening_the_run_upgrades_it_and_nothing_is_lost(old_ledger: tuple[Path, str]) -> None:
@@ -183,7 +158,7 @@ def test_opening_the_run_upgrades_it_and_nothing_is_lost(old_ledger: tuple[Path,
     db_url = None if url.startswith("sqlite") else url
     before = snapshot(url)
     with CheckpointManager(root, db_url=db_url, maintenance=True) as mgr:
-        tables, views, version = objects(url)
+        tables, views, version = ledger_objects(url)
         assert version == newest_revision()
         assert tables >= ADDED and "checkpoint_evaluations" in views
         streams = sorted(mgr.policies)
@@ -210,13 +185,13 @@ def test_downgrading_removes_only_what_0002_added(old_ledger: tuple[Path, str]) 
     with RunReader(root, db_url=db_url) as reader:
         reader.record_evaluation(reader.latest(), {"acc": 0.5}, evaluator="e")
     migrate_to(url, "0001", down=True)
-    tables, views, version = objects(url)
+    tables, views, version = ledger_objects(url)
     assert version == "0001" and not tables & ADDED
     assert "checkpoint_evaluations" not in views and "best_checkpoints" in views
     assert snapshot(url) == before
     assert definitions(url) == shape  # every view and index exactly as 0001 made it
     migrate_to(url, "head")  # and up again
-    assert objects(url)[2] == newest_revision()
+    assert ledger_objects(url)[2] == newest_revision()
 
 
 def test_the_best_view_leaves_out_checkpoints_saved_without_the_metric(tmp_path: Path) -> None:

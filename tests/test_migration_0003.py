@@ -14,28 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from alembic import command
-from helpers import pg_admin, pg_schema_url
+from helpers import migrate_to, pg_admin, pg_schema, pg_schema_url
 from sqlalchemy import create_engine, inspect
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from ckptdb import CheckpointManager, Keep, RunReader
-from ckptdb.ledger.engine import alembic_config
 from ckptdb.ledger.models import VIEW_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def migrate(url: str, revision: str) -> None:
-    engine = create_engine(url, poolclass=NullPool)
-    cfg = alembic_config()
-    try:
-        with engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, revision)
-    finally:
-        engine.dispose()
 
 
 def scalar(url: str, sql: str) -> object:
@@ -70,7 +57,7 @@ def test_grants_and_comments_on_the_views_survive_the_upgrade(
 ) -> None:
     """A dashboard's read-only role keeps reading the views, and their comments stay:
     DROP VIEW loses both, and CREATE VIEW does not bring them back."""
-    migrate(pg_url, "0002")
+    migrate_to(pg_url, "0002")
     engine = create_engine(pg_url, poolclass=NullPool)
     try:
         with engine.begin() as conn:
@@ -92,20 +79,14 @@ def test_grants_and_comments_on_the_views_survive_the_upgrade(
 
 @pytest.fixture
 def mixed_case_url(postgres_url: str) -> Iterator[str]:
-    schema = f"Ledger_{secrets.token_hex(4)}"
-    with pg_admin(postgres_url) as conn:
-        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    try:
-        yield pg_schema_url(postgres_url, f'"{schema}"')
-    finally:
-        with pg_admin(postgres_url) as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+    with pg_schema(postgres_url, f'"Ledger_{secrets.token_hex(4)}"') as schema:
+        yield pg_schema_url(postgres_url, schema)
 
 
 def test_a_ledger_in_a_mixed_case_schema_upgrades(mixed_case_url: str, tmp_path: Path) -> None:
     """The ledger's schema is named as PostgreSQL quotes it: read back unquoted, a
     mixed-case name turned lowercase and named a schema that does not exist."""
-    migrate(mixed_case_url, "0002")
+    migrate_to(mixed_case_url, "0002")
     save_at_a_64_bit_step(tmp_path / "run", mixed_case_url)
     with RunReader(tmp_path / "run", db_url=mixed_case_url) as reader:
         assert reader.sql("SELECT step FROM latest_checkpoints")[1] == [(2**40,)]
@@ -116,12 +97,9 @@ def test_the_views_are_created_again_in_the_ledgers_schema(
 ) -> None:
     """With another schema ahead of the ledger's on the search path, the views were
     dropped from the ledger's schema and created in the other one."""
-    migrate(pg_url, "0002")
+    migrate_to(pg_url, "0002")
     ledger_schema = pg_url.split("search_path%3D")[-1]
-    ahead = f"ahead_{secrets.token_hex(4)}"
-    with pg_admin(postgres_url) as conn:
-        conn.exec_driver_sql(f"CREATE SCHEMA {ahead}")
-    try:
+    with pg_schema(postgres_url, f"ahead_{secrets.token_hex(4)}") as ahead:
         both = pg_schema_url(postgres_url, f"{ahead},{ledger_schema}")
         save_at_a_64_bit_step(tmp_path / "run", both)
         engine = create_engine(postgres_url, poolclass=NullPool)
@@ -133,9 +111,6 @@ def test_the_views_are_created_again_in_the_ledgers_schema(
             engine.dispose()
         with RunReader(tmp_path / "run", db_url=pg_url) as reader:
             assert reader.sql("SELECT step FROM latest_checkpoints")[1] == [(2**40,)]
-    finally:
-        with pg_admin(postgres_url) as conn:
-            conn.exec_driver_sql(f"DROP SCHEMA {ahead} CASCADE")
 
 
 def test_the_revision_renders_offline_as_sql(pg_url: str) -> None:
@@ -171,12 +146,6 @@ def test_metric_ids_pass_32_bits(pg_url: str, tmp_path: Path) -> None:
     assert scalar(pg_url, "SELECT id FROM metrics") == 2**31 + 6
     sequence_type = "SELECT data_type FROM information_schema.sequences"
     assert scalar(pg_url, f"{sequence_type} WHERE sequence_name = 'metrics_id_seq'") == "bigint"
-    migrate_down = create_engine(pg_url, poolclass=NullPool)
-    cfg = alembic_config()
-    try:
-        with pytest.raises(DBAPIError), migrate_down.begin() as conn:
-            cfg.attributes["connection"] = conn  # back to 32-bit ids: refused, nothing changes
-            command.downgrade(cfg, "0002")
-    finally:
-        migrate_down.dispose()
+    with pytest.raises(DBAPIError):  # back to 32-bit ids: refused, nothing changes
+        migrate_to(pg_url, "0002", down=True)
     assert scalar(pg_url, "SELECT version_num FROM alembic_version") == "0003"

@@ -23,12 +23,13 @@ from typing import Any
 
 import pytest
 import torch
-from alembic import command
 from click.testing import CliRunner, Result
 from helpers import (
     files,
     invoke,
+    ledger_objects,
     ledger_rows,
+    migrate_to,
     pg_admin,
     run_script,
     schema_diff,
@@ -51,7 +52,6 @@ from ckptdb.errors import (
 )
 from ckptdb.ledger.engine import (
     MIGRATION_LOCK_KEY,
-    alembic_config,
     default_sqlite_url,
     migrate,
     newest_revision,
@@ -329,25 +329,14 @@ def test_downgrade_of_the_last_revision_then_upgrade(
     is still there (the views were dropped and created again around the change)."""
     ledger().close()
     url = url_of(root, backend)
-    engine = create_engine(url, poolclass=NullPool)
-    cfg = alembic_config()
     wide = {"BIGINT"} if backend is not None else {"INTEGER"}  # SQLite's is 64-bit
     assert step_types(url) == wide
-    try:
-        with engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.downgrade(cfg, "-1")
-        with engine.connect() as conn:
-            assert set(inspect(conn).get_table_names()) >= TABLES
-            assert set(inspect(conn).get_view_names()) == set(VIEW_NAMES)
-        assert step_types(url) == {"INTEGER"}
-        with engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "head")
-        with engine.connect() as conn:
-            assert set(inspect(conn).get_view_names()) == set(VIEW_NAMES)
-    finally:
-        engine.dispose()
+    migrate_to(url, "-1", down=True)
+    tables, views, _ = ledger_objects(url)
+    assert tables >= TABLES and views == set(VIEW_NAMES)
+    assert step_types(url) == {"INTEGER"}
+    migrate_to(url, "head")
+    assert ledger_objects(url)[1] == set(VIEW_NAMES)
     assert step_types(url) == wide
     assert schema_diff(url) == []
     mgr = ledger()
@@ -361,16 +350,9 @@ def test_a_downgrade_that_would_truncate_a_step_changes_nothing(pg_url: str, roo
     with CheckpointManager(root, db_url=pg_url, streams={"model": Keep(last=None)}) as mgr:
         mgr.save(2**40, metrics={"loss": 0.5}, model=state(1))
     url = url_of(root, pg_url)
-    engine = create_engine(url, poolclass=NullPool)
-    cfg = alembic_config()
-    try:
-        with pytest.raises(DBAPIError, match="out of range"), engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.downgrade(cfg, "-1")
-        with engine.connect() as conn:
-            assert set(inspect(conn).get_view_names()) == set(VIEW_NAMES)
-    finally:
-        engine.dispose()
+    with pytest.raises(DBAPIError, match="out of range"):
+        migrate_to(url, "-1", down=True)
+    assert ledger_objects(url)[1] == set(VIEW_NAMES)
     assert step_types(url) == {"BIGINT"}
     with RunReader(root, db_url=pg_url) as reader:
         assert reader.latest().step == 2**40
@@ -378,26 +360,15 @@ def test_a_downgrade_that_would_truncate_a_step_changes_nothing(pg_url: str, roo
 
 
 def at_0002_with_views(url: str, *views: str) -> None:
-    engine = create_engine(url, poolclass=NullPool)
-    cfg = alembic_config()
-    try:
-        with engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "0002")
-            for view in views:
-                conn.exec_driver_sql(view)
-    finally:
-        engine.dispose()
+    migrate_to(url, "0002")
+    with pg_admin(url) as conn:
+        for view in views:
+            conn.exec_driver_sql(view)
 
 
 def revision_and_views(url: str) -> tuple[str, set[str]]:
-    engine = create_engine(url, poolclass=NullPool)
-    try:
-        with engine.connect() as conn:
-            version = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
-            return str(version), set(inspect(conn).get_view_names())
-    finally:
-        engine.dispose()
+    _, views, version = ledger_objects(url)
+    return version, views
 
 
 def test_a_users_view_on_the_steps_stops_the_upgrade_by_name_and_changes_nothing(

@@ -39,8 +39,14 @@ from helpers import (
 
 import ckptdb
 from ckptdb import CheckpointManager, Keep
-from ckptdb.errors import CheckpointNotFoundError, LedgerLockedError, RunDirectoryError
+from ckptdb.errors import (
+    CheckpointNotFoundError,
+    LedgerLockedError,
+    ObjectStoreError,
+    RunDirectoryError,
+)
 from ckptdb.protocol.reconcile import Reconciler
+from ckptdb.storage.local import LocalStore
 
 QUARANTINE = "ckptdb.quarantine"
 
@@ -668,6 +674,31 @@ def test_a_lost_checkpoint_back_with_other_bytes_stays_lost(
     mgr = open_manager()
     assert mgr.last_reconcile.counts == {"restored": 2, "repointed": 1}
     assert mgr.latest() is not None and mgr.latest().step == 2
+
+
+def test_a_store_that_cannot_answer_leaves_lost_rows_lost_and_says_so(
+    three: Path,
+    save_dir: Path,
+    tmp_path: Path,
+    open_manager: Callable[..., CheckpointManager],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Looking for a lost row's file again is not worth failing the open: an error
+    there (an object store's, after retries) is reported with the path."""
+    lose_the_stream_directory(save_dir, tmp_path / "away", open_manager)
+    (tmp_path / "away").rename(save_dir / "model")
+
+    def unavailable(_store: Any, rel: str) -> bool:
+        raise ObjectStoreError(f"HeadObject {rel}: 503 Slow Down")
+
+    monkeypatch.setattr(LocalStore, "exists", unavailable)
+    with pytest.warns(UserWarning, match="step-000000003.pt.*503 Slow Down"):
+        mgr = open_manager()
+    assert mgr.last_reconcile.counts == {"failed": 3}
+    assert mgr.latest() is None
+    mgr.close()
+    monkeypatch.undo()
+    assert open_manager().last_reconcile.counts == {"restored": 3, "repointed": 1}
 
 
 def test_a_dry_run_lists_the_restores_and_changes_nothing(

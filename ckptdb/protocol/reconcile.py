@@ -242,7 +242,9 @@ class Reconciler:
         no other live row of the stream is newer (no save since, committed or
         not), no live row names its path (a later save at the same step may
         reuse the name), and the file's size and hash are the ones committed
-        (read in full).
+        (read in full). A store that cannot answer (an object store's error after
+        retries) is reported as a failure, with the path, and the row stays
+        ``lost``: as for a committed row, the open goes on.
         """
         newest: dict[str, int] = {}
         named: set[str] = set()
@@ -253,7 +255,12 @@ class Reconciler:
         for row in lost:
             if newest.get(row.stream, -1) > row.id or row.path in named:
                 continue
-            if not self.store.exists(row.path):
+            try:
+                if not self.store.exists(row.path):
+                    continue
+            except (OSError, InvalidArgumentError) as exc:
+                detail = f"could not look for it again: {type(exc).__name__}: {exc}"
+                report.actions.append(Action("failed", row.path, detail, row.id, row.step))
                 continue
             if self.store.verify(row.path, row.size, row.hash, full=True) is not None:
                 continue

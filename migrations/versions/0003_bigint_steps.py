@@ -72,7 +72,7 @@ def _retype(old: sa.types.TypeEngine[int], new: sa.types.TypeEngine[int], new_sq
     views = views_of_0002()
     offline = context.is_offline_mode()
     if not offline:
-        schema = _enter_ledger_schema()
+        schema, search_path = _enter_ledger_schema()
         _refuse_views_of_others(schema, list(views))
         extras = _view_extras(schema, list(views))
     for name in reversed(list(views)):
@@ -89,13 +89,14 @@ def _retype(old: sa.types.TypeEngine[int], new: sa.types.TypeEngine[int], new_sq
         return
     for statement in extras:
         op.execute(statement)
-    _leave_ledger_schema()
+    _set_search_path(search_path)
 
 
-def _enter_ledger_schema() -> str:
+def _enter_ledger_schema() -> tuple[str, str]:
     """Work in the schema that holds the ledger (the one ``checkpoints`` resolves to
     on the caller's search path), for this revision only: with another schema first
-    on the path, the views would be created there. Returns it, quoted as needed."""
+    on the path, the views would be created there. Returns it, quoted as needed,
+    and the search path to go back to."""
     bind = op.get_bind()
     schema: str = bind.execute(
         sa.text(
@@ -103,17 +104,14 @@ def _enter_ledger_schema() -> str:
             "WHERE oid = 'checkpoints'::regclass"
         )
     ).scalar_one()
-    previous = bind.execute(sa.text("SELECT current_setting('search_path')")).scalar_one()
-    op.get_context().opts["_ckptdb_search_path"] = previous
-    bind.execute(sa.text("SELECT set_config('search_path', :schema, true)"), {"schema": schema})
-    return schema
+    previous: str = bind.execute(sa.text("SELECT current_setting('search_path')")).scalar_one()
+    _set_search_path(schema)
+    return schema, previous
 
 
-def _leave_ledger_schema() -> None:
-    previous = op.get_context().opts.pop("_ckptdb_search_path")
-    op.get_bind().execute(
-        sa.text("SELECT set_config('search_path', :path, true)"), {"path": previous}
-    )
+def _set_search_path(path: str) -> None:
+    """For the rest of the migration's transaction only (``set_config(..., true)``)."""
+    op.get_bind().execute(sa.text("SELECT set_config('search_path', :path, true)"), {"path": path})
 
 
 def _view_extras(schema: str, names: list[str]) -> list[str]:
