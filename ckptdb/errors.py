@@ -108,7 +108,8 @@ class NetworkFilesystemError(InvalidArgumentError):
 
 class RunDirectoryError(CkptDBError, OSError):
     """The run root cannot hold a run (a file, not writable, lock file unusable), or its
-    save directory is missing while the ledger records checkpoints in it."""
+    save directory (or a stream directory in it) is missing while the ledger records
+    checkpoints in it."""
 
 
 class SchemaVersionError(LedgerError):

@@ -676,6 +676,26 @@ def test_sql_refuses_writes_and_leaves_the_ledger_unchanged(
     assert files(run) == listing
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_reconcile_of_a_run_whose_stream_directory_is_absent_is_refused_in_one_line(
+    runner: CliRunner, run: Path, tmp_path: Path, dry_run: bool
+) -> None:
+    """A stream directory not there (not mounted?) is not its checkpoints lost: one
+    line naming it, and nothing in the ledger or on disk changes."""
+    ema = save_dir_of(run) / "ema"
+    ema.rename(tmp_path / "ema")
+
+    def checkpoints_and_pointers() -> tuple[Any, Any]:
+        image = ledger_image(run)  # the refused open is an attempt (failed) of its own
+        return image["checkpoints"], image["pointers"]
+
+    before, listing = checkpoints_and_pointers(), files(run)
+    line = one_line_error(invoke(runner, "reconcile", run, *(["--dry-run"] if dry_run else [])))
+    assert f"{ema} (2 committed)" in line and "not mounted" in line
+    assert checkpoints_and_pointers() == before
+    assert files(run) == listing
+
+
 def test_sql_attach_creates_no_database_file(runner: CliRunner, run: Path, tmp_path: Path) -> None:
     """ATTACH of a new file would create it: a read-only query must not write anywhere."""
     target = tmp_path / "attached.db"

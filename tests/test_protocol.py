@@ -46,6 +46,7 @@ from ckptdb.errors import (
     InvalidMetricError,
     NonFiniteGradientError,
     PublishError,
+    RunDirectoryError,
     UnknownStreamError,
 )
 
@@ -641,8 +642,11 @@ def test_a_stream_directory_swapped_for_a_loop_of_links_is_refused_and_the_run_r
         mgr.save(2, model=state(2.0))
     assert raised.value.phase == "intent"
     mgr.close()
-    again = open_manager(streams={"model": Keep(last=None)})  # reconcile meets the loop
-    again.close()
+    rows = "SELECT step, state FROM checkpoints ORDER BY id"
+    before = db.rows(rows)
+    with pytest.raises(RunDirectoryError, match=r"not directories\).*model \(1 committed\)"):
+        open_manager(streams={"model": Keep(last=None)})  # reconcile meets the loop
+    assert db.rows(rows) == before  # the step-1 row not taken for lost
     model.unlink()
     moved.rename(model)
     mgr = open_manager(streams={"model": Keep(last=None)})

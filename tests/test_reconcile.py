@@ -602,19 +602,95 @@ def test_an_absent_save_directory_is_refused_not_taken_for_lost_checkpoints(
     assert torch.equal(mgr.load("latest")["w"], state(3)["w"])
 
 
-def test_an_empty_save_directory_made_on_purpose_says_the_checkpoints_are_gone(
-    three: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager]
+def test_an_empty_save_directory_is_refused_for_its_missing_stream_directories(
+    three: Path, save_dir: Path, open_manager: Callable[..., CheckpointManager], db: LedgerClient
 ) -> None:
+    """What an unmounted save directory that is itself a mount point looks like:
+    there, and empty. Its stream's directory is what is missing."""
+    before = db.rows("SELECT id, state FROM checkpoints ORDER BY id")
     shutil.rmtree(save_dir)
     save_dir.mkdir()
+    with pytest.raises(RunDirectoryError, match="stream directories that do not exist") as no:
+        open_manager()
+    assert f"{save_dir / 'model'} (3 committed)" in str(no.value)
+    assert db.rows("SELECT id, state FROM checkpoints ORDER BY id") == before
+    assert os.listdir(save_dir) == []
+
+
+@pytest.mark.parametrize("gone", ["save_directory", "stream_directory"])
+def test_the_directories_the_refusal_names_made_empty_say_the_checkpoints_are_gone(
+    three: Path,
+    save_dir: Path,
+    open_manager: Callable[..., CheckpointManager],
+    gone: str,
+) -> None:
+    """Following the refusal's advice to the letter marks them lost, in one step."""
+    shutil.rmtree(save_dir if gone == "save_directory" else save_dir / "model")
+    with pytest.raises(RunDirectoryError) as no:
+        open_manager()
+    advice = str(no.value).split("If they are gone for good, create ", 1)[1]
+    to_make = advice.split(" (empty)", 1)[0].split(", ")
+    assert to_make == [str(save_dir / "model")]
+    for directory in to_make:
+        Path(directory).mkdir(parents=True)
     mgr = open_manager()
     assert mgr.last_reconcile.counts == {"lost": 3, "repointed": 1}
     assert mgr.latest() is None
 
 
-def lose_the_stream_directory(save_dir: Path, away: Path, opener: Callable[..., Any]) -> None:
-    """Open with the model stream's directory gone (its rows become lost), then close."""
+def take_the_stream_directory_away(save_dir: Path, away: Path, how: str) -> None:
+    """The model stream's directory made absent: moved away, or replaced by a link to
+    where it was moved and then a link to nowhere, or by a file."""
     (save_dir / "model").rename(away)
+    if how == "dangling_link":
+        (save_dir / "model").symlink_to(away.parent / "nowhere")
+    elif how == "file":
+        (save_dir / "model").write_bytes(b"not a directory")
+
+
+@pytest.mark.parametrize("how", ["moved_away", "dangling_link", "file"])
+def test_an_absent_stream_directory_is_refused_not_taken_for_lost_checkpoints(
+    three: Path,
+    save_dir: Path,
+    tmp_path: Path,
+    open_manager: Callable[..., CheckpointManager],
+    db: LedgerClient,
+    how: str,
+) -> None:
+    """A stream's directory missing (a link whose target is not mounted, a directory
+    moved) is not its checkpoints lost: marked lost, latest went back (here to None),
+    a job resuming from it started again, and its first save took the stream on
+    without them for good. The open and ``reconcile`` are refused, naming the
+    directory and leaving every row, file and the other streams as they were."""
+    with open_manager(streams={"model": Keep(last=5), "ema": Keep(last=5)}) as mgr:
+        mgr.save(4, ema=state(40))
+
+    def checkpoints_and_pointers() -> tuple[Any, Any]:
+        snapshot = ledger_snapshot(db)  # the refused open is an attempt (failed) of its own
+        return snapshot["checkpoints"], snapshot["pointers"]
+
+    before_ledger, before_files = checkpoints_and_pointers(), tree(save_dir / "ema")
+    take_the_stream_directory_away(save_dir, tmp_path / "away", how)
+    with pytest.raises(RunDirectoryError, match="stream directories that do not exist") as no:
+        open_manager()
+    message = str(no.value)
+    assert isinstance(no.value, OSError)
+    assert f"{save_dir / 'model'} (3 committed)" in message and "ema" not in message
+    assert checkpoints_and_pointers() == before_ledger and tree(save_dir / "ema") == before_files
+    (save_dir / "model").unlink(missing_ok=True)
+    (tmp_path / "away").rename(save_dir / "model")
+    mgr = open_manager()
+    assert mgr.last_reconcile.counts == {}
+    assert mgr.latest("model") is not None and mgr.latest("model").step == 3
+    assert torch.equal(mgr.load("latest", stream="model")["w"], state(3)["w"])
+    assert_nothing_to_do(mgr, db, three)
+
+
+def lose_the_stream_directory(save_dir: Path, away: Path, opener: Callable[..., Any]) -> None:
+    """Open with the model stream's directory moved away and an empty one made in its
+    place on purpose (its rows become lost), then close."""
+    (save_dir / "model").rename(away)
+    (save_dir / "model").mkdir()
     mgr = opener()
     assert mgr.last_reconcile.counts == {"lost": 3, "repointed": 1} and mgr.latest() is None
     mgr.close()

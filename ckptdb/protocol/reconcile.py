@@ -103,6 +103,15 @@ class _Plan:
     restored: dict[str, int] = field(default_factory=dict)
 
 
+def _gone_for_good(location: Path, directories: list[str]) -> str:
+    """How to say the checkpoints are gone: the directories to make, empty."""
+    made = ", ".join(str(location / d) if d else str(location) for d in directories)
+    return (
+        f"If they are gone for good, create {made} (empty) and open the run again: "
+        "reconcile then marks them lost"
+    )
+
+
 class Reconciler:
     def __init__(
         self,
@@ -173,18 +182,34 @@ class Reconciler:
         return report
 
     def _refuse_an_absent_store(self, rows: list[LiveRow]) -> None:
-        """A save directory that is not there at all, while the ledger records committed
+        """The save directory, or a stream's directory in it, not there at all (missing,
+        a link to nowhere, not a directory) while the ledger records committed
         checkpoints in it, is storage not mounted (or moved), not checkpoints lost:
-        marking every row ``lost`` would make ``latest`` None and the job start again
-        from scratch, for good. Refused before anything changes; an empty directory
-        made on purpose says they are gone."""
-        committed = sum(1 for row in rows if row.state == m.COMMITTED)
-        if committed and self.store.absent():
+        marking the rows ``lost`` would move ``latest`` back (to None for a stream
+        that lost them all), a job resuming from it would start again from scratch,
+        and its first save would take the stream on without them for good. An
+        unmounted save directory that is itself a mount point is there and empty:
+        its streams' directories are what is missing. Refused before anything
+        changes, naming each directory; directories made empty on purpose say the
+        checkpoints are gone."""
+        committed = Counter(row.path.rpartition("/")[0] for row in rows if row.state == m.COMMITTED)
+        if not committed:
+            return
+        here = self.store.location
+        if self.store.absent():
+            total = sum(committed.values())
             raise RunDirectoryError(
-                f"the save directory {self.store.location} does not exist, yet the ledger "
-                f"records {committed} committed checkpoint(s) in it: is its filesystem "
-                "mounted? No checkpoint was marked. If they are gone for good, create the "
-                "directory (empty) and open the run again: reconcile then marks them lost"
+                f"the save directory {here} does not exist, yet the ledger records {total} "
+                "committed checkpoint(s) in it: is its filesystem mounted? No checkpoint "
+                f"was marked. {_gone_for_good(here, sorted(committed))}"
+            )
+        missing = [d for d in sorted(committed) if d and self.store.absent(d)]
+        if missing:
+            named = ", ".join(f"{here / d} ({committed[d]} committed)" for d in missing)
+            raise RunDirectoryError(
+                "the ledger records committed checkpoints in stream directories that do not "
+                f"exist (or are not directories): {named}. Is a filesystem not mounted, or a "
+                f"link's target missing? No checkpoint was marked. {_gone_for_good(here, missing)}"
             )
 
     def _check_row(

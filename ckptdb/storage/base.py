@@ -152,10 +152,11 @@ class PayloadStore(Protocol):
     def local_path(self, rel: str) -> Path:
         """A confined local path to read ``rel`` from (refused if ``rel`` escapes the store)."""
 
-    def absent(self) -> bool:
-        """Whether the store's place itself is missing (a directory not there: an unmounted
-        filesystem, a moved disk), as opposed to present and empty. An object store's
-        prefix always exists."""
+    def absent(self, directory: str = "") -> bool:
+        """Whether the store's place itself, or ``directory`` in it (a stream's), is
+        missing (not there, a link to nowhere, not a directory: an unmounted filesystem,
+        a moved disk), as opposed to present and empty. An object store's prefixes
+        always exist."""
 
     def memoized(self) -> AbstractContextManager[Any]:
         """One pass over many names (reconcile): lookups may be cached until it ends."""

@@ -101,8 +101,8 @@ class LocalStore:
         except InvalidArgumentError as exc:
             raise PhaseError("mkdir", directory, exc) from exc
 
-    def absent(self) -> bool:
-        return not self.save_dir.is_dir()
+    def absent(self, directory: str = "") -> bool:
+        return not (self.save_dir / directory).is_dir()  # follows a link: one to nowhere is
 
     def prepare_parent(self, rel: str) -> None:
         files.make_dir(self.path(rel).parent)

@@ -102,7 +102,7 @@ class S3Store:
     def location(self) -> Path:
         return self._location
 
-    def absent(self) -> bool:
+    def absent(self, directory: str = "") -> bool:
         return False  # a prefix: there as soon as the bucket is (which the open checked)
 
     def key(self, rel: str) -> str:
