@@ -644,7 +644,7 @@ def test_a_stream_directory_swapped_for_a_loop_of_links_is_refused_and_the_run_r
     mgr.close()
     rows = "SELECT step, state FROM checkpoints ORDER BY id"
     before = db.rows(rows)
-    with pytest.raises(RunDirectoryError, match=r"not directories\).*model \(1 committed\)"):
+    with pytest.raises(RunDirectoryError, match=r"not a directory\).*model \(1 committed\)"):
         open_manager(streams={"model": Keep(last=None)})  # reconcile meets the loop
     assert db.rows(rows) == before  # the step-1 row not taken for lost
     model.unlink()

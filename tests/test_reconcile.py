@@ -38,7 +38,7 @@ from helpers import (
 )
 
 import ckptdb
-from ckptdb import CheckpointManager, Keep
+from ckptdb import CheckpointManager, External, Keep
 from ckptdb.errors import (
     CheckpointNotFoundError,
     LedgerLockedError,
@@ -610,32 +610,11 @@ def test_an_empty_save_directory_is_refused_for_its_missing_stream_directories(
     before = db.rows("SELECT id, state FROM checkpoints ORDER BY id")
     shutil.rmtree(save_dir)
     save_dir.mkdir()
-    with pytest.raises(RunDirectoryError, match="stream directories that do not exist") as no:
+    with pytest.raises(RunDirectoryError, match="a stream directory that does not exist") as no:
         open_manager()
     assert f"{save_dir / 'model'} (3 committed)" in str(no.value)
     assert db.rows("SELECT id, state FROM checkpoints ORDER BY id") == before
     assert os.listdir(save_dir) == []
-
-
-@pytest.mark.parametrize("gone", ["save_directory", "stream_directory"])
-def test_the_directories_the_refusal_names_made_empty_say_the_checkpoints_are_gone(
-    three: Path,
-    save_dir: Path,
-    open_manager: Callable[..., CheckpointManager],
-    gone: str,
-) -> None:
-    """Following the refusal's advice to the letter marks them lost, in one step."""
-    shutil.rmtree(save_dir if gone == "save_directory" else save_dir / "model")
-    with pytest.raises(RunDirectoryError) as no:
-        open_manager()
-    advice = str(no.value).split("If they are gone for good, create ", 1)[1]
-    to_make = advice.split(" (empty)", 1)[0].split(", ")
-    assert to_make == [str(save_dir / "model")]
-    for directory in to_make:
-        Path(directory).mkdir(parents=True)
-    mgr = open_manager()
-    assert mgr.last_reconcile.counts == {"lost": 3, "repointed": 1}
-    assert mgr.latest() is None
 
 
 def take_the_stream_directory_away(save_dir: Path, away: Path, how: str) -> None:
@@ -646,6 +625,40 @@ def take_the_stream_directory_away(save_dir: Path, away: Path, how: str) -> None
         (save_dir / "model").symlink_to(away.parent / "nowhere")
     elif how == "file":
         (save_dir / "model").write_bytes(b"not a directory")
+
+
+@pytest.mark.parametrize(
+    "gone",
+    ["save_directory", "save_directory_a_file", "moved_away", "dangling_link", "file"],
+)
+def test_the_directories_the_refusal_names_made_empty_say_the_checkpoints_are_gone(
+    three: Path,
+    save_dir: Path,
+    tmp_path: Path,
+    open_manager: Callable[..., CheckpointManager],
+    gone: str,
+) -> None:
+    """Following the refusal's advice to the letter marks them lost, in one step,
+    whatever is in the way (a link to nowhere, a file)."""
+    if gone.startswith("save_directory"):
+        shutil.rmtree(save_dir)
+        if gone == "save_directory_a_file":
+            save_dir.write_bytes(b"not a directory")
+    else:
+        take_the_stream_directory_away(save_dir, tmp_path / "away", gone)
+    with pytest.raises(RunDirectoryError, match=r"does not exist|do not exist") as no:
+        open_manager()
+    advice = str(no.value).split("If they are gone for good, make ", 1)[1]
+    to_make = advice.split(" an empty directory (parents included; remove a link or a file")[0]
+    assert to_make == str(save_dir / "model")
+    for directory in [Path(d) for d in to_make.removeprefix("each of ").split(", ")]:
+        for in_the_way in [*reversed(directory.parents), directory]:
+            if in_the_way.is_symlink() or in_the_way.is_file():
+                in_the_way.unlink()
+        directory.mkdir(parents=True)
+    mgr = open_manager()
+    assert mgr.last_reconcile.counts == {"lost": 3, "repointed": 1}
+    assert mgr.latest() is None
 
 
 @pytest.mark.parametrize("how", ["moved_away", "dangling_link", "file"])
@@ -671,11 +684,12 @@ def test_an_absent_stream_directory_is_refused_not_taken_for_lost_checkpoints(
 
     before_ledger, before_files = checkpoints_and_pointers(), tree(save_dir / "ema")
     take_the_stream_directory_away(save_dir, tmp_path / "away", how)
-    with pytest.raises(RunDirectoryError, match="stream directories that do not exist") as no:
+    with pytest.raises(RunDirectoryError, match="a stream directory that does not exist") as no:
         open_manager()
     message = str(no.value)
     assert isinstance(no.value, OSError)
-    assert f"{save_dir / 'model'} (3 committed)" in message and "ema" not in message
+    assert f"{save_dir / 'model'} (3 committed)" in message
+    assert str(save_dir / "ema") not in message
     assert checkpoints_and_pointers() == before_ledger and tree(save_dir / "ema") == before_files
     (save_dir / "model").unlink(missing_ok=True)
     (tmp_path / "away").rename(save_dir / "model")
@@ -684,6 +698,50 @@ def test_an_absent_stream_directory_is_refused_not_taken_for_lost_checkpoints(
     assert mgr.latest("model") is not None and mgr.latest("model").step == 3
     assert torch.equal(mgr.load("latest", stream="model")["w"], state(3)["w"])
     assert_nothing_to_do(mgr, db, three)
+
+
+def test_two_absent_stream_directories_are_named_in_one_refusal(
+    three: Path, save_dir: Path, tmp_path: Path, open_manager: Callable[..., CheckpointManager]
+) -> None:
+    with open_manager(streams={"model": Keep(last=5), "ema": Keep(last=5)}) as mgr:
+        mgr.save(4, ema=state(40))
+    for stream in ("ema", "model"):
+        (save_dir / stream).rename(tmp_path / stream)
+    with pytest.raises(RunDirectoryError, match="stream directories that do not exist") as no:
+        open_manager()
+    message = str(no.value)
+    assert f"{save_dir / 'ema'} (1 committed), {save_dir / 'model'} (3 committed)" in message
+    assert f"make each of {save_dir / 'ema'}, {save_dir / 'model'} an empty directory" in message
+
+
+def test_a_framework_named_directory_removed_with_its_checkpoint_is_lost_not_refused(
+    save_dir: Path, open_manager: Callable[..., CheckpointManager]
+) -> None:
+    """A framework's name with a directory of its own (a Lightning ``monitor`` with a
+    ``/``, an adopted tree) is that checkpoint's directory, not a stream's: removed
+    by hand with its checkpoint, the row is lost, and the run still opens."""
+    streams = {"model": Keep(last=None)}
+    mgr = open_manager(streams=streams)
+    for step in (1, 2):
+        name = f"epoch={step}-val/loss={step}.ckpt"
+        mgr.save(step, model=External(lambda path, s=step: torch.save(state(s), path), name=name))
+    mgr.close()
+    shutil.rmtree(save_dir / "epoch=1-val")
+    mgr = open_manager(streams=streams)
+    assert mgr.last_reconcile.counts == {"lost": 1}
+    assert [c.step for c in mgr.checkpoints()] == [2]
+
+
+def test_check_reports_an_absent_stream_directory_instead_of_raising(
+    save_dir: Path, open_manager: Callable[..., CheckpointManager]
+) -> None:
+    mgr = open_manager()
+    mgr.save(1, model=state(1))
+    shutil.rmtree(save_dir / "model")
+    problems = mgr.check()
+    refused = [p for p in problems if p.startswith("reconcile would refuse: ")]
+    assert len(refused) == 1 and f"{save_dir / 'model'} (1 committed)" in refused[0]
+    assert any("committed but unreadable" in p for p in problems)
 
 
 def lose_the_stream_directory(save_dir: Path, away: Path, opener: Callable[..., Any]) -> None:

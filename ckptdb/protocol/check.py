@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..errors import RunDirectoryError
 from ..ledger import Ledger
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
@@ -67,7 +68,11 @@ class Checker:
         for stream, policy in self.policies.items():
             if policy.ranking_metric is not None:
                 problems.extend(self._check_topk(stream, policy, rows))
-        report = Reconciler(self.db, self.run_id, None, self.root, self.store).run(dry_run=True)
+        try:
+            report = Reconciler(self.db, self.run_id, None, self.root, self.store).run(dry_run=True)
+        except RunDirectoryError as refused:  # a directory not there: itself a finding
+            problems.append(f"reconcile would refuse: {refused}")
+            return problems
         problems.extend(f"reconcile would act: {a}" for a in report.actions)
         return problems
 

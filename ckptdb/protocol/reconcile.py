@@ -106,8 +106,10 @@ class _Plan:
 def _gone_for_good(location: Path, directories: list[str]) -> str:
     """How to say the checkpoints are gone: the directories to make, empty."""
     made = ", ".join(str(location / d) if d else str(location) for d in directories)
+    each = "each of " if len(directories) > 1 else ""
     return (
-        f"If they are gone for good, create {made} (empty) and open the run again: "
+        f"If they are gone for good, make {each}{made} an empty directory (parents "
+        "included; remove a link or a file in the way first) and open the run again: "
         "reconcile then marks them lost"
     )
 
@@ -191,25 +193,36 @@ class Reconciler:
         unmounted save directory that is itself a mount point is there and empty:
         its streams' directories are what is missing. Refused before anything
         changes, naming each directory; directories made empty on purpose say the
-        checkpoints are gone."""
-        committed = Counter(row.path.rpartition("/")[0] for row in rows if row.state == m.COMMITTED)
+        checkpoints are gone.
+
+        Only the streams' own directories count: a framework's name with
+        directories of its own (one per checkpoint, say) is one checkpoint's
+        directory, removed with it, and its row is ``lost`` as any missing file's.
+        """
+        committed = [row for row in rows if row.state == m.COMMITTED]
         if not committed:
             return
         here = self.store.location
+        in_stream = Counter(
+            row.stream for row in committed if row.path.rpartition("/")[0] == row.stream
+        )
         if self.store.absent():
-            total = sum(committed.values())
             raise RunDirectoryError(
-                f"the save directory {here} does not exist, yet the ledger records {total} "
-                "committed checkpoint(s) in it: is its filesystem mounted? No checkpoint "
-                f"was marked. {_gone_for_good(here, sorted(committed))}"
+                f"the save directory {here} does not exist (or is not a directory), yet the "
+                f"ledger records {len(committed)} committed checkpoint(s) in it: is its "
+                "filesystem mounted? No checkpoint was marked. "
+                + _gone_for_good(here, sorted(in_stream) or [""])
             )
-        missing = [d for d in sorted(committed) if d and self.store.absent(d)]
+        missing = [stream for stream in sorted(in_stream) if self.store.absent(stream)]
         if missing:
-            named = ", ".join(f"{here / d} ({committed[d]} committed)" for d in missing)
+            named = ", ".join(f"{here / s} ({in_stream[s]} committed)" for s in missing)
+            one = len(missing) == 1
             raise RunDirectoryError(
-                "the ledger records committed checkpoints in stream directories that do not "
-                f"exist (or are not directories): {named}. Is a filesystem not mounted, or a "
-                f"link's target missing? No checkpoint was marked. {_gone_for_good(here, missing)}"
+                "the ledger records committed checkpoints in "
+                + ("a stream directory that does" if one else "stream directories that do")
+                + f" not exist (or {'is' if one else 'are'} not a directory): {named}. Is a "
+                "filesystem not mounted, or a link's target missing? No checkpoint was "
+                f"marked. {_gone_for_good(here, missing)}"
             )
 
     def _check_row(
