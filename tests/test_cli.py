@@ -696,6 +696,17 @@ def test_reconcile_of_a_run_whose_stream_directory_is_absent_is_refused_in_one_l
     assert files(run) == listing
 
 
+def test_check_of_a_run_whose_stream_directory_is_absent_reports_the_refusal(
+    runner: CliRunner, run: Path, tmp_path: Path
+) -> None:
+    ema = save_dir_of(run) / "ema"
+    ema.rename(tmp_path / "ema")
+    result = invoke(runner, "check", run)
+    assert result.exit_code == 1
+    refused = [ln for ln in result.stdout.splitlines() if ln.startswith("reconcile would refuse")]
+    assert len(refused) == 1 and f"{ema} (2 committed)" in refused[0]
+
+
 def test_sql_attach_creates_no_database_file(runner: CliRunner, run: Path, tmp_path: Path) -> None:
     """ATTACH of a new file would create it: a read-only query must not write anywhere."""
     target = tmp_path / "attached.db"

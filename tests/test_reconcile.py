@@ -13,6 +13,7 @@ PostgreSQL: ``on_both_backends``.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -629,7 +630,14 @@ def take_the_stream_directory_away(save_dir: Path, away: Path, how: str) -> None
 
 @pytest.mark.parametrize(
     "gone",
-    ["save_directory", "save_directory_a_file", "moved_away", "dangling_link", "file"],
+    [
+        "save_directory",
+        "save_directory_a_file",
+        "save_directory_a_dangling_link",
+        "moved_away",
+        "dangling_link",
+        "file",
+    ],
 )
 def test_the_directories_the_refusal_names_made_empty_say_the_checkpoints_are_gone(
     three: Path,
@@ -644,6 +652,8 @@ def test_the_directories_the_refusal_names_made_empty_say_the_checkpoints_are_go
         shutil.rmtree(save_dir)
         if gone == "save_directory_a_file":
             save_dir.write_bytes(b"not a directory")
+        elif gone == "save_directory_a_dangling_link":
+            save_dir.symlink_to(tmp_path / "nowhere")
     else:
         take_the_stream_directory_away(save_dir, tmp_path / "away", gone)
     with pytest.raises(RunDirectoryError, match=r"does not exist|do not exist") as no:
@@ -653,8 +663,8 @@ def test_the_directories_the_refusal_names_made_empty_say_the_checkpoints_are_go
     assert to_make == str(save_dir / "model")
     for directory in [Path(d) for d in to_make.removeprefix("each of ").split(", ")]:
         for in_the_way in [*reversed(directory.parents), directory]:
-            if in_the_way.is_symlink() or in_the_way.is_file():
-                in_the_way.unlink()
+            if (in_the_way.is_symlink() and not in_the_way.is_dir()) or in_the_way.is_file():
+                in_the_way.unlink()  # a link to nowhere, or a file
         directory.mkdir(parents=True)
     mgr = open_manager()
     assert mgr.last_reconcile.counts == {"lost": 3, "repointed": 1}
@@ -714,22 +724,83 @@ def test_two_absent_stream_directories_are_named_in_one_refusal(
     assert f"make each of {save_dir / 'ema'}, {save_dir / 'model'} an empty directory" in message
 
 
-def test_a_framework_named_directory_removed_with_its_checkpoint_is_lost_not_refused(
-    save_dir: Path, open_manager: Callable[..., CheckpointManager]
+def save_framework_named(opener: Callable[..., CheckpointManager], name: str) -> None:
+    """Steps 1 and 2 of a keep-all ``model`` stream, under a framework's ``name``
+    (formatted with the step)."""
+    mgr = opener(streams={"model": Keep(last=None)})
+    for step in (1, 2):
+        write = functools.partial(torch.save, state(step))
+        mgr.save(step, model=External(write, name=name.format(step=step)))
+    mgr.close()
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["epoch={step}-val/loss={step}.ckpt", "model-epoch={step}/last.ckpt", "run1/ckpt-{step}"],
+)
+def test_a_framework_named_directory_removed_with_its_checkpoints_is_lost_not_refused(
+    save_dir: Path, open_manager: Callable[..., CheckpointManager], name: str
 ) -> None:
     """A framework's name with a directory of its own (a Lightning ``monitor`` with a
-    ``/``, an adopted tree) is that checkpoint's directory, not a stream's: removed
-    by hand with its checkpoint, the row is lost, and the run still opens."""
-    streams = {"model": Keep(last=None)}
-    mgr = open_manager(streams=streams)
-    for step in (1, 2):
-        name = f"epoch={step}-val/loss={step}.ckpt"
-        mgr.save(step, model=External(lambda path, s=step: torch.save(state(s), path), name=name))
-    mgr.close()
-    shutil.rmtree(save_dir / "epoch=1-val")
-    mgr = open_manager(streams=streams)
-    assert mgr.last_reconcile.counts == {"lost": 1}
-    assert [c.step for c in mgr.checkpoints()] == [2]
+    ``/``, a name that merely starts with the stream's, a parent several names
+    share) is not a stream's directory: removed by hand with its checkpoints,
+    their rows are lost, and the run still opens."""
+    save_framework_named(open_manager, name)
+    removed = name.format(step=1).split("/")[0]
+    shutil.rmtree(save_dir / removed)
+    gone = [step for step in (1, 2) if name.format(step=step).startswith(f"{removed}/")]
+    mgr = open_manager(streams={"model": Keep(last=None)})
+    assert mgr.last_reconcile.counts == {
+        "lost": len(gone),
+        **({"repointed": 1} if 2 in gone else {}),
+    }
+    assert [c.step for c in mgr.checkpoints()] == [s for s in (1, 2) if s not in gone]
+
+
+def test_a_framework_name_inside_its_streams_directory_is_refused_with_it(
+    save_dir: Path, open_manager: Callable[..., CheckpointManager]
+) -> None:
+    save_framework_named(open_manager, "model/sub-{step}/last.ckpt")
+    (save_dir / "model").rename(save_dir.parent / "away")
+    with pytest.raises(RunDirectoryError, match=r"does not exist.*model \(2 committed\)"):
+        open_manager(streams={"model": Keep(last=None)})
+
+
+def test_a_save_directory_of_framework_names_only_is_named_itself_in_the_advice(
+    save_dir: Path, open_manager: Callable[..., CheckpointManager]
+) -> None:
+    save_framework_named(open_manager, "epoch={step}.ckpt")
+    shutil.rmtree(save_dir)
+    with pytest.raises(RunDirectoryError, match="2 committed checkpoints") as no:
+        open_manager(streams={"model": Keep(last=None)})
+    assert f"make {save_dir} an empty directory (parents included;" in str(no.value)
+    save_dir.mkdir()
+    mgr = open_manager(streams={"model": Keep(last=None)})
+    assert mgr.last_reconcile.counts == {"lost": 2, "repointed": 1}
+
+
+def test_a_stream_directory_that_cannot_be_looked_at_is_a_typed_error_not_lost(
+    three: Path,
+    save_dir: Path,
+    open_manager: Callable[..., CheckpointManager],
+    db: LedgerClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No permission to look (injected: the tests run as root) is neither there nor
+    absent: a RunDirectoryError naming it, nothing marked."""
+    before = db.rows("SELECT id, state FROM checkpoints ORDER BY id")
+    real_stat, model = os.stat, str(save_dir / "model")
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if os.fspath(path) == model:
+            raise PermissionError(13, "Permission denied (injected)", model)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    with pytest.raises(RunDirectoryError, match=r"cannot look at the directory .*model.*denied"):
+        open_manager()
+    monkeypatch.undo()
+    assert db.rows("SELECT id, state FROM checkpoints ORDER BY id") == before
 
 
 def test_check_reports_an_absent_stream_directory_instead_of_raising(

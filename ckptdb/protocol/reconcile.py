@@ -195,23 +195,24 @@ class Reconciler:
         changes, naming each directory; directories made empty on purpose say the
         checkpoints are gone.
 
-        Only the streams' own directories count: a framework's name with
-        directories of its own (one per checkpoint, say) is one checkpoint's
-        directory, removed with it, and its row is ``lost`` as any missing file's.
+        Only the streams' own directories count (a row whose path starts with its
+        stream's name): the directories of a framework's name (one per checkpoint,
+        or one that several share) are not told apart from ones removed with
+        their checkpoints, and their rows are ``lost`` as any missing file's.
         """
         committed = [row for row in rows if row.state == m.COMMITTED]
         if not committed:
             return
         here = self.store.location
         in_stream = Counter(
-            row.stream for row in committed if row.path.rpartition("/")[0] == row.stream
+            row.stream for row in committed if row.path.startswith(f"{row.stream}/")
         )
         if self.store.absent():
             raise RunDirectoryError(
                 f"the save directory {here} does not exist (or is not a directory), yet the "
-                f"ledger records {len(committed)} committed checkpoint(s) in it: is its "
-                "filesystem mounted? No checkpoint was marked. "
-                + _gone_for_good(here, sorted(in_stream) or [""])
+                f"ledger records {len(committed)} committed checkpoint"
+                f"{'' if len(committed) == 1 else 's'} in it: is its filesystem mounted? No "
+                "checkpoint was marked. " + _gone_for_good(here, sorted(in_stream) or [""])
             )
         missing = [stream for stream in sorted(in_stream) if self.store.absent(stream)]
         if missing:

@@ -8,14 +8,16 @@ confined to the save directory (no ``..``, no symlinked directory out of it).
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from ..errors import ForeignEntryError, InvalidArgumentError, PhaseError
+from ..errors import ForeignEntryError, InvalidArgumentError, PhaseError, RunDirectoryError
 from ..policies import STREAM_NAME
 from . import dcp, external, files, heldfile
 from .base import CORRUPT, LOST, Finding, Found
@@ -102,7 +104,18 @@ class LocalStore:
             raise PhaseError("mkdir", directory, exc) from exc
 
     def absent(self, directory: str = "") -> bool:
-        return not (self.save_dir / directory).is_dir()  # follows a link: one to nowhere is
+        """Not there, a link to nowhere (or a loop), or not a directory. A directory
+        that cannot be looked at (no permission) is neither there nor absent: its
+        error is raised, typed, rather than guessed either way."""
+        path = self.save_dir / directory
+        try:
+            return not stat.S_ISDIR(os.stat(path).st_mode)  # follows a link
+        except (FileNotFoundError, NotADirectoryError):
+            return True
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return True
+            raise RunDirectoryError(f"cannot look at the directory {path}: {exc}") from exc
 
     def prepare_parent(self, rel: str) -> None:
         files.make_dir(self.path(rel).parent)
