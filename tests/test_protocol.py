@@ -615,7 +615,8 @@ def test_a_stream_directory_swapped_for_a_link_out_is_never_written_through(
     model.symlink_to(outside, target_is_directory=True)
     ledger = "SELECT id, stream, step, state FROM checkpoints ORDER BY id"
     before = db.rows(ledger)
-    refusal = "is outside" if link_to == "outside" else "File exists"  # mkdir over a link
+    # a link to nowhere is a directory gone, which held a committed checkpoint
+    refusal = "is outside" if link_to == "outside" else r"does not exist \(or is not a dir"
     with pytest.raises(PublishError, match=refusal) as raised:
         mgr.save(2, model=state(2.0), ema=state(2.0))
     assert raised.value.phase == "intent"
@@ -626,6 +627,75 @@ def test_a_stream_directory_swapped_for_a_link_out_is_never_written_through(
     (tmp_path / "moved-model").rename(model)
     assert first["model"].path.read_bytes() == kept
     assert mgr.save(3, model=state(3.0), ema=state(3.0))["model"].step == 3
+
+
+@pytest.mark.parametrize("how", ["moved_away", "dangling_link"])
+def test_a_stream_directory_gone_under_a_running_job_is_not_made_again(
+    open_manager: Opener, tmp_path: Path, db: LedgerClient, how: str
+) -> None:
+    """A filesystem unmounted under the run (a stream directory moved away, or its
+    link left pointing at nothing): the next save made the directory again and went
+    on without the stream's checkpoints, which the next open took for lost. It is
+    refused at the intent instead, naming the directory; nothing is recorded or
+    created, and the save goes through once the directory is back."""
+    mgr = open_manager(streams={"model": Keep(last=None), "ema": Keep(last=1)})
+    for step in (1, 2):
+        mgr.save(step, model=state(float(step)), ema=state(float(step)))
+    model = mgr.save_dir / "model"
+    model.rename(tmp_path / "away")
+    if how == "dangling_link":
+        model.symlink_to(tmp_path / "nowhere")
+    rows = "SELECT id, stream, step, state FROM checkpoints ORDER BY id"
+    before = db.rows(rows)
+    with pytest.raises(PublishError) as refused:
+        mgr.save(3, model=state(3.0), ema=state(3.0))
+    assert refused.value.phase == "intent"
+    assert isinstance(refused.value.__cause__, RunDirectoryError)
+    assert f"{model} (2 committed)" in str(refused.value) and "Nothing was saved" in str(
+        refused.value
+    )
+    assert db.rows(rows) == before  # no row for step 3, not even for ema
+    assert model.is_symlink() if how == "dangling_link" else not os.path.lexists(model)
+    model.unlink(missing_ok=True)
+    (tmp_path / "away").rename(model)
+    mgr.save(3, model=state(3.0), ema=state(3.0))
+    assert [c.step for c in mgr.checkpoints("model")] == [1, 2, 3]
+
+
+def test_a_stream_directory_that_cannot_be_looked_at_fails_the_intent_typed(
+    open_manager: Opener, db: LedgerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=None)})
+    mgr.save(1, model=state(1.0))
+    real_stat, model = os.stat, str(mgr.save_dir / "model")
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if os.fspath(path) == model:
+            raise PermissionError(13, "Permission denied (injected)", model)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    with pytest.raises(PublishError, match="cannot look at the directory") as refused:
+        mgr.save(2, model=state(2.0))
+    monkeypatch.undo()
+    assert refused.value.phase == "intent"
+    assert isinstance(refused.value.__cause__, RunDirectoryError)
+    assert db.rows("SELECT step FROM checkpoints ORDER BY id") == [(1,)]
+
+
+def test_a_new_streams_directory_and_one_made_empty_on_purpose_are_saved_into(
+    open_manager: Opener, tmp_path: Path
+) -> None:
+    """The refusal is for a directory that held committed checkpoints: a stream's first
+    save makes its directory, and one emptied on purpose (checkpoints gone for good)
+    is saved into as before."""
+    mgr = open_manager(streams={"model": Keep(last=None), "ema": Keep(last=1)})
+    mgr.save(1, model=state(1.0))
+    mgr.save(2, ema=state(2.0))  # ema's first save: its directory is made
+    model = mgr.save_dir / "model"
+    model.rename(tmp_path / "away")
+    model.mkdir()
+    assert mgr.save(3, model=state(3.0))["model"].path.parent == model
 
 
 def test_a_stream_directory_swapped_for_a_loop_of_links_is_refused_and_the_run_reopens(

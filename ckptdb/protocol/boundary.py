@@ -60,6 +60,7 @@ from ..errors import (
     PhaseFailure,
     PublishError,
     RankAgreementError,
+    RunDirectoryError,
 )
 from ..guard import NonFiniteGradGuard
 from ..ledger import after_commit, boundary_rows, pins
@@ -76,6 +77,7 @@ from .asyncsave import BackgroundWriter, InFlight, SaveHandle, Snapshotter, fini
 from .context import RunContext
 from .inputs import validate_step
 from .preflight import Preflight
+from .reconcile import stream_directories_absent
 from .share import PlanItem, Share
 
 NAME_TRIES = 8  # salted names tried on a store without rename (one clash is already rare)
@@ -203,6 +205,7 @@ class Publisher:
                         self._check_free(session, stream, payload.name)
                         self.ctx.store.prepare_parent(payload.name)
                     else:
+                        self._refuse_a_vanished_stream(session, stream)
                         self.ctx.store.prepare_stream(stream)
                 return self._intent_rows(session, step, values, admitted)
         except PhaseError as exc:
@@ -223,6 +226,26 @@ class Publisher:
             raise PublishError(
                 f"step {step}: could not check the names to write: {exc}", phase="intent", step=step
             ) from exc
+
+    def _refuse_a_vanished_stream(self, session: Any, stream: str) -> None:
+        """A stream's directory gone while the ledger records committed checkpoints in
+        it (a filesystem unmounted under the run, a directory moved) is not made again:
+        the stream would go on without them, the next open would take them for lost,
+        and the new checkpoints would land on whatever is mounted there now. The
+        reconcile at open refuses the same directory for the same reason. One
+        ``stat`` per stream; the ledger is read only when the directory is missing."""
+        store = self.ctx.store
+        directory = store.location / stream
+        try:
+            if not store.absent(stream):
+                return
+        except RunDirectoryError as exc:  # cannot be looked at
+            raise PhaseError("mkdir", directory, exc) from exc
+        members = boundary_rows.committed_members(session, self.ctx.run_id, stream)
+        held = sum(1 for r in members if r.path.startswith(f"{stream}/"))
+        if held:
+            gone = stream_directories_absent(store.location, {stream: held}, "Nothing was saved.")
+            raise PhaseError("mkdir", directory, gone)
 
     def _admitted(
         self, session: Any, step: int, values: dict[str, float], payloads: Mapping[str, Any]

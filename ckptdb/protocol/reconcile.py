@@ -114,6 +114,23 @@ def _gone_for_good(location: Path, directories: list[str]) -> str:
     )
 
 
+def stream_directories_absent(
+    location: Path, missing: dict[str, int], nothing_done: str
+) -> RunDirectoryError:
+    """The error for streams' directories that are not there while the ledger records
+    committed checkpoints in them (by stream, how many): a reconcile's refusal, and a
+    save's (which would otherwise make the directory again and go on without them)."""
+    named = ", ".join(f"{location / s} ({n} committed)" for s, n in missing.items())
+    one = len(missing) == 1
+    return RunDirectoryError(
+        "the ledger records committed checkpoints in "
+        + ("a stream directory that does" if one else "stream directories that do")
+        + f" not exist (or {'is' if one else 'are'} not a directory): {named}. Is a "
+        f"filesystem not mounted, or a link's target missing? {nothing_done} "
+        + _gone_for_good(location, list(missing))
+    )
+
+
 class Reconciler:
     def __init__(
         self,
@@ -214,17 +231,9 @@ class Reconciler:
                 f"{'' if len(committed) == 1 else 's'} in it: is its filesystem mounted? No "
                 "checkpoint was marked. " + _gone_for_good(here, sorted(in_stream) or [""])
             )
-        missing = [stream for stream in sorted(in_stream) if self.store.absent(stream)]
+        missing = {s: n for s, n in sorted(in_stream.items()) if self.store.absent(s)}
         if missing:
-            named = ", ".join(f"{here / s} ({in_stream[s]} committed)" for s in missing)
-            one = len(missing) == 1
-            raise RunDirectoryError(
-                "the ledger records committed checkpoints in "
-                + ("a stream directory that does" if one else "stream directories that do")
-                + f" not exist (or {'is' if one else 'are'} not a directory): {named}. Is a "
-                "filesystem not mounted, or a link's target missing? No checkpoint was "
-                f"marked. {_gone_for_good(here, missing)}"
-            )
+            raise stream_directories_absent(here, missing, "No checkpoint was marked.")
 
     def _check_row(
         self,
