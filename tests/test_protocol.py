@@ -17,6 +17,7 @@ stream a file fault hits) run on PostgreSQL for a representative few:
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import os
 import stat
@@ -35,6 +36,7 @@ from ckptdb import (
     Checkpoint,
     CheckpointManager,
     CleanupWarning,
+    External,
     Keep,
     NonFiniteGradGuard,
     TopK,
@@ -648,7 +650,7 @@ def test_a_stream_directory_gone_under_a_running_job_is_not_made_again(
     rows = "SELECT id, stream, step, state FROM checkpoints ORDER BY id"
     before = db.rows(rows)
     with pytest.raises(PublishError) as refused:
-        mgr.save(3, model=state(3.0), ema=state(3.0))
+        mgr.save(3, metrics={"loss": 3.0}, model=state(3.0), ema=state(3.0))
     assert refused.value.phase == "intent"
     assert isinstance(refused.value.__cause__, RunDirectoryError)
     assert f"{model} (2 committed)" in str(refused.value) and "Nothing was saved" in str(
@@ -658,8 +660,61 @@ def test_a_stream_directory_gone_under_a_running_job_is_not_made_again(
     assert model.is_symlink() if how == "dangling_link" else not os.path.lexists(model)
     model.unlink(missing_ok=True)
     (tmp_path / "away").rename(model)
-    mgr.save(3, model=state(3.0), ema=state(3.0))
-    assert [c.step for c in mgr.checkpoints("model")] == [1, 2, 3]
+    mgr.save(4, model=state(4.0), ema=state(4.0))
+    assert [c.step for c in mgr.checkpoints("model")] == [1, 2, 4]
+    # the refused boundary's metrics are history, as for any failed intent
+    assert db.rows("SELECT step, value FROM metrics WHERE name = 'loss'") == [(3, 3.0)]
+
+
+@pytest.mark.parametrize("order", ["new_stream_first", "new_stream_last"])
+def test_a_save_directory_gone_under_a_running_job_is_not_made_again_by_any_stream(
+    open_manager: Opener, tmp_path: Path, db: LedgerClient, order: str
+) -> None:
+    """Every stream is checked before any directory is made: a new stream's first save
+    (whose directory may be made) beside a stream whose directory is gone made the
+    save directory again before the refusal."""
+    mgr = open_manager(streams={"model": Keep(last=None), "new": Keep(last=1)})
+    mgr.save(1, model=state(1.0))
+    save_dir = mgr.save_dir
+    save_dir.rename(tmp_path / "away")
+    payloads = {"new": state(2.0), "model": state(2.0)}
+    if order == "new_stream_last":
+        payloads = dict(reversed(payloads.items()))
+    with pytest.raises(PublishError, match=r"save directory .* does not exist") as refused:
+        mgr.save(2, **payloads)
+    assert isinstance(refused.value.__cause__, RunDirectoryError)
+    assert f"make {save_dir / 'model'} an empty directory" in str(refused.value)
+    assert not os.path.lexists(save_dir)
+    assert db.rows("SELECT step FROM checkpoints ORDER BY id") == [(1,)]
+
+
+def test_a_save_directory_of_framework_names_gone_under_a_running_job_is_not_made_again(
+    open_manager: Opener, tmp_path: Path
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=None)})
+    mgr.save(1, model=External(functools.partial(torch.save, state(1.0)), name="epoch=1.ckpt"))
+    save_dir = mgr.save_dir
+    save_dir.rename(tmp_path / "away")
+    write = functools.partial(torch.save, state(2.0))
+    with pytest.raises(PublishError, match=r"save directory .* does not exist.*1 committed"):
+        mgr.save(2, model=External(write, name="epoch=2.ckpt"))
+    assert not os.path.lexists(save_dir)
+
+
+def test_a_framework_name_inside_a_gone_streams_directory_is_refused_too(
+    open_manager: Opener, tmp_path: Path, db: LedgerClient
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=None)})
+    for step in (1, 2):
+        write = functools.partial(torch.save, state(float(step)))
+        mgr.save(step, model=External(write, name=f"model/sub-{step}/last.ckpt"))
+    model = mgr.save_dir / "model"
+    model.rename(tmp_path / "away")
+    write = functools.partial(torch.save, state(3.0))
+    with pytest.raises(PublishError, match=r"model \(2 committed\)"):
+        mgr.save(3, model=External(write, name="model/sub-3/last.ckpt"))
+    assert not os.path.lexists(model)
+    assert db.rows("SELECT step FROM checkpoints ORDER BY id") == [(1,), (2,)]
 
 
 def test_a_stream_directory_that_cannot_be_looked_at_fails_the_intent_typed(

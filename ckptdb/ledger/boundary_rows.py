@@ -308,6 +308,13 @@ def committed_members(
     return sorted(chosen.values(), key=lambda r: (r.step, r.id))
 
 
+def committed_paths(session: Session, run_id: int) -> list[tuple[str, str]]:
+    """(stream, path) of every committed row of the run: read only when a directory
+    the save needs is not there (see :mod:`ckptdb.protocol.absence`)."""
+    sql = "SELECT stream, path FROM checkpoints WHERE run_id = ? AND state = ?"
+    return [(str(s), str(p)) for s, p in fetch(session, sql, (run_id, m.COMMITTED))]
+
+
 def _members(session: Session, sql: str, params: Params) -> list[Member]:
     return [
         Member(int(i), int(s), None if v is None else float(v), str(p))

@@ -73,11 +73,11 @@ from ..storage.external import External, temp_for
 from ..storage.kinds import PayloadKind, kind_named, kind_of
 from ..storage.naming import checkpoint_name, object_name, temp_name
 from . import disposal
+from .absence import absent_directories, in_streams_directory
 from .asyncsave import BackgroundWriter, InFlight, SaveHandle, Snapshotter, finished
 from .context import RunContext
 from .inputs import validate_step
 from .preflight import Preflight
-from .reconcile import stream_directories_absent
 from .share import PlanItem, Share
 
 NAME_TRIES = 8  # salted names tried on a store without rename (one clash is already rare)
@@ -200,12 +200,12 @@ class Publisher:
         try:
             with self.ctx.ledger.transaction(durable=False) as session:
                 admitted = self._admitted(session, step, values, payloads)
+                self._refuse_vanished_directories(session, step, admitted)
                 for stream, payload in admitted.items():
                     if isinstance(payload, External):  # under the framework's own name
                         self._check_free(session, stream, payload.name)
                         self.ctx.store.prepare_parent(payload.name)
                     else:
-                        self._refuse_a_vanished_stream(session, stream)
                         self.ctx.store.prepare_stream(stream)
                 return self._intent_rows(session, step, values, admitted)
         except PhaseError as exc:
@@ -227,25 +227,32 @@ class Publisher:
                 f"step {step}: could not check the names to write: {exc}", phase="intent", step=step
             ) from exc
 
-    def _refuse_a_vanished_stream(self, session: Any, stream: str) -> None:
-        """A stream's directory gone while the ledger records committed checkpoints in
-        it (a filesystem unmounted under the run, a directory moved) is not made again:
-        the stream would go on without them, the next open would take them for lost,
-        and the new checkpoints would land on whatever is mounted there now. The
-        reconcile at open refuses the same directory for the same reason. One
-        ``stat`` per stream; the ledger is read only when the directory is missing."""
+    def _refuse_vanished_directories(
+        self, session: Any, step: int, admitted: Mapping[str, Any]
+    ) -> None:
+        """The save directory, or the directory of a stream this boundary writes into,
+        gone under the running job (unmounted, moved) while the ledger records
+        committed checkpoints in it, is not made again (see
+        :mod:`~ckptdb.protocol.absence`). Checked for every stream before any
+        directory is made; one ``stat`` per stream, and the ledger is read only
+        when one is missing."""
         store = self.ctx.store
-        directory = store.location / stream
+        streams = [
+            stream
+            for stream, payload in admitted.items()
+            if not isinstance(payload, External) or in_streams_directory(stream, payload.name)
+        ]
         try:
-            if not store.absent(stream):
+            if not store.absent() and not any(store.absent(s) for s in streams):
                 return
-        except RunDirectoryError as exc:  # cannot be looked at
-            raise PhaseError("mkdir", directory, exc) from exc
-        members = boundary_rows.committed_members(session, self.ctx.run_id, stream)
-        held = sum(1 for r in members if r.path.startswith(f"{stream}/"))
-        if held:
-            gone = stream_directories_absent(store.location, {stream: held}, "Nothing was saved.")
-            raise PhaseError("mkdir", directory, gone)
+            committed = boundary_rows.committed_paths(session, self.ctx.run_id)
+            refusal = absent_directories(store, committed, "Nothing was saved.", streams)
+        except RunDirectoryError as exc:  # a directory that cannot be looked at
+            refusal = exc
+        if refusal is not None:
+            raise PublishError(
+                f"step {step}: {refusal}", phase="intent", step=step, path=store.location
+            ) from refusal
 
     def _admitted(
         self, session: Any, step: int, values: dict[str, float], payloads: Mapping[str, Any]

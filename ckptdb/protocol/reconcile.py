@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import faults
-from ..errors import InvalidArgumentError, RunDirectoryError
+from ..errors import InvalidArgumentError
 from ..ledger import Ledger, pins
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
@@ -47,6 +47,7 @@ from ..ledger.follow import notify_commit
 from ..ledger.scan import LiveRow, live_rows
 from ..storage.base import LOST, Finding, PayloadStore
 from ..storage.naming import is_own_name
+from .absence import absent_directories
 
 log = logging.getLogger("ckptdb.reconcile")  # the name users configure (kept across moves)
 
@@ -101,34 +102,6 @@ class _Plan:
     errors: dict[int, str | None] = field(default_factory=dict)  # None: cleared
     #: ``lost`` rows whose file is back: their newest id by stream (the new latest)
     restored: dict[str, int] = field(default_factory=dict)
-
-
-def _gone_for_good(location: Path, directories: list[str]) -> str:
-    """How to say the checkpoints are gone: the directories to make, empty."""
-    made = ", ".join(str(location / d) if d else str(location) for d in directories)
-    each = "each of " if len(directories) > 1 else ""
-    return (
-        f"If they are gone for good, make {each}{made} an empty directory (parents "
-        "included; remove a link or a file in the way first) and open the run again: "
-        "reconcile then marks them lost"
-    )
-
-
-def stream_directories_absent(
-    location: Path, missing: dict[str, int], nothing_done: str
-) -> RunDirectoryError:
-    """The error for streams' directories that are not there while the ledger records
-    committed checkpoints in them (by stream, how many): a reconcile's refusal, and a
-    save's (which would otherwise make the directory again and go on without them)."""
-    named = ", ".join(f"{location / s} ({n} committed)" for s, n in missing.items())
-    one = len(missing) == 1
-    return RunDirectoryError(
-        "the ledger records committed checkpoints in "
-        + ("a stream directory that does" if one else "stream directories that do")
-        + f" not exist (or {'is' if one else 'are'} not a directory): {named}. Is a "
-        f"filesystem not mounted, or a link's target missing? {nothing_done} "
-        + _gone_for_good(location, list(missing))
-    )
 
 
 class Reconciler:
@@ -201,39 +174,13 @@ class Reconciler:
         return report
 
     def _refuse_an_absent_store(self, rows: list[LiveRow]) -> None:
-        """The save directory, or a stream's directory in it, not there at all (missing,
-        a link to nowhere, not a directory) while the ledger records committed
-        checkpoints in it, is storage not mounted (or moved), not checkpoints lost:
-        marking the rows ``lost`` would move ``latest`` back (to None for a stream
-        that lost them all), a job resuming from it would start again from scratch,
-        and its first save would take the stream on without them for good. An
-        unmounted save directory that is itself a mount point is there and empty:
-        its streams' directories are what is missing. Refused before anything
-        changes, naming each directory; directories made empty on purpose say the
-        checkpoints are gone.
-
-        Only the streams' own directories count (a row whose path starts with its
-        stream's name): the directories of a framework's name (one per checkpoint,
-        or one that several share) are not told apart from ones removed with
-        their checkpoints, and their rows are ``lost`` as any missing file's.
-        """
-        committed = [row for row in rows if row.state == m.COMMITTED]
-        if not committed:
-            return
-        here = self.store.location
-        in_stream = Counter(
-            row.stream for row in committed if row.path.startswith(f"{row.stream}/")
-        )
-        if self.store.absent():
-            raise RunDirectoryError(
-                f"the save directory {here} does not exist (or is not a directory), yet the "
-                f"ledger records {len(committed)} committed checkpoint"
-                f"{'' if len(committed) == 1 else 's'} in it: is its filesystem mounted? No "
-                "checkpoint was marked. " + _gone_for_good(here, sorted(in_stream) or [""])
-            )
-        missing = {s: n for s, n in sorted(in_stream.items()) if self.store.absent(s)}
-        if missing:
-            raise stream_directories_absent(here, missing, "No checkpoint was marked.")
+        """Refused before anything changes: committed checkpoints in a directory that
+        is not there are storage not mounted, not checkpoints lost (see
+        :mod:`~ckptdb.protocol.absence`)."""
+        committed = [(row.stream, row.path) for row in rows if row.state == m.COMMITTED]
+        refusal = absent_directories(self.store, committed, "No checkpoint was marked.")
+        if refusal is not None:
+            raise refusal
 
     def _check_row(
         self,
