@@ -239,8 +239,11 @@ def test_the_protocol_reaches_payloads_only_through_the_store(tmp_path: Path) ->
         store.calls.clear()
         assert torch.equal(mgr.load()["w"], state(2.0)["w"])
         loading = list(store.calls)
-    # intent, write a temporary object, place it durably, and after the commit remove
+    # intent (the save and stream directories still there), write a temporary object,
+    # place it durably, and after the commit remove
     assert boundary == [
+        "absent",
+        "absent",
         "prepare_stream",
         "exists",
         "write_object",
