@@ -138,6 +138,13 @@ def assert_nothing_to_do(mgr: CheckpointManager, db: LedgerClient, *dirs: Path) 
     assert [tree(d) for d in dirs] == before_files
 
 
+def assert_latest_is(mgr: CheckpointManager, step: int, stream: str = "model") -> None:
+    """``latest`` of ``stream`` is ``step``, and it loads as saved."""
+    latest = mgr.latest(stream)
+    assert latest is not None and latest.step == step
+    assert torch.equal(mgr.load("latest", stream=stream)["w"], state(step)["w"])
+
+
 @pytest.fixture
 def three(root: Path, save_dir: Path, db_url: str | None) -> Path:
     """A closed run whose model stream holds steps 1, 2 and 3 (latest: 3)."""
@@ -599,8 +606,7 @@ def test_an_absent_save_directory_is_refused_not_taken_for_lost_checkpoints(
     (tmp_path / "unmounted").rename(save_dir)
     mgr = open_manager()
     assert mgr.last_reconcile.counts == {}
-    assert mgr.latest() is not None and mgr.latest().step == 3
-    assert torch.equal(mgr.load("latest")["w"], state(3)["w"])
+    assert_latest_is(mgr, 3)
 
 
 def test_an_empty_save_directory_is_refused_for_its_missing_stream_directories(
@@ -705,8 +711,7 @@ def test_an_absent_stream_directory_is_refused_not_taken_for_lost_checkpoints(
     (tmp_path / "away").rename(save_dir / "model")
     mgr = open_manager()
     assert mgr.last_reconcile.counts == {}
-    assert mgr.latest("model") is not None and mgr.latest("model").step == 3
-    assert torch.equal(mgr.load("latest", stream="model")["w"], state(3)["w"])
+    assert_latest_is(mgr, 3)
     assert_nothing_to_do(mgr, db, three)
 
 
@@ -839,8 +844,7 @@ def test_lost_checkpoints_whose_files_come_back_whole_are_restored(
     mgr = open_manager()
     assert mgr.last_reconcile.counts == {"restored": 3, "repointed": 1}
     assert [c.step for c in mgr.checkpoints()] == [1, 2, 3]
-    assert mgr.latest() is not None and mgr.latest().step == 3
-    assert torch.equal(mgr.load("latest")["w"], state(3)["w"])
+    assert_latest_is(mgr, 3)
     restored = "SELECT COUNT(*) FROM events WHERE kind = 'restored'"
     assert db.rows(restored) == [(3,)]
     assert db.rows("SELECT DISTINCT error FROM checkpoints") == [(None,)]

@@ -155,8 +155,9 @@ class PayloadStore(Protocol):
     def absent(self, directory: str = "") -> bool:
         """Whether the store's place itself, or ``directory`` in it (a stream's), is
         missing (not there, a link to nowhere, not a directory: an unmounted filesystem,
-        a moved disk), as opposed to present and empty. An object store's prefixes
-        always exist."""
+        a moved disk), as opposed to present and empty; one that cannot be looked at
+        (no permission) raises :class:`~ckptdb.errors.RunDirectoryError` rather than
+        being guessed either way. An object store's prefixes always exist."""
 
     def memoized(self) -> AbstractContextManager[Any]:
         """One pass over many names (reconcile): lookups may be cached until it ends."""
