@@ -235,7 +235,7 @@ def test_synchronous_is_set_only_when_the_level_changes(open_manager: Opener) ->
     for durable in (True, True, False, False, True, False):
         with ledger.transaction(durable=durable) as session:
             session.connection()  # begins
-    ledger.engine.dispose()
+    ledger.dispose()  # the held writer connection too: the next one is new
     with ledger.transaction(durable=False) as session:
         session.connection()
     event.remove(ledger.engine, "begin", on_begin)

@@ -33,6 +33,7 @@ from ..errors import LedgerError
 from ..policies import Entry, Reads
 from . import models as m
 from .driver import Executed, execute
+from .held import connection_of
 from .rows import LIVE_STATES, latest_pointer
 
 Params = tuple[Any, ...]
@@ -78,23 +79,9 @@ def _rendered(sql: str, paramstyle: str) -> str:
     return parts[0] + "".join(f":p{i}{part}" for i, part in enumerate(parts[1:]))
 
 
-_CONNECTION = "ckptdb_boundary_connection"
-
-
-def _connection(session: Session) -> Connection:
-    """The session's connection, looked up once per transaction (``session.connection()``
-    walks the session's state machine on every call; a ledger session is one
-    transaction, so its connection cannot change under it)."""
-    found = session.info.get(_CONNECTION)
-    if found is None:
-        found = session.info[_CONNECTION] = session.connection()
-    assert isinstance(found, Connection)
-    return found
-
-
 def run(session: Session, sql: str, params: Params | list[Params] = ()) -> Executed:
     """Run ``sql`` with one tuple of parameters, or a list of them (one executemany)."""
-    connection = _connection(session)
+    connection = connection_of(session)
     dialect = connection.dialect
     rendered = _rendered(sql, dialect.paramstyle)
     if dialect.paramstyle in _POSITIONAL:
@@ -130,7 +117,7 @@ def _stamp_processor(dialect: Dialect) -> Callable[[Any], Any]:
 def stamp(session: Session, when: dt.datetime) -> Any:
     """``when`` as the driver stores a :class:`~ckptdb.ledger.models.UTCDateTime`
     (naive UTC; on SQLite the same text SQLAlchemy writes, so comparisons hold)."""
-    return _stamp_processor(_connection(session).dialect)(when)
+    return _stamp_processor(connection_of(session).dialect)(when)
 
 
 # --------------------------------------------------------------------- intent
@@ -161,7 +148,7 @@ def add_pending(
         (run_id, stream, step, attempt_id, m.PENDING, metric, encoded, now)
         for stream, metric in metric_of.items()
     ]
-    if not _connection(session).dialect.insert_returning:
+    if not connection_of(session).dialect.insert_returning:
         return _add_one_by_one(session, rows)
     ids: dict[str, int] = {}
     for part in batches(rows, MAX_BOUND // 8):

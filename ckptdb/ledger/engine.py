@@ -50,6 +50,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from .. import trace
 from ..errors import DatabaseError, LedgerError, SchemaVersionError
 from . import driver
+from .held import CONNECTION, WriterConnection
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +276,9 @@ class Ledger:
         # the connection (not the session) begins and commits, which costs a third of
         # the session's own lazy begin/commit, and a boundary runs three transactions.
         self._sessions = sessionmaker(expire_on_commit=False)
+        self._writer = (
+            WriterConnection(engine, self._sessions) if engine.dialect.name == "sqlite" else None
+        )
 
     @contextlib.contextmanager
     def transaction(self, *, durable: bool = True, read: bool = False) -> Iterator[Session]:
@@ -293,14 +297,10 @@ class Ledger:
         and fsyncing the WAL also makes every earlier transaction durable.
         """
         token, read_token = _DURABLE.set(durable), _READ_ONLY.set(read)
+        queued: list[Callable[[], None]] = []
         try:
-            with translated(), self.engine.begin() as connection:
-                session = self._sessions(bind=connection)
-                try:
-                    yield session
-                    session.flush()  # what the ORM still holds, before COMMIT
-                finally:
-                    session.close()
+            with translated(), self._begun(read, queued) as session:
+                yield session
         finally:
             _READ_ONLY.reset(read_token)
             _DURABLE.reset(token)
@@ -308,7 +308,43 @@ class Ledger:
             trace.record(
                 "commit", database=self.engine.url.database, backend=self.backend, durable=durable
             )
-        _run_after_commit(session.info.pop(_AFTER_COMMIT, []))
+        _run_after_commit(queued)
+
+    @contextlib.contextmanager
+    def _begun(self, read: bool, queued: list[Callable[[], None]]) -> Iterator[Session]:
+        """A session in a begun transaction, committed when the block ends cleanly; the
+        work queued for after the commit is moved into ``queued`` once COMMIT returned.
+
+        A writer transaction on SQLite uses the held connection when it is free
+        (see :mod:`~ckptdb.ledger.held`), any other one a connection of the pool.
+        """
+        held = None if read or self._writer is None else self._writer.take()
+        if held is None:
+            with self.engine.begin() as connection:
+                session = self._sessions(bind=connection)
+                session.info[CONNECTION] = connection
+                try:
+                    yield session
+                    session.flush()  # what the ORM still holds, before COMMIT
+                finally:
+                    session.close()
+            queued.extend(session.info.pop(_AFTER_COMMIT, []))
+            return
+        assert self._writer is not None
+        session = held.session
+        try:
+            with held.connection.begin():
+                try:
+                    yield session
+                    session.flush()
+                finally:
+                    if session.in_transaction():  # the ORM was used: let go of its objects
+                        session.close()
+        except BaseException as exc:
+            self._writer.give_back(held, exc)
+            raise
+        queued.extend(session.info.pop(_AFTER_COMMIT, []))
+        self._writer.give_back(held)
 
     def probe(self) -> None:
         """Connect once, so an unreachable ledger is reported before anything else happens."""
@@ -316,7 +352,11 @@ class Ledger:
             pass
 
     def dispose(self) -> None:
-        self.engine.dispose()
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            self.engine.dispose()
 
     def migrate(self) -> None:
         """Bring the schema to this code's head (see :func:`migrate`)."""

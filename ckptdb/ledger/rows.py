@@ -24,6 +24,7 @@ from ..policies import Entry, Policy, PolicyRecord, Reads, policy_from_record
 from ..record import Checkpoint
 from . import driver
 from . import models as m
+from .held import connection_of
 
 LIVE_STATES = (m.PENDING, m.COMMITTED, m.DELETING, m.LOST, m.CORRUPT)
 #: The event kind that records a name another writer took first (see disowned_paths).
@@ -403,16 +404,15 @@ def _insert_metric_rows(session: Session, rows: Iterable[tuple[Any, ...]]) -> No
     """One executemany of plain tuples (at least one): about four times the throughput
     of ORM/Core dictionaries, which matters at a point per step; a driver with
     another parameter style goes through Core."""
-    marker = _PLACEHOLDER.get(session.connection().dialect.paramstyle)
+    connection = connection_of(session)
+    marker = _PLACEHOLDER.get(connection.dialect.paramstyle)
     if marker is None:
         dicts = [dict(zip(_METRIC_COLUMNS, r, strict=True)) for r in rows]
         session.execute(insert(m.Metric), dicts)
         return
     placeholders = ", ".join([marker] * len(_METRIC_COLUMNS))
     columns = ", ".join(_METRIC_COLUMNS)
-    driver.executemany(
-        session.connection(), f"INSERT INTO metrics ({columns}) VALUES ({placeholders})", rows
-    )
+    driver.executemany(connection, f"INSERT INTO metrics ({columns}) VALUES ({placeholders})", rows)
 
 
 def to_record(row: m.Checkpoint, save_dir: Path) -> Checkpoint:
