@@ -231,7 +231,7 @@ def test_synchronous_is_set_only_when_the_level_changes(open_manager: Opener) ->
 
     event.listen(ledger.engine, "begin", on_begin)
     event.listen(ledger.engine, "before_cursor_execute", on_statement)
-    ledger.engine.dispose()  # a fresh connection: FULL from the connect hook
+    ledger.dispose()  # a fresh connection: FULL from the connect hook
     for durable in (True, True, False, False, True, False):
         with ledger.transaction(durable=durable) as session:
             session.connection()  # begins
@@ -257,12 +257,17 @@ def test_a_failed_pragma_leaves_the_level_unknown_and_the_next_transaction_sets_
     is issued again, so a durable commit never runs at NORMAL."""
     mgr = open_manager(streams={"model": Keep(last=1)})
     ledger = mgr._ctx.ledger
+    ledger.dispose()  # from here on the pool holds one connection, the held one
     with ledger.transaction(durable=False) as session:
         session.connection()  # the connection is at NORMAL now
+        first = session.connection().connection.dbapi_connection
     failed: list[str] = []
     levels: list[int] = []
+    pragmas: list[tuple[str, Any]] = []
 
-    def fail_once(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
+    def fail_once(_c: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if statement.startswith("PRAGMA synchronous ="):
+            pragmas.append((statement, cursor.connection))
         if statement == "PRAGMA synchronous = FULL" and not failed:
             failed.append(statement)
             raise sqlite3.OperationalError("disk I/O error")
@@ -284,6 +289,7 @@ def test_a_failed_pragma_leaves_the_level_unknown_and_the_next_transaction_sets_
         event.remove(ledger.engine, "before_cursor_execute", fail_once)
         event.remove(ledger.engine, "begin", on_begin)
     assert failed and levels == [2]  # FULL, on the same pooled connection
+    assert pragmas == [("PRAGMA synchronous = FULL", first)] * 2  # issued again
 
 
 #: Bound parameters a statement may carry on an old SQLite build (SQLITE_MAX_VARIABLE_NUMBER).

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import event, text
+from sqlalchemy import event, select, text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from ckptdb.errors import DatabaseError
 from ckptdb.ledger import after_commit, driver
@@ -72,18 +73,35 @@ def test_writer_transactions_keep_one_connection_out_of_the_pool(ledger: Ledger)
     assert values(ledger) == ["v0", "v1", "v2", "v3"]
 
 
+class Base(DeclarativeBase):
+    pass
+
+
+class Row(Base):
+    __tablename__ = "t"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    v: Mapped[str]
+
+
 def test_an_orm_session_starts_empty_in_every_transaction(ledger: Ledger) -> None:
-    """The held session is reused; what the ORM loaded in one transaction is let go."""
+    """The held session is reused; what the ORM loaded in one transaction, and what
+    was queued in its info, is let go."""
+    ran: list[str] = []
     with ledger.transaction() as session:
-        insert(session, "a")
-        session.execute(text("SELECT v FROM t")).all()  # the ORM's own transaction begins
-        assert session.in_transaction()
+        session.add(Row(v="a"))
+        session.flush()
+        loaded = session.scalars(select(Row)).one()
+        assert loaded in session.identity_map.values()
+        after_commit(session, lambda: ran.append("queued once"))
         first = session
+    assert ran == ["queued once"]
     with ledger.transaction() as session:
         assert session is first  # the same session, closed and so reusable
         assert not session.in_transaction()
         assert list(session.identity_map.values()) == []
         assert set(session.info) == {"ckptdb_connection"}  # nothing left of the last one
+        assert session.scalars(select(Row)).one() is not loaded  # read again, a new object
+    assert ran == ["queued once"]
 
 
 @pytest.mark.parametrize("failure", ["driver", "python", "interrupt"])
@@ -195,9 +213,55 @@ def test_dispose_closes_the_held_connection(ledger: Ledger) -> None:
     ledger.dispose()
     with pytest.raises(sqlite3.ProgrammingError):
         held.execute("SELECT 1")
-    with ledger.transaction() as session:  # the ledger still works, from the pool
+    with ledger.transaction() as session:  # the ledger still works, on a new connection
+        assert dbapi(session) is not held
         insert(session, "after dispose")
     assert values(ledger) == ["after dispose"]
+
+
+def test_a_failed_transaction_runs_none_of_its_queued_work(ledger: Ledger) -> None:
+    ran: list[str] = []
+    with pytest.raises(RuntimeError), ledger.transaction() as session:
+        insert(session, "x")
+        after_commit(session, lambda: ran.append("failed one's"))
+        raise RuntimeError("fails before COMMIT")
+    with ledger.transaction() as session:
+        insert(session, "y")
+    assert ran == []
+    assert values(ledger) == ["y"]
+
+
+class RacingLock:
+    """``lock``, whose next release first runs ``before_release`` (still holding it)."""
+
+    def __init__(self, lock: Any, before_release: Any) -> None:
+        self._lock = lock
+        self._hook = before_release
+
+    def acquire(self, blocking: bool = True) -> bool:
+        return self._lock.acquire(blocking)
+
+    def release(self) -> None:
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook()
+        self._lock.release()
+
+
+def test_dispose_racing_the_end_of_a_transaction_still_closes_the_connection(
+    ledger: Ledger,
+) -> None:
+    """dispose() lands after the ending transaction checked for it, before it let go
+    of the lock: dispose cannot take the lock, so the ending loan closes it."""
+    writer = ledger._writer
+    assert writer is not None
+    with ledger.transaction() as session:
+        held = dbapi(session)
+        writer._lock = RacingLock(writer._lock, ledger.dispose)  # type: ignore[assignment]
+        insert(session, "committed")
+    with pytest.raises(sqlite3.ProgrammingError):
+        held.execute("SELECT 1")
+    assert values(ledger) == ["committed"]
 
 
 def test_dispose_during_a_transaction_closes_the_connection_when_it_ends(ledger: Ledger) -> None:
@@ -236,3 +300,60 @@ def test_postgresql_writers_keep_using_the_pool(pg_url: str) -> None:
         assert checkouts.count == 3
     finally:
         db.dispose()
+
+
+def test_a_close_failing_after_commit_is_logged_not_raised(
+    ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Raising would tell the caller its commit failed; it did not."""
+
+    def broken_close() -> None:
+        raise OSError("close failed")
+
+    writer = ledger._writer
+    assert writer is not None
+    with ledger.transaction() as session:
+        insert(session, "committed")
+        session.close = broken_close  # type: ignore[method-assign]
+        writer.close()  # the ledger is disposed meanwhile: this loan's end closes it
+    assert values(ledger) == ["committed"]
+    assert "could not be closed after its transaction committed" in caplog.text
+    assert "OSError: close failed" in caplog.text
+
+
+def test_a_close_asked_for_between_transactions_is_done_by_the_next(ledger: Ledger) -> None:
+    """What a close() that found the connection lent leaves, when the loan ended
+    before it could be seen there: the next transaction closes the old connection."""
+    writer = ledger._writer
+    assert writer is not None
+    with ledger.transaction() as session:
+        old = dbapi(session)
+    writer._closing = True
+    with ledger.transaction() as session:
+        assert dbapi(session) is not old
+        insert(session, "on a new connection")
+    with pytest.raises(sqlite3.ProgrammingError):
+        old.execute("SELECT 1")
+    assert values(ledger) == ["on a new connection"]
+
+
+def test_a_session_that_cannot_be_made_leaves_no_connection_checked_out(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = ledger._writer
+    assert writer is not None
+    ledger.dispose()  # the next transaction connects anew
+
+    def no_session(**_: Any) -> Any:
+        raise RuntimeError("no session")
+
+    monkeypatch.setattr(writer, "_sessions", no_session)
+    with pytest.raises(RuntimeError, match="no session") as caught, ledger.transaction():
+        pass
+    # while the error (and so its frames) lives, a connection not closed stays out
+    assert ledger.engine.pool.checkedout() == 0
+    del caught
+    monkeypatch.undo()
+    with ledger.transaction() as session:
+        insert(session, "works")
+    assert values(ledger) == ["works"]

@@ -330,9 +330,10 @@ class Ledger:
                     session.close()
             queued.extend(session.info.pop(_AFTER_COMMIT, []))
             return
-        assert self._writer is not None
-        session = held.session
-        try:
+        writer, failed = self._writer, None
+        assert writer is not None
+        try:  # one try from the loan to its end: an interrupt anywhere still ends it
+            session = held.session
             with held.connection.begin():
                 try:
                     yield session
@@ -340,11 +341,12 @@ class Ledger:
                 finally:
                     if session.in_transaction():  # the ORM was used: let go of its objects
                         session.close()
+            queued.extend(session.info.pop(_AFTER_COMMIT, []))
         except BaseException as exc:
-            self._writer.give_back(held, exc)
+            failed = exc
             raise
-        queued.extend(session.info.pop(_AFTER_COMMIT, []))
-        self._writer.give_back(held)
+        finally:
+            writer.give_back(held, failed)
 
     def probe(self) -> None:
         """Connect once, so an unreachable ledger is reported before anything else happens."""
@@ -352,6 +354,9 @@ class Ledger:
             pass
 
     def dispose(self) -> None:
+        """Close the ledger's connections (the held writer one included; one still in a
+        transaction closes when it ends). Like SQLAlchemy's engine, the ledger stays
+        usable: a later transaction connects again."""
         try:
             if self._writer is not None:
                 self._writer.close()

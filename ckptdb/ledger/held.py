@@ -64,27 +64,37 @@ class Held:
 
 
 class WriterConnection:
-    """One connection of ``engine`` and its session, lent to one transaction at a time."""
+    """One connection of ``engine`` and its session, lent to one transaction at a time.
+
+    :meth:`close` (the ledger's ``dispose``) closes it at once when it is not
+    lent, else asks the transaction using it to close it when it ends; a later
+    transaction checks out a new one, as SQLAlchemy's engine stays usable after
+    its own ``dispose``.
+    """
 
     def __init__(self, engine: Engine, sessions: Callable[..., Session]) -> None:
         self._engine = engine
         self._sessions = sessions
         self._lock = threading.Lock()
         self._held: Held | None = None
-        self._closed = False
+        self._closing = False  # close() found it lent: the loan's end closes it
 
     def take(self) -> Held | None:
-        """The held connection for one transaction, or None while another one uses it
-        (or once closed): the caller then uses the pool."""
-        if self._closed or not self._lock.acquire(blocking=False):
+        """The held connection for one transaction, or None while another one uses it:
+        the caller then uses the pool."""
+        if not self._lock.acquire(blocking=False):
             return None
         try:
-            if self._closed:
-                self._lock.release()
-                return None
+            if self._closing:  # asked for by a close() that found the lock taken
+                self._closing = False
+                old, self._held = self._held, None
+                if old is not None:
+                    try:
+                        _close(old, discard=True)
+                    except Exception as exc:  # not this transaction's business
+                        _report(exc, None, "after the ledger was disposed")
             if self._held is None:
-                connection = self._engine.connect()
-                self._held = Held(connection, self._sessions(bind=connection))
+                self._held = self._connect()
             held = self._held
             held.session.info.clear()  # what the last transaction left (its queue is gone)
             held.session.info[CONNECTION] = held.connection
@@ -93,44 +103,81 @@ class WriterConnection:
             raise
         return held
 
-    def give_back(self, held: Held, failed: BaseException | None = None) -> None:
-        """End ``held``'s loan. After a failure (``failed``) or a :meth:`close`, the
-        connection and session are closed; an error closing them is noted on
-        ``failed``, the error the caller raises."""
+    def _connect(self) -> Held:
+        connection = self._engine.connect()
         try:
-            if failed is None and not self._closed:
-                return
-            self._held = None
+            return Held(connection, self._sessions(bind=connection))
+        except BaseException:
+            connection.close()
+            raise
+
+    def give_back(self, held: Held, failed: BaseException | None = None) -> None:
+        """End ``held``'s loan. After a failure (``failed``) or when a :meth:`close` was
+        asked for, the connection and session are closed. Never raises: an error
+        closing them is noted on ``failed`` (the error the caller raises) or, after a
+        transaction that committed, logged: raising it would tell the caller that
+        its commit failed."""
+        try:
+            if failed is not None or self._closing:
+                closing, self._closing = self._closing, False
+                self._held = None
+                try:
+                    _close(held, discard=closing)
+                except Exception as exc:
+                    _report(exc, failed, "after its transaction committed (the commit stands)")
+        finally:
+            self._lock.release()
+        if self._closing:  # asked for after the check above, while this loan held the lock
             try:
-                _close(held, discard=self._closed)
+                self._close_if_asked()
             except Exception as exc:
-                if failed is None:
-                    raise
-                note = f"closing its connection failed too: {type(exc).__name__}: {exc}"
-                if hasattr(failed, "add_note"):
-                    failed.add_note(note)
-                else:  # Python 3.10: no notes; the log keeps it
-                    log.error("ckptdb: %s", note)
+                _report(exc, failed, "after its transaction committed (the commit stands)")
+
+    def close(self) -> None:
+        """Close the held connection now, or (lent) when its transaction ends."""
+        self._closing = True  # before trying the lock: a loan ending now sees it
+        self._close_if_asked()
+
+    def _close_if_asked(self) -> None:
+        """Close the held connection if a close is (still) asked for and it is not lent.
+        Checked under the lock: a close another thread has done meanwhile is not done
+        again, to a connection taken since."""
+        if not self._lock.acquire(blocking=False):
+            return  # lent: the loan's end closes it
+        try:
+            if not self._closing:
+                return
+            self._closing = False
+            held, self._held = self._held, None
+            if held is not None:
+                _close(held, discard=True)
         finally:
             self._lock.release()
 
-    def close(self) -> None:
-        """Close the held connection; a transaction still using it closes it when done."""
-        self._closed = True  # before trying the lock: a transaction ending now sees it
-        if not self._lock.acquire(blocking=False):
-            return
-        try:
-            held, self._held = self._held, None
-            if held is not None:
-                _close(held)
-        finally:
-            self._lock.release()
+
+def _report(error: Exception, failed: BaseException | None, when: str) -> None:
+    """An error closing the held connection: a note on the error the transaction
+    raises (``failed``), else a log record (``when`` it happened): raised, it would
+    fail a transaction that committed, or one that has nothing to do with it."""
+    note = f"closing its connection failed too: {type(error).__name__}: {error}"
+    if failed is not None and hasattr(failed, "add_note"):
+        failed.add_note(note)
+    elif failed is not None:  # Python 3.10: no notes; the log keeps it
+        log.error("ckptdb: %s", note)
+    else:
+        log.error(
+            "ckptdb: the ledger's writer connection could not be closed %s: %s: %s",
+            when,
+            type(error).__name__,
+            error,
+        )
 
 
 def _close(held: Held, *, discard: bool = False) -> None:
     """Close the session and hand the connection back to the pool, whose reset on return
-    rolls back whatever a failed transaction left. ``discard``: close the driver's
-    connection itself (the ledger was disposed meanwhile: its pool is gone)."""
+    rolls back whatever a failed transaction left. ``discard`` (the ledger is being
+    disposed): close the driver's connection itself, which a pool disposed meanwhile
+    would otherwise keep."""
     try:
         held.session.close()
     finally:
