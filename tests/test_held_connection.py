@@ -93,6 +93,7 @@ def test_an_orm_session_starts_empty_in_every_transaction(ledger: Ledger) -> Non
         loaded = session.scalars(select(Row)).one()
         assert loaded in session.identity_map.values()
         after_commit(session, lambda: ran.append("queued once"))
+        session.info["a caller's own key"] = "left behind"
         first = session
     assert ran == ["queued once"]
     with ledger.transaction() as session:
@@ -143,6 +144,7 @@ def test_a_failure_to_close_is_noted_on_the_error_raised(ledger: Ledger) -> None
     assert str(caught.value) == "the primary error"
     note = "closing its connection failed too: OSError: close failed"
     assert any(note in n for n in caught.value.__notes__)
+    assert any(str(ledger.engine.url.database) in n for n in caught.value.__notes__)
     assert values(ledger) == []
     with ledger.transaction() as session:  # a new connection and session
         insert(session, "y")
@@ -319,6 +321,7 @@ def test_a_close_failing_after_commit_is_logged_not_raised(
     assert values(ledger) == ["committed"]
     assert "could not be closed after its transaction committed" in caplog.text
     assert "OSError: close failed" in caplog.text
+    assert str(ledger.engine.url.database) in caplog.text
 
 
 def test_a_close_asked_for_between_transactions_is_done_by_the_next(ledger: Ledger) -> None:

@@ -92,7 +92,7 @@ class WriterConnection:
                     try:
                         _close(old, discard=True)
                     except Exception as exc:  # not this transaction's business
-                        _report(exc, None, "after the ledger was disposed")
+                        self._report(exc, None, "after the ledger was disposed")
             if self._held is None:
                 self._held = self._connect()
             held = self._held
@@ -124,14 +124,14 @@ class WriterConnection:
                 try:
                     _close(held, discard=closing)
                 except Exception as exc:
-                    _report(exc, failed, "after its transaction committed (the commit stands)")
+                    self._report(exc, failed, "after its transaction committed (the commit stands)")
         finally:
             self._lock.release()
         if self._closing:  # asked for after the check above, while this loan held the lock
             try:
                 self._close_if_asked()
             except Exception as exc:
-                _report(exc, failed, "after its transaction committed (the commit stands)")
+                self._report(exc, failed, "after its transaction committed (the commit stands)")
 
     def close(self) -> None:
         """Close the held connection now, or (lent) when its transaction ends."""
@@ -154,23 +154,25 @@ class WriterConnection:
         finally:
             self._lock.release()
 
-
-def _report(error: Exception, failed: BaseException | None, when: str) -> None:
-    """An error closing the held connection: a note on the error the transaction
-    raises (``failed``), else a log record (``when`` it happened): raised, it would
-    fail a transaction that committed, or one that has nothing to do with it."""
-    note = f"closing its connection failed too: {type(error).__name__}: {error}"
-    if failed is not None and hasattr(failed, "add_note"):
-        failed.add_note(note)
-    elif failed is not None:  # Python 3.10: no notes; the log keeps it
-        log.error("ckptdb: %s", note)
-    else:
-        log.error(
-            "ckptdb: the ledger's writer connection could not be closed %s: %s: %s",
-            when,
-            type(error).__name__,
-            error,
-        )
+    def _report(self, error: Exception, failed: BaseException | None, when: str) -> None:
+        """An error closing the held connection, with the ledger it belongs to: a note
+        on the error the transaction raises (``failed``), else a log record (``when``
+        it happened): raised, it would fail a transaction that committed, or one that
+        has nothing to do with it."""
+        ledger = self._engine.url.database  # SQLite only: a file name, no credential
+        note = f"closing its connection failed too: {type(error).__name__}: {error} ({ledger})"
+        if failed is not None and hasattr(failed, "add_note"):
+            failed.add_note(note)
+        elif failed is not None:  # Python 3.10: no notes; the log keeps it
+            log.error("ckptdb: %s", note)
+        else:
+            log.error(
+                "ckptdb: the ledger's writer connection could not be closed %s: %s: %s (%s)",
+                when,
+                type(error).__name__,
+                error,
+                ledger,
+            )
 
 
 def _close(held: Held, *, discard: bool = False) -> None:
