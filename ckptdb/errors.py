@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import logging
 import os
 import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class CkptDBError(Exception):
@@ -309,6 +312,20 @@ class ChiefOnlyError(CkptDBError, RuntimeError):
 
 class CleanupWarning(UserWarning):
     """An evicted or leftover file could not be removed (the next reconcile retries)."""
+
+
+def note_on(primary: BaseException, note: str) -> None:
+    """Attach a secondary failure's ``note`` to ``primary``, the error the caller gets.
+
+    Why one helper: a failure met while handling another (a close, a rollback, a
+    second clean-up) must never replace the first, nor be dropped. Python 3.10
+    has no exception notes, so there the note goes to the log instead.
+    """
+    add_note = getattr(primary, "add_note", None)
+    if add_note is not None:
+        add_note(note)
+    else:
+        log.error("ckptdb: %s (while raising %s)", note, type(primary).__name__)
 
 
 def warn_cleanup(message: str) -> None:

@@ -30,6 +30,7 @@ from .errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
     LedgerError,
+    note_on,
 )
 from .ledger import Ledger, RunQueries, evaluations, open_ledger, pins, rows
 from .ledger import models as m
@@ -107,8 +108,7 @@ class RunReader:
             self._db.dispose()
             if failures:
                 for other in failures[1:]:
-                    if hasattr(failures[0], "add_note"):  # Python >= 3.11
-                        failures[0].add_note(f"releasing another pin failed too: {other!r}")
+                    note_on(failures[0], f"releasing another pin failed too: {other!r}")
                 raise failures[0]
 
     def _open(self) -> RunQueries:

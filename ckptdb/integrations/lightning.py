@@ -61,6 +61,7 @@ from ..errors import (
     InvalidArgumentError,
     NonFiniteGradientError,
     RunDirectoryError,
+    note_on,
 )
 from ..guard import NonFiniteGradGuard
 from ..ledger.engine import LEDGER_FILE
@@ -341,9 +342,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                 self._save_last_checkpoint(trainer, candidates)
         except Exception as failed:
             log.error("ckptdb: the checkpoint on %s failed: %s", type(exception).__name__, failed)
-            note = f"ckptdb: the checkpoint on this exception failed: {failed!r}"
-            if hasattr(exception, "add_note"):  # Python >= 3.11
-                exception.add_note(note)
+            note_on(exception, f"ckptdb: the checkpoint on this exception failed: {failed!r}")
         finally:
             self._release(exception)
 

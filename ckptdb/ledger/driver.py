@@ -22,7 +22,6 @@ callers rely on from SQLAlchemy:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -30,7 +29,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.util import is_exit_exception
 
-log = logging.getLogger(__name__)
+from ..errors import note_on
 
 Params = tuple[Any, ...] | list[tuple[Any, ...]] | dict[str, Any] | list[dict[str, Any]]
 
@@ -143,8 +142,4 @@ def _close_after(cursor: Any, primary: BaseException) -> None:
     try:
         cursor.close()
     except Exception as exc:
-        note = f"closing the cursor failed too: {type(exc).__name__}: {exc}"
-        if hasattr(primary, "add_note"):
-            primary.add_note(note)
-        else:  # Python 3.10: no notes; the log keeps it
-            log.error("ckptdb: %s", note)
+        note_on(primary, f"closing the cursor failed too: {type(exc).__name__}: {exc}")

@@ -31,7 +31,6 @@ import contextlib
 import contextvars
 import hashlib
 import importlib.resources
-import logging
 import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,11 +47,9 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from .. import trace
-from ..errors import DatabaseError, LedgerError, SchemaVersionError
+from ..errors import DatabaseError, LedgerError, SchemaVersionError, note_on
 from . import driver
 from .held import CONNECTION, WriterConnection
-
-log = logging.getLogger(__name__)
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 _DURABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptdb_durable", default=True)
@@ -424,11 +421,7 @@ def _run_after_commit(queue: list[Callable[[], None]]) -> None:
         return
     first = failures[0]
     for later in failures[1:]:
-        note = f"after the same commit, also: {type(later).__name__}: {later}"
-        if hasattr(first, "add_note"):
-            first.add_note(note)
-        else:  # Python 3.10: no notes; the log keeps it
-            log.error("ckptdb: %s", note)
+        note_on(first, f"after the same commit, also: {type(later).__name__}: {later}")
     raise first
 
 

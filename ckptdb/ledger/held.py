@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
+from ..errors import note_on
+
 log = logging.getLogger(__name__)
 
 #: Where a ledger session keeps its transaction's connection (see :func:`connection_of`).
@@ -161,10 +163,8 @@ class WriterConnection:
         has nothing to do with it."""
         ledger = self._engine.url.database  # SQLite only: a file name, no credential
         note = f"closing its connection failed too: {type(error).__name__}: {error} ({ledger})"
-        if failed is not None and hasattr(failed, "add_note"):
-            failed.add_note(note)
-        elif failed is not None:  # Python 3.10: no notes; the log keeps it
-            log.error("ckptdb: %s", note)
+        if failed is not None:
+            note_on(failed, note)
         else:
             log.error(
                 "ckptdb: the ledger's writer connection could not be closed %s: %s: %s (%s)",

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import InvalidArgumentError, PhaseError
+from ..errors import InvalidArgumentError, PhaseError, note_on
 from ..ledger import Ledger, after_commit
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
@@ -329,8 +329,8 @@ class Adopter:
             record = self._commit(candidate, decision, info)
         except BaseException as exc:
             note = _undone(undo)
-            if note and hasattr(exc, "add_note"):  # Python >= 3.11
-                exc.add_note(f"ckptdb adopt: {candidate.source}{note}")
+            if note:
+                note_on(exc, f"ckptdb adopt: {candidate.source}{note}")
             raise
         return Outcome(candidate, ADOPTED, describe(candidate), decision.name, record)
 
