@@ -51,10 +51,27 @@ def run_once(contender: Contender) -> float:
     return counted if isinstance(counted, float) else elapsed
 
 
+#: The name given to the baseline's second run when a comparison measures its noise.
+AGAIN = " (again: the noise floor)"
+
+
 def compare(
-    name: str, contenders: dict[str, Contender], *, baseline: str, reps: int, warmup: int = 1
+    name: str,
+    contenders: dict[str, Contender],
+    *,
+    baseline: str,
+    reps: int,
+    warmup: int = 1,
+    noise_floor: bool = False,
 ) -> Comparison:
-    """Run every contender ``warmup + reps`` times, interleaved, rotating the order."""
+    """Run every contender ``warmup + reps`` times, interleaved, rotating the order.
+
+    ``noise_floor`` runs the baseline a second time as a contender of its own: its
+    ratio (ideally 1.00) is how far two runs of the same code differ here, which is
+    what a target of a few percent has to be read against.
+    """
+    if noise_floor:
+        contenders = {**contenders, baseline + AGAIN: contenders[baseline]}
     result = Comparison(name, baseline, {k: [] for k in contenders})
     order = list(contenders)
     for round_ in range(warmup + reps):

@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks import s3_case, s3server
 from benchmarks.__main__ import main
+from benchmarks.harness import AGAIN
 
 S3_CONTENDERS = {
     "S3 save": ["boto3 upload_fileobj (torch.save to BytesIO first)", "ckptdb save"],
@@ -69,6 +70,12 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
     assert floor["notes"]["transactions_per_boundary"] == 3
     assert floor["notes"]["statements_per_boundary"] == 18
     assert report["machine"]["torch"]
+    for case in ("training step with clipping", "load"):  # targets of a few percent
+        result = next(r for r in report["results"] if r["name"].startswith(case))
+        again = result["baseline"] + AGAIN
+        # the baseline timed twice, as two contenders: how far the same code differs
+        assert result["repetitions"][again] == result["repetitions"][result["baseline"]]
+        assert result["ratio_to_baseline"][again] > 0
     growth = [r for r in report["results"] if r["name"].startswith("boundary cost as history")]
     assert len(growth) == 3
     for result in growth:  # one run per size, timed round by round: as many samples each
