@@ -92,6 +92,8 @@ class NonFiniteGradGuard:
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, g in enumerate(grads):
             groups.setdefault((g.device, g.dtype), []).append(i)
+        if len(groups) == 1 and _narrow_on_cpu(grads[0], norm_type):
+            return self._clip_on_cpu(params, grads, max_norm, norm_type, positions)
         first_device = grads[0].device
         per_group = []
         for idx in groups.values():
@@ -100,14 +102,47 @@ class NonFiniteGradGuard:
             per_group.append(norms.to(first_device))
         wide = any(dtype == torch.float64 for _, dtype in groups)
         total = _combine(torch.cat(per_group), norm_type, wide=wide)
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for (device, dtype), idx in groups.items():
-            torch._foreach_mul_([grads[i] for i in idx], coef.to(device=device, dtype=dtype))
+        _scale([[grads[i] for i in idx] for idx in groups.values()], total, max_norm)
+        return total.to(grads[0].dtype)
+
+    def _clip_on_cpu(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        max_norm: float,
+        norm_type: float,
+        positions: dict[int, int],
+    ) -> Tensor:
+        """One group of float32 (or narrower) gradients on the CPU, in fewer tensor
+        operations than torch's own clipping: the common case, every training step.
+
+        The host is the device here, so the float32 total is read once. For a
+        p-norm with p >= 1 it is finite exactly when every per-tensor norm is:
+        then there is nothing to record (a flag only ever turns false), and the
+        coefficient is torch's, ``max_norm / (total + 1e-6)`` clamped at 1, as a
+        number; a multiplication by exactly 1 changes no value, so it is
+        skipped. Otherwise (a float32 sum of squares that overflowed, or a
+        gradient that is not finite) the norms are taken again in float64 and
+        the parameters recorded, as on any other device.
+        """
+        norms = _norms(grads, norm_type, torch.float32)
+        total = _combine(norms, norm_type, wide=False)
+        value = total.item()  # the one read of a value on the CPU, where nothing waits
+        if math.isfinite(value):
+            coef = float(max_norm) / (value + 1e-6)
+            if not coef >= 1.0:  # NaN too: torch's clamp keeps it
+                torch._foreach_mul_(grads, coef)
+        else:
+            norms = _norms(grads, norm_type, torch.float64)
+            self._record_params(params, norms, positions)
+            total = _combine(norms, norm_type, wide=False)
+            _scale([grads], total, max_norm)
         return total.to(grads[0].dtype)
 
     def _record_params(
         self, params: list[Tensor], norms: Tensor, positions: dict[int, int]
     ) -> None:
+        """AND each parameter's "its norm was finite" into its flag."""
         key = tuple(id(p) for p in params)
         finite = torch.isfinite(norms)
         known = self._param_flags.get(key)
@@ -172,11 +207,31 @@ def _cpu_norms(grads: list[Tensor], norm_type: float) -> Tensor:
     flag waits for nothing (every other device takes the branch-free path).
     """
     if grads[0].dtype == torch.float64:
-        return torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
-    fast = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
+        return _norms(grads, norm_type, torch.float64)
+    fast = _norms(grads, norm_type, torch.float32)
     if bool(torch.isfinite(fast).all()):
         return fast
-    return torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads])
+    return _norms(grads, norm_type, torch.float64)
+
+
+def _norms(grads: list[Tensor], norm_type: float, dtype: torch.dtype) -> Tensor:
+    """Each gradient's norm, accumulated in ``dtype``, stacked."""
+    return torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=dtype) for g in grads])
+
+
+def _narrow_on_cpu(grad: Tensor, norm_type: float) -> bool:
+    """Whether :meth:`NonFiniteGradGuard._clip_on_cpu` applies: gradients on the CPU
+    narrower than float64, and a p-norm with p >= 1 (a non-finite gradient gives
+    a non-finite total: no element can hide in the sum)."""
+    return grad.device.type == "cpu" and grad.dtype != torch.float64 and 1 <= norm_type < math.inf
+
+
+def _scale(groups: list[list[Tensor]], total: Tensor, max_norm: float) -> None:
+    """Multiply the gradients by torch's coefficient, ``max_norm / (total + 1e-6)``
+    clamped at 1, on each group's own device and in its dtype (no host sync)."""
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for grads in groups:
+        torch._foreach_mul_(grads, coef.to(device=grads[0].device, dtype=grads[0].dtype))
 
 
 def _combine(norms: Tensor, norm_type: float, *, wide: bool = True) -> Tensor:

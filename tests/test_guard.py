@@ -242,8 +242,9 @@ def test_clip_grad_norm_does_not_sync(no_host_sync: list[str], norm_type: float)
 def test_on_the_cpu_clip_reads_back_one_flag_per_step(
     monkeypatch: pytest.MonkeyPatch, norm_type: float
 ) -> None:
-    """The host is the device on the CPU: the float32 fast path reads back whether its
-    norms are all finite (one flag per step and dtype group), and nothing else."""
+    """The host is the device on the CPU: the float32 fast path reads back its total
+    norm (one value per step), and nothing else, also on the step that falls back
+    to float64 because a gradient is not finite."""
     calls: list[str] = []
     model = small_model()
     guard = NonFiniteGradGuard(model)
@@ -260,16 +261,16 @@ def test_on_the_cpu_clip_reads_back_one_flag_per_step(
             guard.clip_grad_norm_(model.parameters(), 0.1, norm_type=norm_type)
         poison(model, "0.weight", NAN)
         guard.clip_grad_norm_(model.parameters(), 0.1, norm_type=norm_type)
-    assert calls == ([] if math.isinf(norm_type) else ["__bool__"] * 4)
+    assert calls == ([] if math.isinf(norm_type) else ["item"] * 4)
     assert guard.tripped() and guard.nonfinite_parameters() == ["0.weight"]
 
 
 def test_tripped_after_unsynced_updates(monkeypatch: pytest.MonkeyPatch) -> None:
     guard = NonFiniteGradGuard()
     model = small_model()
+    guard.clip_grad_norm_(model.parameters(), 1.0)  # on the CPU it reads its total (above)
     with monkeypatch.context() as patch:
         patch.setattr(Tensor, "item", lambda self: pytest.fail("item() during update"))
-        guard.clip_grad_norm_(model.parameters(), 1.0)
         guard.update(torch.tensor(NAN))
     assert guard.tripped() is True
 
@@ -306,6 +307,20 @@ def test_clip_matches_torch(device: str, norm_type: float, max_norm: float, seed
     for p, q in zip(ours, theirs, strict=True):
         torch.testing.assert_close(p.grad, q.grad)
     assert guard.tripped() is False
+
+
+@pytest.mark.parametrize("max_norm", [math.inf, NAN, 0.0, -1.0])
+def test_clip_matches_torch_at_odd_limits(max_norm: float) -> None:
+    """torch clamps the coefficient at 1 and multiplies by it whatever it is: an
+    infinite limit changes nothing, a NaN one makes every gradient NaN, zero zeroes
+    them, a negative one flips them; the CPU path (a coefficient read as a
+    number, its multiplication skipped at 1) must do the same."""
+    ours, theirs = random_params(0), random_params(0)
+    total = NonFiniteGradGuard().clip_grad_norm_(ours, max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    torch.testing.assert_close(total, expected)
+    for p, q in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(p.grad, q.grad, equal_nan=True)
 
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e6])
