@@ -71,6 +71,7 @@ class NonFiniteGradGuard:
             per_group.append(norms.to(grads[0].device))
         self.update(torch.cat(per_group).max())
 
+    @torch.no_grad()  # as torch's: clipping is not part of any graph
     def clip_grad_norm_(
         self, parameters: ParametersArg, max_norm: float, norm_type: float = 2.0
     ) -> Tensor:
@@ -116,8 +117,8 @@ class NonFiniteGradGuard:
         """One group of float32 (or narrower) gradients on the CPU, in fewer tensor
         operations than torch's own clipping: the common case, every training step.
 
-        The host is the device here, so the float32 total is read once. For a
-        p-norm with p >= 1 it is finite exactly when every per-tensor norm is:
+        The host is the device here, so the total is read once. For a
+        p-norm with 1 <= p <= 2 it is finite exactly when every per-tensor norm is:
         then there is nothing to record (a flag only ever turns false), and the
         coefficient is torch's, ``max_norm / (total + 1e-6)`` clamped at 1, as a
         number; a multiplication by exactly 1 changes no value, so it is
@@ -221,9 +222,11 @@ def _norms(grads: list[Tensor], norm_type: float, dtype: torch.dtype) -> Tensor:
 
 def _narrow_on_cpu(grad: Tensor, norm_type: float) -> bool:
     """Whether :meth:`NonFiniteGradGuard._clip_on_cpu` applies: gradients on the CPU
-    narrower than float64, and a p-norm with p >= 1 (a non-finite gradient gives
-    a non-finite total: no element can hide in the sum)."""
-    return grad.device.type == "cpu" and grad.dtype != torch.float64 and 1 <= norm_type < math.inf
+    narrower than float64, and a p-norm with 1 <= p <= 2: a non-finite gradient
+    gives a non-finite total (no element can hide in the sum), and the total is
+    float64, so the coefficient taken as a Python float is the very number the
+    tensor path computes (above 2 the total is float32, computed scaled)."""
+    return grad.device.type == "cpu" and grad.dtype != torch.float64 and 1 <= norm_type <= 2
 
 
 def _scale(groups: list[list[Tensor]], total: Tensor, max_norm: float) -> None:

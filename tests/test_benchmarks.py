@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from benchmarks import s3_case, s3server
 from benchmarks.__main__ import main
-from benchmarks.harness import AGAIN
+from benchmarks.harness import AGAIN, compare
 
 S3_CONTENDERS = {
     "S3 save": ["boto3 upload_fileobj (torch.save to BytesIO first)", "ckptdb save"],
@@ -162,3 +163,32 @@ def test_each_publish_size_prints_its_own_target() -> None:
         100: 1.05,
         1000: 1.05,
     }
+
+
+def test_the_noise_floor_times_the_baseline_itself_as_often_as_the_baseline() -> None:
+    """The noise floor is the baseline's own callable run again as a contender of its
+    own, interleaved with the others; the other contenders run as often, not more."""
+    calls = {"base": 0, "other": 0}
+
+    def counted(key: str) -> Callable[[], float]:
+        def run() -> float:
+            calls[key] += 1
+            return float(calls[key])  # a float is the time that counts
+
+        return run
+
+    result = compare(
+        "counted",
+        {"base": counted("base"), "other": counted("other")},
+        baseline="base",
+        reps=4,
+        warmup=1,
+        noise_floor=True,
+    )
+    assert calls == {"base": 10, "other": 5}  # (warm-up + reps) x 2 for the baseline
+    assert sorted(result.samples) == sorted(["base", "other", "base" + AGAIN])
+    assert len(result.samples["base" + AGAIN]) == len(result.samples["base"]) == 4
+    # both series come from the same callable: together, every count after the warm-ups
+    assert sorted(result.samples["base"] + result.samples["base" + AGAIN]) == [
+        float(n) for n in range(3, 11)
+    ]

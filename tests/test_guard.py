@@ -309,15 +309,41 @@ def test_clip_matches_torch(device: str, norm_type: float, max_norm: float, seed
     assert guard.tripped() is False
 
 
+def test_clip_runs_outside_autograd_like_torch() -> None:
+    """Gradients taken with ``create_graph=True`` carry a graph of their own; torch's
+    clipping runs under ``no_grad``, so neither the total nor the scaling joins it."""
+
+    def graphed() -> list[nn.Parameter]:
+        params = random_params(0)
+        for p in params:
+            p.grad = None
+        loss = sum((p**3).sum() for p in params)
+        assert isinstance(loss, Tensor)
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        assert all(p.grad is not None and p.grad.grad_fn is not None for p in params)
+        return params
+
+    ours, theirs = graphed(), graphed()
+    total = NonFiniteGradGuard().clip_grad_norm_(ours, 0.5)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 0.5)
+    assert total.grad_fn is None and expected.grad_fn is None
+    torch.testing.assert_close(total, expected)
+    for p, q in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 1.5, 2.0, 3.0])
 @pytest.mark.parametrize("max_norm", [math.inf, NAN, 0.0, -1.0])
-def test_clip_matches_torch_at_odd_limits(max_norm: float) -> None:
+def test_clip_matches_torch_at_odd_limits(max_norm: float, norm_type: float) -> None:
     """torch clamps the coefficient at 1 and multiplies by it whatever it is: an
     infinite limit changes nothing, a NaN one makes every gradient NaN, zero zeroes
     them, a negative one flips them; the CPU path (a coefficient read as a
     number, its multiplication skipped at 1) must do the same."""
     ours, theirs = random_params(0), random_params(0)
-    total = NonFiniteGradGuard().clip_grad_norm_(ours, max_norm)
-    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    total = NonFiniteGradGuard().clip_grad_norm_(ours, max_norm, norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type)
     torch.testing.assert_close(total, expected)
     for p, q in zip(ours, theirs, strict=True):
         torch.testing.assert_close(p.grad, q.grad, equal_nan=True)

@@ -36,6 +36,7 @@ def test_without_notes_the_note_goes_to_the_log(caplog: pytest.LogCaptureFixture
         note_on(primary, "closing failed too: OSError: disk gone")
     assert not hasattr(primary, "__notes__")
     [record] = caplog.records
+    assert (record.name, record.levelno) == ("ckptdb.errors", logging.ERROR)
     assert "closing failed too: OSError: disk gone" in record.getMessage()
     assert "_NoNotes" in record.getMessage()
 
