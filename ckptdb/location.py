@@ -19,7 +19,16 @@ from typing import Any
 
 from .errors import ArgumentTypeError, InvalidArgumentError
 
-SCHEME = "s3://"
+#: The object-store schemes: every function here that tells an object location
+#: from a local path reads this table, and :func:`~ckptdb.storage.open_store`
+#: maps each entry to its store, so a new object store is one entry here (and
+#: one store class there).
+OBJECT_SCHEMES: tuple[str, ...] = ("s3",)
+
+_URL_PREFIXES = tuple(f"{scheme}://" for scheme in OBJECT_SCHEMES)
+#: A URL's first part as a path (``Path("s3://b")`` folds it to ``s3:/b``).
+_FOLDED_PREFIXES = tuple(f"{scheme}:/" for scheme in OBJECT_SCHEMES)
+_SCHEME_PARTS = frozenset(f"{scheme}:" for scheme in OBJECT_SCHEMES)
 
 
 class ObjectPath(PosixPath):
@@ -33,10 +42,10 @@ class ObjectPath(PosixPath):
     def __str__(self) -> str:
         if not self._is_url():
             return super().__str__()  # a part of one (``relative_to`` gives these)
-        return SCHEME + "/".join(self.parts[1:])
+        return f"{self.parts[0]}//" + "/".join(self.parts[1:])
 
     def _is_url(self) -> bool:
-        return bool(self.parts) and self.parts[0] == "s3:"
+        return bool(self.parts) and self.parts[0] in _SCHEME_PARTS
 
     def __repr__(self) -> str:
         return f"ObjectPath({str(self)!r})"
@@ -65,6 +74,11 @@ class ObjectPath(PosixPath):
         return self
 
     @property
+    def scheme(self) -> str:
+        """The object store's scheme (an entry of :data:`OBJECT_SCHEMES`), without ``://``."""
+        return self.parts[0].removesuffix(":")
+
+    @property
     def bucket(self) -> str:
         return self.parts[1]
 
@@ -76,7 +90,15 @@ class ObjectPath(PosixPath):
 
 def is_object_url(text: object) -> bool:
     """Whether ``text`` (a string or a path) names an object-store location."""
-    return isinstance(text, ObjectPath) or (isinstance(text, str) and text.startswith(SCHEME))
+    return isinstance(text, ObjectPath) or (
+        isinstance(text, str) and text.startswith(_URL_PREFIXES)
+    )
+
+
+def looks_like_object_url(text: str) -> bool:
+    """Whether ``text`` starts like an object URL, one that ``Path`` folded included
+    (``str(Path("s3://b"))`` is ``s3:/b``): a local path that must not be taken for one."""
+    return text.startswith(_FOLDED_PREFIXES)
 
 
 def object_path(url: str) -> ObjectPath:
@@ -86,13 +108,14 @@ def object_path(url: str) -> ObjectPath:
     has no empty, ``.`` or ``..`` segment (the keys would not round-trip).
     Credentials (``s3://KEY:SECRET@bucket``) are refused without repeating them.
     """
-    if not url.startswith(SCHEME):
-        raise InvalidArgumentError(f"{url!r} is not an s3:// URL")
-    rest = url[len(SCHEME) :].rstrip("/")
+    scheme = next((s for s in _URL_PREFIXES if url.startswith(s)), None)
+    if scheme is None:
+        raise InvalidArgumentError(f"{url!r} is not an {' or '.join(_URL_PREFIXES)} URL")
+    rest = url[len(scheme) :].rstrip("/")
     bucket, _, prefix = rest.partition("/")
     if "@" in bucket:  # s3://KEY:SECRET@bucket: never echoed, never stored in the ledger
         raise InvalidArgumentError(
-            "credentials inside an s3:// URL are refused (the URL is stored in the ledger "
+            f"credentials inside an {scheme} URL are refused (the URL is stored in the ledger "
             "and shown in messages): pass them in storage_options or the standard AWS chain"
         )
     if not _valid_bucket(bucket):
@@ -100,7 +123,7 @@ def object_path(url: str) -> ObjectPath:
     segments = prefix.split("/") if prefix else []
     if any(s in ("", ".", "..") for s in segments):
         raise InvalidArgumentError(f"{url!r}: the prefix has an empty, '.' or '..' segment")
-    return ObjectPath("s3:", bucket, *segments)
+    return ObjectPath(scheme.removesuffix("//"), bucket, *segments)
 
 
 def _valid_bucket(name: str) -> bool:

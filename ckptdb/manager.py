@@ -32,6 +32,7 @@ from .errors import (
     CleanupWarning,
     InvalidArgumentError,
     LedgerError,
+    RankFailedError,
     RunDirectoryError,
 )
 from .guard import NonFiniteGradGuard
@@ -43,7 +44,7 @@ from .ledger.lock import writer_lock
 from .ledger.models import MAX_METRIC_NAME, MAX_STEP
 from .ledger.netfs import check_ledger_location
 from .ledger.runs import open_as_writer
-from .location import ObjectPath, is_object_url, object_path
+from .location import ObjectPath, is_object_url, looks_like_object_url, object_path
 from .policies import Keep, Policy, validate_policies
 from .protocol.adopt import Adopter, Candidate
 from .protocol.adopt import Outcome as AdoptOutcome
@@ -57,9 +58,8 @@ from .protocol.reconcile import Reconciler, ReconcileReport
 from .record import Checkpoint
 from .storage.base import PayloadStore
 from .storage.files import make_dir
-from .storage.local import LocalStore
 from .storage.naming import run_token
-from .storage.s3client import parse_options
+from .storage.opening import check_options, open_store
 
 __all__ = ["CheckpointManager", "CleanupWarning"]
 
@@ -95,16 +95,14 @@ class _StorageRequest:
     ) -> _StorageRequest:
         if save_dir is None or not is_object_url(save_dir):
             local = Path(save_dir).resolve() if save_dir is not None else None
-            if local is not None and options is not None:
-                raise InvalidArgumentError(
-                    f"storage_options are for an object-store save_dir (s3://...), not {local}"
-                )
+            if local is not None:
+                check_options(local, options)  # options on a local save_dir are refused
             return cls(local, options)
         try:
             location: Path = object_path(str(save_dir))
         except ValueError as exc:
             raise InvalidArgumentError(f"save_dir: {exc}") from None
-        parse_options(options)  # bad options are refused before anything is contacted
+        check_options(location, options)  # bad options are refused before anything is contacted
         return cls(location, options)
 
     @property
@@ -112,20 +110,20 @@ class _StorageRequest:
         return isinstance(self.location, ObjectPath)
 
     def store(self, save_dir: Path | None, *, probe: bool = True) -> PayloadStore:
-        """The store of ``save_dir``: local, or object storage (probed unless ``probe`` is off)."""
-        assert save_dir is not None
-        if not isinstance(save_dir, ObjectPath):
-            return LocalStore(save_dir)
-        from .storage.s3 import S3Store  # boto3 is an optional extra
+        """The store of ``save_dir``: local, or object storage (probed unless ``probe`` is off).
 
-        return S3Store(save_dir, parse_options(self.options), probe=probe)
+        Options given without a save_dir are for the run's own, which may turn out
+        local: they then configure nothing (and are not refused)."""
+        assert save_dir is not None
+        options = self.options if isinstance(save_dir, ObjectPath) else None
+        return open_store(save_dir, options, probe=probe)
 
 
 def refuse_object_root(root: object, what: str) -> None:
     """A run root is a local directory (the ledger, the lock): an ``s3://`` URL there
     would silently become a local ``./s3:/...`` tree, so it is refused, saying what to do."""
     text = str(root) if isinstance(root, (str, os.PathLike)) else ""
-    if is_object_url(root) or text.startswith("s3:/"):  # Path("s3://b") reads "s3:/b"
+    if is_object_url(root) or looks_like_object_url(text):  # Path("s3://b") reads "s3:/b"
         raise InvalidArgumentError(
             f"{what} is {str(root)!r}: the run root holds the ledger and must be a local "
             "directory; to keep checkpoints on object storage, pass a local root and "
@@ -548,6 +546,28 @@ class CheckpointManager:
             raise ArgumentTypeError(f"resumed_from() takes a Checkpoint, got {checkpoint!r}")
         if self._ctx.is_writer:
             self._loader.note_resume(checkpoint)
+
+    def agree(self, local: BaseException | None, *, what: str = "agree") -> None:
+        """Raise on every rank if any rank failed a local step of its own; collective.
+
+        For integrations whose framework runs a step on every rank before a
+        boundary (checking its own arguments, loading a checkpoint the ledger
+        chose): a rank that fails alone must not leave the others waiting in
+        the next collective. Every rank calls it, whatever happened locally:
+        the rank that failed raises ``local`` itself; every other rank raises
+        :class:`~ckptdb.errors.RankFailedError` naming the failed ranks
+        (``ranks``), with their error, rebuilt, as ``__cause__``. In one
+        process ``local`` is raised as itself. ``what`` names the collective
+        in errors and in the coordinator's log.
+        """
+        self._check_open()
+        agreed = self._coord.failure(what, local)
+        if local is not None:
+            raise local
+        if agreed is not None:
+            error = RankFailedError(f"{what}: {agreed}")
+            error.ranks = list(getattr(agreed, "ranks", None) or [])
+            raise error from agreed
 
     def gc(self) -> list[Checkpoint]:
         """Apply every stream's stored retention policy now (e.g. after lowering ``last``)."""

@@ -97,12 +97,6 @@ class Policy(Protocol):
     def capacity(self) -> int | None:
         """The most checkpoints the stream holds after a commit (None: no fixed bound)."""
 
-    @property
-    def keeps_all(self) -> bool:
-        """Whether the policy never evicts by its window: a commit then evicts only the
-        checkpoints the new one supersedes (a later step, or the same one), so retention
-        reads only those rows, however long the history."""
-
     def reads(self, step: int) -> Reads:
         """The committed rows a commit at ``step`` must read (see :class:`Reads`)."""
 
@@ -248,10 +242,6 @@ class Keep:
         return self.last if self.every is None else None
 
     @property
-    def keeps_all(self) -> bool:
-        return self.last is None
-
-    @property
     def writes_every_candidate(self) -> bool:
         return True
 
@@ -348,10 +338,6 @@ class TopK:
         if self.k is None or self.last is None:
             return self.k
         return max(self.k + 1, self.last)
-
-    @property
-    def keeps_all(self) -> bool:
-        return self.k is None
 
     @property
     def writes_every_candidate(self) -> bool:

@@ -43,10 +43,9 @@ from .location import ObjectPath, is_object_url, relative_within
 from .pinning import Pin
 from .policies import Policy
 from .record import Checkpoint
-from .storage.base import LOST, PayloadStore
+from .storage.base import LOST
 from .storage.kinds import kind_of_path
-from .storage.local import LocalStore
-from .storage.s3client import parse_options
+from .storage.opening import open_store
 
 __all__ = ["RunReader", "ledger_url", "resolve", "run_exists"]
 
@@ -340,6 +339,13 @@ class RunReader:
                 found.setdefault(row.evaluator, {})[row.name] = row.value
         return found
 
+    def last_evaluated(self, evaluator: str, stream: str = "model") -> int | None:
+        """The id of the newest checkpoint of ``stream`` that ``evaluator`` recorded
+        anything for (None if none): where a restarted ``ckptdb follow`` continues."""
+        self._open()
+        with self._db.transaction(read=True) as session:
+            return evaluations.last_evaluated_id(session, self.run_id, evaluator, stream)
+
     def best_by(
         self,
         name: str,
@@ -472,7 +478,10 @@ def load_verified(
 ) -> Any:
     """Read a committed checkpoint after checking it against its row, through its run's
     store (confined to the save directory, links refused); never writes the ledger."""
-    store = _store_of(save_dir, storage_options)
+    # Not probed: a reader writes nothing. storage_options are for a run on object
+    # storage; a run whose save_dir is local is read without them (not refused).
+    options = storage_options if isinstance(save_dir, ObjectPath) else None
+    store = open_store(save_dir, options, probe=False)
     if isinstance(save_dir, ObjectPath):
         found = relative_within(target.path, save_dir)
         if found is None:
@@ -560,12 +569,3 @@ def _owner_of(
     raise CheckpointNotFoundError(
         f"{path} is in no ckptdb run (no ledger above it); pass root= to name the run"
     )
-
-
-def _store_of(save_dir: Path, storage_options: Mapping[str, object] | None) -> PayloadStore:
-    """The store a reader reads from: local, or object storage (not probed: reads only)."""
-    if not isinstance(save_dir, ObjectPath):
-        return LocalStore(save_dir)
-    from .storage.s3 import S3Store  # boto3 is an optional extra
-
-    return S3Store(save_dir, parse_options(storage_options), probe=False)

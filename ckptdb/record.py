@@ -1,10 +1,32 @@
-"""The public, immutable view of one checkpoint row (built by ckptdb.ledger.rows)."""
+"""The public, immutable view of one checkpoint row (built by ckptdb.ledger.rows).
+
+Also the record's vocabulary: the states a :attr:`Checkpoint.state` takes (the
+``checkpoints.state`` column's values, see docs/guarantees.md) and the clock its
+timestamps are read against. They are defined here, not in the ledger, so that
+code above the ledger (the CLI, integrations) names them without importing
+:mod:`ckptdb.ledger`; :mod:`ckptdb.ledger.models` imports them from here.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# Publication states of a checkpoint row (see docs/guarantees.md).
+PENDING = "pending"
+COMMITTED = "committed"
+DELETING = "deleting"
+DELETED = "deleted"
+ABORTED = "aborted"
+LOST = "lost"
+CORRUPT = "corrupt"
+STATES = (PENDING, COMMITTED, DELETING, DELETED, ABORTED, LOST, CORRUPT)
+
+
+def utcnow() -> dt.datetime:
+    """Now, timezone-aware UTC: the ledger's clock (timestamps it stores and reads back)."""
+    return dt.datetime.now(dt.timezone.utc)
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ from lightninglib import Tiny, trainer
 from torch import nn
 
 from ckptdb import CheckpointManager, Keep, RunReader, TopK
-from ckptdb.cli.adopt import adopt, lightning_stream
 from ckptdb.errors import CkptDBError, InvalidArgumentError, LedgerLockedError
+from ckptdb.integrations.adopt import adopt
+from ckptdb.integrations.lightning.layout import stream_for_monitor as lightning_stream
 from ckptdb.ledger.runs import ledger_beside
 
 pytestmark = pytest.mark.usefixtures("no_db_url_from_environment")

@@ -36,6 +36,7 @@ DOC_PAGES = {
     "guarantees.md",
     "distributed.md",
     "lightning.md",
+    "integrations.md",
     "postgres.md",
     "s3.md",
     "performance.md",

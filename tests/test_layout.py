@@ -9,6 +9,8 @@ layer imports only the layers below it; the library never imports the demo.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,7 @@ ALLOWED = {
         "protocol",
     },
     "pinning": {"record"},
+    "maintenance": {"errors", "ledger"},
     "reader": {"errors", "location", "policies", "record", "ledger", "storage", "pinning"},
     # each integration is an addition on top of the public parts
     "integrations": {
@@ -61,6 +64,7 @@ ALLOWED = {
         "ledger",
         "manager",
         "policies",
+        "protocol",  # adopt layouts produce the protocol's candidates
         "reader",
         "record",
         "storage",
@@ -189,18 +193,162 @@ def test_the_library_never_imports_the_cli_or_the_demo() -> None:
     assert not users, f"the library imports the CLI/demo: {sorted(users)}"
 
 
-def test_nothing_in_the_library_imports_an_integration() -> None:
-    """Integrations need their framework installed; the core must import without it."""
+INTEGRATIONS = "ckptdb.integrations"
+#: The third-party frameworks the integrations are written for.
+FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate", "deepmd")
+
+
+def framework_package(module: str) -> str | None:
+    """``ckptdb.integrations.<framework>`` for a module inside one, else None."""
+    parts = module.split(".")
+    if module.startswith(INTEGRATIONS + ".") and len(parts) >= 3:
+        candidate = ".".join(parts[:3])
+        if candidate in MODULES and MODULES[candidate].name == "__init__.py":
+            return candidate
+    return None
+
+
+def framework_free(module: str) -> bool:
+    """The shared layer, the adopt registry, each framework package's lazy ``__init__``
+    and its adopt layout: what the core and the CLI may import without any framework."""
+    if not module.startswith(INTEGRATIONS):
+        return True
+    package = framework_package(module)
+    return package is None or module in (package, f"{package}.layout")
+
+
+def test_nothing_in_the_library_imports_an_integrations_writer() -> None:
+    """Writers need their framework installed; the core and the CLI must import without
+    one (the CLI reaches only the framework-free adopt registry and layouts)."""
     users = {
-        m
+        m: sorted(i for i in ours(imports_of(p)) if not framework_free(i))
         for m, p in MODULES.items()
-        if not m.startswith("ckptdb.integrations")
-        and any(i.startswith("ckptdb.integrations") for i in ours(imports_of(p)))
+        if not m.startswith(INTEGRATIONS)
     }
-    assert not users, f"the library imports an integration: {sorted(users)}"
+    users = {m: found for m, found in users.items() if found}
+    assert not users, f"the library imports an integration's writer: {users}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if framework_free(m)))
+def test_the_framework_free_modules_import_no_framework(module: str) -> None:
+    found = {i for i in imports_of(MODULES[module]) if i.split(".")[0] in FRAMEWORKS}
+    assert not found, f"{module} imports {sorted(found)}: only a writer module may"
+
+
+def test_an_integration_package_imports_no_other_integration_package() -> None:
+    """Each framework's package stands alone on the shared layer (common, layouts, adopt)."""
+    crossing = {}
+    for module, path in MODULES.items():
+        package = framework_package(module)
+        if package is None:
+            continue
+        others = {
+            framework_package(i)
+            for i in ours(imports_of(path))
+            if framework_package(i) not in (None, package)
+        }
+        if others:
+            crossing[module] = sorted(str(o) for o in others)
+    assert not crossing, f"integration packages import each other: {crossing}"
+
+
+def test_the_cli_imports_nothing_from_the_ledger_or_storage() -> None:
+    """The CLI is a thin layer on the public parts (reader, manager, maintenance, the
+    adopt registry): SQL and stores stay behind them."""
+    reaching = {
+        m: sorted(i for i in ours(imports_of(p)) if part_of(i) in ("ledger", "storage"))
+        for m, p in MODULES.items()
+        if part_of(m) == "cli"
+    }
+    reaching = {m: found for m, found in reaching.items() if found}
+    assert not reaching, f"the CLI imports the ledger or storage directly: {reaching}"
+
+
+def test_adopt_and_its_layouts_work_without_any_framework(tmp_path: Path) -> None:
+    """With every framework made unimportable, the CLI starts, every framework package's
+    layout registers, and its help lists them (none was imported on the way)."""
+    script = f"""
+import sys
+for name in {FRAMEWORKS!r}:
+    sys.modules[name] = None  # import raises ImportError
+from click.testing import CliRunner
+from ckptdb.cli import main
+from ckptdb.integrations.layouts import layouts
+result = CliRunner().invoke(main, ["adopt", "--help"])
+assert result.exit_code == 0, result.output
+print(sorted(layouts()))
+print(result.output)
+print(sorted(n for n in sys.modules if n.split(".")[0] in {FRAMEWORKS!r} and sys.modules[n]))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    names, *rest = done.stdout.splitlines()
+    packages = sorted(p.parent.name for p in (PACKAGE / "integrations").glob("*/layout.py"))
+    assert set(packages) <= set(eval(names)) and "glob" in eval(names), names
+    assert all(f"  {name} " in done.stdout for name in eval(names)), done.stdout
+    assert rest[-1] == "[]", rest[-1]
 
 
 def test_the_layout_checks_see_every_part() -> None:
     """A new top-level module or package must be placed in a layer here."""
     parts = {part_of(m) for m in MODULES} - {""}
     assert parts - {"cli"} == set(ALLOWED), sorted(parts - {"cli"} ^ set(ALLOWED))
+
+
+# Which store a location gets is decided in one place: ckptdb.storage.open_store.
+STORE_FACTORY = "ckptdb.storage.opening"
+
+
+def store_classes() -> dict[str, str]:
+    """{class name: its module} of every payload store in ckptdb/storage: a class that
+    defines every member of the ``PayloadStore`` protocol, or whose name ends in
+    ``Store``; a ``Protocol`` (a structural type, as in s3dcp) is no store."""
+    base = ast.parse((PACKAGE / "storage" / "base.py").read_text())
+    protocol = next(
+        n for n in base.body if isinstance(n, ast.ClassDef) and n.name == "PayloadStore"
+    )
+    required = {n.name for n in protocol.body if isinstance(n, ast.FunctionDef)}
+    found: dict[str, str] = {}
+    for module, path in MODULES.items():
+        if part_of(module) != "storage":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = {ast.unparse(b).split("[")[0].rpartition(".")[2] for b in node.bases}
+            methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+            if "Protocol" not in bases and (required <= methods or node.name.endswith("Store")):
+                found[node.name] = module
+    return found
+
+
+def test_only_open_store_constructs_a_store() -> None:
+    """A part that builds a store itself would miss the checks open_store makes (options
+    on a local path) and the next object store (a new scheme). A store's own module
+    may build one (its ``__repr__``, a copy)."""
+    stores = store_classes()
+    assert {"LocalStore", "S3Store"} <= set(stores), f"the scan missed a store: {stores}"
+    builders: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        aliases = {  # ``from .local import LocalStore as Local``
+            a.asname: a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom)
+            for a in n.names
+            if a.asname and a.name in stores
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            cls = aliases.get(name, name)
+            if cls in stores and module not in (STORE_FACTORY, stores[cls]):
+                builders.setdefault(module, []).append(f"{cls}(...) on line {node.lineno}")
+    assert not builders, (
+        f"these construct a store themselves: {builders}; open it with "
+        "ckptdb.storage.open_store(location, options) instead"
+    )

@@ -21,9 +21,15 @@ SHIPPED = (
     "ckptdb/migrations/versions/0001_initial.py",
     "ckptdb/migrations/versions/0002_pins_evaluations.py",
     "ckptdb/migrations/versions/0003_bigint_steps.py",
-    "ckptdb/integrations/lightning.py",
-    "ckptdb/integrations/transformers.py",
-    "ckptdb/integrations/accelerate.py",
+    "ckptdb/integrations/common.py",
+    "ckptdb/integrations/adopt.py",
+    "ckptdb/integrations/lightning/callback.py",
+    "ckptdb/integrations/lightning/layout.py",
+    "ckptdb/integrations/transformers/trainer.py",
+    "ckptdb/integrations/transformers/layout.py",
+    "ckptdb/integrations/accelerate/checkpoints.py",
+    "ckptdb/integrations/accelerate/layout.py",
+    "ckptdb/integrations/deepmd/layout.py",
     "ckptdb/py.typed",
 )
 # What is never part of a source tree that gets built (see .gitignore).

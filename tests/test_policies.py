@@ -23,7 +23,7 @@ from ckptdb.errors import (
     InvalidArgumentError,
     InvalidMetricError,
 )
-from ckptdb.policies import Entry, validate_policies, validate_stream_name
+from ckptdb.policies import Entry, Reads, validate_policies, validate_stream_name
 
 NEW_ID = 999
 
@@ -599,7 +599,7 @@ def test_a_policy_that_keeps_all_evicts_only_from_the_new_step_on(
 ) -> None:
     """Why retention may read only the rows at the new step or later for such a policy
     (the boundary's commit relies on it: its cost must not grow with the history)."""
-    assert policy.keeps_all
+    assert policy.reads(new_step) == Reads()  # only what the new step supersedes
     committed = scored(*members.items())
     new = Entry(id=NEW_ID, step=new_step, metric=new_metric)
     later = [e for e in committed if e.step >= new_step]
@@ -607,8 +607,8 @@ def test_a_policy_that_keeps_all_evicts_only_from_the_new_step_on(
 
 
 def test_only_unbounded_policies_keep_all() -> None:
-    assert not Keep(last=5).keeps_all and not Keep(last=5, every=10).keeps_all
-    assert not TopK(3, "m").keeps_all
+    bounded = [Keep(last=5), Keep(last=5, every=10), TopK(3, "m"), TopK(3, "m", last=4)]
+    assert all(policy.reads(7) != Reads() for policy in bounded)
 
 
 def test_a_keep_all_stream_still_supersedes_a_later_timeline(tmp_path: Path) -> None:

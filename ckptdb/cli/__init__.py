@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from ..errors import CkptDBError, InvalidArgumentError
+from ..integrations.layouts import help_table, layout_names
 from ..reader import RunReader
 from . import fmt as clifmt
 
@@ -176,7 +177,7 @@ def list_(
     Example:
       ckptdb list runs/exp1 --stream model --all
     """
-    from ..ledger.models import STATES
+    from ..record import STATES
 
     with RunReader(root, db_url=db_url) as reader:
         found = reader.checkpoints(stream, states=STATES if all_states else ("committed",))
@@ -273,7 +274,7 @@ def pins(root: Path, db_url: str | None, as_json: bool) -> None:
     Example:
       ckptdb pins runs/exp1
     """
-    from ..ledger.models import utcnow
+    from ..record import utcnow
 
     now = utcnow()
     with RunReader(root, db_url=db_url) as reader:
@@ -457,14 +458,10 @@ def sql(root: Path, statement: str, fmt: str, db_url: str | None) -> None:
 
 
 def _writer(root: Path, db_url: str | None) -> Any:
-    from ..ledger.engine import default_sqlite_url, safe_url
-    from ..ledger.runs import run_exists
+    from ..maintenance import require_run
     from ..manager import CheckpointManager
 
-    url = db_url or default_sqlite_url(root.resolve())
-    if not run_exists(root.resolve(), url):
-        where = f" in the ledger {safe_url(db_url)}" if db_url else ""
-        raise InvalidArgumentError(f"no ckptdb run at {root}{where}")
+    require_run(root, db_url)
     return CheckpointManager(root, db_url=db_url, maintenance=True)
 
 
@@ -562,13 +559,37 @@ def gc(root: Path, db_url: str | None) -> None:
     click.echo(f"{len(evicted)} checkpoint(s) evicted")
 
 
-@main.command()
+_ADOPT_HELP = """Register the checkpoints of an existing run in a new or existing ledger.
+
+    \b
+    Example:
+      ckptdb adopt runs/exp/checkpoints --layout lightning --dry-run
+
+    Every complete checkpoint ROOT holds is hashed (size and hash, as a save
+    records them) and committed with its step and the metrics its framework
+    stored. Partial or unreadable ones are listed and skipped, never deleted.
+    One line per checkpoint (adopted, already, skipped: why), then a summary.
+    Running it again adopts nothing and changes nothing. No file changes,
+    except with --move and DeePMD's aliases.
+
+    \b
+    Layouts: ROOT; where the ledger goes (the integration's place); stream
+{layouts}
+
+    A stream adopt creates keeps everything (keep all). Adopting only appends
+    steps after a stream's newest and never evicts: a checkpoint that a
+    stream's stored policy would not hold now (a full top-K) is skipped, as is
+    one lacking the metric a top-K stream ranks by. Details: docs/api.md.
+    """
+
+
+@main.command(help=_ADOPT_HELP.format(layouts=help_table(indent=6, width=92)))
 @click.argument("root", type=click.Path(path_type=Path))  # a file or nothing: adopt says so
 @click.option(
     "--layout",
     required=True,
     metavar="LAYOUT",
-    help="Whose checkpoints ROOT holds: lightning, transformers, accelerate, deepmd or glob.",
+    help=f"Whose checkpoints ROOT holds: {layout_names()}.",
 )
 @click.option(
     "--pattern",
@@ -603,37 +624,9 @@ def adopt(
     move: bool,
     db_url: str | None,
 ) -> None:
-    """Register the checkpoints of an existing run in a new or existing ledger.
-
-    \b
-    Example:
-      ckptdb adopt runs/exp/checkpoints --layout lightning --dry-run
-
-    Every complete checkpoint ROOT holds is hashed (size and hash, as a save
-    records them) and committed with its step and the metrics its framework
-    stored. Partial or unreadable ones are listed and skipped, never deleted.
-    One line per checkpoint (adopted, already, skipped: why), then a summary.
-    Running it again adopts nothing and changes nothing. No file changes,
-    except with --move and DeePMD's aliases.
-
-    \b
-    Layouts: ROOT; where the ledger goes (the integration's place); stream
-      lightning     a ModelCheckpoint dirpath; <parent>/.<name>.ckptdb beside it;
-                    the monitor's name (else 'checkpoints'), last*.ckpt in
-                    '<stream>.last'; last.ckpt is an alias, never adopted
-      transformers  a Trainer output_dir with checkpoint-<N>/; ROOT; 'checkpoints'
-      accelerate    a project_dir with checkpoints/checkpoint_<N>/; ROOT; 'checkpoints'
-      deepmd        a directory with model.ckpt-<N>.pt; ROOT; 'model'; then
-                    model.ckpt.pt and 'checkpoint' name the newest committed one
-      glob          --pattern under ROOT, step from the name; ROOT; 'model'
-
-    A stream adopt creates keeps everything (keep all). Adopting only appends
-    steps after a stream's newest and never evicts: a checkpoint that a
-    stream's stored policy would not hold now (a full top-K) is skipped, as is
-    one lacking the metric a top-K stream ranks by. Details: docs/api.md.
-    """
-    from .adopt import AdoptReport
-    from .adopt import adopt as adopt_run
+    """Adopt a run (the help text is generated from the layouts' registry: _ADOPT_HELP)."""
+    from ..integrations.adopt import AdoptReport
+    from ..integrations.adopt import adopt as adopt_run
 
     base = root.resolve()
     verbs = {"adopted": "would adopt" if dry_run else "adopted", "already": "already"}
@@ -688,25 +681,10 @@ def upgrade(root: Path, db_url: str | None) -> None:
     Example:
       ckptdb db upgrade runs/exp1
     """
-    from ..ledger import open_ledger
-    from ..ledger.lock import writer_lock
-    from ..ledger.netfs import check_ledger_location
-    from ..ledger.runs import ledger_url
+    from ..maintenance import upgrade as migrate
 
     root = root.resolve()
-    ledger_url(root, db_url, readonly=True)  # refuses a directory that holds no run
-    url = ledger_url(root, db_url, readonly=False)
-    check_ledger_location(url)
-    lock = writer_lock(root, url)
-    lock.acquire()
-    try:
-        ledger = open_ledger(url)
-        try:
-            ledger.migrate()
-        finally:
-            ledger.dispose()
-    finally:
-        lock.release()
+    migrate(root, db_url)
     click.echo(f"{root}: ledger at schema {_current(root, db_url)}")
 
 
@@ -720,22 +698,16 @@ def current(root: Path, db_url: str | None) -> None:
     Example:
       ckptdb db current runs/exp1
     """
-    from ..ledger.engine import newest_revision
+    from ..maintenance import newest_revision
 
     head = newest_revision()
     click.echo(f"ledger {_current(root.resolve(), db_url)}; newest known {head}")
 
 
 def _current(root: Path, db_url: str | None) -> str:
-    from ..ledger import open_ledger
-    from ..ledger.runs import ledger_url
+    from ..maintenance import schema_revisions
 
-    ledger = open_ledger(ledger_url(root, db_url, readonly=True), readonly=True)
-    try:
-        heads = ledger.heads()
-    finally:
-        ledger.dispose()
-    return ", ".join(heads) or "none"
+    return ", ".join(schema_revisions(root, db_url)) or "none"
 
 
 @main.command()

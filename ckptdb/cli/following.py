@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, InvalidArgumentError
-from ..ledger import evaluations
 from ..reader import RunReader
 from ..record import Checkpoint
 
@@ -69,9 +68,7 @@ def reported(output: str) -> dict[str, float]:
 def resume_cursor(reader: RunReader, evaluator: str, stream: str) -> int:
     """Where this evaluator continues: after the newest checkpoint it recorded (else 0:
     every checkpoint the stream still has, oldest first)."""
-    with reader._db.transaction(read=True) as session:
-        found = evaluations.last_evaluated_id(session, reader.run_id, evaluator, stream)
-    return found or 0
+    return reader.last_evaluated(evaluator, stream) or 0
 
 
 def follow(

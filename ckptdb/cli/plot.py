@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptDBError
-from ..ledger.models import COMMITTED, DELETED, DELETING
 from ..reader import RunReader
+from ..record import COMMITTED, DELETED, DELETING
 
 
 class PlotUnavailableError(CkptDBError, ImportError):

@@ -6,7 +6,7 @@ rows into objects) cost ~10 ms, some 40 fsyncs' worth. Each statement here is
 plain SQL written once, rendered once per driver parameter style, and run on
 the driver's cursor (:mod:`~ckptdb.ledger.driver`); a list of parameter tuples
 is one driver ``executemany`` (one call for all the streams of a boundary). Errors still surface as
-SQLAlchemy's, so :meth:`Ledger.transaction` translates them as before, and the
+SQLAlchemy's, so :meth:`Ledger.transaction` translates them like any other, and the
 statements run inside the caller's transaction, like every helper of
 :mod:`~ckptdb.ledger.rows`.
 

@@ -9,7 +9,7 @@ callers rely on from SQLAlchemy:
 
 * **Errors** are SQLAlchemy's: a driver error becomes the same
   :class:`sqlalchemy.exc.DBAPIError` subclass ``exec_driver_sql`` raises, so
-  :meth:`~ckptdb.ledger.engine.Ledger.transaction` translates it as before,
+  :meth:`~ckptdb.ledger.engine.Ledger.transaction` translates it like any other,
   and a connection the driver reports as lost, or one interrupted mid-statement,
   is invalidated so that the pool replaces it (SQLAlchemy would also
   invalidate the pool's other connections on a lost one; PostgreSQL's

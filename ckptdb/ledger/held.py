@@ -1,21 +1,22 @@
 """The writer's connection, kept checked out between a SQLite ledger's transactions.
 
-Why: a boundary runs two or three short transactions, and each one used to
-check a connection out of SQLAlchemy's pool, build a ``Connection`` and an
-ORM ``Session`` around it, and give all of it back at the end. Measured in
-place (saves of a tiny payload, the three ways alternated in one process),
-that set-up and tear-down was ~0.6 ms of CPU per save for the pool and ~0.35
-ms for the sessions, a fifth of a tiny save: far more than the same code
-costs in a tight loop, because a save runs it between file writes and
-fsyncs, with cold caches. A transaction on the held connection only begins
-and commits; its session is made once and closed only when the ORM was used
-in it.
+Why: a boundary runs two or three short transactions, and a transaction on
+a pooled connection checks it out of SQLAlchemy's pool, builds a
+``Connection`` and an ORM ``Session`` around it, and gives all of it back at
+the end. Measured in place (saves of a tiny payload, the three ways
+alternated in one process), that set-up and tear-down is ~0.6 ms of CPU per
+save for the pool and ~0.35 ms for the sessions, a fifth of a tiny save: far
+more than the same code costs in a tight loop, because a save runs it
+between file writes and fsyncs, with cold caches. A transaction on the held
+connection only begins and commits; its session is made once and closed
+only when the ORM was used in it.
 
-What stays as it was: every transaction is a real ``BEGIN IMMEDIATE`` ...
-``COMMIT`` through SQLAlchemy's ``Connection.begin`` (so its ``begin``
-listeners, the ``synchronous`` level and error translation are unchanged),
-and the pool still serves readers and any writer transaction that finds the
-held connection in use (it then waits at ``BEGIN IMMEDIATE`` as before).
+What it shares with a pooled connection: every transaction is a real
+``BEGIN IMMEDIATE`` ... ``COMMIT`` through SQLAlchemy's ``Connection.begin``
+(so its ``begin`` listeners, the ``synchronous`` level and error translation
+apply to it as to any), and the pool serves readers and any writer
+transaction that finds the held connection in use (it then waits at
+``BEGIN IMMEDIATE`` like any other writer).
 What must not outlive a failure does not: a transaction that raises for any
 reason (a driver error, a lost connection, an interrupt) gives the
 connection and its session up: the session is closed and the connection goes

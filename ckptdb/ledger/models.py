@@ -30,6 +30,15 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 from ..policies import INT64_MAX
+from ..record import ABORTED as ABORTED
+from ..record import COMMITTED as COMMITTED
+from ..record import CORRUPT as CORRUPT
+from ..record import DELETED as DELETED
+from ..record import DELETING as DELETING
+from ..record import LOST as LOST
+from ..record import PENDING as PENDING
+from ..record import STATES as STATES
+from ..record import utcnow as utcnow
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -39,20 +48,8 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-# Publication states of a checkpoint row (see docs/guarantees.md).
-PENDING = "pending"
-COMMITTED = "committed"
-DELETING = "deleting"
-DELETED = "deleted"
-ABORTED = "aborted"
-LOST = "lost"
-CORRUPT = "corrupt"
-STATES = (PENDING, COMMITTED, DELETING, DELETED, ABORTED, LOST, CORRUPT)
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
-
+# The publication states of a checkpoint row (PENDING ... CORRUPT, STATES) and
+# utcnow are defined in ckptdb.record (the public vocabulary) and re-exported here.
 
 #: The longest metric name ``metrics.name`` (VARCHAR(255)) holds; PostgreSQL enforces it.
 MAX_METRIC_NAME = 255

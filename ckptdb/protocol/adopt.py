@@ -43,11 +43,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import InvalidArgumentError, PhaseError, note_on
-from ..ledger import Ledger, after_commit
+from ..errors import InvalidArgumentError, LedgerError, PhaseError, note_on
+from ..ledger import Ledger, RunQueries, after_commit, open_ledger
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
+from ..ledger.engine import LEDGER_FILE
 from ..ledger.follow import notify_commit
+from ..ledger.runs import ledger_url, open_as_reader
+from ..location import ObjectPath
 from ..policies import Entry, Keep, Policy, Reads, validate_stream_name
 from ..record import Checkpoint
 from ..storage.base import FileInfo, PayloadStore
@@ -62,8 +65,10 @@ __all__ = [
     "Adopter",
     "Candidate",
     "Outcome",
+    "RecordedRun",
     "decide",
     "preview",
+    "preview_recorded",
 ]
 
 Status = Literal["adopted", "already", "skipped"]
@@ -401,3 +406,72 @@ def _undone(undo: Callable[[], None] | None) -> str:
     except (OSError, PhaseError) as exc:
         return f" (moving it back failed: {exc}; it stays in the save directory, without a row)"
     return " (moved back)"
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    """What a dry look at an existing run found (:func:`preview_recorded`)."""
+
+    save_dir: Path
+    policies: dict[str, Policy]
+    outcomes: list[Outcome]
+    #: The newest committed checkpoint of the stream the layout's aliases follow.
+    alias_target: Path | None
+
+
+def preview_recorded(
+    ledger_root: Path,
+    db_url: str | None,
+    candidates: Iterable[Candidate],
+    *,
+    store_of: Callable[[Path], PayloadStore],
+    move: bool,
+    alias_stream: str | None,
+) -> RecordedRun | None:
+    """:func:`preview` against the run already recorded for ``ledger_root``, read-only
+    (no writer lock, nothing written); None when there is no such run yet.
+
+    ``store_of`` opens the store of the run's save directory. A ledger with an
+    older schema is refused (upgrading is ``ckptdb db upgrade``'s, never a
+    side effect of a dry run); ``move`` into a run on object storage is
+    refused (moving a local file there would be an upload).
+    """
+    if db_url is None and not (ledger_root / LEDGER_FILE).is_file():
+        return None
+    db = open_ledger(ledger_url(ledger_root, db_url, readonly=True), readonly=True)
+    try:
+        schema = db.schema()
+        if schema == "empty":
+            return None
+        if schema != "current":
+            raise LedgerError(
+                f"the ledger of {ledger_root} uses an older schema; run "
+                f"`ckptdb db upgrade {ledger_root}` first"
+            )
+        try:
+            run = open_as_reader(db, ledger_root, adopt_single=db_url is None)
+        except LedgerError:  # a current schema without this run: a new run
+            return None
+        if isinstance(run.save_dir, ObjectPath) and move:
+            raise InvalidArgumentError(
+                f"adopt --move: the run saves to object storage ({run.save_dir}), and moving "
+                "a local file there would be an upload; adopt it into a run with a local "
+                "save_dir"
+            )
+        outcomes = preview(
+            candidates,
+            save_dir=run.save_dir,
+            store=store_of(run.save_dir),
+            policies=run.policies,
+            db=db,
+            run_id=run.run_id,
+            move=move,
+        )
+        target = None
+        if alias_stream in run.policies:
+            queries = RunQueries(db, run.run_id, run.save_dir, run.policies)
+            latest = queries.latest(alias_stream)
+            target = latest.path if latest is not None else None
+        return RecordedRun(run.save_dir, run.policies, outcomes, target)
+    finally:
+        db.dispose()

@@ -1,6 +1,7 @@
 """Where payloads live: the storage seam, its local implementation, payload kinds.
 
 - :mod:`~ckptdb.storage.base`: the :class:`PayloadStore` protocol (the seam);
+- :mod:`~ckptdb.storage.opening`: :func:`open_store`, the store of a location (local or object);
 - :mod:`~ckptdb.storage.local`: :class:`LocalStore`, on a POSIX filesystem;
 - :mod:`~ckptdb.storage.kinds`: payload kinds (a ``torch.save`` file, a DCP directory);
 - :mod:`~ckptdb.storage.files`: the durable file primitives the local store uses;
@@ -14,6 +15,7 @@ from .files import FileInfo, HashingWriter, hash_checkpoint, hash_file
 from .kinds import PayloadKind, kind_of, kind_of_path
 from .local import LocalStore
 from .naming import CHECKPOINT_NAME, TEMP_NAME, checkpoint_name, is_sharded, temp_name
+from .opening import open_store
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -32,5 +34,6 @@ __all__ = [
     "is_sharded",
     "kind_of",
     "kind_of_path",
+    "open_store",
     "temp_name",
 ]

@@ -39,7 +39,7 @@ from typing import Any, BinaryIO, Literal, Protocol
 from .files import FileInfo
 from .heldfile import HeldFile
 
-__all__ = ["CORRUPT", "LOST", "FileInfo", "Finding", "Found", "PayloadStore"]
+__all__ = ["CORRUPT", "LOST", "FileInfo", "Finding", "Found", "PayloadStore", "verdict"]
 
 LOST: Literal["lost"] = "lost"
 CORRUPT: Literal["corrupt"] = "corrupt"
@@ -59,6 +59,29 @@ class Finding:
     missing: bool = False
     #: The error met while reading it, if any.
     error: BaseException | None = None
+
+
+def verdict(
+    actual: FileInfo, size: int | None, digest: str | None, *, full: bool, part: str | None = None
+) -> Finding | None:
+    """The verdict on a payload that could be read and measured as ``actual``: ``corrupt``
+    if its size, or with ``full`` its hash, differs from its row's; None if it matches.
+
+    Every store sorts what it read by this one rule, so that a row is found
+    corrupt (and said to be, in the same words) whatever holds its payload;
+    what cannot be read at all is ``lost``, which each store tells by its own
+    errors. ``part``: a file inside the payload (a shard of a sharded
+    checkpoint), compared with what its writer recorded in the manifest: the
+    finding names it and carries no ``actual``, which measures a whole
+    payload (what a row records), not one of its files.
+    """
+    where, against = ("", "recorded") if part is None else (f"{part}: ", "written")
+    measured = actual if part is None else None
+    if actual.size != size:
+        return Finding(CORRUPT, f"{where}size {actual.size} != {against} {size}", measured)
+    if full and actual.hash != digest:
+        return Finding(CORRUPT, f"{where}hash {actual.hash} != {against} {digest}", measured)
+    return None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import ForeignEntryError, InvalidArgumentError, PhaseError, RunDirectoryError
 from ..policies import STREAM_NAME
 from . import dcp, external, files, heldfile
-from .base import CORRUPT, LOST, Finding, Found
+from .base import CORRUPT, LOST, Finding, Found, verdict
 from .files import FileInfo
 from .heldfile import HeldFile
 from .naming import CHECKPOINT_NAME, SHARDED_SUFFIX, TEMP_NAME
@@ -183,13 +183,10 @@ class LocalStore:
             return Finding(CORRUPT, str(exc), error=exc)
         except (OSError, InvalidArgumentError) as exc:
             return Finding(LOST, f"unreadable: {exc}", error=exc)
-        if actual.size != size:
-            return Finding(CORRUPT, f"size {actual.size} != recorded {size}", actual)
-        if full and actual.hash != digest:
-            return Finding(CORRUPT, f"hash {actual.hash} != recorded {digest}", actual)
-        if held is not None:
+        finding = verdict(actual, size, digest, full=full)
+        if finding is None and held is not None:
             self._held = (rel, held)
-        return None
+        return finding
 
     def _measure(self, rel: str, *, full: bool, keep: bool) -> tuple[FileInfo, HeldFile | None]:
         """Size (and with ``full`` hash) of ``rel``; with ``keep`` a file's bytes, held."""

@@ -50,7 +50,7 @@ from ..errors import InvalidArgumentError, ObjectStoreError, PhaseError
 from ..location import ObjectPath
 from ..policies import STREAM_NAME
 from . import s3dcp
-from .base import CORRUPT, LOST, Finding, Found
+from .base import LOST, Finding, Found, verdict
 from .files import FileInfo, _in_chain
 from .naming import CHECKPOINT_NAME, OBJECT_NAME, SHARDED_SUFFIX, is_sharded
 from .s3client import (
@@ -223,17 +223,11 @@ class S3Store:
         try:
             actual, data = self._fetch(key, size, keep) if full else (self.head_size(key), None)
         except ObjectStoreError as exc:
-            doubt = self._bucket_doubt() if is_missing(exc.__cause__ or exc) else ""
-            if doubt is None:
-                return Finding(LOST, "object missing", missing=True, error=exc)
-            return Finding(LOST, f"unreadable: {exc}{doubt}", error=exc)
-        if actual.size != size:
-            return Finding(CORRUPT, f"size {actual.size} != recorded {size}", actual)
-        if full and actual.hash != digest:
-            return Finding(CORRUPT, f"hash {actual.hash} != recorded {digest}", actual)
-        if data is not None:
+            return self.unreadable(exc)
+        finding = verdict(actual, size, digest, full=full)
+        if finding is None and data is not None:
             self._verified = (rel, data)
-        return None
+        return finding
 
     def _verify_sharded(
         self, rel: str, size: int | None, digest: str | None, *, full: bool, keep: bool
@@ -247,13 +241,15 @@ class S3Store:
             self._manifest = (rel, files)
         return finding
 
-    def unreadable(self, exc: ObjectStoreError, name: str) -> Finding:
+    def unreadable(self, exc: ObjectStoreError, name: str | None = None) -> Finding:
         """The finding for an object that could not be read: missing (404, and the bucket
-        answers), or unreadable now (not proof that it is gone)."""
+        answers), or unreadable now (not proof that it is gone). ``name``: a file of a
+        sharded payload, named in the detail (None: the payload's own object)."""
+        where = "" if name is None else f"{name}: "
         doubt = self._bucket_doubt() if is_missing(exc.__cause__ or exc) else ""
         if doubt is None:
-            return Finding(LOST, f"{name}: object missing", missing=True, error=exc)
-        return Finding(LOST, f"{name}: unreadable: {exc}{doubt}", error=exc)
+            return Finding(LOST, f"{where}object missing", missing=True, error=exc)
+        return Finding(LOST, f"{where}unreadable: {exc}{doubt}", error=exc)
 
     def _bucket_doubt(self) -> str | None:
         """A HEAD's 404 has no body, so a missing bucket looks like a missing key: before

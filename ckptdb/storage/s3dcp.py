@@ -56,7 +56,7 @@ from torch.futures import Future
 
 from .. import faults
 from ..errors import CorruptCheckpointError, InvalidArgumentError, ObjectStoreError, PhaseError
-from .base import CORRUPT, Finding
+from .base import CORRUPT, Finding, verdict
 from .files import FileInfo, combine
 from .s3client import Calls, store_error
 from .s3upload import ObjectWriter
@@ -343,10 +343,9 @@ def verify(
             actual = _hash_object(store, key) if full else store.head_size(key)
         except ObjectStoreError as exc:
             return store.unreadable(exc, name), None
-        if actual.size != info.size:
-            return Finding(CORRUPT, f"{name}: size {actual.size} != written {info.size}"), None
-        if full and actual.hash != info.hash:
-            return Finding(CORRUPT, f"{name}: hash {actual.hash} != written {info.hash}"), None
+        finding = verdict(actual, info.size, info.hash, full=full, part=name)
+        if finding is not None:
+            return finding, None
     return None, files
 
 

@@ -1,41 +1,14 @@
-"""PyTorch Lightning: a drop-in ``ModelCheckpoint`` whose checkpoints become visible at commit.
+"""The ckptdb ``ModelCheckpoint`` for PyTorch Lightning (see the package docstring).
 
-``from ckptdb.integrations.lightning import ModelCheckpoint`` and use it as
-Lightning's own: same arguments, same file names (``filename=``,
-``auto_insert_metric_name``, ``-v1`` suffixes), same attributes
-(``best_model_path``, ``best_k_models``, ``last_model_path``). What changes is
-what decides:
-
-- **Visibility.** Every checkpoint is written by ``trainer.save_checkpoint``
-  into a temporary path ckptdb hands out (an :class:`~ckptdb.External`
-  payload), fsynced, placed under Lightning's name and committed as one
-  ledger row. ``best_model_path``, ``best_k_models`` and ``fit(ckpt_path=
-  "last")`` only ever name committed checkpoints.
-- **Retention.** Top-k is a ledger stream (``TopK(save_top_k, monitor,
-  mode)``; ``Keep`` without a monitor); a file goes only after the commit
-  that evicted it. The checkpoint a run resumed from stays on disk.
-- **``last.ckpt``** is an alias derived from the ledger: a hard link to the
-  newest committed checkpoint, swapped in atomically after the commit and
-  rebuilt on resume. ``save_last=True`` writes a checkpoint of its own only
-  at a step where no top-k checkpoint was committed.
-- **The guard.** With ``guard=True`` the gradients each optimizer step
-  applies feed a :class:`~ckptdb.NonFiniteGradGuard` (on the device, no host
-  sync); a non-finite one refuses the next checkpoint on every rank
-  (``guard="raise"`` also stops training). A step a GradScaler skipped
-  changed no weights and does not count.
-- **Metrics.** ``trainer.callback_metrics`` at each checkpoint are stored
-  with its row and in the ledger's ``metrics`` table.
-
-The ledger lives outside ``dirpath`` (which holds checkpoints only): by
-default in ``.<dirpath name>.ckptdb/`` next to it, unique to that
-``dirpath``. Several ckptdb callbacks of one Trainer with the same
-``dirpath`` share it, each as its own streams.
+Lightning's own callback, subclassed: it keeps Lightning's arguments, names
+and attributes, and hands visibility, retention, ``last`` and resume
+resolution to the ledger through the shared integration layer
+(:mod:`ckptdb.integrations.common`).
 """
 
 import logging
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -46,40 +19,43 @@ from weakref import proxy
 import torch
 from torch import Tensor
 
+from ..common import framework_missing
+
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
     from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
     from lightning.pytorch.strategies import Strategy
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "ckptdb.integrations.lightning needs Lightning: pip install 'ckptdb[lightning]'"
-    ) from exc
+    raise framework_missing("ckptdb.integrations.lightning", "Lightning", "lightning") from exc
 
-from ..errors import (
-    ArgumentTypeError,
-    InvalidArgumentError,
-    NonFiniteGradientError,
-    RunDirectoryError,
-    note_on,
+from ...errors import InvalidArgumentError, NonFiniteGradientError, RunDirectoryError, note_on
+from ...guard import NonFiniteGradGuard
+from ...ledger.runs import ledger_beside
+from ...manager import CheckpointManager
+from ...policies import Keep, Policy, TopK
+from ...record import Checkpoint
+from ...storage.alias import point_alias, remove_alias
+from ...storage.external import External
+from ...storage.files import FileInfo, write_stream
+from ..common import (
+    check_db_url,
+    check_guard,
+    check_path,
+    check_stream,
+    newest_whole_read_only,
+    optimizer_params,
+    protect_start,
+    publish,
+    rankable_metrics,
+    scalars,
+    skipped_by_scaler,
 )
-from ..guard import NonFiniteGradGuard
-from ..ledger.engine import LEDGER_FILE
-from ..ledger.runs import ledger_beside
-from ..manager import CheckpointManager
-from ..policies import RESERVED_STREAM_NAMES, Keep, Policy, TopK, validate_stream_name
-from ..reader import RunReader, ledger_url, run_exists
-from ..record import Checkpoint
-from ..storage.alias import point_alias, remove_alias
-from ..storage.external import External
-from ..storage.files import FileInfo, write_stream
-from ..storage.local import LocalStore
+from .layout import LAST_SUFFIX, stream_for_monitor
 
 __all__ = ["ModelCheckpoint", "default_ledger", "newest_committed"]
 
 log = logging.getLogger("ckptdb.lightning")
-
-_LAST = ".last"
 
 
 def default_ledger(dirpath: str | os.PathLike[str]) -> Path:
@@ -103,20 +79,7 @@ def newest_committed(
     What ``fit(ckpt_path="last")`` resumes from. Read-only: it never takes
     the writer lock, so every rank may ask before the process group exists.
     """
-    root = Path(ledger).resolve()
-    if db_url is None and not (root / LEDGER_FILE).exists():
-        return None  # a first run: nothing to resume from
-    if not run_exists(root, ledger_url(root, db_url, readonly=True)):
-        return None
-    with RunReader(root, db_url=db_url) as reader:
-        found, store = reader.checkpoints(), LocalStore(reader.save_dir)
-    for record in sorted(found, key=lambda c: (c.committed_at, c.id), reverse=True):
-        rel = os.path.relpath(record.path, store.save_dir)
-        finding = store.verify(rel, record.size, record.hash, full=True)  # the one sorter
-        if finding is None:
-            return record
-        log.warning("not resuming from %s: %s", record.path, finding.detail)
-    return None
+    return newest_whole_read_only(ledger, db_url=db_url, log=log)
 
 
 @dataclass
@@ -190,20 +153,10 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             save_on_train_epoch_end=save_on_train_epoch_end,
             enable_version_counter=enable_version_counter,
         )
-        if guard not in (True, False, "raise"):
-            raise InvalidArgumentError(f"guard must be True, False or 'raise', got {guard!r}")
-        if ledger is not None and not isinstance(ledger, (str, os.PathLike)):
-            raise ArgumentTypeError(f"ledger must be a path, got {ledger!r}")
-        if db_url is not None and not isinstance(db_url, str):
-            raise ArgumentTypeError(f"db_url must be a str, got {db_url!r}")
-        self.ledger = os.fspath(ledger) if ledger is not None else None
-        self.db_url = db_url
-        self.guard = guard
-        if stream is not None and len(validate_stream_name(stream)) > 64 - len(_LAST):
-            raise InvalidArgumentError(
-                f"stream {stream!r} is too long: its '{_LAST}' stream must fit in 64 characters"
-            )
-        self.stream = stream
+        self.guard = check_guard(guard)
+        self.ledger = check_path(ledger, "ledger")
+        self.db_url = check_db_url(db_url)
+        self.stream = check_stream(stream, suffix=LAST_SUFFIX)
         self._session_key: tuple[str, str | None, int] | None = None
         #: Ids of the checkpoints this callback committed in the current fit.
         self._published: set[int] = set()
@@ -213,17 +166,12 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     @property
     def main_stream(self) -> str:
         """The ledger stream of this callback's top-k (or every-n) checkpoints."""
-        if self.stream is not None:
-            return self.stream
-        if self.monitor is None:
-            return "checkpoints"
-        name = re.sub(r"[^A-Za-z0-9_.\-]", "_", self.monitor).strip(".")[:56] or "monitor"
-        return f"by_{name}" if name in RESERVED_STREAM_NAMES else name
+        return self.stream if self.stream is not None else stream_for_monitor(self.monitor)
 
     @property
     def last_stream(self) -> str:
         """The stream of checkpoints written for ``last`` (or on an exception) alone."""
-        return f"{self.main_stream}{_LAST}"
+        return f"{self.main_stream}{LAST_SUFFIX}"
 
     def streams(self) -> dict[str, Policy]:
         """This callback's ledger streams and their policies."""
@@ -356,13 +304,13 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         """
         super().on_train_start(trainer, pl_module)
         session = self._session(trainer)
-        resumed = trainer.ckpt_path
-        for record in session.manager.checkpoints():
-            if resumed is None:
-                session.manager.protect(record)
-            elif os.path.abspath(record.path) == os.path.abspath(resumed):
-                session.manager.protect(record)
-                session.manager.resumed_from(record)
+        manager, resumed = session.manager, trainer.ckpt_path
+        if resumed is None:
+            protect_start(manager, None)
+        else:  # a warm start from a file that is not this run's protects nothing
+            for record in manager.checkpoints():
+                if os.path.abspath(record.path) == os.path.abspath(resumed):
+                    protect_start(manager, record)
         if self.save_last and self.last_model_path:
             target = self._last_target(session, None)  # collective: asked on every rank
             if target is not None and trainer.is_global_zero:
@@ -380,8 +328,10 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         if session.fed == fed:
             return
         session.fed = fed
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        session.guard.observe(params, skipped=_skipped_by_scaler(trainer, optimizer))
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        session.guard.observe(
+            optimizer_params(optimizer), skipped=skipped_by_scaler(scaler, optimizer)
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Lightning's restore, then the ledger's word: no path it no longer has survives."""
@@ -568,21 +518,35 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         def write(path: Path) -> FileInfo | None:
             return _save_checkpoint(trainer, path, weights_only)
 
-        metrics = _boundary_metrics(monitor_candidates, self.monitor, score)
-        try:
-            payloads: dict[str, Any] = {stream: External(write, name)}
-            saved = session.manager.save(step, metrics=metrics, blocking=True, **payloads)
-        except NonFiniteGradientError as exc:
+        metrics = rankable_metrics(
+            self._boundary_metrics(monitor_candidates, score),
+            session.manager.policies.get(stream),
+            step=step,
+            log=log,
+        )
+
+        def refused(exc: NonFiniteGradientError) -> None:
             session.refused_step = step
             self._sync(session)  # the refusal is agreed by every rank: the query is too
-            if self.guard == "raise":
-                raise
-            log.warning("ckptdb: %s", exc)
-            return None
+
+        try:
+            record = publish(
+                session.manager,
+                step,
+                stream,
+                External(write, name),
+                metrics=metrics,
+                guard=self.guard,
+                log=log,
+                refused=refused,
+            )
+        except NonFiniteGradientError:
+            raise
         except BaseException:
             self._restore(before)  # no collective here: a rank may be failing alone
             raise
-        record = saved.get(stream)
+        if session.refused_step == step:
+            return None
         if record is not None:
             self._published.add(record.id)
             self._last_global_step_saved = step
@@ -592,6 +556,15 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                     logger.after_save_checkpoint(proxy(self))
         self._sync(session)
         return record
+
+    def _boundary_metrics(
+        self, candidates: dict[str, Tensor], score: Tensor | None
+    ) -> dict[str, float]:
+        """The scalar metrics Lightning has at this boundary (with the score as ranked)."""
+        metrics = dict(scalars(candidates))
+        if self.monitor is not None and score is not None:
+            metrics[self.monitor] = float(score.item())
+        return metrics
 
     def _name_in_dirpath(self, filepath: str) -> str:
         assert self.dirpath is not None
@@ -666,31 +639,11 @@ def _score(current: Tensor, mode: str) -> Tensor:
     return current if isinstance(current, Tensor) else torch.tensor(float(current))
 
 
-def _finite(value: float) -> float:
-    """The ledger ranks by finite metrics: an infinite score is stored as the largest float."""
-    return max(min(value, sys.float_info.max), -sys.float_info.max)
-
-
 def _tensor(metric: float | None) -> Tensor:
     value = 0.0 if metric is None else metric
     if abs(value) == sys.float_info.max:
         value = math.copysign(math.inf, value)
     return torch.tensor(value)
-
-
-def _boundary_metrics(
-    candidates: dict[str, Tensor], monitor: str | None, score: Tensor | None
-) -> dict[str, float]:
-    """The scalar metrics Lightning has at this boundary (with the score as ranked)."""
-    metrics: dict[str, float] = {}
-    for name, value in candidates.items():
-        if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
-            metrics[name] = float(value.item())
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            metrics[name] = float(value)
-    if monitor is not None and score is not None:
-        metrics[monitor] = _finite(float(score.item()))
-    return metrics
 
 
 def _save_checkpoint(trainer: pl.Trainer, path: Path, weights_only: bool) -> FileInfo | None:
@@ -725,16 +678,3 @@ def _save_checkpoint(trainer: pl.Trainer, path: Path, weights_only: bool) -> Fil
         finally:  # a rank that failed still meets the others; ckptdb agrees on the outcome
             strategy.barrier("Trainer.save_checkpoint")
     return info
-
-
-def _skipped_by_scaler(trainer: pl.Trainer, optimizer: Any) -> Tensor | None:
-    """A boolean tensor: the GradScaler found inf/NaN and will skip this step."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is None:
-        return None
-    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
-    found = state.get("found_inf_per_device") if state else None
-    if not found:
-        return None
-    flags = [f.to(next(iter(found.values())).device) for f in found.values()]
-    return torch.stack(flags).sum() > 0

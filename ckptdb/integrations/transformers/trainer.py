@@ -1,83 +1,65 @@
-"""Hugging Face Transformers: a ``Trainer`` whose checkpoints become visible at commit.
+"""The ckptdb ``Trainer`` for Hugging Face Transformers (see the package docstring).
 
-``from ckptdb.integrations.transformers import Trainer`` (or
-``ledger_trainer(SFTTrainer)`` for any ``transformers.Trainer`` subclass) and
-train as usual. What changes is what decides:
-
-- **Visibility.** Each ``checkpoint-N/`` is written by the Trainer's own
-  savers (model, optimizer, scheduler, scaler, RNG state per rank, trainer
-  state) into a temporary directory ckptdb hands out (an
-  :class:`~ckptdb.External` payload), fsynced, placed under its usual name
-  and committed as one ledger row after every rank has written. No rename
-  happens before every rank is done, so no rank can race it.
-- **Resume.** ``train(resume_from_checkpoint=True)`` resumes from the newest
-  *committed* checkpoint whose size and hash still match, never from the
-  highest-numbered directory. A partial ``checkpoint-N`` left by a crash is
-  rolled back when the ledger opens.
-- **Retention.** ``save_total_limit`` and ``metric_for_best_model`` become the
-  policy of the ledger stream ``checkpoints``; the Trainer's own rotation
-  never runs, a directory goes only after the commit that evicted it, and
-  the checkpoint a run resumed from stays on disk. ``state.best_model_checkpoint``
-  (and so ``load_best_model_at_end``) is the ledger's best.
-- **The guard** (on unless ``guard=False``): the gradients of every step the
-  optimizer applies feed a :class:`~ckptdb.NonFiniteGradGuard`; a non-finite
-  one refuses the next checkpoint on every rank and logs a warning
-  (``guard="raise"`` stops training instead).
-- **Metrics.** Everything the Trainer logs (``state.log_history``) reaches the
-  ledger's ``metrics`` table; the evaluation metrics of a step are stored with
-  its checkpoint's row.
-
-The ledger lives in ``args.output_dir`` (``ckptdb.sqlite`` beside the
-checkpoints) unless ``ledger=`` names another run root; ``db_url=`` puts it in
-PostgreSQL.
+``ledger_trainer(cls)`` mixes the ledger into any ``transformers.Trainer``
+subclass; the boundary itself goes through the shared integration layer
+(:mod:`ckptdb.integrations.common`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from ..common import framework_missing
+
 try:
     import transformers
     from transformers.trainer_callback import ExportableState, TrainerCallback
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "ckptdb.integrations.transformers needs transformers: pip install 'ckptdb[transformers]'"
+    raise framework_missing(
+        "ckptdb.integrations.transformers", "transformers", "transformers"
     ) from exc
 
-from ..errors import (
+from ...errors import (
     ArgumentTypeError,
     CheckpointLostError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
     InvalidArgumentError,
     NoCheckpointToResumeError,
     NonFiniteGradientError,
 )
-from ..guard import NonFiniteGradGuard
-from ..ledger.rows import LIVE_STATES
-from ..manager import CheckpointManager, refuse_object_root
-from ..policies import Keep, Policy, TopK
-from ..record import Checkpoint
-from ..storage.external import External
-from ..storage.files import fsync_file
+from ...guard import NonFiniteGradGuard
+from ...manager import CheckpointManager, refuse_object_root
+from ...policies import Keep, Policy, TopK
+from ...record import Checkpoint
+from ...storage.external import External
+from ...storage.files import fsync_file
+from ..common import (
+    GuardSetting,
+    check_db_url,
+    check_guard,
+    check_path,
+    free_name,
+    held_names,
+    newest_whole,
+    optimizer_params,
+    protect_start,
+    publish,
+    rankable_metrics,
+    scalars,
+    skipped_by_scaler,
+)
+from .layout import STREAM, TRAINER_STATE_NAME
 
 __all__ = ["STREAM", "Trainer", "ledger_trainer", "streams_for"]
 
 log = logging.getLogger("ckptdb.transformers")
-
-#: The ledger stream that holds the Trainer's ``checkpoint-N`` directories.
-STREAM = "checkpoints"
-TRAINER_STATE_NAME = "trainer_state.json"
-
-GuardSetting = bool | Literal["raise"]
 #: The Trainer's private methods the integration overrides or calls: checked when a
 #: class is made, so a transformers that renamed one fails loudly, not silently.
 _OVERRIDDEN = (
@@ -149,9 +131,10 @@ class _LedgerCallback(TrainerCallback):
         run = self.trainer._ckptdb_run
         if run is None or run.guard is None:
             return
-        optimizer = self.trainer.optimizer
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        run.guard.observe(params, skipped=_skipped_by_scaler(self.trainer.accelerator))
+        scaler = getattr(self.trainer.accelerator, "scaler", None)
+        run.guard.observe(
+            optimizer_params(self.trainer.optimizer), skipped=skipped_by_scaler(scaler)
+        )
 
     def on_evaluate(
         self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None, **kw: Any
@@ -161,7 +144,7 @@ class _LedgerCallback(TrainerCallback):
             return
         # one evaluate() fires this once per eval dataset (a dict of them), and a
         # callback may evaluate again: every value of the step goes with its checkpoint
-        values = _numbers(metrics)
+        values = dict(scalars(metrics))
         if run.evaluated is not None and run.evaluated[0] == state.global_step:
             values = {**run.evaluated[1], **values}
         run.evaluated = (state.global_step, values)
@@ -171,7 +154,7 @@ class _LedgerCallback(TrainerCallback):
     ) -> None:
         run = self.trainer._ckptdb_run
         if run is not None and logs:
-            values = _numbers(logs)
+            values = dict(scalars(logs))
             if values:
                 run.manager.log_metrics(state.global_step, values)
 
@@ -218,16 +201,12 @@ class _LedgerTrainerMixin:
         guard: GuardSetting = True,
         **kwargs: Any,
     ) -> None:
-        if guard not in (True, False, "raise"):
-            raise InvalidArgumentError(f"guard must be True, False or 'raise', got {guard!r}")
-        if ledger is not None and not isinstance(ledger, (str, os.PathLike)):
-            raise ArgumentTypeError(f"ledger must be a path, got {ledger!r}")
-        if db_url is not None and not isinstance(db_url, str):
-            raise ArgumentTypeError(f"db_url must be a str, got {db_url!r}")
+        check_guard(guard)
+        check_path(ledger, "ledger")
+        check_db_url(db_url)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         # the Trainer writes checkpoint-N/ with its own (local) writers: no object storage
         refuse_object_root(getattr(training_args, "output_dir", None), "args.output_dir")
-        refuse_object_root(ledger, "ledger")
         if getattr(training_args, "push_to_hub", False) and ledger is None and db_url is None:
             raise InvalidArgumentError(
                 "push_to_hub uploads output_dir, and the ledger would be in it (ckptdb.sqlite, "
@@ -311,10 +290,10 @@ class _LedgerTrainerMixin:
     ) -> str | None:
         """What ``train`` resumes from, as the ledger says; protected while this run lasts."""
         if requested is None or requested is False:
-            self._ckptdb_keep_earlier(run)
+            protect_start(run.manager, None, STREAM)
             return None
         if requested is True:
-            found = self._ckptdb_newest_whole(run.manager)
+            found = newest_whole(run.manager, STREAM, log)
             if found is None:
                 raise NoCheckpointToResumeError(
                     f"No valid checkpoint found in output directory ({self.args.output_dir}): "
@@ -323,30 +302,11 @@ class _LedgerTrainerMixin:
         else:
             found = self._ckptdb_named(run.manager, Path(requested))
             if found is None:  # outside this run (a warm start): the user's own files
-                self._ckptdb_keep_earlier(run)
+                protect_start(run.manager, None, STREAM)
                 return os.fspath(requested)
-        run.manager.protect(found)
-        run.manager.resumed_from(found)
+        protect_start(run.manager, found)
         run.resumed = found
         return str(found.path)
-
-    @staticmethod
-    def _ckptdb_keep_earlier(run: _Run) -> None:
-        """A run that does not resume from this output_dir never deletes the checkpoints
-        it found there (they leave the stream when retention says so; files stay)."""
-        for record in run.manager.checkpoints(STREAM):
-            run.manager.protect(record)
-
-    @staticmethod
-    def _ckptdb_newest_whole(manager: CheckpointManager) -> Checkpoint | None:
-        """The newest committed checkpoint whose size and hash match (bad ones are marked)."""
-        while True:
-            try:
-                return manager.verify("latest", stream=STREAM)
-            except (CorruptCheckpointError, CheckpointLostError) as exc:
-                log.warning("ckptdb: not resuming from it: %s", exc)
-            except CheckpointNotFoundError:
-                return None
 
     def _ckptdb_named(self, manager: CheckpointManager, path: Path) -> Checkpoint | None:
         """The committed checkpoint at ``path`` (verified), None if ``path`` is outside
@@ -388,22 +348,29 @@ class _LedgerTrainerMixin:
         def write(path: Path) -> None:
             self._ckptdb_write(path)
 
-        try:
-            payloads: dict[str, Any] = {STREAM: External(write, name)}
-            metrics = self._ckptdb_metrics(run, step)
-            saved = run.manager.save(step, metrics=metrics, blocking=True, **payloads)
-        except NonFiniteGradientError as exc:
+        def refused(exc: NonFiniteGradientError) -> None:
             run.refused_step = step
             _restore_best_fields(self.state, previous)
             self._ckptdb_sync_best(run)
-            if self.ckptdb_guard == "raise":
-                raise
-            log.warning("ckptdb: %s", exc)
-            return
+
+        try:
+            record = publish(
+                run.manager,
+                step,
+                STREAM,
+                External(write, name),
+                metrics=self._ckptdb_metrics(run, step),
+                guard=self.ckptdb_guard,
+                log=log,
+                refused=refused,
+            )
+        except NonFiniteGradientError:
+            raise
         except BaseException:  # no collective here: a rank may be failing alone
             _restore_best_fields(self.state, previous)
             raise
-        record = saved.get(STREAM)
+        if run.refused_step == step:
+            return
         if record is not None:
             run.published.append(record)
         self._ckptdb_sync_best(run)
@@ -414,13 +381,8 @@ class _LedgerTrainerMixin:
         """``checkpoint-N``; ``checkpoint-N-vK`` when that name is taken: by a live row
         (a checkpoint of an abandoned timeline, one whose directory was lost) or by
         anything on disk (a directory that is not ckptdb's)."""
-        held = {c.path.name for c in run.manager.checkpoints(STREAM, states=LIVE_STATES)}
-        name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
-        version = 0
-        while name in held or os.path.lexists(self.ckptdb_save_dir / name):
-            version += 1
-            name = f"{PREFIX_CHECKPOINT_DIR}-{step}-v{version}"
-        return name
+        base = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        return free_name(base, held_names(run.manager, STREAM), self.ckptdb_save_dir)
 
     def _ckptdb_write(self, path: Path) -> None:
         """The Trainer's checkpoint, written into ``path`` (every rank its part).
@@ -454,14 +416,12 @@ class _LedgerTrainerMixin:
 
     def _ckptdb_metrics(self, run: _Run, step: int) -> dict[str, float]:
         """The evaluation metrics of this step, for the row (a non-finite ranking metric
-        is left out: that checkpoint is then never the best, as in the Trainer)."""
+        follows :func:`~ckptdb.integrations.common.rankable_metrics`: left out, so that
+        checkpoint is never the best, as in the Trainer)."""
         if run.evaluated is None or run.evaluated[0] != step:
             return {}
-        values = dict(run.evaluated[1])
-        metric = best_metric_name(self.args)
-        if metric is not None and metric in values and not math.isfinite(values[metric]):
-            del values[metric]
-        return values
+        policy = run.manager.policies.get(STREAM)
+        return dict(rankable_metrics(run.evaluated[1], policy, step=step, log=log) or {})
 
     def _ckptdb_sync_best(self, run: _Run) -> None:
         """``state.best_*`` as the ledger says: only ever a committed checkpoint."""
@@ -521,34 +481,6 @@ def _restore_best_fields(state: Any, values: tuple[Any, ...]) -> None:
     """The Trainer's best, as it was before a save that did not happen."""
     for name, value in zip(_BEST_FIELDS, values, strict=True):
         setattr(state, name, value)
-
-
-def _numbers(values: dict[str, Any]) -> dict[str, float]:
-    """The real-valued entries of a Trainer log (strings, lists and bools left out)."""
-    found: dict[str, float] = {}
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        found[str(name)] = float(value)
-    return found
-
-
-def _skipped_by_scaler(accelerator: Any) -> Any:
-    """A boolean tensor: the GradScaler found inf/NaN and will skip this step."""
-    scaler = getattr(accelerator, "scaler", None)
-    if scaler is None:
-        return None
-    import torch
-
-    states = getattr(scaler, "_per_optimizer_states", {})
-    flags = [
-        flag
-        for state in states.values()
-        for flag in (state.get("found_inf_per_device") or {}).values()
-    ]
-    if not flags:
-        return None
-    return torch.stack([f.to(flags[0].device) for f in flags]).sum() > 0
 
 
 Trainer = ledger_trainer(transformers.Trainer)

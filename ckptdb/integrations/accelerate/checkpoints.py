@@ -1,84 +1,55 @@
-"""Hugging Face Accelerate: ``save_state`` and ``load_state`` through a ckptdb ledger.
+"""The ckptdb ``Checkpoints`` for Hugging Face Accelerate (see the package docstring).
 
-``Checkpoints(accelerator, root)`` keeps Accelerate's habits (one directory
-per save, written by ``accelerator.save_state``, named ``checkpoint_<step>``
-as Accelerate's automatic naming does, under ``<root>/checkpoints/``) and
-hands to the ledger what decides:
-
-- **Visibility.** Each :meth:`Checkpoints.save` is one ckptdb boundary: every
-  rank runs ``save_state`` into a temporary directory that ckptdb chose (an
-  :class:`~ckptdb.External` payload), every rank reports its write, then
-  ckptdb fsyncs the tree, measures and hashes it, renames it to
-  ``checkpoint_<step>`` and commits one ledger row. A crash before the commit
-  leaves a pending row that the next open rolls back, with its directory.
-- **Resume.** :meth:`Checkpoints.resume` loads the newest *committed*
-  checkpoint whose size and hash match its row, never the highest-numbered
-  directory: a partial or foreign ``checkpoint_<n>`` has no row and is never
-  resumed from. That checkpoint is protected for as long as the run is open.
-- **Retention** is the ledger's (``Keep(last=keep_last)``; with ``best=``,
-  ``TopK(1, metric, mode, last=keep_last)``: ``keep_last`` in all, the best
-  and the newest): a directory is removed only after the commit that
-  evicted it. Accelerate's own ``total_limit`` deletion cannot run:
-  ``automatic_checkpoint_naming`` is refused.
-- **The guard.** The gradients of every optimizer step the accelerator
-  really applies feed a :class:`~ckptdb.NonFiniteGradGuard` (a step skipped
-  by gradient accumulation or by the GradScaler never calls the optimizer,
-  so it does not count); a non-finite one refuses the next checkpoint on
-  every rank.
-
-Every rank constructs ``Checkpoints`` and calls ``save``/``resume``; only the
-chief (rank 0) opens the ledger.
+``save_state``/``load_state`` as ledger boundaries, through the shared
+integration layer (:mod:`ckptdb.integrations.common`); rank agreement is
+the manager's (:meth:`~ckptdb.CheckpointManager.agree`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
+
+from ..common import framework_missing
 
 try:
     from accelerate import Accelerator
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "ckptdb.integrations.accelerate needs Accelerate: pip install 'ckptdb[accelerate]'"
-    ) from exc
+    raise framework_missing("ckptdb.integrations.accelerate", "Accelerate", "accelerate") from exc
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..errors import (
-    ArgumentTypeError,
-    CheckpointLostError,
-    CheckpointNotFoundError,
-    CkptDBError,
-    CorruptCheckpointError,
-    InvalidArgumentError,
-    NonFiniteGradientError,
-    RankAgreementError,
-    RankFailedError,
+from ...errors import ArgumentTypeError, CkptDBError, InvalidArgumentError
+from ...guard import NonFiniteGradGuard
+from ...manager import CheckpointManager
+from ...policies import Keep, Policy, TopK
+from ...protocol.inputs import validate_step
+from ...record import Checkpoint
+from ...storage.external import External
+from ..common import (
+    GuardSetting,
+    check_db_url,
+    check_guard,
+    check_path,
+    free_name,
+    held_names,
+    newest_whole,
+    optimizer_params,
+    protect_start,
+    publish,
+    rankable_metrics,
 )
-from ..guard import NonFiniteGradGuard
-from ..ledger.models import COMMITTED, CORRUPT, DELETING, LOST, PENDING
-from ..manager import CheckpointManager, refuse_object_root
-from ..policies import Keep, Policy, TopK
-from ..record import Checkpoint
-from ..storage.external import External
+from .layout import STREAM, checkpoint_name
 
 __all__ = ["STREAM", "Checkpoints"]
 
 log = logging.getLogger("ckptdb.accelerate")
-
-#: The one ledger stream; also the save directory's name under the root.
-STREAM = "checkpoints"
-#: Rows that own their name: ckptdb never publishes over one of them.
-_LIVE = (PENDING, COMMITTED, DELETING, LOST, CORRUPT)
 
 
 class Checkpoints:
@@ -106,19 +77,16 @@ class Checkpoints:
         keep_last: int | None = 5,
         best: tuple[str, str] | None = None,
         db_url: str | None = None,
-        guard: bool | Literal["raise"] = True,
+        guard: GuardSetting = True,
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise ArgumentTypeError(
                 f"accelerator must be an accelerate.Accelerator, got {accelerator!r}"
             )
-        if not isinstance(root, (str, os.PathLike)):
+        if check_path(root, "root") is None:
             raise ArgumentTypeError(f"root must be a path, got {root!r}")
-        if db_url is not None and not isinstance(db_url, str):
-            raise ArgumentTypeError(f"db_url must be a str, got {db_url!r}")
-        if guard not in (True, False, "raise"):
-            raise InvalidArgumentError(f"guard must be True, False or 'raise', got {guard!r}")
-        refuse_object_root(root, "root")  # Accelerate writes its own files under root
+        check_db_url(db_url)
+        check_guard(guard)
         policy = _policy(keep_last, best)
         _refuse_automatic_naming(accelerator)
         self.accelerator = accelerator
@@ -181,52 +149,28 @@ class Checkpoints:
         """
         local: CkptDBError | None = None
         try:
-            _check_step(step)
+            validate_step(step)
             _refuse_keys(save_state_kwargs, "output_dir", "save_state")
             _refuse_automatic_naming(self.accelerator)
         except CkptDBError as exc:
             local = exc
-        _agree(local)  # a rank that refuses alone must not leave the others in a collective
-        live = self.manager.checkpoints(states=_LIVE)
-        self._protect_earlier(live)
-        name = _free_name(step, live, self.manager.save_dir)
+        # a rank that refuses alone must not leave the others in a collective
+        self.manager.agree(local, what="save")
+        self._protect_earlier()
+        name = free_name(checkpoint_name(step), held_names(self.manager), self.save_dir)
 
         def write(path: Path) -> None:
             self._write(path, save_state_kwargs)
 
-        try:
-            payloads: dict[str, Any] = {STREAM: External(write, name)}
-            values = self._rankable(step, metrics)
-            saved = self.manager.save(step, metrics=values, blocking=True, **payloads)
-        except NonFiniteGradientError as exc:
-            if self.guard_mode == "raise":
-                raise
-            log.warning("ckptdb: step %d was not checkpointed: %s", step, exc)
-            return None
-        return saved.get(STREAM)
-
-    def _rankable(self, step: int, metrics: Any) -> Any:
-        """``metrics`` without a non-finite value of ``best=``'s metric.
-
-        A NaN evaluation loss is an outcome of training, not a mistake in the
-        call: the checkpoint is saved, and is never the best (as in the Hugging
-        Face Trainer and Lightning). Anything that is not a real number is left
-        for ckptdb to refuse with a typed error.
-        """
-        metric = self.manager.policies[STREAM].ranking_metric
-        if metric is None or not isinstance(metrics, Mapping):
-            return metrics
-        value = metrics.get(metric)
-        if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
-            value = float(value.item())
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return metrics
-        if math.isfinite(value):
-            return metrics
-        log.warning(
-            "ckptdb: step %d: %s is %s; this checkpoint is never the best", step, metric, value
+        return publish(
+            self.manager,
+            step,
+            STREAM,
+            External(write, name),
+            metrics=rankable_metrics(metrics, self.manager.policies[STREAM], step=step, log=log),
+            guard=self.guard_mode,
+            log=log,
         )
-        return {name: v for name, v in metrics.items() if name != metric}
 
     def _write(self, path: Path, kwargs: dict[str, Any]) -> None:
         """Every rank's ``save_state`` into ckptdb's temporary path.
@@ -238,22 +182,15 @@ class Checkpoints:
         """
         self.accelerator.save_state(os.fspath(path), **kwargs)
 
-    def _protect_earlier(self, live: list[Checkpoint]) -> None:
-        """A run that did not resume never deletes an earlier run's checkpoints.
-
-        Starting afresh in a root that holds checkpoints (a rerun), the new
-        timeline evicts them from the stream, but their directories stay on
-        disk, as Accelerate (which refuses to write over them) and Lightning
-        leave them.
-        """
+    def _protect_earlier(self) -> None:
+        """A run that did not resume never deletes an earlier run's checkpoints
+        (their directories stay, as Accelerate, which refuses to write over them,
+        leaves them): once, at its first save."""
         if self._earlier_protected:
             return
         self._earlier_protected = True
-        if self.resumed is not None:
-            return
-        for record in live:
-            if record.stream == STREAM and record.state == COMMITTED:
-                self.manager.protect(record)
+        if self.resumed is None:
+            protect_start(self.manager, None, STREAM)
 
     # ------------------------------------------------------------------ resuming
 
@@ -274,8 +211,8 @@ class Checkpoints:
             _refuse_automatic_naming(self.accelerator)
         except CkptDBError as exc:
             local = exc
-        _agree(local)
-        chosen = self._newest_whole()
+        self.manager.agree(local, what="resume")
+        chosen = newest_whole(self.manager, STREAM, log)
         if chosen is None:
             return None
         problem: Exception | None = None
@@ -283,26 +220,10 @@ class Checkpoints:
             self.accelerator.load_state(os.fspath(chosen.path), **load_state_kwargs)
         except Exception as exc:
             problem = exc
-        _agree(problem)
-        self.manager.protect(chosen)
-        self.manager.resumed_from(chosen)
+        self.manager.agree(problem, what="load_state")
+        protect_start(self.manager, chosen)
         self.resumed = chosen
         return chosen.step
-
-    def _newest_whole(self) -> Checkpoint | None:
-        """The newest committed checkpoint whose size and hash match its row.
-
-        ``verify`` (collective: the chief checks, every rank gets the answer)
-        marks a mismatch ``corrupt`` or ``lost`` and moves latest back to the
-        previous checkpoint, so each turn of the loop is one older candidate.
-        """
-        while True:
-            try:
-                return self.manager.verify("latest", stream=STREAM)
-            except (CorruptCheckpointError, CheckpointLostError) as exc:
-                log.warning("ckptdb: not resuming from it: %s", exc)
-            except CheckpointNotFoundError:
-                return None
 
     def latest(self) -> Checkpoint | None:
         """The newest committed checkpoint (collective)."""
@@ -331,7 +252,7 @@ class Checkpoints:
             getattr(o, "optimizer", o) is optimizer for o in self.accelerator._optimizers
         ):
             return
-        guard.observe([p for group in optimizer.param_groups for p in group["params"]])
+        guard.observe(optimizer_params(optimizer))
 
 
 # ------------------------------------------------------------------------ helpers
@@ -366,14 +287,6 @@ def _refuse_automatic_naming(accelerator: Accelerator) -> None:
         )
 
 
-def _check_step(step: object) -> int:
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise ArgumentTypeError(f"step must be a non-negative int, got {step!r}")
-    if step < 0:
-        raise InvalidArgumentError(f"step must be >= 0, got {step}")
-    return step
-
-
 def _refuse_keys(kwargs: Mapping[str, Any], key: str, call: str) -> None:
     if key in kwargs:
         raise InvalidArgumentError(
@@ -389,60 +302,3 @@ def _named_parameters(accelerator: Accelerator) -> Iterable[tuple[str, Tensor]]:
         prefix = f"{i}." if len(models) > 1 else ""
         for name, param in model.named_parameters():
             yield prefix + name, param
-
-
-def _free_name(step: int, live: list[Checkpoint], save_dir: Path) -> str:
-    """``checkpoint_<step>``, or ``checkpoint_<step>-v<n>`` when that name is taken.
-
-    Taken by a live row (a re-save of a step, a lost checkpoint) or by
-    anything on disk (a checkpoint an earlier run left, a directory planted by
-    hand): ckptdb never publishes over a name, and a rerun must not fail.
-    """
-    held = {os.path.relpath(c.path, save_dir) for c in live}
-    name, version = f"checkpoint_{step}", 1
-    while name in held or os.path.lexists(save_dir / name):
-        name, version = f"checkpoint_{step}-v{version}", version + 1
-    return name
-
-
-# --------------------------------------------------------------------- collectives
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _agree(local: BaseException | None) -> None:
-    """Raise on every rank if any rank failed a local step (one all-gather).
-
-    The failing rank raises its own error; the others a
-    :class:`~ckptdb.errors.RankFailedError` naming it. Every rank runs the
-    same collectives whatever happened locally, so none is left waiting.
-    """
-    if not _distributed():
-        if local is not None:
-            raise local
-        return
-    found: list[Any] = [None] * dist.get_world_size()
-    mine = None if local is None else f"{type(local).__name__}: {local}"
-    _collective("agree", lambda: dist.all_gather_object(found, mine))
-    if local is not None:
-        raise local
-    failed = [(rank, text) for rank, text in enumerate(found) if text is not None]
-    if failed:
-        error = RankFailedError("; ".join(f"rank {rank}: {text}" for rank, text in failed))
-        error.ranks = [rank for rank, _ in failed]
-        raise error
-
-
-def _collective(name: str, run: Callable[[], object]) -> None:
-    """A collective that fails (a rank died, timed out, or never called ``save`` or
-    ``resume``: they are collective) raises :class:`~ckptdb.errors.RankAgreementError`."""
-    try:
-        run()
-    except Exception as exc:
-        raise RankAgreementError(
-            f"rank {dist.get_rank()}: the {name!r} collective of ckptdb's Checkpoints failed "
-            "(every rank must call save() and resume(); a rank died or timed out): "
-            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-        ) from exc

@@ -1,0 +1,324 @@
+"""What every framework integration does the same way, written once.
+
+An integration hands a framework's own writer to the ledger: the writer
+fills a temporary path (an :class:`~ckptdb.External` payload), ckptdb
+commits it as one boundary. Around that boundary each framework needs the
+same small decisions, and they must not drift apart between frameworks:
+
+- its extra arguments (``guard``, ``ledger``, ``db_url``, ``stream``) are
+  checked the same way, with the same errors (:func:`check_guard`,
+  :func:`check_path`, :func:`check_db_url`, :func:`check_stream`);
+- a guard trip is handled one way (:func:`publish`): recorded by the
+  manager (a ``guard_tripped`` event), then raised with ``guard="raise"``
+  or logged as a warning, training going on;
+- a name ckptdb publishes under is never one that is taken
+  (:func:`free_name`); resuming takes the newest committed checkpoint that
+  is still whole (:func:`newest_whole`, :func:`newest_whole_read_only`);
+- a run protects the checkpoint it resumed from, and a run that starts
+  afresh protects the checkpoints an earlier run left (:func:`protect_start`);
+- a step the GradScaler skipped changed no weights and does not trip the
+  guard (:func:`skipped_by_scaler`);
+- a non-finite value of a ranking metric follows one policy
+  (:func:`rankable_metrics`, documented there).
+
+Rank agreement is the manager's (:meth:`CheckpointManager.agree`): no
+integration runs collectives of its own. Nothing here imports a framework,
+so it is importable (and testable) without any of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import os
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeAlias
+
+import torch
+from torch import Tensor
+
+from ..errors import (
+    ArgumentTypeError,
+    CheckpointLostError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    NonFiniteGradientError,
+)
+from ..ledger.engine import LEDGER_FILE
+from ..ledger.rows import LIVE_STATES
+from ..manager import CheckpointManager, refuse_object_root
+from ..policies import Policy, TopK, validate_stream_name
+from ..reader import RunReader, ledger_url, run_exists
+from ..record import Checkpoint
+from ..storage import open_store
+from ..storage.external import External
+
+GuardSetting: TypeAlias = bool | Literal["raise"]
+
+#: The longest stream name the ledger stores.
+STREAM_NAME_LIMIT = 64
+
+
+def framework_missing(module: str, framework: str, extra: str) -> ImportError:
+    """The error an integration raises at import when its framework is not installed."""
+    return ImportError(f"{module} needs {framework}: pip install 'ckptdb[{extra}]'")
+
+
+# ------------------------------------------------------------------- arguments
+
+
+def check_guard(guard: object) -> GuardSetting:
+    """``guard=``: True (warn and go on), ``"raise"`` (stop training) or False."""
+    if guard is True or guard is False or guard == "raise":
+        return guard
+    raise InvalidArgumentError(f"guard must be True, False or 'raise', got {guard!r}")
+
+
+def check_path(value: object, what: str) -> str | None:
+    """``ledger=``/``root=``: a local path (or None), as a string.
+
+    A run root holds the ledger and the writer lock, so an ``s3://`` URL is
+    refused (it would silently become a local ``./s3:/...`` tree).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ArgumentTypeError(f"{what} must be a path, got {value!r}")
+    refuse_object_root(value, what)
+    return os.fspath(value)
+
+
+def check_db_url(db_url: object) -> str | None:
+    """``db_url=``: a SQLAlchemy URL string (or None: SQLite in the run root)."""
+    if db_url is not None and not isinstance(db_url, str):
+        raise ArgumentTypeError(f"db_url must be a str, got {db_url!r}")
+    return db_url
+
+
+def check_stream(stream: object, *, suffix: str = "") -> str | None:
+    """``stream=``: a valid stream name (or None), with room for ``suffix`` (the
+    name of a companion stream the integration derives from it)."""
+    if stream is None:
+        return None
+    name = validate_stream_name(stream)
+    if len(name) > STREAM_NAME_LIMIT - len(suffix):
+        raise InvalidArgumentError(
+            f"stream {name!r} is too long: its '{suffix}' stream must fit in "
+            f"{STREAM_NAME_LIMIT} characters"
+        )
+    return name
+
+
+# --------------------------------------------------------------------- publish
+
+
+def publish(
+    manager: CheckpointManager,
+    step: int,
+    stream: str,
+    payload: External,
+    *,
+    metrics: Mapping[str, float] | None,
+    guard: GuardSetting,
+    log: logging.Logger,
+    refused: Any = None,
+) -> Checkpoint | None:
+    """One boundary of ``payload`` into ``stream``: the committed checkpoint, or None.
+
+    None when the guard refused the step (or a top-K stream did not admit
+    the candidate). The refusal is the same for every framework: the
+    manager has recorded the ``guard_tripped`` event; ``refused(error)``
+    (when given) lets the integration note it; then ``guard="raise"``
+    re-raises :class:`~ckptdb.errors.NonFiniteGradientError` and otherwise
+    a warning is logged and training goes on. Every other error propagates.
+    """
+    try:
+        saved = manager.save(step, metrics=metrics, blocking=True, **{stream: payload})
+    except NonFiniteGradientError as exc:
+        if refused is not None:
+            refused(exc)
+        if guard == "raise":
+            raise
+        log.warning("ckptdb: step %d was not checkpointed: %s", step, exc)
+        return None
+    return saved.get(stream)
+
+
+# ---------------------------------------------------------- names and resuming
+
+
+def held_names(manager: CheckpointManager, stream: str | None = None) -> set[str]:
+    """The names (relative to the save directory) that live rows own: a pending
+    save, a committed checkpoint, one being deleted, lost or corrupt."""
+    save_dir = manager.save_dir
+    return {
+        os.path.relpath(c.path, save_dir) for c in manager.checkpoints(stream, states=LIVE_STATES)
+    }
+
+
+def free_name(base: str, held: Iterable[str], directory: Path) -> str:
+    """``base``, or ``base-v<n>`` (n = 1, 2, ...) when that name is taken.
+
+    Taken by a live row (a re-saved step, a checkpoint of an abandoned
+    timeline, a lost one) or by anything on disk (an earlier run's
+    checkpoint, a directory planted by hand): ckptdb never publishes over a
+    name, and a rerun in the same directory must not fail.
+    """
+    taken = set(held)
+    name, version = base, 0
+    while name in taken or os.path.lexists(directory / name):
+        version += 1
+        name = f"{base}-v{version}"
+    return name
+
+
+def newest_whole(manager: CheckpointManager, stream: str, log: logging.Logger) -> Checkpoint | None:
+    """The newest committed checkpoint of ``stream`` whose size and hash match its row.
+
+    ``verify`` (collective: the chief checks, every rank gets the answer)
+    marks a mismatch ``corrupt`` or ``lost`` and moves latest back to the
+    previous checkpoint, so each turn of the loop is one older candidate.
+    """
+    while True:
+        try:
+            return manager.verify("latest", stream=stream)
+        except (CorruptCheckpointError, CheckpointLostError) as exc:
+            log.warning("ckptdb: not resuming from it: %s", exc)
+        except CheckpointNotFoundError:
+            return None
+
+
+def newest_whole_read_only(
+    root: str | os.PathLike[str], *, db_url: str | None, log: logging.Logger
+) -> Checkpoint | None:
+    """The newest committed checkpoint of any stream whose payload is whole (size and hash).
+
+    Read-only: it never takes the writer lock nor marks anything, so every
+    rank may ask before a process group exists (a bad one is skipped with a
+    warning; the writer marks it when it opens).
+    """
+    root = Path(root).resolve()
+    if db_url is None and not (root / LEDGER_FILE).exists():
+        return None  # a first run: nothing to resume from
+    if not run_exists(root, ledger_url(root, db_url, readonly=True)):
+        return None
+    with RunReader(root, db_url=db_url) as reader:
+        save_dir = reader.save_dir
+        found, store = reader.checkpoints(), open_store(save_dir)
+    for record in sorted(found, key=lambda c: (c.committed_at, c.id), reverse=True):
+        rel = os.path.relpath(record.path, save_dir)
+        finding = store.verify(rel, record.size, record.hash, full=True)  # the one sorter
+        if finding is None:
+            return record
+        log.warning("not resuming from %s: %s", record.path, finding.detail)
+    return None
+
+
+def protect_start(
+    manager: CheckpointManager, resumed: Checkpoint | None, stream: str | None = None
+) -> None:
+    """What a run must never delete, protected for as long as it is open.
+
+    A run that resumed protects the checkpoint it resumed from and records
+    the resume (``resumed`` event, the attempt's ``resumed_from_id``). A run
+    that starts afresh where checkpoints already are (a rerun) protects them
+    all: its new timeline evicts them from the stream when retention says
+    so, but their files stay on disk, as the frameworks leave them.
+    """
+    if resumed is not None:
+        manager.protect(resumed)
+        manager.resumed_from(resumed)
+        return
+    for record in manager.checkpoints(stream):
+        manager.protect(record)
+
+
+# ----------------------------------------------------------------------- guard
+
+
+def optimizer_params(optimizer: Any) -> list[Tensor]:
+    """Every parameter an optimizer step updates (the gradients the guard sees)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def skipped_by_scaler(scaler: Any, optimizer: Any = None) -> Tensor | None:
+    """A boolean tensor: the GradScaler found inf/NaN and will skip this step.
+
+    ``optimizer``: only that optimizer's flags (None: every optimizer the
+    scaler unscaled). None when there is no scaler or it checked nothing, so
+    the guard judges the gradients themselves. No host sync: the flags stay
+    on their device.
+    """
+    if scaler is None:
+        return None
+    states = getattr(scaler, "_per_optimizer_states", {})
+    chosen = [states.get(id(optimizer))] if optimizer is not None else list(states.values())
+    flags = [f for s in chosen if s for f in (s.get("found_inf_per_device") or {}).values()]
+    if not flags:
+        return None
+    return torch.stack([f.to(flags[0].device) for f in flags]).sum() > 0
+
+
+# --------------------------------------------------------------------- metrics
+
+
+def scalars(values: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
+    """The real-valued entries of a framework's metrics (one-element tensors
+    included; strings, lists, Python bools and complex values left out)."""
+    for name, value in values.items():
+        if isinstance(value, Tensor):
+            if value.numel() == 1 and not value.is_complex():
+                yield str(name), float(value.item())
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+            yield str(name), float(value)
+
+
+def rankable_metrics(
+    metrics: Mapping[str, Any] | None,
+    policy: Policy | None,
+    *,
+    step: int,
+    log: logging.Logger,
+) -> Mapping[str, Any] | None:
+    """``metrics`` with a non-finite value of ``policy``'s ranking metric made rankable.
+
+    The one policy for non-finite metrics: a NaN or infinite evaluation is an
+    outcome of training, not a mistake in the call, so the checkpoint is
+    still saved, and it never outranks a finite value it should not:
+
+    - a stream that lets a save go without its metric (``TopK(..., last=N)``:
+      the best kept beside the newest) stores it without that value: saved,
+      never among the best (a warning says so);
+    - a stream that ranks every checkpoint (``TopK`` alone) stores NaN as the
+      worst finite number of its mode, and an infinity as the largest finite
+      number of its sign (it ranks where the infinity would).
+
+    Other metrics, and anything that is not a real number, are left as they
+    are: ckptdb's own checks refuse the latter with a typed error.
+    """
+    metric = policy.ranking_metric if policy is not None else None
+    if metric is None or not isinstance(metrics, Mapping) or metric not in metrics:
+        return metrics
+    found = dict(scalars({metric: metrics[metric]}))
+    value = found.get(metric)
+    if value is None or math.isfinite(value):
+        return metrics
+    assert policy is not None
+    if not policy.requires_metric:
+        log.warning(
+            "ckptdb: step %d: %s is %s; this checkpoint is never the best", step, metric, value
+        )
+        return {name: v for name, v in metrics.items() if name != metric}
+    return {**metrics, metric: _finite_rank(value, policy)}
+
+
+def _finite_rank(value: float, policy: Policy) -> float:
+    largest = sys.float_info.max
+    if math.isnan(value):
+        worst_is_high = not (isinstance(policy, TopK) and policy.mode == "max")
+        return largest if worst_is_high else -largest
+    return math.copysign(largest, value)

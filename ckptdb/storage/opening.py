@@ -1,0 +1,78 @@
+"""Opening a payload store: the one place that decides which store a location gets.
+
+A local path gets a :class:`~ckptdb.storage.local.LocalStore`; an object
+location (an :class:`~ckptdb.location.ObjectPath`) the store of its scheme,
+from :data:`OBJECT_STORES`, which holds one entry per scheme of
+:data:`ckptdb.location.OBJECT_SCHEMES`. Every part that needs a store (the
+manager, the reader, the integrations, the ``ckptdb`` command) opens it here,
+so a new object store is its scheme in that table, its entry in this one and
+its class, and no caller learns which class it is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InvalidArgumentError
+from ..location import ObjectPath, location_of
+from .base import PayloadStore
+from .local import LocalStore
+from .s3client import parse_options
+
+__all__ = ["OBJECT_STORES", "check_options", "open_store"]
+
+#: A store's options (``storage_options``), as the caller gave them.
+Options = Mapping[str, object] | None
+
+
+@dataclass(frozen=True)
+class ObjectStoreEntry:
+    """How one object-store scheme's store is checked and opened."""
+
+    #: Refuses bad options (raises) without contacting anything.
+    check: Callable[[Options], object]
+    #: The store at a location of the scheme (``probe``: check the store's guarantees).
+    open: Callable[[ObjectPath, Options, bool], PayloadStore]
+
+
+def _open_s3(location: ObjectPath, options: Options, probe: bool) -> PayloadStore:
+    from .s3 import S3Store  # boto3 is an optional extra: imported only for an s3 location
+
+    return S3Store(location, parse_options(options), probe=probe)
+
+
+#: {scheme: its store}, for every scheme of :data:`ckptdb.location.OBJECT_SCHEMES`.
+OBJECT_STORES: dict[str, ObjectStoreEntry] = {"s3": ObjectStoreEntry(parse_options, _open_s3)}
+
+
+def check_options(location: Path, options: Options) -> None:
+    """Refuse ``options`` that cannot apply to ``location`` before anything is opened:
+    any at all for a local path (they configure an object store, and would be
+    silently ignored), and bad ones for an object store (never contacted here)."""
+    if isinstance(location, ObjectPath):
+        OBJECT_STORES[location.scheme].check(options)
+    elif options is not None:
+        raise InvalidArgumentError(
+            f"storage_options are for an object-store save_dir (s3://...), not {location}"
+        )
+
+
+def open_store(
+    location: str | os.PathLike[str], options: Options = None, *, probe: bool = True
+) -> PayloadStore:
+    """The payload store at ``location``: a local directory, or an object-store location
+    (an :class:`~ckptdb.location.ObjectPath`, or its URL as text).
+
+    ``options`` configure an object store and are refused for a local path
+    (:func:`check_options`). ``probe``: an object store checks at once that it
+    honours conditional writes (unless its options waive them), which a writer
+    relies on; a reader, which writes nothing, opens it with ``probe=False``.
+    """
+    path = location if isinstance(location, Path) else location_of(os.fspath(location))
+    if not isinstance(path, ObjectPath):
+        check_options(path, options)
+        return LocalStore(path)
+    return OBJECT_STORES[path.scheme].open(path, options, probe)
