@@ -994,3 +994,15 @@ def test_a_crash_at_each_point_of_the_third_save_resumes_from_a_committed_checkp
     assert leftovers == []
     assert os.path.samefile(d / "last.ckpt", d / "epoch=4-step=20.ckpt")
     check_clean(d)
+
+
+def test_a_ledger_given_as_an_object_store_url_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run root holds the ledger and its lock: ``ledger="s3://..."`` is refused with
+    what to do (as every integration refuses it) instead of a local ./s3:/... tree."""
+    monkeypatch.chdir(tmp_path)
+    for ledger in ("s3://bucket/run", Path("s3://bucket/run")):
+        with pytest.raises(InvalidArgumentError, match="save_dir='s3://"):
+            ModelCheckpoint(dirpath=tmp_path / "ckpts", ledger=ledger)
+    assert list(tmp_path.iterdir()) == []

@@ -597,3 +597,16 @@ def test_the_ledger_can_live_in_postgresql(tmp_path: Path, pg_url: str) -> None:
     resumed.train(resume_from_checkpoint=True)
     assert [step for step, _, _ in committed(out, pg_url)] == [4, 8, 12]
     check_clean(out, pg_url)
+
+
+def test_the_adopt_layout_reads_the_names_the_trainer_writes() -> None:
+    """The layout (which imports no transformers) and the Trainer agree on the names."""
+    from transformers.trainer import TRAINER_STATE_NAME as STOCK_STATE
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    from ckptdb.integrations.transformers import layout
+
+    assert layout.CHECKPOINT_PREFIX == PREFIX_CHECKPOINT_DIR
+    assert layout.TRAINER_STATE_NAME == STOCK_STATE
+    assert layout.STREAM == STREAM
+    assert layout.TransformersLayout.PATTERN.fullmatch(f"{PREFIX_CHECKPOINT_DIR}-40")

@@ -1,0 +1,352 @@
+"""The shared integration layer (ckptdb/integrations/common.py) and the manager's
+public rank agreement (``CheckpointManager.agree``), on their own.
+
+The integrations' own suites (test_lightning, test_transformers,
+test_accelerate) run these through the real frameworks; here each decision is
+pinned where it is made: argument checks, the guard's refusal, free names,
+newest-whole lookups, protection at start, the GradScaler-skip flag and the
+one policy for non-finite metrics. ``agree`` runs on two gloo ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distlib import run_ranks
+from helpers import rows
+from torch import nn
+
+from ckptdb import CheckpointManager, External, Keep, NonFiniteGradGuard, TopK
+from ckptdb.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    NonFiniteGradientError,
+    RankFailedError,
+)
+from ckptdb.integrations import common
+
+LOG = logging.getLogger("ckptdb.test-integrations")
+LARGEST = sys.float_info.max
+
+
+def write_file(value: float) -> External:
+    def write(path: Path) -> None:
+        torch.save({"w": torch.tensor(value)}, path)
+
+    return External(write, f"ckpt-{value:g}.pt")
+
+
+# ------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize("guard", [True, False, "raise"])
+def test_guard_settings_are_accepted(guard: Any) -> None:
+    assert common.check_guard(guard) is guard
+
+
+@pytest.mark.parametrize("guard", ["yes", 1, 0, None, "Raise"])
+def test_any_other_guard_is_refused(guard: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="guard must be True, False or 'raise'"):
+        common.check_guard(guard)
+
+
+def test_paths_db_urls_and_streams_are_checked(tmp_path: Path) -> None:
+    assert common.check_path(tmp_path, "ledger") == str(tmp_path)
+    assert common.check_path(None, "ledger") is None
+    with pytest.raises(ArgumentTypeError, match="ledger must be a path, got 3"):
+        common.check_path(3, "ledger")
+    for url in ("s3://bucket/run", Path("s3://bucket/run")):
+        with pytest.raises(InvalidArgumentError, match="root is 's3:/"):
+            common.check_path(url, "root")
+    assert list(tmp_path.iterdir()) == []
+    assert common.check_db_url("sqlite:///x.db") == "sqlite:///x.db"
+    with pytest.raises(ArgumentTypeError, match="db_url must be a str"):
+        common.check_db_url(b"sqlite://")
+    assert common.check_stream("val_loss", suffix=".last") == "val_loss"
+    with pytest.raises(InvalidArgumentError, match=r"its '\.last' stream must fit in 64"):
+        common.check_stream("s" * 60, suffix=".last")
+    assert common.check_stream("s" * 59, suffix=".last") == "s" * 59
+
+
+# ---------------------------------------------------------- publish, refusals
+
+
+def test_publish_commits_one_boundary(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run", streams={"model": Keep(last=2)}) as mgr:
+        record = common.publish(
+            mgr, 3, "model", write_file(1.0), metrics={"loss": 0.5}, guard=True, log=LOG
+        )
+        assert record is not None and record.step == 3 and record.metrics == {"loss": 0.5}
+        assert mgr.latest("model") == record
+
+
+@pytest.mark.parametrize("guard", [True, "raise"])
+def test_a_guard_trip_is_recorded_then_warned_or_raised(
+    tmp_path: Path, guard: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = nn.Linear(2, 1)
+    watch = NonFiniteGradGuard(model)
+    model.weight.grad = torch.full_like(model.weight, math.nan)
+    watch.observe(list(model.parameters()))
+    heard: list[NonFiniteGradientError] = []
+    root = tmp_path / "run"
+    with CheckpointManager(root, streams={"model": Keep(last=2)}, guard=watch) as mgr:
+        call = lambda: common.publish(  # noqa: E731
+            mgr,
+            4,
+            "model",
+            write_file(2.0),
+            metrics=None,
+            guard=guard,
+            log=LOG,
+            refused=heard.append,
+        )
+        with caplog.at_level(logging.WARNING, logger=LOG.name):
+            if guard == "raise":
+                with pytest.raises(NonFiniteGradientError):
+                    call()
+            else:
+                assert call() is None
+        assert mgr.checkpoints() == []
+    assert len(heard) == 1 and isinstance(heard[0], NonFiniteGradientError)
+    assert ("step 4 was not checkpointed" in caplog.text) == (guard is True)
+    assert rows(root, "SELECT step FROM events WHERE kind = 'guard_tripped'") == [(4,)]
+    assert list((root).glob("ckpt-*")) == []
+
+
+def test_other_errors_propagate_untouched(tmp_path: Path) -> None:
+    def broken(path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    heard: list[Any] = []
+    with CheckpointManager(tmp_path / "run", streams={"model": Keep(last=2)}) as mgr:
+        with pytest.raises(Exception, match="No space left") as caught:
+            common.publish(
+                mgr, 1, "model", External(broken, "x.pt"), metrics=None, guard=True, log=LOG,
+                refused=heard.append,
+            )  # fmt: skip
+        assert not isinstance(caught.value, NonFiniteGradientError) and heard == []
+        assert mgr.checkpoints() == []
+
+
+# ---------------------------------------------------------- names and resuming
+
+
+def test_a_free_name_skips_held_names_and_anything_on_disk(tmp_path: Path) -> None:
+    assert common.free_name("checkpoint-5", set(), tmp_path) == "checkpoint-5"
+    assert common.free_name("checkpoint-5", {"checkpoint-5"}, tmp_path) == "checkpoint-5-v1"
+    (tmp_path / "checkpoint-5-v1").mkdir()
+    (tmp_path / "checkpoint-5-v2").symlink_to(tmp_path / "nowhere")  # a dangling link
+    held = {"checkpoint-5"}
+    assert common.free_name("checkpoint-5", held, tmp_path) == "checkpoint-5-v3"
+
+
+def test_held_names_are_every_live_row_of_the_stream(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run", streams={"model": Keep(last=1)}) as mgr:
+        for step in (1, 2):
+            common.publish(
+                mgr, step, "model", write_file(float(step)), metrics=None, guard=True, log=LOG
+            )
+        names = common.held_names(mgr, "model")
+        assert names == {"ckpt-2.pt"}  # ckpt-1.pt was evicted and deleted: free again
+        assert common.held_names(mgr) == {"ckpt-2.pt"}  # every stream
+
+
+def test_newest_whole_skips_and_marks_a_corrupt_latest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root, streams={"model": Keep(last=None)}) as mgr:
+        first = common.publish(mgr, 1, "model", write_file(1.0), metrics=None, guard=True, log=LOG)
+        second = common.publish(mgr, 2, "model", write_file(2.0), metrics=None, guard=True, log=LOG)
+        assert first is not None and second is not None
+        with open(second.path, "r+b") as f:
+            f.seek(40)
+            f.write(b"\xff\xfe")  # same size, other bytes
+        assert common.newest_whole_read_only(root, db_url=None, log=LOG) == first
+        with caplog.at_level(logging.WARNING, logger=LOG.name):
+            assert common.newest_whole(mgr, "model", LOG) == first
+        assert "not resuming from it" in caplog.text
+        assert [c.step for c in mgr.checkpoints(states=("corrupt",))] == [2]
+
+
+def test_newest_whole_read_only_of_a_first_run_is_none(tmp_path: Path) -> None:
+    assert common.newest_whole_read_only(tmp_path / "nothing", db_url=None, log=LOG) is None
+    assert not (tmp_path / "nothing").exists()
+
+
+def test_protect_start_keeps_earlier_files_or_the_resumed_one(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root, streams={"model": Keep(last=1)}) as mgr:
+        old = common.publish(mgr, 5, "model", write_file(5.0), metrics=None, guard=True, log=LOG)
+    assert old is not None
+    with CheckpointManager(root) as mgr:  # a rerun from step 0: the new timeline evicts 5
+        common.protect_start(mgr, None, "model")
+        common.publish(mgr, 1, "model", write_file(1.0), metrics=None, guard=True, log=LOG)
+        assert Path(old.path).exists()  # evicted from the stream, the file stays
+        latest = mgr.latest("model")
+        assert latest is not None and latest.step == 1
+    with CheckpointManager(root) as mgr:
+        resumed = mgr.latest("model")
+        assert resumed is not None
+        common.protect_start(mgr, resumed)
+        common.publish(mgr, 2, "model", write_file(2.0), metrics=None, guard=True, log=LOG)
+        assert Path(resumed.path).exists()
+    assert rows(root, "SELECT step FROM events WHERE kind = 'resumed'") == [(1,)]
+
+
+# ----------------------------------------------------------------------- guard
+
+
+def scaled_step(values: float) -> tuple[torch.amp.GradScaler, torch.optim.Optimizer]:
+    """A real GradScaler unscaling one optimizer's gradients filled with ``values``."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    for p in model.parameters():
+        assert p.grad is not None
+        p.grad.fill_(values)
+    scaler.unscale_(opt)
+    return scaler, opt
+
+
+def test_the_scaler_skip_flag_is_the_scalers_own_verdict() -> None:
+    scaler, opt = scaled_step(math.inf)
+    flag = common.skipped_by_scaler(scaler, opt)
+    assert flag is not None and bool(flag)
+    assert bool(common.skipped_by_scaler(scaler))  # every optimizer it unscaled
+    scaler, opt = scaled_step(1.0)
+    flag = common.skipped_by_scaler(scaler, opt)
+    assert flag is not None and not bool(flag)
+    assert common.skipped_by_scaler(None, opt) is None
+    assert common.skipped_by_scaler(scaler, torch.optim.SGD([nn.Parameter(torch.ones(1))])) is None
+
+
+def test_optimizer_params_are_every_group_in_order() -> None:
+    a, b, c = (nn.Parameter(torch.ones(1)) for _ in range(3))
+    opt = torch.optim.SGD([{"params": [a, b]}, {"params": [c], "lr": 0.5}], lr=0.1)
+    assert common.optimizer_params(opt) == [a, b, c]
+
+
+# --------------------------------------------------------------------- metrics
+
+
+def test_scalars_take_real_numbers_and_one_element_tensors() -> None:
+    found = dict(
+        common.scalars(
+            {
+                "a": 1,
+                "b": 2.5,
+                "c": torch.tensor(3.0),
+                "flag": True,
+                "text": "x",
+                "many": torch.ones(2),
+                "z": torch.tensor(1 + 2j),
+            }
+        )
+    )
+    assert found == {"a": 1.0, "b": 2.5, "c": 3.0}
+
+
+@pytest.mark.parametrize(
+    "policy, value, stored",
+    [
+        (TopK(3, "loss", "min"), math.nan, LARGEST),  # NaN ranks worst
+        (TopK(3, "acc", "max"), math.nan, -LARGEST),
+        (TopK(3, "loss", "min"), math.inf, LARGEST),  # an infinity ranks where it would
+        (TopK(3, "loss", "min"), -math.inf, -LARGEST),
+        (TopK(None, "acc", "max"), math.inf, LARGEST),
+    ],
+)
+def test_a_stream_that_ranks_every_checkpoint_stores_a_finite_rank(
+    policy: TopK, value: float, stored: float
+) -> None:
+    metric = policy.metric
+    got = common.rankable_metrics({metric: value, "lr": 0.1}, policy, step=1, log=LOG)
+    assert got == {metric: stored, "lr": 0.1}
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, torch.tensor(math.nan)])
+def test_a_stream_that_keeps_the_newest_too_leaves_a_non_finite_value_out(
+    value: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    policy = TopK(1, "eval_loss", "min", last=3)
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        got = common.rankable_metrics({"eval_loss": value, "lr": 0.1}, policy, step=7, log=LOG)
+    assert got == {"lr": 0.1}
+    assert "step 7: eval_loss is" in caplog.text and "never the best" in caplog.text
+
+
+def test_finite_values_other_metrics_and_unranked_streams_are_left_alone() -> None:
+    metrics = {"loss": 0.5, "grad_norm": math.inf}
+    assert common.rankable_metrics(metrics, TopK(1, "loss"), step=1, log=LOG) is metrics
+    assert common.rankable_metrics(metrics, Keep(last=2), step=1, log=LOG) is metrics
+    assert common.rankable_metrics(metrics, None, step=1, log=LOG) is metrics
+    assert common.rankable_metrics(None, TopK(1, "loss"), step=1, log=LOG) is None
+    odd = {"loss": "high"}  # not a number: ckptdb's own checks refuse it, typed
+    assert common.rankable_metrics(odd, TopK(1, "loss"), step=1, log=LOG) is odd
+
+
+def test_the_policy_holds_in_the_ledger(tmp_path: Path) -> None:
+    """Through a real boundary: the worst-ranked NaN checkpoint is saved, and the best is
+    the finite one."""
+    policy = TopK(2, "loss", "min")
+    with CheckpointManager(tmp_path / "run", streams={"best": policy}) as mgr:
+        for step, loss in ((1, math.nan), (2, 3.0)):
+            metrics = common.rankable_metrics({"loss": loss}, policy, step=step, log=LOG)
+            common.publish(
+                mgr, step, "best", write_file(float(step)), metrics=metrics, guard=True, log=LOG
+            )
+        assert [(c.step, c.metric) for c in mgr.best("best")] == [(2, 3.0), (1, LARGEST)]
+
+
+# ------------------------------------------------------------- rank agreement
+
+
+def test_agree_in_one_process_raises_the_local_error_itself(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.agree(None)
+        mine = InvalidArgumentError("bad step")
+        with pytest.raises(InvalidArgumentError) as caught:
+            mgr.agree(mine, what="save")
+        assert caught.value is mine
+
+
+def _agree_on_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    with CheckpointManager(root, streams={"model": Keep(last=2)}) as mgr:
+        mgr.agree(None, what="first")  # nobody failed: nothing raised anywhere
+        local = OSError(5, "cannot read it") if rank == 1 else None
+        try:
+            mgr.agree(local, what="load_state")
+        except Exception as exc:
+            cause = exc.__cause__
+            seen["raised"] = (type(exc).__name__, getattr(exc, "ranks", None), str(exc))
+            seen["cause"] = type(cause).__name__ if cause is not None else None
+        # every rank is still in step: a boundary after the agreement commits
+        saved = mgr.save(3, model={"w": torch.tensor(float(rank))})
+        seen["saved"] = saved["model"].step if "model" in saved else None
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_agree_on_two_ranks_names_the_failed_rank_and_hangs_nobody(tmp_path: Path) -> None:
+    outcomes = run_ranks(_agree_on_ranks, 2, tmp_path, str(tmp_path / "run"), timeout=45)
+    assert [o.error for o in outcomes] == [None, None], [o.trace for o in outcomes]
+    chief, other = outcomes[0].value, outcomes[1].value
+    assert chief["raised"][:2] == ("RankFailedError", [1])
+    assert "load_state" in chief["raised"][2] and "cannot read it" in chief["raised"][2]
+    assert chief["cause"] is not None
+    assert other["raised"][:2] == ("OSError", None) and other["cause"] is None
+    assert chief["saved"] == other["saved"] == 3
+
+
+def test_rank_failed_error_is_the_typed_error_users_catch() -> None:
+    assert issubclass(RankFailedError, RuntimeError)
