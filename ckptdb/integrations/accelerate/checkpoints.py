@@ -17,12 +17,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..common import framework_missing
+from .. import common
 
 try:
     from accelerate import Accelerator
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise framework_missing("ckptdb.integrations.accelerate", "Accelerate", "accelerate") from exc
+    raise common.framework_missing(
+        "ckptdb.integrations.accelerate", "Accelerate", "accelerate"
+    ) from exc
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ...errors import ArgumentTypeError, CkptDBError, InvalidArgumentError
@@ -32,19 +34,6 @@ from ...policies import Keep, Policy, TopK
 from ...protocol.inputs import validate_step
 from ...record import Checkpoint
 from ...storage.external import External
-from ..common import (
-    GuardSetting,
-    check_db_url,
-    check_guard,
-    check_path,
-    free_name,
-    held_names,
-    newest_whole,
-    optimizer_params,
-    protect_start,
-    publish,
-    rankable_metrics,
-)
 from .layout import STREAM, checkpoint_name
 
 __all__ = ["STREAM", "Checkpoints"]
@@ -77,16 +66,16 @@ class Checkpoints:
         keep_last: int | None = 5,
         best: tuple[str, str] | None = None,
         db_url: str | None = None,
-        guard: GuardSetting = True,
+        guard: common.GuardSetting = True,
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise ArgumentTypeError(
                 f"accelerator must be an accelerate.Accelerator, got {accelerator!r}"
             )
-        if check_path(root, "root") is None:
+        if common.check_path(root, "root") is None:
             raise ArgumentTypeError(f"root must be a path, got {root!r}")
-        check_db_url(db_url)
-        check_guard(guard)
+        common.check_db_url(db_url)
+        common.check_guard(guard)
         policy = _policy(keep_last, best)
         _refuse_automatic_naming(accelerator)
         self.accelerator = accelerator
@@ -157,17 +146,21 @@ class Checkpoints:
         # a rank that refuses alone must not leave the others in a collective
         self.manager.agree(local, what="save")
         self._protect_earlier()
-        name = free_name(checkpoint_name(step), held_names(self.manager), self.save_dir)
+        name = common.free_name(
+            checkpoint_name(step), common.held_names(self.manager), self.save_dir
+        )
 
         def write(path: Path) -> None:
             self._write(path, save_state_kwargs)
 
-        return publish(
+        return common.publish(
             self.manager,
             step,
             STREAM,
             External(write, name),
-            metrics=rankable_metrics(metrics, self.manager.policies[STREAM], step=step, log=log),
+            metrics=common.rankable_metrics(
+                metrics, self.manager.policies[STREAM], step=step, log=log
+            ),
             guard=self.guard_mode,
             log=log,
         )
@@ -190,7 +183,7 @@ class Checkpoints:
             return
         self._earlier_protected = True
         if self.resumed is None:
-            protect_start(self.manager, None, STREAM)
+            common.protect_start(self.manager, None, STREAM)
 
     # ------------------------------------------------------------------ resuming
 
@@ -212,7 +205,7 @@ class Checkpoints:
         except CkptDBError as exc:
             local = exc
         self.manager.agree(local, what="resume")
-        chosen = newest_whole(self.manager, STREAM, log)
+        chosen = common.newest_whole(self.manager, STREAM, log)
         if chosen is None:
             return None
         problem: Exception | None = None
@@ -221,7 +214,7 @@ class Checkpoints:
         except Exception as exc:
             problem = exc
         self.manager.agree(problem, what="load_state")
-        protect_start(self.manager, chosen)
+        common.protect_start(self.manager, chosen)
         self.resumed = chosen
         return chosen.step
 
@@ -252,7 +245,7 @@ class Checkpoints:
             getattr(o, "optimizer", o) is optimizer for o in self.accelerator._optimizers
         ):
             return
-        guard.observe(optimizer_params(optimizer))
+        guard.observe(common.optimizer_params(optimizer))
 
 
 # ------------------------------------------------------------------------ helpers

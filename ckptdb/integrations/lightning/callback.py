@@ -19,7 +19,7 @@ from weakref import proxy
 import torch
 from torch import Tensor
 
-from ..common import framework_missing
+from .. import common
 
 try:
     import lightning.pytorch as pl
@@ -27,7 +27,9 @@ try:
     from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
     from lightning.pytorch.strategies import Strategy
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise framework_missing("ckptdb.integrations.lightning", "Lightning", "lightning") from exc
+    raise common.framework_missing(
+        "ckptdb.integrations.lightning", "Lightning", "lightning"
+    ) from exc
 
 from ...errors import InvalidArgumentError, NonFiniteGradientError, RunDirectoryError, note_on
 from ...guard import NonFiniteGradGuard
@@ -38,19 +40,6 @@ from ...record import Checkpoint
 from ...storage.alias import point_alias, remove_alias
 from ...storage.external import External
 from ...storage.files import FileInfo, write_stream
-from ..common import (
-    check_db_url,
-    check_guard,
-    check_path,
-    check_stream,
-    newest_whole_read_only,
-    optimizer_params,
-    protect_start,
-    publish,
-    rankable_metrics,
-    scalars,
-    skipped_by_scaler,
-)
 from .layout import LAST_SUFFIX, stream_for_monitor
 
 __all__ = ["ModelCheckpoint", "default_ledger", "newest_committed"]
@@ -79,7 +68,7 @@ def newest_committed(
     What ``fit(ckpt_path="last")`` resumes from. Read-only: it never takes
     the writer lock, so every rank may ask before the process group exists.
     """
-    return newest_whole_read_only(ledger, db_url=db_url, log=log)
+    return common.newest_whole_read_only(ledger, db_url=db_url, log=log)
 
 
 @dataclass
@@ -153,10 +142,10 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             save_on_train_epoch_end=save_on_train_epoch_end,
             enable_version_counter=enable_version_counter,
         )
-        self.guard = check_guard(guard)
-        self.ledger = check_path(ledger, "ledger")
-        self.db_url = check_db_url(db_url)
-        self.stream = check_stream(stream, suffix=LAST_SUFFIX)
+        self.guard = common.check_guard(guard)
+        self.ledger = common.check_path(ledger, "ledger")
+        self.db_url = common.check_db_url(db_url)
+        self.stream = common.check_stream(stream, suffix=LAST_SUFFIX)
         self._session_key: tuple[str, str | None, int] | None = None
         #: Ids of the checkpoints this callback committed in the current fit.
         self._published: set[int] = set()
@@ -306,11 +295,11 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         session = self._session(trainer)
         manager, resumed = session.manager, trainer.ckpt_path
         if resumed is None:
-            protect_start(manager, None)
+            common.protect_start(manager, None)
         else:  # a warm start from a file that is not this run's protects nothing
             for record in manager.checkpoints():
                 if os.path.abspath(record.path) == os.path.abspath(resumed):
-                    protect_start(manager, record)
+                    common.protect_start(manager, record)
         if self.save_last and self.last_model_path:
             target = self._last_target(session, None)  # collective: asked on every rank
             if target is not None and trainer.is_global_zero:
@@ -330,7 +319,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         session.fed = fed
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         session.guard.observe(
-            optimizer_params(optimizer), skipped=skipped_by_scaler(scaler, optimizer)
+            common.optimizer_params(optimizer), skipped=common.skipped_by_scaler(scaler, optimizer)
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -518,7 +507,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         def write(path: Path) -> FileInfo | None:
             return _save_checkpoint(trainer, path, weights_only)
 
-        metrics = rankable_metrics(
+        metrics = common.rankable_metrics(
             self._boundary_metrics(monitor_candidates, score),
             session.manager.policies.get(stream),
             step=step,
@@ -530,7 +519,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             self._sync(session)  # the refusal is agreed by every rank: the query is too
 
         try:
-            record = publish(
+            record = common.publish(
                 session.manager,
                 step,
                 stream,
@@ -561,7 +550,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self, candidates: dict[str, Tensor], score: Tensor | None
     ) -> dict[str, float]:
         """The scalar metrics Lightning has at this boundary (with the score as ranked)."""
-        metrics = dict(scalars(candidates))
+        metrics = dict(common.scalars(candidates))
         if self.monitor is not None and score is not None:
             metrics[self.monitor] = float(score.item())
         return metrics

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from ..common import framework_missing
+from .. import common
 
 try:
     import transformers
     from transformers.trainer_callback import ExportableState, TrainerCallback
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise framework_missing(
+    raise common.framework_missing(
         "ckptdb.integrations.transformers", "transformers", "transformers"
     ) from exc
 
@@ -40,21 +40,6 @@ from ...policies import Keep, Policy, TopK
 from ...record import Checkpoint
 from ...storage.external import External
 from ...storage.files import fsync_file
-from ..common import (
-    GuardSetting,
-    check_db_url,
-    check_guard,
-    check_path,
-    free_name,
-    held_names,
-    newest_whole,
-    optimizer_params,
-    protect_start,
-    publish,
-    rankable_metrics,
-    scalars,
-    skipped_by_scaler,
-)
 from .layout import STREAM, TRAINER_STATE_NAME
 
 __all__ = ["STREAM", "Trainer", "ledger_trainer", "streams_for"]
@@ -133,7 +118,8 @@ class _LedgerCallback(TrainerCallback):
             return
         scaler = getattr(self.trainer.accelerator, "scaler", None)
         run.guard.observe(
-            optimizer_params(self.trainer.optimizer), skipped=skipped_by_scaler(scaler)
+            common.optimizer_params(self.trainer.optimizer),
+            skipped=common.skipped_by_scaler(scaler),
         )
 
     def on_evaluate(
@@ -144,7 +130,7 @@ class _LedgerCallback(TrainerCallback):
             return
         # one evaluate() fires this once per eval dataset (a dict of them), and a
         # callback may evaluate again: every value of the step goes with its checkpoint
-        values = dict(scalars(metrics))
+        values = dict(common.scalars(metrics))
         if run.evaluated is not None and run.evaluated[0] == state.global_step:
             values = {**run.evaluated[1], **values}
         run.evaluated = (state.global_step, values)
@@ -154,7 +140,7 @@ class _LedgerCallback(TrainerCallback):
     ) -> None:
         run = self.trainer._ckptdb_run
         if run is not None and logs:
-            values = dict(scalars(logs))
+            values = dict(common.scalars(logs))
             if values:
                 run.manager.log_metrics(state.global_step, values)
 
@@ -198,12 +184,12 @@ class _LedgerTrainerMixin:
         *args: Any,
         ledger: str | os.PathLike[str] | None = None,
         db_url: str | None = None,
-        guard: GuardSetting = True,
+        guard: common.GuardSetting = True,
         **kwargs: Any,
     ) -> None:
-        check_guard(guard)
-        check_path(ledger, "ledger")
-        check_db_url(db_url)
+        common.check_guard(guard)
+        common.check_path(ledger, "ledger")
+        common.check_db_url(db_url)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         # the Trainer writes checkpoint-N/ with its own (local) writers: no object storage
         refuse_object_root(getattr(training_args, "output_dir", None), "args.output_dir")
@@ -216,7 +202,7 @@ class _LedgerTrainerMixin:
         super().__init__(*args, **kwargs)
         self.ckptdb_ledger = ledger
         self.ckptdb_db_url = db_url
-        self.ckptdb_guard: GuardSetting = guard
+        self.ckptdb_guard: common.GuardSetting = guard
         self._ckptdb_run: _Run | None = None
         self.add_callback(_LedgerCallback(self))  # type: ignore[attr-defined]
         self._ckptdb_quiet_refused_saves()
@@ -290,10 +276,10 @@ class _LedgerTrainerMixin:
     ) -> str | None:
         """What ``train`` resumes from, as the ledger says; protected while this run lasts."""
         if requested is None or requested is False:
-            protect_start(run.manager, None, STREAM)
+            common.protect_start(run.manager, None, STREAM)
             return None
         if requested is True:
-            found = newest_whole(run.manager, STREAM, log)
+            found = common.newest_whole(run.manager, STREAM, log)
             if found is None:
                 raise NoCheckpointToResumeError(
                     f"No valid checkpoint found in output directory ({self.args.output_dir}): "
@@ -302,9 +288,9 @@ class _LedgerTrainerMixin:
         else:
             found = self._ckptdb_named(run.manager, Path(requested))
             if found is None:  # outside this run (a warm start): the user's own files
-                protect_start(run.manager, None, STREAM)
+                common.protect_start(run.manager, None, STREAM)
                 return os.fspath(requested)
-        protect_start(run.manager, found)
+        common.protect_start(run.manager, found)
         run.resumed = found
         return str(found.path)
 
@@ -354,7 +340,7 @@ class _LedgerTrainerMixin:
             self._ckptdb_sync_best(run)
 
         try:
-            record = publish(
+            record = common.publish(
                 run.manager,
                 step,
                 STREAM,
@@ -382,7 +368,7 @@ class _LedgerTrainerMixin:
         (a checkpoint of an abandoned timeline, one whose directory was lost) or by
         anything on disk (a directory that is not ckptdb's)."""
         base = f"{PREFIX_CHECKPOINT_DIR}-{step}"
-        return free_name(base, held_names(run.manager, STREAM), self.ckptdb_save_dir)
+        return common.free_name(base, common.held_names(run.manager, STREAM), self.ckptdb_save_dir)
 
     def _ckptdb_write(self, path: Path) -> None:
         """The Trainer's checkpoint, written into ``path`` (every rank its part).
@@ -421,7 +407,7 @@ class _LedgerTrainerMixin:
         if run.evaluated is None or run.evaluated[0] != step:
             return {}
         policy = run.manager.policies.get(STREAM)
-        return dict(rankable_metrics(run.evaluated[1], policy, step=step, log=log) or {})
+        return dict(common.rankable_metrics(run.evaluated[1], policy, step=step, log=log) or {})
 
     def _ckptdb_sync_best(self, run: _Run) -> None:
         """``state.best_*`` as the ledger says: only ever a committed checkpoint."""
