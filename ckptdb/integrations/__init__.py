@@ -1,10 +1,15 @@
 """ckptdb inside the frameworks people train with.
 
-Each integration is an addition on top of the core: it publishes through
-:class:`ckptdb.External` payloads (the framework's own writer, the
-framework's own names), resolves "last" and "best" through the ledger and
-keeps the framework's habits. Importing one needs its framework installed:
-``pip install 'ckptdb[lightning]'`` for :mod:`ckptdb.integrations.lightning`,
-``'ckptdb[transformers]'`` for :mod:`ckptdb.integrations.transformers`,
-``'ckptdb[accelerate]'`` for :mod:`ckptdb.integrations.accelerate`.
+One package per framework (:mod:`.lightning`, :mod:`.transformers`,
+:mod:`.accelerate`, :mod:`.deepmd`), each holding its writer (the callback
+or Trainer that publishes through :class:`ckptdb.External` payloads: the
+framework's own writer, the framework's own names) and its adopt layout
+(how ``ckptdb adopt`` reads a finished run of it). Every writer takes its
+shared decisions from :mod:`.common`; :mod:`.layouts` is the layouts'
+registry and :mod:`.adopt` adopts what a layout finds.
+
+Importing a framework's package, its layout, :mod:`.common`, :mod:`.layouts`
+or :mod:`.adopt` never imports the framework; its public names (the writer)
+need it installed: ``pip install 'ckptdb[lightning]'``,
+``'ckptdb[transformers]'``, ``'ckptdb[accelerate]'``.
 """
