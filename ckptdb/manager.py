@@ -427,6 +427,22 @@ class CheckpointManager:
             "checkpoints", lambda: self._ctx.queries().checkpoints(stream, states=wanted)
         )
 
+    def holds(self, name: str) -> bool:
+        """Whether a live row of this run owns ``name`` (relative to the save directory).
+
+        Pending, committed, being deleted, lost or corrupt: such a name is the
+        row's, and a boundary refuses to publish over it (a lost checkpoint's
+        too, so that the file never comes back under another checkpoint's row).
+        For integrations that choose a free name before they write.
+        Collective under torch.distributed (the chief answers).
+        """
+        self._check_open()
+        if not isinstance(name, str):
+            raise ArgumentTypeError(
+                f"holds() takes a name relative to the save directory, got {name!r}"
+            )
+        return self._coord.shared("holds", lambda: self._ctx.queries().name_in_use(name))
+
     def load(
         self,
         which: str | int | Checkpoint | os.PathLike[str] = "latest",
@@ -565,8 +581,13 @@ class CheckpointManager:
         if local is not None:
             raise local
         if agreed is not None:
-            error = RankFailedError(f"{what}: {agreed}")
-            error.ranks = list(getattr(agreed, "ranks", None) or [])
+            ranks = list(getattr(agreed, "ranks", None) or [])
+            # a foreign error travels as PublishError, its own type named in its message
+            kind = type(agreed).__name__
+            shown = str(agreed) if kind == "PublishError" else f"{kind}: {agreed}"
+            where = ", ".join(map(str, ranks))
+            error = RankFailedError(f"{what} failed on rank {where}: {shown}")
+            error.ranks = ranks
             raise error from agreed
 
     def gc(self) -> list[Checkpoint]:

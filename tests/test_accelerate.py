@@ -312,7 +312,12 @@ def test_automatic_naming_turned_on_later_is_refused_before_anything_is_written(
         ({"db_url": 5}, ArgumentTypeError),
         ({"guard": "yes"}, InvalidArgumentError),
     ],
-    ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(map(str, v.items())),
+    # stable ids (no object address): every pytest-xdist worker must collect the same tests
+    ids=lambda v: (
+        v.__name__
+        if isinstance(v, type)
+        else ",".join(f"{k}={'object()' if type(x) is object else repr(x)}" for k, x in v.items())
+    ),
 )
 def test_bad_arguments_are_typed_errors_and_create_nothing(
     tmp_path: Path, kwargs: dict[str, Any], error: type[Exception]

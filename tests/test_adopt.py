@@ -730,3 +730,10 @@ def test_every_refusal_is_a_ckptdb_error() -> None:
     for name in ("orbax", ""):
         with pytest.raises(CkptDBError):
             adopt(".", name)
+
+
+def test_the_earlier_import_path_of_adopt_still_works() -> None:
+    from ckptdb.cli.adopt import adopt as earlier
+    from ckptdb.cli.adopt import lightning_stream as earlier_stream
+
+    assert earlier is adopt and earlier_stream is lightning_stream

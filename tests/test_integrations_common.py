@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,7 @@ def test_guard_settings_are_accepted(guard: Any) -> None:
     assert common.check_guard(guard) is guard
 
 
-@pytest.mark.parametrize("guard", ["yes", 1, 0, None, "Raise"])
+@pytest.mark.parametrize("guard", ["yes", 2, None, "Raise", "true"])
 def test_any_other_guard_is_refused(guard: Any) -> None:
     with pytest.raises(InvalidArgumentError, match="guard must be True, False or 'raise'"):
         common.check_guard(guard)
@@ -63,7 +65,8 @@ def test_paths_db_urls_and_streams_are_checked(tmp_path: Path) -> None:
         common.check_path(3, "ledger")
     for url in ("s3://bucket/run", Path("s3://bucket/run")):
         with pytest.raises(InvalidArgumentError, match="root is 's3:/"):
-            common.check_path(url, "root")
+            common.check_local_root(url, "root")
+    common.check_local_root(tmp_path, "root")
     assert list(tmp_path.iterdir()) == []
     assert common.check_db_url("sqlite:///x.db") == "sqlite:///x.db"
     with pytest.raises(ArgumentTypeError, match="db_url must be a str"):
@@ -138,24 +141,32 @@ def test_other_errors_propagate_untouched(tmp_path: Path) -> None:
 # ---------------------------------------------------------- names and resuming
 
 
-def test_a_free_name_skips_held_names_and_anything_on_disk(tmp_path: Path) -> None:
-    assert common.free_name("checkpoint-5", set(), tmp_path) == "checkpoint-5"
-    assert common.free_name("checkpoint-5", {"checkpoint-5"}, tmp_path) == "checkpoint-5-v1"
-    (tmp_path / "checkpoint-5-v1").mkdir()
-    (tmp_path / "checkpoint-5-v2").symlink_to(tmp_path / "nowhere")  # a dangling link
-    held = {"checkpoint-5"}
-    assert common.free_name("checkpoint-5", held, tmp_path) == "checkpoint-5-v3"
+def test_a_free_name_skips_names_live_rows_hold_and_anything_on_disk(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run", streams={"model": Keep(last=None)}) as mgr:
+        save_dir = mgr.save_dir
+        assert common.free_name("ckpt-5.pt", mgr) == "ckpt-5.pt"
+        common.publish(mgr, 5, "model", write_file(5.0), metrics=None, guard=True, log=LOG)
+        assert mgr.holds("ckpt-5.pt") and not mgr.holds("ckpt-6.pt")
+        os.unlink(save_dir / "ckpt-5.pt")  # gone from disk: its row still owns the name
+        assert common.free_name("ckpt-5.pt", mgr) == "ckpt-5.pt-v1"
+        (save_dir / "ckpt-5.pt-v1").mkdir()
+        (save_dir / "ckpt-5.pt-v2").symlink_to(save_dir / "nowhere")  # a dangling link
+        assert common.free_name("ckpt-5.pt", mgr) == "ckpt-5.pt-v3"
+        elsewhere = tmp_path / "other"
+        elsewhere.mkdir()
+        assert common.free_name("ckpt-6.pt", mgr, elsewhere) == "ckpt-6.pt"
 
 
-def test_held_names_are_every_live_row_of_the_stream(tmp_path: Path) -> None:
+def test_holds_counts_every_live_state_and_no_other(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path / "run", streams={"model": Keep(last=1)}) as mgr:
         for step in (1, 2):
             common.publish(
                 mgr, step, "model", write_file(float(step)), metrics=None, guard=True, log=LOG
             )
-        names = common.held_names(mgr, "model")
-        assert names == {"ckpt-2.pt"}  # ckpt-1.pt was evicted and deleted: free again
-        assert common.held_names(mgr) == {"ckpt-2.pt"}  # every stream
+        assert not mgr.holds("ckpt-1.pt")  # evicted and deleted: the name is free again
+        assert mgr.holds("ckpt-2.pt")
+        with pytest.raises(ArgumentTypeError):
+            mgr.holds(Path("ckpt-2.pt"))  # type: ignore[arg-type]
 
 
 def test_newest_whole_skips_and_marks_a_corrupt_latest(
@@ -342,7 +353,8 @@ def test_agree_on_two_ranks_names_the_failed_rank_and_hangs_nobody(tmp_path: Pat
     assert [o.error for o in outcomes] == [None, None], [o.trace for o in outcomes]
     chief, other = outcomes[0].value, outcomes[1].value
     assert chief["raised"][:2] == ("RankFailedError", [1])
-    assert "load_state" in chief["raised"][2] and "cannot read it" in chief["raised"][2]
+    assert chief["raised"][2].startswith("load_state failed on rank 1: ")
+    assert "OSError" in chief["raised"][2] and "cannot read it" in chief["raised"][2]
     assert chief["cause"] is not None
     assert other["raised"][:2] == ("OSError", None) and other["cause"] is None
     assert chief["saved"] == other["saved"] == 3
@@ -350,3 +362,38 @@ def test_agree_on_two_ranks_names_the_failed_rank_and_hangs_nobody(tmp_path: Pat
 
 def test_rank_failed_error_is_the_typed_error_users_catch() -> None:
     assert issubclass(RankFailedError, RuntimeError)
+
+
+# -------------------------------------------------------------- adopt registry
+
+
+def test_a_layout_that_cannot_be_imported_is_kept_shown_and_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A framework package whose layout fails to import takes nothing else down (the
+    other layouts, the help), and its error is raised when that layout is asked for."""
+    import ckptdb.integrations
+    from ckptdb.integrations import layouts
+
+    package = tmp_path / "brokenfw"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "layout.py").write_text("raise RuntimeError('this layout is broken')\n")
+    monkeypatch.setattr(
+        ckptdb.integrations, "__path__", [*ckptdb.integrations.__path__, str(tmp_path)]
+    )
+    monkeypatch.setattr(layouts, "_DISCOVERED", False)
+    monkeypatch.setattr(layouts, "_BROKEN", {})
+    monkeypatch.setattr(layouts, "_REGISTRY", dict(layouts._REGISTRY))
+    monkeypatch.delitem(sys.modules, "ckptdb.integrations.brokenfw", raising=False)
+    found = layouts.layouts()
+    assert {"lightning", "transformers", "accelerate", "deepmd", "glob"} <= set(found)
+    assert "brokenfw" not in found
+    assert re.search(
+        r"  brokenfw +unavailable: RuntimeError: this layout is broken", layouts.help_table()
+    )
+    with pytest.raises(ImportError, match="'brokenfw' layout could not be imported") as caught:
+        layouts.layout_named("brokenfw")
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    with pytest.raises(InvalidArgumentError, match="unknown layout 'nope'; known: accelerate"):
+        layouts.layout_named("nope")

@@ -1006,3 +1006,22 @@ def test_a_ledger_given_as_an_object_store_url_is_refused(
         with pytest.raises(InvalidArgumentError, match="save_dir='s3://"):
             ModelCheckpoint(dirpath=tmp_path / "ckpts", ledger=ledger)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_name_a_lost_checkpoint_still_holds_gets_a_version(tmp_path: Path) -> None:
+    """A checkpoint whose file vanished is marked lost at the next open, and its row still
+    owns its name: a rerun that would write that name again writes ``-v1`` (as for a name
+    taken on disk) instead of failing the save."""
+    d = tmp_path / "ckpts"
+    trainer(tmp_path, [ModelCheckpoint(dirpath=d, save_top_k=-1)], max_epochs=1).fit(Tiny())
+    (first,) = files(d)
+    os.unlink(d / first)
+    cb = ModelCheckpoint(dirpath=d, save_top_k=-1)
+    trainer(tmp_path, [cb], max_epochs=1).fit(Tiny())
+    stem, suffix = os.path.splitext(first)
+    assert files(d) == [f"{stem}-v1{suffix}"]
+    states = ledger_of(d).rows("SELECT path, state FROM checkpoints ORDER BY id")
+    assert [(os.path.basename(p), s) for p, s in states] == [
+        (first, "lost"),
+        (f"{stem}-v1{suffix}", "committed"),
+    ]

@@ -162,7 +162,7 @@ def adopt(
         ledger_root,
         db_url,
         candidates,
-        store_of=open_store,
+        store_of=lambda save_dir: open_store(save_dir, probe=False),
         move=move,
         alias_stream=lay.alias_stream,
     )

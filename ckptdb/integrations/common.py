@@ -33,7 +33,7 @@ import math
 import numbers
 import os
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
@@ -49,7 +49,6 @@ from ..errors import (
     NonFiniteGradientError,
 )
 from ..ledger.engine import LEDGER_FILE
-from ..ledger.rows import LIVE_STATES
 from ..manager import CheckpointManager, refuse_object_root
 from ..policies import Policy, TopK, validate_stream_name
 from ..reader import RunReader, ledger_url, run_exists
@@ -72,24 +71,26 @@ def framework_missing(module: str, framework: str, extra: str) -> ImportError:
 
 
 def check_guard(guard: object) -> GuardSetting:
-    """``guard=``: True (warn and go on), ``"raise"`` (stop training) or False."""
-    if guard is True or guard is False or guard == "raise":
+    """``guard=``: True (warn and go on), ``"raise"`` (stop training) or False
+    (compared by equality, so ``1`` and ``0`` count as True and False)."""
+    if guard in (True, False, "raise"):
         return guard
     raise InvalidArgumentError(f"guard must be True, False or 'raise', got {guard!r}")
 
 
 def check_path(value: object, what: str) -> str | None:
-    """``ledger=``/``root=``: a local path (or None), as a string.
-
-    A run root holds the ledger and the writer lock, so an ``s3://`` URL is
-    refused (it would silently become a local ``./s3:/...`` tree).
-    """
+    """``ledger=``/``root=``: a path (or None), as a string."""
     if value is None:
         return None
     if not isinstance(value, (str, os.PathLike)):
         raise ArgumentTypeError(f"{what} must be a path, got {value!r}")
-    refuse_object_root(value, what)
     return os.fspath(value)
+
+
+def check_local_root(value: object, what: str) -> None:
+    """A run root holds the ledger and the writer lock, so an ``s3://`` URL is refused,
+    saying what to do (it would silently become a local ``./s3:/...`` tree)."""
+    refuse_object_root(value, what)
 
 
 def check_db_url(db_url: object) -> str | None:
@@ -125,7 +126,7 @@ def publish(
     metrics: Mapping[str, float] | None,
     guard: GuardSetting,
     log: logging.Logger,
-    refused: Any = None,
+    refused: Callable[[NonFiniteGradientError], None] | None = None,
 ) -> Checkpoint | None:
     """One boundary of ``payload`` into ``stream``: the committed checkpoint, or None.
 
@@ -151,26 +152,19 @@ def publish(
 # ---------------------------------------------------------- names and resuming
 
 
-def held_names(manager: CheckpointManager, stream: str | None = None) -> set[str]:
-    """The names (relative to the save directory) that live rows own: a pending
-    save, a committed checkpoint, one being deleted, lost or corrupt."""
-    save_dir = manager.save_dir
-    return {
-        os.path.relpath(c.path, save_dir) for c in manager.checkpoints(stream, states=LIVE_STATES)
-    }
-
-
-def free_name(base: str, held: Iterable[str], directory: Path) -> str:
+def free_name(base: str, manager: CheckpointManager, directory: Path | None = None) -> str:
     """``base``, or ``base-v<n>`` (n = 1, 2, ...) when that name is taken.
 
     Taken by a live row (a re-saved step, a checkpoint of an abandoned
-    timeline, a lost one) or by anything on disk (an earlier run's
+    timeline, a lost one: :meth:`CheckpointManager.holds`) or by anything on
+    disk in ``directory`` (default: the save directory; an earlier run's
     checkpoint, a directory planted by hand): ckptdb never publishes over a
-    name, and a rerun in the same directory must not fail.
+    name, and a rerun in the same directory must not fail. One query per
+    name tried, whatever the length of the run's history of names.
     """
-    taken = set(held)
+    where = manager.save_dir if directory is None else directory
     name, version = base, 0
-    while name in taken or os.path.lexists(directory / name):
+    while manager.holds(name) or os.path.lexists(where / name):
         version += 1
         name = f"{base}-v{version}"
     return name
@@ -198,8 +192,9 @@ def newest_whole_read_only(
     """The newest committed checkpoint of any stream whose payload is whole (size and hash).
 
     Read-only: it never takes the writer lock nor marks anything, so every
-    rank may ask before a process group exists (a bad one is skipped with a
-    warning; the writer marks it when it opens).
+    rank may ask before a process group exists. A bad one is skipped with a
+    warning and left as it is (a writer's verified load, or ``reconcile
+    --verify``, marks it).
     """
     root = Path(root).resolve()
     if db_url is None and not (root / LEDGER_FILE).exists():
@@ -208,7 +203,8 @@ def newest_whole_read_only(
         return None
     with RunReader(root, db_url=db_url) as reader:
         save_dir = reader.save_dir
-        found, store = reader.checkpoints(), open_store(save_dir)
+        # a reader writes nothing: an object store is not probed (no test objects)
+        found, store = reader.checkpoints(), open_store(save_dir, probe=False)
     for record in sorted(found, key=lambda c: (c.committed_at, c.id), reverse=True):
         rel = os.path.relpath(record.path, save_dir)
         finding = store.verify(rel, record.size, record.hash, full=True)  # the one sorter
@@ -266,15 +262,29 @@ def skipped_by_scaler(scaler: Any, optimizer: Any = None) -> Tensor | None:
 # --------------------------------------------------------------------- metrics
 
 
-def scalars(values: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
-    """The real-valued entries of a framework's metrics (one-element tensors
-    included; strings, lists, Python bools and complex values left out)."""
+def scalars(values: Mapping[str, Any], *, tensors: bool = True) -> Iterator[tuple[str, float]]:
+    """The real-valued entries of a framework's metrics: ints and floats, and with
+    ``tensors`` one-element real tensors (strings, lists, bools and the rest left out).
+
+    ``tensors=False`` where a framework's values are plain numbers and reading
+    a tensor would cost a host sync per logged step (the Hugging Face Trainer's
+    logs).
+    """
     for name, value in values.items():
         if isinstance(value, Tensor):
-            if value.numel() == 1 and not value.is_complex():
+            if tensors and value.numel() == 1 and not value.is_complex():
                 yield str(name), float(value.item())
-        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
             yield str(name), float(value)
+
+
+def _real(value: object) -> float | None:
+    """A ranking metric's value as a float (any real number, a one-element tensor)."""
+    if isinstance(value, Tensor):
+        return float(value.item()) if value.numel() == 1 and not value.is_complex() else None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def rankable_metrics(
@@ -303,8 +313,7 @@ def rankable_metrics(
     metric = policy.ranking_metric if policy is not None else None
     if metric is None or not isinstance(metrics, Mapping) or metric not in metrics:
         return metrics
-    found = dict(scalars({metric: metrics[metric]}))
-    value = found.get(metric)
+    value = _real(metrics[metric])
     if value is None or math.isfinite(value):
         return metrics
     assert policy is not None

@@ -81,6 +81,9 @@ class Layout:
 L = TypeVar("L", bound=type[Layout])
 
 _REGISTRY: dict[str, type[Layout]] = {}
+#: Layout modules that failed to import, by package name: kept (never swallowed),
+#: shown in the help and raised when that layout is asked for.
+_BROKEN: dict[str, Exception] = {}
 _DISCOVERED = False
 
 
@@ -96,15 +99,24 @@ def register(cls: L) -> L:
 
 
 def _discover() -> None:
-    """Import every ``ckptdb.integrations.<framework>.layout`` (once)."""
+    """Import every ``ckptdb.integrations.<framework>.layout`` (once).
+
+    One layout that fails to import must not take the whole ``ckptdb`` command
+    down with it (the help is built from the registry): its error is kept in
+    ``_BROKEN`` and raised when that layout is used.
+    """
     global _DISCOVERED
     if _DISCOVERED:
         return
     package = importlib.import_module(__package__ or "ckptdb.integrations")
     for found in pkgutil.iter_modules(package.__path__):
         module = f"{package.__name__}.{found.name}.layout"
-        if found.ispkg and importlib.util.find_spec(module) is not None:
+        if not found.ispkg or importlib.util.find_spec(module) is None:
+            continue
+        try:
             importlib.import_module(module)
+        except Exception as exc:
+            _BROKEN[found.name] = exc
     importlib.import_module(f"{package.__name__}.adopt")  # the generic (glob) layout
     _DISCOVERED = True
 
@@ -120,6 +132,8 @@ def layout_named(name: str, **options: str | None) -> Layout:
     """The layout called ``name``, made with its own ``options`` (others must be unset)."""
     known = layouts()
     cls = known.get(name)
+    if cls is None and name in _BROKEN:
+        raise ImportError(f"the {name!r} layout could not be imported") from _BROKEN[name]
     if cls is None:
         raise InvalidArgumentError(f"unknown layout {name!r}; known: {', '.join(known)}")
     foreign = [k for k, v in options.items() if v is not None and k not in cls.options]
@@ -136,10 +150,13 @@ def layout_named(name: str, **options: str | None) -> Layout:
 def help_table(indent: int = 2, width: int = 88) -> str:
     """The layouts' lines of the ``ckptdb adopt`` help: name, then its summary wrapped."""
     known = layouts()
-    column = max(len(name) for name in known) + 2
+    column = max(len(name) for name in [*known, *_BROKEN]) + 2
     lines = []
-    for name, cls in known.items():
-        body = textwrap.wrap(cls.summary, width - indent - column) or [""]
+    summaries = {name: cls.summary for name, cls in known.items()}
+    for name, exc in sorted(_BROKEN.items()):
+        summaries[name] = f"unavailable: {type(exc).__name__}: {exc}"
+    for name, summary in summaries.items():
+        body = textwrap.wrap(summary, width - indent - column) or [""]
         lines.append(" " * indent + name.ljust(column) + body[0])
         lines.extend(" " * (indent + column) + more for more in body[1:])
     return "\n".join(lines)

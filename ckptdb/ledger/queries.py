@@ -68,6 +68,12 @@ class RunQueries:
             found = rows.rows_in_state(session, self.run_id, tuple(states), stream)
         return [rows.to_record(r, self.save_dir) for r in found]
 
+    def name_in_use(self, name: str) -> bool:
+        """Whether a live row (pending, committed, deleting, lost or corrupt) owns ``name``
+        (a path relative to the save directory)."""
+        with self.db.transaction(read=True) as session:
+            return rows.path_in_use(session, self.run_id, name)
+
     def find_committed(self, **where: Any) -> Checkpoint | None:
         """The newest committed row matching ``where`` (column=value), by an indexed query."""
         with self.db.transaction(read=True) as session:

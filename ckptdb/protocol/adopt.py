@@ -135,9 +135,10 @@ class _View:
         session: Any,
         run_id: int,
         policies: Mapping[str, Policy],
-        store: PayloadStore,
+        store: PayloadStore | None,
     ) -> None:
-        """``session`` None (with any ``run_id``): a run that does not exist yet."""
+        """``session`` None (with any ``run_id``): a run that does not exist yet;
+        ``store`` None: a preview without ``move`` (nothing is looked up in it)."""
         self.session, self.run_id, self.store = session, run_id, store
         self.policies = dict(policies)
         self.kept = ledger_rows.kept_on_disk(session, run_id) if session is not None else set()
@@ -206,6 +207,7 @@ def decide(view: _View, candidate: Candidate, save_dir: Path, move: bool) -> Out
         if not move:
             return skipped(f"outside the run's save directory {save_dir} (--move moves it there)")
         name = candidate.source.name
+        assert view.store is not None, "a move is previewed with its store"
         if view.known(name) or view.store.exists(name):
             return skipped(f"{name!r} already exists in the run's save directory {save_dir}")
     try:
@@ -259,7 +261,7 @@ def preview(
     candidates: Iterable[Candidate],
     *,
     save_dir: Path,
-    store: PayloadStore,
+    store: PayloadStore | None,
     policies: Mapping[str, Policy],
     db: Ledger | None = None,
     run_id: int | None = None,
@@ -267,7 +269,8 @@ def preview(
 ) -> list[Outcome]:
     """Step 1 for every candidate, read-only: what :meth:`Adopter.run` would do now.
 
-    ``db`` None: the run does not exist yet (nothing is read). A candidate
+    ``db`` None: the run does not exist yet (nothing is read). ``store`` may be
+    None unless ``move`` is set: only a move looks at it. A candidate
     planned for adoption counts for the later ones (its stream's newest step,
     its name), as its commit would.
     """
@@ -431,7 +434,8 @@ def preview_recorded(
     """:func:`preview` against the run already recorded for ``ledger_root``, read-only
     (no writer lock, nothing written); None when there is no such run yet.
 
-    ``store_of`` opens the store of the run's save directory. A ledger with an
+    ``store_of`` opens the store of the run's save directory, only for ``move``
+    (nothing else looks at the store, so a dry run contacts none). A ledger with an
     older schema is refused (upgrading is ``ckptdb db upgrade``'s, never a
     side effect of a dry run); ``move`` into a run on object storage is
     refused (moving a local file there would be an upload).
@@ -461,7 +465,7 @@ def preview_recorded(
         outcomes = preview(
             candidates,
             save_dir=run.save_dir,
-            store=store_of(run.save_dir),
+            store=store_of(run.save_dir) if move else None,
             policies=run.policies,
             db=db,
             run_id=run.run_id,

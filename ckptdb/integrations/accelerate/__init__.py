@@ -30,17 +30,25 @@ Every rank constructs ``Checkpoints`` and calls ``save``/``resume``; only the
 chief (rank 0) opens the ledger.
 """
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the writer imports Accelerate: loaded on first use (the layout needs none)
-    from .checkpoints import STREAM, Checkpoints
+from typing import TYPE_CHECKING
 
 __all__ = ["STREAM", "Checkpoints"]
 
+if TYPE_CHECKING:
+    from .checkpoints import STREAM, Checkpoints
+else:
 
-def __getattr__(name: str) -> Any:
-    if name in __all__:
+    def __getattr__(name: str) -> object:
+        """The writer's names, imported on first use: importing this package (or its
+        adopt layout) must not import the framework; using the writer does."""
+        if name.startswith("__") or name in ("checkpoints", "layout"):
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
         from . import checkpoints
 
-        return getattr(checkpoints, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        try:
+            return getattr(checkpoints, name)
+        except AttributeError:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})

@@ -76,6 +76,7 @@ class Checkpoints:
             raise ArgumentTypeError(f"root must be a path, got {root!r}")
         common.check_db_url(db_url)
         common.check_guard(guard)
+        common.check_local_root(root, "root")  # Accelerate writes its own files under root
         policy = _policy(keep_last, best)
         _refuse_automatic_naming(accelerator)
         self.accelerator = accelerator
@@ -146,9 +147,7 @@ class Checkpoints:
         # a rank that refuses alone must not leave the others in a collective
         self.manager.agree(local, what="save")
         self._protect_earlier()
-        name = common.free_name(
-            checkpoint_name(step), common.held_names(self.manager), self.save_dir
-        )
+        name = common.free_name(checkpoint_name(step), self.manager)
 
         def write(path: Path) -> None:
             self._write(path, save_state_kwargs)

@@ -32,17 +32,25 @@ default in ``.<dirpath name>.ckptdb/`` next to it, unique to that
 ``dirpath`` share it, each as its own streams.
 """
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the writer imports Lightning: loaded on first use (the layout needs none)
-    from .callback import ModelCheckpoint, default_ledger, newest_committed
+from typing import TYPE_CHECKING
 
 __all__ = ["ModelCheckpoint", "default_ledger", "newest_committed"]
 
+if TYPE_CHECKING:
+    from .callback import ModelCheckpoint, default_ledger, newest_committed
+else:
 
-def __getattr__(name: str) -> Any:
-    if name in __all__:
+    def __getattr__(name: str) -> object:
+        """The writer's names, imported on first use: importing this package (or its
+        adopt layout) must not import the framework; using the writer does."""
+        if name.startswith("__") or name in ("callback", "layout"):
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
         from . import callback
 
-        return getattr(callback, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        try:
+            return getattr(callback, name)
+        except AttributeError:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})

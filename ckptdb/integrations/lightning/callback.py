@@ -146,6 +146,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self.ledger = common.check_path(ledger, "ledger")
         self.db_url = common.check_db_url(db_url)
         self.stream = common.check_stream(stream, suffix=LAST_SUFFIX)
+        common.check_local_root(ledger, "ledger")
         self._session_key: tuple[str, str | None, int] | None = None
         #: Ids of the checkpoints this callback committed in the current fit.
         self._published: set[int] = set()
@@ -458,14 +459,22 @@ class ModelCheckpoint(_LightningModelCheckpoint):
 
         Lightning may reuse the name of the file it is about to delete (or,
         with ``enable_version_counter=False``, overwrite any); ckptdb never
-        publishes over a checkpoint, so a taken name always gets a version.
+        publishes over a checkpoint, so a taken name always gets a version:
+        taken on disk, or by a live row of the ledger (a lost checkpoint's
+        name stays its own).
         """
         filepath = self.format_checkpoint_name(monitor_candidates)
         version = self.STARTING_VERSION
-        while self.file_exists(filepath, trainer):
+        while self.file_exists(filepath, trainer) or self._held(filepath):
             filepath = self.format_checkpoint_name(monitor_candidates, ver=version)
             version += 1
         return filepath
+
+    def _held(self, filepath: str) -> bool:
+        """Whether a live row owns the name (a lost checkpoint's too): never written again."""
+        key = self._session_key
+        session = _SESSIONS.get(key) if key is not None else None
+        return session is not None and session.manager.holds(self._name_in_dirpath(filepath))
 
     def _alias_path(self, monitor_candidates: dict[str, Tensor], trainer: pl.Trainer) -> str:
         filepath = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)

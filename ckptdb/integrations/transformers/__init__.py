@@ -32,17 +32,25 @@ checkpoints) unless ``ledger=`` names another run root; ``db_url=`` puts it in
 PostgreSQL.
 """
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the Trainer imports transformers: loaded on first use
-    from .trainer import STREAM, Trainer, ledger_trainer, streams_for
+from typing import TYPE_CHECKING
 
 __all__ = ["STREAM", "Trainer", "ledger_trainer", "streams_for"]
 
+if TYPE_CHECKING:
+    from .trainer import STREAM, Trainer, ledger_trainer, streams_for
+else:
 
-def __getattr__(name: str) -> Any:
-    if name in __all__:
+    def __getattr__(name: str) -> object:
+        """The writer's names, imported on first use: importing this package (or its
+        adopt layout) must not import the framework; using the writer does."""
+        if name.startswith("__") or name in ("trainer", "layout"):
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
         from . import trainer
 
-        return getattr(trainer, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        try:
+            return getattr(trainer, name)
+        except AttributeError:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})

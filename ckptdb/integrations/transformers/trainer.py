@@ -35,7 +35,7 @@ from ...errors import (
     NonFiniteGradientError,
 )
 from ...guard import NonFiniteGradGuard
-from ...manager import CheckpointManager, refuse_object_root
+from ...manager import CheckpointManager
 from ...policies import Keep, Policy, TopK
 from ...record import Checkpoint
 from ...storage.external import External
@@ -130,7 +130,7 @@ class _LedgerCallback(TrainerCallback):
             return
         # one evaluate() fires this once per eval dataset (a dict of them), and a
         # callback may evaluate again: every value of the step goes with its checkpoint
-        values = dict(common.scalars(metrics))
+        values = dict(common.scalars(metrics, tensors=False))
         if run.evaluated is not None and run.evaluated[0] == state.global_step:
             values = {**run.evaluated[1], **values}
         run.evaluated = (state.global_step, values)
@@ -140,7 +140,7 @@ class _LedgerCallback(TrainerCallback):
     ) -> None:
         run = self.trainer._ckptdb_run
         if run is not None and logs:
-            values = dict(common.scalars(logs))
+            values = dict(common.scalars(logs, tensors=False))
             if values:
                 run.manager.log_metrics(state.global_step, values)
 
@@ -192,7 +192,8 @@ class _LedgerTrainerMixin:
         common.check_db_url(db_url)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         # the Trainer writes checkpoint-N/ with its own (local) writers: no object storage
-        refuse_object_root(getattr(training_args, "output_dir", None), "args.output_dir")
+        common.check_local_root(getattr(training_args, "output_dir", None), "args.output_dir")
+        common.check_local_root(ledger, "ledger")
         if getattr(training_args, "push_to_hub", False) and ledger is None and db_url is None:
             raise InvalidArgumentError(
                 "push_to_hub uploads output_dir, and the ledger would be in it (ckptdb.sqlite, "
@@ -368,7 +369,7 @@ class _LedgerTrainerMixin:
         (a checkpoint of an abandoned timeline, one whose directory was lost) or by
         anything on disk (a directory that is not ckptdb's)."""
         base = f"{PREFIX_CHECKPOINT_DIR}-{step}"
-        return common.free_name(base, common.held_names(run.manager, STREAM), self.ckptdb_save_dir)
+        return common.free_name(base, run.manager, self.ckptdb_save_dir)
 
     def _ckptdb_write(self, path: Path) -> None:
         """The Trainer's checkpoint, written into ``path`` (every rank its part).
