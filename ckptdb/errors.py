@@ -292,6 +292,15 @@ class MissingExtraError(CkptDBError, ImportError):
     """An optional dependency is missing (e.g. ``pip install 'ckptdb[s3]'``)."""
 
 
+class UnsupportedVersionError(CkptDBError, RuntimeError):
+    """A framework version the integration was not built and tested against.
+
+    An integration that reaches into a framework's internals (DeePMD-kit's
+    ``Trainer``) refuses other versions rather than run unguarded; the
+    message names the supported range.
+    """
+
+
 class RankAgreementError(CkptDBError, RuntimeError):
     """A collective among the ranks failed: a rank died, diverged or timed out.
 
@@ -436,6 +445,7 @@ __all__ = [
     "RunDirectoryError",
     "SchemaVersionError",
     "UnknownStreamError",
+    "UnsupportedVersionError",
     "WireError",
     "WriterLockLostError",
     "decode",

@@ -23,10 +23,23 @@ from ..layouts import (
     unreadable,
 )
 
-__all__ = ["ALIAS", "POINTER", "STREAM", "DeepmdLayout"]
+__all__ = [
+    "ALIAS",
+    "BEST_EMA_STREAM",
+    "BEST_STREAM",
+    "EMA_STREAM",
+    "POINTER",
+    "STREAM",
+    "DeepmdLayout",
+]
 
 #: The stream of DeePMD's ``model.ckpt-<N>.pt`` checkpoints.
 STREAM = "model"
+#: The stream of its EMA checkpoints, ``model_ema.ckpt-<N>.pt`` (``enable_ema``).
+EMA_STREAM = "model_ema"
+#: The top-K streams of its validation-best checkpoints (``validating.save_best``).
+BEST_STREAM = "best"
+BEST_EMA_STREAM = "best_ema"
 #: DeePMD's alias of the newest checkpoint, and its pointer file.
 ALIAS = "model.ckpt.pt"
 POINTER = "checkpoint"

@@ -1,0 +1,312 @@
+"""DeePMD-kit's ``dp --pt train`` through ckptdb, with the real DeePMD-kit on the CPU.
+
+Every training run is a subprocess of ``tests/deepmd_run.py`` (ckptdb's entry
+point plus test-only faults: a NaN gradient, a SIGKILL at a fault point) on
+the tiny system of :mod:`deepmdlib`. Runs cost mostly DeePMD's import, so
+there are four: one trained run shared by the tests that only read it (a NaN
+gradient at step 46, whose boundary at 60 is refused), ``dp freeze`` on it,
+and a crash and its restart. Restart resolution, the version check and the
+refused configurations are tested in-process against the shared run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("deepmd")
+
+from click.testing import CliRunner
+from deepmdlib import VALIDATING, dp, make_run_dir, output, validation_log
+
+from ckptdb import CheckpointManager, RunReader
+from ckptdb.cli import main as ckptdb_cli
+from ckptdb.errors import (
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    UnsupportedVersionError,
+)
+from ckptdb.integrations.deepmd import train
+
+pytestmark = [pytest.mark.timeout(150), pytest.mark.usefixtures("no_db_url_from_environment")]
+
+#: The shared run: 100 steps, a boundary every 20, NaN gradient at optimizer step 45
+#: (the 46th step, between the boundaries at 40 and 60).
+NAN_STEP = 45
+REFUSED = 60
+FOREIGN = "model.ckpt-500.pt"  # a longer earlier run's remnant, no row: never ckptdb's
+
+
+def rows(root: Path) -> dict[tuple[str, int], tuple[str, str]]:
+    """(stream, step) -> (state, file name) of every row, read-only."""
+    with RunReader(root) as reader:
+        found = reader.checkpoints(states=("committed", "deleted", "pending", "aborted"))
+    return {(c.stream, c.step): (c.state, c.path.name) for c in found}
+
+
+def events(root: Path) -> list[Any]:
+    with RunReader(root) as reader:
+        return reader.events(limit=1000)
+
+
+def check_clean(root: Path) -> None:
+    result = CliRunner().invoke(ckptdb_cli, ["check", str(root)])
+    assert result.exit_code == 0, result.output
+    assert "consistent" in result.output
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = make_run_dir(
+        tmp_path_factory.mktemp("deepmd") / "run",
+        enable_ema=True,
+        ema_ckpt_keep=1,
+        validating=VALIDATING,
+        gradient_max_norm=10.0,  # DeePMD's own guard is fed, and must defer to ckptdb's
+    )
+    (root / FOREIGN).write_bytes(b"not ours")  # stock DeePMD's prune deletes it at step 20
+    proc = dp(root, "--pt", "train", "input.json", env={"CKPTDB_TEST_NAN_STEP": str(NAN_STEP)})
+    assert proc.returncode == 0, output(proc)
+    (root / "stderr.txt").write_text(proc.stderr)
+    return root
+
+
+# ------------------------------------------------------------- the shared run
+
+
+def test_every_periodic_save_is_one_committed_boundary_of_both_streams(trained: Path) -> None:
+    found = {k: v for k, v in rows(trained).items() if k[0] in ("model", "model_ema")}
+    saved = [20, 40, 80, 100]
+    assert sorted(step for stream, step in found if stream == "model") == saved
+    assert sorted(step for stream, step in found if stream == "model_ema") == saved
+    for step in saved:
+        assert found[("model", step)][1] == f"model.ckpt-{step}.pt"
+        assert found[("model_ema", step)][1] == f"model_ema.ckpt-{step}.pt"
+    with RunReader(trained) as reader:
+        for step in saved:  # one boundary: one commit for both rows
+            both = reader.checkpoints(states=("committed", "deleted"))
+            pair = [c for c in both if c.step == step and c.stream.startswith("model")]
+            assert len(pair) == 2
+            assert len({c.committed_at for c in pair}) == 1, pair
+
+
+def test_retention_is_the_ledgers(trained: Path) -> None:
+    """max_ckpt_keep=2 and ema_ckpt_keep=1, applied by the ledger's evictions; DeePMD's
+    prune never ran (it would have deleted the higher-numbered remnant at step 20)."""
+    found = {k: v for k, v in rows(trained).items() if k[0] in ("model", "model_ema")}
+    committed = {k for k, (state, _) in found.items() if state == "committed"}
+    assert committed == {("model", 80), ("model", 100), ("model_ema", 100)}
+    assert {k for k, (state, _) in found.items() if state == "deleted"} == set(found) - committed
+    on_disk = sorted(p.name for p in trained.glob("model*.ckpt-*.pt"))
+    assert on_disk == sorted(
+        ["model.ckpt-80.pt", "model.ckpt-100.pt", "model_ema.ckpt-100.pt", FOREIGN]
+    )
+    assert (trained / FOREIGN).read_bytes() == b"not ours"
+
+
+@pytest.mark.parametrize(
+    ("stream", "log", "prefix"),
+    [("best", "val.log", "best.ckpt"), ("best_ema", "val_ema.log", "best_ema.ckpt")],
+)
+def test_validation_best_checkpoints_are_the_ledgers_top_k(
+    trained: Path, stream: str, log: str, prefix: str
+) -> None:
+    """max_best_ckpt=2 by E:MAE: the two lowest validations (but the refused step), under
+    names that never change; DeePMD's renaming and deleting of best files never ran."""
+    logged = validation_log(trained / log)
+    assert sorted(logged) == [20, 40, 60, 80, 100]
+    expected = sorted((v, step) for step, v in logged.items() if step != REFUSED)[:2]
+    with RunReader(trained) as reader:
+        best = reader.best(stream)
+        ever = reader.checkpoints(stream, states=("committed", "deleted"))
+    assert [c.step for c in best] == [step for _, step in expected]
+    assert all(c.metrics["E:MAE"] == c.metric for c in best)
+    assert REFUSED not in {c.step for c in ever}
+    assert {c.path.name for c in ever} == {f"{prefix}-{c.step}.pt" for c in ever}
+    on_disk = sorted(p.name for p in trained.glob(f"{prefix}-*"))
+    assert on_disk == sorted(c.path.name for c in best)  # evicted ones gone, no .t-R names
+
+
+def test_aliases_name_the_newest_committed(trained: Path) -> None:
+    assert os.readlink(trained / "model.ckpt.pt") == "model.ckpt-100.pt"
+    assert os.readlink(trained / "model_ema.ckpt.pt") == "model_ema.ckpt-100.pt"
+    assert (trained / "checkpoint").read_text() == "model.ckpt-100.pt"
+    with RunReader(trained) as reader:
+        latest = reader.latest("model")
+    assert latest is not None and latest.path.name == "model.ckpt-100.pt"
+
+
+def test_a_nan_gradient_refuses_that_boundary_and_training_goes_on(trained: Path) -> None:
+    stderr = (trained / "stderr.txt").read_text()
+    assert f"TEST: NaN gradient at optimizer step {NAN_STEP}" in stderr
+    assert f"ckptdb: step {REFUSED} was not checkpointed" in stderr
+    assert not any(step == REFUSED for _, step in rows(trained))  # refused before any row
+    tripped = [e for e in events(trained) if e.kind == "guard_tripped"]
+    assert [e.step for e in tripped] == [REFUSED]
+    # DeePMD's own guard was fed the NaN norm too and did not stop the run: the next
+    # boundaries published (and the run exited 0, asserted by the fixture)
+    assert rows(trained)[("model", 80)][0] == "committed"
+
+
+def test_ckptdb_check_is_clean_after_a_run(trained: Path) -> None:
+    check_clean(trained)
+
+
+def test_dp_freeze_reads_a_run_written_by_ckptdb(trained: Path, tmp_path: Path) -> None:
+    """``freeze -c DIR`` follows the ``checkpoint`` pointer that ckptdb wrote."""
+    frozen = tmp_path / "frozen.pth"
+    proc = dp(trained, "--pt", "freeze", "-c", ".", "-o", str(frozen))
+    assert proc.returncode == 0, output(proc)
+    assert frozen.stat().st_size > 0
+
+
+# ---------------------------------------------------------------- restarting
+
+
+@pytest.fixture
+def ledger(trained: Path) -> Any:
+    with CheckpointManager(trained, maintenance=True) as manager:
+        yield manager
+
+
+ALIASES = {"model.ckpt.pt": "model", "model_ema.ckpt.pt": "model_ema"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "stream", "name"),
+    [
+        ("latest", "model", "model.ckpt-100.pt"),
+        (".", "model", "model.ckpt-100.pt"),
+        ("model.ckpt", "model", "model.ckpt-100.pt"),  # DeePMD's prefix: its alias
+        ("model.ckpt.pt", "model", "model.ckpt-100.pt"),
+        ("model_ema.ckpt", "model_ema", "model_ema.ckpt-100.pt"),
+        ("model.ckpt-80", "model", "model.ckpt-80.pt"),  # .pt added, as DeePMD does
+        ("model.ckpt-80.pt", "model", "model.ckpt-80.pt"),
+    ],
+)
+def test_restart_resolves_through_the_ledger(
+    ledger: CheckpointManager, trained: Path, spec: str, stream: str, name: str
+) -> None:
+    found = train.resolve_restart(ledger, spec, root=trained, aliases=ALIASES)
+    assert (found.stream, found.path.name, found.state) == (stream, name, "committed")
+
+
+def test_restart_does_not_read_the_alias(ledger: CheckpointManager, trained: Path) -> None:
+    alias = trained / "model.ckpt.pt"
+    alias.unlink()
+    alias.symlink_to("model.ckpt-80.pt")
+    try:
+        found = train.resolve_restart(ledger, "model.ckpt", root=trained, aliases=ALIASES)
+    finally:
+        alias.unlink()
+        alias.symlink_to("model.ckpt-100.pt")
+    assert found.path.name == "model.ckpt-100.pt"
+
+
+@pytest.mark.parametrize("spec", [FOREIGN, "model.ckpt-40.pt", "model.ckpt-60.pt"])
+def test_restart_refuses_a_path_without_a_committed_row(
+    ledger: CheckpointManager, trained: Path, spec: str
+) -> None:
+    """A file with no row (the remnant), an evicted one, one that was never published."""
+    with pytest.raises(CheckpointNotFoundError, match="has no committed row"):
+        train.resolve_restart(ledger, spec, root=trained, aliases=ALIASES)
+
+
+def test_restart_refuses_another_directory(
+    ledger: CheckpointManager, trained: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="not this run's directory"):
+        train.resolve_restart(ledger, str(tmp_path), root=trained, aliases=ALIASES)
+
+
+# -------------------------------------------------------------------- a crash
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_in_a_save_then_restart_latest(tmp_path: Path) -> None:
+    """Killed inside the third boundary (step 60, files written, not committed): the
+    aliases still name step 40; ``--restart latest`` reconciles, resumes from 40,
+    publishes 60, and the run checks clean."""
+    root = make_run_dir(tmp_path / "run", numb_steps=60, enable_ema=True)
+    proc = dp(root, "--pt", "train", "input.json", env={"CKPTDB_TEST_KILL_AT": "after_fsync:3"})
+    assert proc.returncode == -signal.SIGKILL, output(proc)
+    assert "TEST: SIGKILL at after_fsync #3" in proc.stderr
+    assert os.readlink(root / "model.ckpt.pt") == "model.ckpt-40.pt"
+    assert os.readlink(root / "model_ema.ckpt.pt") == "model_ema.ckpt-40.pt"
+    assert (root / "checkpoint").read_text() == "model.ckpt-40.pt"
+    assert not (root / "model.ckpt-60.pt").exists()
+    assert rows(root)[("model", 60)][0] == "pending"
+    # as if a crash had come between a commit and its aliases: start re-points it
+    (root / "model.ckpt.pt").unlink()
+    (root / "model.ckpt.pt").symlink_to("model.ckpt-20.pt")
+
+    again = dp(root, "--pt", "train", "input.json", "--restart", "latest")
+    assert again.returncode == 0, output(again)
+    assert "model.ckpt.pt named model.ckpt-20.pt, not the newest committed" in again.stderr
+    resumed = [e for e in events(root) if e.kind == "resumed"]
+    assert [e.step for e in resumed] == [40]
+    found = rows(root)
+    assert found[("model", 60)] == ("committed", "model.ckpt-60.pt")
+    assert found[("model_ema", 60)] == ("committed", "model_ema.ckpt-60.pt")
+    assert os.readlink(root / "model.ckpt.pt") == "model.ckpt-60.pt"
+    assert (root / "checkpoint").read_text() == "model.ckpt-60.pt"
+    check_clean(root)
+
+
+# ------------------------------------------------------------ what is refused
+
+
+def test_another_deepmd_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(train.deepmd, "__version__", "3.3.0")
+    with pytest.raises(UnsupportedVersionError, match=r"deepmd-kit>=3\.2,<3\.3") as info:
+        train.main(["--pt", "train", "input.json"])
+    assert isinstance(info.value, RuntimeError)
+    assert "3.3.0" in str(info.value)
+    with pytest.raises(UnsupportedVersionError):
+        train.check_version("3.1.2")
+    assert train.check_version("3.2.1") == "3.2.1"
+
+
+def test_best_checkpoints_outside_the_save_directory_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(make_run_dir(tmp_path))
+    config = json.loads(Path("input.json").read_text())
+    config["training"]["save_dir"] = "ckpts"  # best files would go beside model.ckpt: "."
+    config["validating"] = {"full_validation": True, "save_best": True}
+    with pytest.raises(InvalidArgumentError, match="save_best_dir"):
+        train._refuse_unsupported(config)
+    config["validating"]["save_best_dir"] = "ckpts/best"
+    train._refuse_unsupported(config)
+    config["validating"] = {"full_validation": True, "save_best": False}
+    train._refuse_unsupported(config)  # validation without best checkpoints
+
+
+def test_another_backend_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(make_run_dir(tmp_path))
+    with pytest.raises(InvalidArgumentError, match="--pt"):
+        train.main(["--tf", "train", "input.json"])
+
+
+@pytest.mark.parametrize(
+    ("args", "rest", "guard"),
+    [
+        (["--pt", "train", "in.json"], ["--pt", "train", "in.json"], True),
+        (["--pt", "train", "--ckptdb-guard", "raise", "x"], ["--pt", "train", "x"], "raise"),
+        (["--ckptdb-guard=off", "--pt", "train", "in.json"], ["--pt", "train", "in.json"], False),
+    ],
+)
+def test_the_guard_option_is_taken_out_of_dps_arguments(
+    args: list[str], rest: list[str], guard: object
+) -> None:
+    assert train._take_guard(args) == (rest, guard)
+
+
+def test_a_bad_guard_option_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="warn, raise or off"):
+        train._take_guard(["--ckptdb-guard", "maybe"])
