@@ -32,23 +32,11 @@ chief (rank 0) opens the ledger.
 
 from typing import TYPE_CHECKING
 
+from .. import lazy
+
 __all__ = ["STREAM", "Checkpoints"]
 
 if TYPE_CHECKING:
     from .checkpoints import STREAM, Checkpoints
 else:
-
-    def __getattr__(name: str) -> object:
-        """The writer's names, imported on first use: importing this package (or its
-        adopt layout) must not import the framework; using the writer does."""
-        if name.startswith("__") or name in ("checkpoints", "layout"):
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        from . import checkpoints
-
-        try:
-            return getattr(checkpoints, name)
-        except AttributeError:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-
-    def __dir__() -> list[str]:
-        return sorted({*globals(), *__all__})
+    __getattr__, __dir__ = lazy.names(__name__, "checkpoints", __all__)

@@ -34,23 +34,11 @@ default in ``.<dirpath name>.ckptdb/`` next to it, unique to that
 
 from typing import TYPE_CHECKING
 
+from .. import lazy
+
 __all__ = ["ModelCheckpoint", "default_ledger", "newest_committed"]
 
 if TYPE_CHECKING:
     from .callback import ModelCheckpoint, default_ledger, newest_committed
 else:
-
-    def __getattr__(name: str) -> object:
-        """The writer's names, imported on first use: importing this package (or its
-        adopt layout) must not import the framework; using the writer does."""
-        if name.startswith("__") or name in ("callback", "layout"):
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        from . import callback
-
-        try:
-            return getattr(callback, name)
-        except AttributeError:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-
-    def __dir__() -> list[str]:
-        return sorted({*globals(), *__all__})
+    __getattr__, __dir__ = lazy.names(__name__, "callback", __all__)

@@ -34,23 +34,11 @@ PostgreSQL.
 
 from typing import TYPE_CHECKING
 
+from .. import lazy
+
 __all__ = ["STREAM", "Trainer", "ledger_trainer", "streams_for"]
 
 if TYPE_CHECKING:
     from .trainer import STREAM, Trainer, ledger_trainer, streams_for
 else:
-
-    def __getattr__(name: str) -> object:
-        """The writer's names, imported on first use: importing this package (or its
-        adopt layout) must not import the framework; using the writer does."""
-        if name.startswith("__") or name in ("trainer", "layout"):
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        from . import trainer
-
-        try:
-            return getattr(trainer, name)
-        except AttributeError:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-
-    def __dir__() -> list[str]:
-        return sorted({*globals(), *__all__})
+    __getattr__, __dir__ = lazy.names(__name__, "trainer", __all__)
