@@ -3,10 +3,11 @@
 Every training run is a subprocess of ``tests/deepmd_run.py`` (ckptdb's entry
 point plus test-only faults: a NaN gradient, a SIGKILL at a fault point) on
 the tiny system of :mod:`deepmdlib`. Runs cost mostly DeePMD's import, so
-there are four: one trained run shared by the tests that only read it (a NaN
-gradient at step 46, whose boundary at 60 is refused), ``dp freeze`` on it,
-and a crash and its restart. Restart resolution, the version check and the
-refused configurations are tested in-process against the shared run.
+there are four: one trained run shared by the tests that only read it (EMA,
+full validation with best checkpoints, a NaN gradient at step 46 whose
+boundaries at 60 are refused), ``dp freeze`` on it, and a crash and its
+restart. Restart resolution, names, the version check and the refused
+configurations are tested in-process against the shared run.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -29,8 +31,10 @@ from ckptdb.cli import main as ckptdb_cli
 from ckptdb.errors import (
     CheckpointNotFoundError,
     InvalidArgumentError,
+    NonFiniteGradientError,
     UnsupportedVersionError,
 )
+from ckptdb.integrations import common
 from ckptdb.integrations.deepmd import train
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.usefixtures("no_db_url_from_environment")]
@@ -40,6 +44,7 @@ pytestmark = [pytest.mark.timeout(150), pytest.mark.usefixtures("no_db_url_from_
 NAN_STEP = 45
 REFUSED = 60
 FOREIGN = "model.ckpt-500.pt"  # a longer earlier run's remnant, no row: never ckptdb's
+FOREIGN_BEST = "best.ckpt-7.t-1.pt"  # a stock run's best file: stock DeePMD deletes it at start
 
 
 def rows(root: Path) -> dict[tuple[str, int], tuple[str, str]]:
@@ -70,9 +75,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
         gradient_max_norm=10.0,  # DeePMD's own guard is fed, and must defer to ckptdb's
     )
     (root / FOREIGN).write_bytes(b"not ours")  # stock DeePMD's prune deletes it at step 20
+    (root / FOREIGN_BEST).write_bytes(b"not ours either")
     proc = dp(root, "--pt", "train", "input.json", env={"CKPTDB_TEST_NAN_STEP": str(NAN_STEP)})
     assert proc.returncode == 0, output(proc)
-    (root / "stderr.txt").write_text(proc.stderr)
+    (root.parent / "stderr.txt").write_text(proc.stderr)
     return root
 
 
@@ -128,8 +134,10 @@ def test_validation_best_checkpoints_are_the_ledgers_top_k(
     assert all(c.metrics["E:MAE"] == c.metric for c in best)
     assert REFUSED not in {c.step for c in ever}
     assert {c.path.name for c in ever} == {f"{prefix}-{c.step}.pt" for c in ever}
-    on_disk = sorted(p.name for p in trained.glob(f"{prefix}-*"))
+    on_disk = sorted(p.name for p in trained.glob(f"{prefix}-*.pt") if p.name != FOREIGN_BEST)
     assert on_disk == sorted(c.path.name for c in best)  # evicted ones gone, no .t-R names
+    # DeePMD's own renaming and deleting of best files never ran (it deletes this at start)
+    assert (trained / FOREIGN_BEST).read_bytes() == b"not ours either"
 
 
 def test_aliases_name_the_newest_committed(trained: Path) -> None:
@@ -142,7 +150,7 @@ def test_aliases_name_the_newest_committed(trained: Path) -> None:
 
 
 def test_a_nan_gradient_refuses_that_boundary_and_training_goes_on(trained: Path) -> None:
-    stderr = (trained / "stderr.txt").read_text()
+    stderr = (trained.parent / "stderr.txt").read_text()
     assert f"TEST: NaN gradient at optimizer step {NAN_STEP}" in stderr
     assert f"ckptdb: step {REFUSED} was not checkpointed" in stderr
     assert not any(step == REFUSED for _, step in rows(trained))  # refused before any row
@@ -224,18 +232,37 @@ def test_restart_refuses_another_directory(
         train.resolve_restart(ledger, str(tmp_path), root=trained, aliases=ALIASES)
 
 
+@pytest.mark.parametrize(
+    ("base", "name"),
+    [
+        ("model.ckpt-100.pt", "model.ckpt-100-v1.pt"),  # a row holds it (a re-saved step)
+        (FOREIGN, "model.ckpt-500-v1.pt"),  # a file without a row
+        ("model.ckpt-120.pt", "model.ckpt-120.pt"),
+    ],
+)
+def test_a_taken_name_gets_a_version_before_the_suffix(
+    ledger: CheckpointManager, base: str, name: str
+) -> None:
+    """DeePMD adds ``.pt`` to a --restart name without it: ``-v1`` must not come last."""
+    assert common.free_name(base, ledger, suffix=".pt") == name
+
+
 # -------------------------------------------------------------------- a crash
 
 
 @pytest.mark.timeout(240)
 def test_sigkill_in_a_save_then_restart_latest(tmp_path: Path) -> None:
-    """Killed inside the third boundary (step 60, files written, not committed): the
-    aliases still name step 40; ``--restart latest`` reconciles, resumes from 40,
-    publishes 60, and the run checks clean."""
-    root = make_run_dir(tmp_path / "run", numb_steps=60, enable_ema=True)
-    proc = dp(root, "--pt", "train", "input.json", env={"CKPTDB_TEST_KILL_AT": "after_fsync:3"})
+    """Killed inside the periodic boundary at step 60 (files written, not committed):
+    the aliases still name step 40; ``--restart latest`` reconciles, resumes from 40,
+    publishes 60, and the run checks clean. Validation every 30 steps keeps best
+    checkpoints across the restart: the boundaries are 20, 30 (best, best_ema), 40,
+    60 (best, best_ema, periodic: the seventh, killed)."""
+    validating = {**VALIDATING, "validation_freq": 30}
+    root = make_run_dir(tmp_path / "run", validating=validating, numb_steps=60, enable_ema=True)
+    proc = dp(root, "--pt", "train", "input.json", env={"CKPTDB_TEST_KILL_AT": "after_fsync:7"})
     assert proc.returncode == -signal.SIGKILL, output(proc)
-    assert "TEST: SIGKILL at after_fsync #3" in proc.stderr
+    assert "TEST: SIGKILL at after_fsync #7" in proc.stderr
+    assert rows(root)[("best", 60)][0] == "committed"
     assert os.readlink(root / "model.ckpt.pt") == "model.ckpt-40.pt"
     assert os.readlink(root / "model_ema.ckpt.pt") == "model_ema.ckpt-40.pt"
     assert (root / "checkpoint").read_text() == "model.ckpt-40.pt"
@@ -250,11 +277,33 @@ def test_sigkill_in_a_save_then_restart_latest(tmp_path: Path) -> None:
     assert "model.ckpt.pt named model.ckpt-20.pt, not the newest committed" in again.stderr
     resumed = [e for e in events(root) if e.kind == "resumed"]
     assert [e.step for e in resumed] == [40]
+    with RunReader(root) as reader:
+        at_60 = [
+            c
+            for c in reader.checkpoints(states=("aborted", "committed"))
+            if c.step == 60 and c.stream.startswith("model")
+        ]
+    # the killed boundary rolled back, then published again: the name was free
+    assert sorted((c.stream, c.state) for c in at_60) == [
+        ("model", "aborted"),
+        ("model", "committed"),
+        ("model_ema", "aborted"),
+        ("model_ema", "committed"),
+    ]
     found = rows(root)
     assert found[("model", 60)] == ("committed", "model.ckpt-60.pt")
     assert found[("model_ema", 60)] == ("committed", "model_ema.ckpt-60.pt")
     assert os.readlink(root / "model.ckpt.pt") == "model.ckpt-60.pt"
     assert (root / "checkpoint").read_text() == "model.ckpt-60.pt"
+    with RunReader(root) as reader:  # step 60 validated again, on the new timeline
+        best = {stream: reader.best(stream) for stream in ("best", "best_ema")}
+    for stream, prefix in (("best", "best.ckpt"), ("best_ema", "best_ema.ckpt")):
+        # the new timeline's step 60 replaced the killed one's (its name taken: -v1)
+        assert sorted(c.path.name for c in best[stream]) == [
+            f"{prefix}-30.pt",
+            f"{prefix}-60-v1.pt",
+        ]
+        assert all(c.path.exists() for c in best[stream])
     check_clean(root)
 
 
@@ -310,3 +359,30 @@ def test_the_guard_option_is_taken_out_of_dps_arguments(
 def test_a_bad_guard_option_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="warn, raise or off"):
         train._take_guard(["--ckptdb-guard", "maybe"])
+
+
+class _Refusing:
+    """A manager whose every boundary the guard refuses (it records the event itself)."""
+
+    def save(self, step: int, **kwargs: Any) -> Any:
+        raise NonFiniteGradientError(f"step {step} not published", step=step)
+
+
+@pytest.mark.parametrize("guard", [True, "raise"])
+def test_a_refused_boundary_warns_or_raises_and_refuses_the_rest_of_its_step(
+    guard: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--ckptdb-guard warn`` goes on, ``raise`` stops; either way every later
+    boundary of the step (the periodic one after a best one) is refused too."""
+    trainer: Any = SimpleNamespace(
+        manager=_Refusing(), ckptdb=train.Options(guard=guard), _refused_step=None
+    )
+    if guard == "raise":
+        with pytest.raises(NonFiniteGradientError):
+            train.LedgerTrainer._boundary(trainer, 40, None, {})
+    else:
+        assert train.LedgerTrainer._boundary(trainer, 40, None, {}) is None
+        assert "step 40 was not checkpointed" in caplog.text
+    assert trainer._refused_step == 40
+    trainer.manager = None  # a later boundary of the step never reaches the manager
+    assert train.LedgerTrainer._boundary(trainer, 40, None, {}) is None

@@ -30,6 +30,9 @@ SHIPPED = (
     "ckptdb/integrations/accelerate/checkpoints.py",
     "ckptdb/integrations/accelerate/layout.py",
     "ckptdb/integrations/deepmd/layout.py",
+    "ckptdb/integrations/deepmd/train.py",
+    "ckptdb/integrations/deepmd/__main__.py",
+    "ckptdb/integrations/lazy.py",
     "ckptdb/py.typed",
 )
 # What is never part of a source tree that gets built (see .gitignore).

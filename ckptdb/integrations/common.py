@@ -131,14 +131,35 @@ def publish(
     """One boundary of ``payload`` into ``stream``: the committed checkpoint, or None.
 
     None when the guard refused the step (or a top-K stream did not admit
-    the candidate). The refusal is the same for every framework: the
-    manager has recorded the ``guard_tripped`` event; ``refused(error)``
-    (when given) lets the integration note it; then ``guard="raise"``
-    re-raises :class:`~ckptdb.errors.NonFiniteGradientError` and otherwise
-    a warning is logged and training goes on. Every other error propagates.
+    the candidate); see :func:`publish_all`.
+    """
+    saved = publish_all(
+        manager, step, {stream: payload}, metrics=metrics, guard=guard, log=log, refused=refused
+    )
+    return saved.get(stream) if saved is not None else None
+
+
+def publish_all(
+    manager: CheckpointManager,
+    step: int,
+    payloads: Mapping[str, External],
+    *,
+    metrics: Mapping[str, float] | None,
+    guard: GuardSetting,
+    log: logging.Logger,
+    refused: Callable[[NonFiniteGradientError], None] | None = None,
+) -> dict[str, Checkpoint] | None:
+    """One boundary of several streams' payloads (a checkpoint and its EMA twin): the
+    committed checkpoints by stream (every one, or none), or None when the guard refused.
+
+    The refusal is the same for every framework: the manager has recorded the
+    ``guard_tripped`` event; ``refused(error)`` (when given) lets the
+    integration note it; then ``guard="raise"`` re-raises
+    :class:`~ckptdb.errors.NonFiniteGradientError` and otherwise a warning is
+    logged and training goes on. Every other error propagates.
     """
     try:
-        saved = manager.save(step, metrics=metrics, blocking=True, **{stream: payload})
+        return manager.save(step, metrics=metrics, blocking=True, **payloads)
     except NonFiniteGradientError as exc:
         if refused is not None:
             refused(exc)
@@ -146,14 +167,17 @@ def publish(
             raise
         log.warning("ckptdb: step %d was not checkpointed: %s", step, exc)
         return None
-    return saved.get(stream)
 
 
 # ---------------------------------------------------------- names and resuming
 
 
-def free_name(base: str, manager: CheckpointManager, directory: Path | None = None) -> str:
-    """``base``, or ``base-v<n>`` (n = 1, 2, ...) when that name is taken.
+def free_name(
+    base: str, manager: CheckpointManager, directory: Path | None = None, *, suffix: str = ""
+) -> str:
+    """``base``, or ``base-v<n>`` (n = 1, 2, ...) when that name is taken; with a
+    ``suffix`` that ``base`` ends in, the version goes before it
+    (``model.ckpt-100-v1.pt``: tools that find checkpoints by their suffix still do).
 
     Taken by a live row (a re-saved step, a checkpoint of an abandoned
     timeline, a lost one: :meth:`CheckpointManager.holds`) or by anything on
@@ -163,10 +187,11 @@ def free_name(base: str, manager: CheckpointManager, directory: Path | None = No
     name tried, whatever the length of the run's history of names.
     """
     where = manager.save_dir if directory is None else directory
+    stem, end = (base[: -len(suffix)], suffix) if suffix and base.endswith(suffix) else (base, "")
     name, version = base, 0
     while manager.holds(name) or os.path.lexists(where / name):
         version += 1
-        name = f"{base}-v{version}"
+        name = f"{stem}-v{version}{end}"
     return name
 
 

@@ -28,23 +28,11 @@ Importing this package (or its layout) does not import DeePMD-kit; using
 
 from typing import TYPE_CHECKING
 
+from .. import lazy
+
 __all__ = ["LedgerTrainer", "check_version", "main", "resolve_restart"]
 
 if TYPE_CHECKING:
     from .train import LedgerTrainer, check_version, main, resolve_restart
 else:
-
-    def __getattr__(name: str) -> object:
-        """The writer's names, imported on first use: importing this package (or its
-        adopt layout) must not import the framework; using the writer does."""
-        if name.startswith("__") or name in ("train", "layout"):
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        from . import train
-
-        try:
-            return getattr(train, name)
-        except AttributeError:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-
-    def __dir__() -> list[str]:
-        return sorted({*globals(), *__all__})
+    __getattr__, __dir__ = lazy.names(__name__, "train", __all__)

@@ -330,7 +330,7 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
             / f"{validator.best_checkpoint_prefix}-{step}{validator.best_checkpoint_suffix}",
             self.manager.save_dir,
         )
-        payload = External(self._writer(data), common.free_name(name, self.manager))
+        payload = External(self._writer(data), common.free_name(name, self.manager, suffix=".pt"))
         saved = self._boundary(step, metrics, {stream: payload})
         if saved is None or stream not in saved:
             # refused, or not in the ledger's top-K: DeePMD's own top-K (which decides
@@ -343,22 +343,27 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
     ) -> dict[str, Checkpoint] | None:
         """``manager.save`` of ``payloads``; None when the guard refused the step.
 
-        A refusal is handled as :func:`common.publish` handles one (the manager has
-        recorded ``guard_tripped``; ``raise`` re-raises, otherwise a warning and
-        training goes on); it also refuses every later boundary of the step (the
+        A refusal is :func:`common.publish_all`'s (the manager has recorded
+        ``guard_tripped``; ``raise`` re-raises, otherwise a warning and training
+        goes on); it also refuses every later boundary of the step (the
         periodic checkpoint after a best one).
         """
         if self._refused_step == step:
             log.warning("ckptdb: step %d was not checkpointed: the guard refused this step", step)
             return None
-        try:
-            return self.manager.save(step, metrics=metrics, blocking=True, **payloads)
-        except NonFiniteGradientError as exc:
+
+        def refused(exc: NonFiniteGradientError) -> None:
             self._refused_step = step
-            if self.ckptdb.guard == "raise":
-                raise
-            log.warning("ckptdb: step %d was not checkpointed: %s", step, exc)
-            return None
+
+        return common.publish_all(
+            self.manager,
+            step,
+            payloads,
+            metrics=metrics,
+            guard=self.ckptdb.guard,
+            log=log,
+            refused=refused,
+        )
 
     def _metrics(self) -> dict[str, float] | None:
         lr = self._get_inner_module().train_infos.get("lr")
@@ -366,7 +371,7 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
 
     def _payload(self, path: Path, data: dict[str, Any]) -> External:
         """DeePMD's own write of ``data``, published under its name (``-vN`` when taken)."""
-        return External(self._writer(data), common.free_name(path.name, self.manager))
+        return External(self._writer(data), common.free_name(path.name, self.manager, suffix=".pt"))
 
     def _writer(self, data: dict[str, Any]) -> Callable[[Path], None]:
         def write(target: Path) -> None:
