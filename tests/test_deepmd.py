@@ -386,3 +386,17 @@ def test_a_refused_boundary_warns_or_raises_and_refuses_the_rest_of_its_step(
     assert trainer._refused_step == 40
     trainer.manager = None  # a later boundary of the step never reaches the manager
     assert train.LedgerTrainer._boundary(trainer, 40, None, {}) is None
+
+
+def test_a_ckptdb_error_is_one_line_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckptdb.integrations.deepmd import __main__ as entry
+
+    def refuse(argv: object) -> None:
+        raise InvalidArgumentError("ckptdb trains DeePMD-kit's PyTorch backend only,\nnot 'tf'")
+
+    monkeypatch.setattr(train, "main", refuse)
+    assert entry.run(["--tf", "train", "input.json"]) == 1
+    err = capsys.readouterr().err
+    assert err == "Error: ckptdb trains DeePMD-kit's PyTorch backend only, not 'tf'\n"

@@ -3,8 +3,9 @@
 The only module that imports DeePMD-kit. It reaches into DeePMD's
 ``Trainer`` (its checkpoint writer, its stores, its guard), so it refuses any
 DeePMD-kit but the tested 3.2 series (:func:`check_version`), and it refuses
-what it does not guard yet (several ranks, validation-best checkpoints)
-rather than let DeePMD write or delete checkpoints behind the ledger's back.
+what it does not guard yet (several ranks, a best-checkpoint directory
+outside the save directory) rather than let DeePMD write or delete
+checkpoints behind the ledger's back.
 """
 
 from __future__ import annotations
