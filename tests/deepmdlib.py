@@ -26,6 +26,7 @@ import numpy as np
 
 TESTS = Path(__file__).resolve().parent
 RUNNER = TESTS / "deepmd_run.py"
+STOCK = TESTS / "deepmd_stock.py"  # DeePMD-kit's own dp, without ckptdb
 REPO = TESTS.parent
 
 BOX = 6.0  # Angstrom, cubic
@@ -165,17 +166,22 @@ def validation_log(path: Path) -> dict[int, float]:
 
 
 def dp(
-    cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+    cwd: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+    stock: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """``python tests/deepmd_run.py ARGS`` (ckptdb's ``dp``) in ``cwd``; never raises on
-    a non-zero exit (the caller asserts on it, with the output in the message)."""
+    """``python tests/deepmd_run.py ARGS`` (ckptdb's ``dp``; ``stock``: DeePMD-kit's own,
+    ``tests/deepmd_stock.py``) in ``cwd``; never raises on a non-zero exit (the caller
+    asserts on it, with the output in the message)."""
     full_env = {**os.environ, **SPEED_ENV, **(env or {})}
     full_env.pop("CKPTDB_DB_URL", None)  # the run's own SQLite ledger
     full_env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
     return subprocess.run(
-        [sys.executable, str(RUNNER), *args],
+        [sys.executable, str(STOCK if stock else RUNNER), *args],
         cwd=cwd,
         env=full_env,
         capture_output=True,

@@ -3,11 +3,13 @@
 Every training run is a subprocess of ``tests/deepmd_run.py`` (ckptdb's entry
 point plus test-only faults: a NaN gradient, a SIGKILL at a fault point) on
 the tiny system of :mod:`deepmdlib`. Runs cost mostly DeePMD's import, so
-there are four: one trained run shared by the tests that only read it (EMA,
+there are seven: one trained run shared by the tests that only read it (EMA,
 full validation with best checkpoints, a NaN gradient at step 46 whose
-boundaries at 60 are refused), ``dp freeze`` on it, and a crash and its
-restart. Restart resolution, names, the version check and the refused
-configurations are tested in-process against the shared run.
+boundaries at 60 are refused; its ``lcurve.out`` and ``val.log`` as metrics),
+``dp freeze`` on it, a crash and its restart, and a stock DeePMD-kit run
+(``tests/deepmd_stock.py``) adopted, trained on through ckptdb, then
+restarted by stock DeePMD-kit. Restart resolution, names, the version check,
+the refused configurations and the log reader are tested in-process.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("deepmd")
 
@@ -165,6 +168,104 @@ def test_ckptdb_check_is_clean_after_a_run(trained: Path) -> None:
     check_clean(trained)
 
 
+def column_log(path: Path) -> dict[int, dict[str, float]]:
+    """Step -> column -> value of an ``lcurve.out``/``val.log``-style file (one attempt:
+    one header), the units in the header left out: ``E_MAE(meV/atom)`` is ``E_MAE``."""
+    columns: list[str] = []
+    found: dict[int, dict[str, float]] = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("# step"):
+            columns = [name.split("(")[0] for name in line[1:].split()[1:]]
+        elif line.strip() and not line.startswith("#"):
+            step, *values = line.split()
+            found[int(step)] = dict(zip(columns, map(float, values), strict=True))
+    return found
+
+
+def metric_points(root: Path) -> dict[str, dict[int, list[tuple[float, int]]]]:
+    """Metric -> step -> [(value, attempt id)] of every metric of the run."""
+    found: dict[str, dict[int, list[tuple[float, int]]]] = {}
+    with RunReader(root) as reader:
+        for name in reader.metric_names():
+            for step, value, attempt in reader.metric_history(name):
+                found.setdefault(name, {}).setdefault(step, []).append((value, attempt))
+    return found
+
+
+def test_lcurve_and_validation_logs_are_the_ledgers_metrics(trained: Path) -> None:
+    """Every row of ``lcurve.out`` (but its rounded ``lr``: the exact one is a metric of
+    each checkpoint) and of ``val.log``/``val_ema.log`` (as ``val_*``/``val_ema_*``)
+    is a metric point at its step, once, with the number the file holds."""
+    points = metric_points(trained)
+    expected: dict[str, dict[int, float]] = {}
+    for log, prefix in (("lcurve.out", ""), ("val.log", "val_"), ("val_ema.log", "val_ema_")):
+        logged = column_log(trained / log)
+        assert logged, log
+        for step, values in logged.items():
+            for name, value in values.items():
+                if prefix or name != "lr":
+                    expected.setdefault(prefix + name, {})[step] = value
+    assert sorted(expected["rmse_e_trn"]) == [1, 20, 40, 60, 80, 100]
+    assert sorted(expected["val_E_MAE"]) == [20, 40, 60, 80, 100]
+    assert "val_ema_F_RMSE" in expected
+    for name, by_step in expected.items():
+        got = {step: [v for v, _ in pts] for step, pts in points[name].items()}
+        assert got == {step: [value] for step, value in by_step.items()}, name
+    assert 1 not in points["lr"]  # lcurve's lr is not recorded, the checkpoints' is
+
+
+def test_ckptdb_history_and_sql_read_deepmds_metrics(trained: Path) -> None:
+    lcurve = column_log(trained / "lcurve.out")
+    result = CliRunner().invoke(ckptdb_cli, ["history", str(trained), "--metric", "rmse_e_trn"])
+    assert result.exit_code == 0, result.output
+    body = [r for r in map(str.split, result.output.splitlines()) if r and r[0].isdigit()]
+    assert [(int(r[0]), float(r[1])) for r in body] == [
+        (step, v["rmse_e_trn"]) for step, v in sorted(lcurve.items())
+    ]
+    query = "SELECT step, value FROM metrics WHERE name = 'val_E_MAE' ORDER BY step"
+    result = CliRunner().invoke(ckptdb_cli, ["sql", str(trained), query, "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    assert [line.split(",") for line in result.output.split()[1:]] == [
+        [str(step), str(value)]
+        for step, value in sorted(validation_log(trained / "val.log").items())
+    ]
+
+
+def test_a_log_tail_reads_whole_new_rows_only(tmp_path: Path) -> None:
+    """What the earlier run wrote is not read (a restart: only its header is); a
+    partial line waits; NaN is kept; a file rewritten from the start is read again."""
+    path = tmp_path / "lcurve.out"
+    header = "# step  rmse_val  rmse_trn  lr\n# If there is no available reference data\n"
+    path.write_text(header + "   1   1.0e+00   nan   1.0e-03\n")
+    tail = train.LogTail(path, append=True, skip={"lr"})
+    assert tail.read() == []
+    with path.open("a") as fout:
+        fout.write("  20   5.0e-01   2.0e-01   1.0e-03\n  40   4.0e-01")
+    assert tail.read() == [(20, {"rmse_val": 0.5, "rmse_trn": 0.2})]
+    with path.open("a") as fout:
+        fout.write("   nan   1.0e-03\n# saved best checkpoint: x\n")
+    ((step, values),) = tail.read()
+    assert step == 40 and values["rmse_val"] == 0.4 and values["rmse_trn"] != values["rmse_trn"]
+    fresh = train.LogTail(path, append=False, prefix="val_")
+    assert fresh.read() == []  # an earlier run's file: not until DeePMD rewrites it
+    path.write_text("# step E_MAE(meV/atom)\n  20   3.5\n")
+    assert fresh.read() == [(20, {"val_E_MAE": 3.5})]
+
+
+def test_the_rows_after_the_last_boundary_land_when_training_ends(tmp_path: Path) -> None:
+    path = tmp_path / "lcurve.out"
+    path.write_text("# step  rmse_trn  lr\n   7   2.5e-01   1.0e-03\n")
+    manager = CheckpointManager(tmp_path)
+    trainer: Any = SimpleNamespace(
+        manager=manager, _hook=None, _tails=[train.LogTail(path, append=False, skip={"lr"})]
+    )
+    trainer._tails[0]._stale = None  # as once DeePMD has rewritten it
+    trainer._log_files = lambda: train.LedgerTrainer._log_files(trainer)
+    train.LedgerTrainer._close(trainer, None)
+    with RunReader(tmp_path) as reader:
+        assert [(s, v) for s, v, _ in reader.metric_history("rmse_trn")] == [(7, 0.25)]
+
+
 def test_dp_freeze_reads_a_run_written_by_ckptdb(trained: Path, tmp_path: Path) -> None:
     """``freeze -c DIR`` follows the ``checkpoint`` pointer that ckptdb wrote."""
     frozen = tmp_path / "frozen.pth"
@@ -268,6 +369,12 @@ def test_sigkill_in_a_save_then_restart_latest(tmp_path: Path) -> None:
     assert (root / "checkpoint").read_text() == "model.ckpt-40.pt"
     assert not (root / "model.ckpt-60.pt").exists()
     assert rows(root)[("model", 60)][0] == "pending"
+    # the metrics read before each committed boundary are in (the killed one's are not):
+    # lcurve's row 60 came before best@60, val.log's after it (before best_ema@60),
+    # val_ema.log's after best_ema@60 (before the killed periodic boundary)
+    killed = metric_points(root)
+    assert sorted(killed["rmse_e_trn"]) == [1, 20, 40, 60]
+    assert (sorted(killed["val_E_MAE"]), sorted(killed["val_ema_E_MAE"])) == ([30, 60], [30])
     # as if a crash had come between a commit and its aliases: start re-points it
     (root / "model.ckpt.pt").unlink()
     (root / "model.ckpt.pt").symlink_to("model.ckpt-20.pt")
@@ -305,6 +412,71 @@ def test_sigkill_in_a_save_then_restart_latest(tmp_path: Path) -> None:
         ]
         assert all(c.path.exists() for c in best[stream])
     check_clean(root)
+
+
+# ------------------------------------------------------------------ adopting
+
+
+def set_steps(root: Path, numb_steps: int) -> None:
+    config = json.loads((root / "input.json").read_text())
+    config["training"]["numb_steps"] = numb_steps
+    (root / "input.json").write_text(json.dumps(config, indent=2))
+
+
+def lcurve_attempts(path: Path) -> list[list[int]]:
+    """The steps of each attempt's rows of ``lcurve.out`` (a header starts one)."""
+    found: list[list[int]] = []
+    for line in path.read_text().splitlines():
+        if line.startswith("# step"):
+            found.append([])
+        elif line.strip() and not line.startswith("#"):
+            found[-1].append(int(line.split()[0]))
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_adopt_a_stock_run_train_on_with_ckptdb_then_restart_it_stock(tmp_path: Path) -> None:
+    """Stock DeePMD trains 40 steps; ``ckptdb adopt --layout deepmd`` takes its
+    checkpoints; ckptdb's ``--restart latest`` resumes from the adopted 40 and
+    publishes 60 into the same stream; stock DeePMD's ``--restart model.ckpt.pt``
+    then resumes from 60 through the alias ckptdb wrote."""
+    root = make_run_dir(tmp_path / "run", numb_steps=40)
+    proc = dp(root, "--pt", "train", "input.json", stock=True)
+    assert proc.returncode == 0, output(proc)
+    assert not (root / "ckptdb.sqlite").exists()
+    result = CliRunner().invoke(ckptdb_cli, ["adopt", str(root), "--layout", "deepmd"])
+    assert result.exit_code == 0, result.output
+    assert rows(root) == {
+        ("model", 20): ("committed", "model.ckpt-20.pt"),
+        ("model", 40): ("committed", "model.ckpt-40.pt"),
+    }
+
+    set_steps(root, 60)
+    again = dp(root, "--pt", "train", "input.json", "--restart", "latest")
+    assert again.returncode == 0, output(again)
+    with RunReader(root) as reader:
+        adopted = {c.step: c for c in reader.checkpoints("model", states=("committed", "deleted"))}
+        attempts = [a.id for a in reader.attempts()]
+    (resumed,) = [e for e in events(root) if e.kind == "resumed"]
+    assert (resumed.step, resumed.checkpoint_id) == (40, adopted[40].id)
+    assert rows(root)[("model", 60)] == ("committed", "model.ckpt-60.pt")
+    assert os.readlink(root / "model.ckpt.pt") == "model.ckpt-60.pt"
+    assert (root / "checkpoint").read_text() == "model.ckpt-60.pt"
+    check_clean(root)
+    # the training attempt's metrics are its own rows of lcurve.out, not the stock run's
+    stock_steps, ckptdb_steps = lcurve_attempts(root / "lcurve.out")
+    assert (stock_steps, ckptdb_steps) == ([1, 20, 40], [40, 60])
+    points = metric_points(root)["rmse_e_trn"]
+    assert {step: [a for _, a in pts] for step, pts in points.items()} == {
+        step: [attempts[-1]] for step in ckptdb_steps
+    }
+
+    set_steps(root, 80)
+    stock = dp(root, "--pt", "train", "input.json", "--restart", "model.ckpt.pt", stock=True)
+    assert stock.returncode == 0, output(stock)
+    assert lcurve_attempts(root / "lcurve.out")[-1] == [60, 80]  # resumed from 60, not 0
+    saved = torch.load(root / "model.ckpt-80.pt", map_location="cpu", weights_only=False)
+    assert saved["model"]["_extra_state"]["train_infos"]["step"] in (79, 80)
 
 
 # ------------------------------------------------------------ what is refused
@@ -375,7 +547,10 @@ def test_a_refused_boundary_warns_or_raises_and_refuses_the_rest_of_its_step(
     """``--ckptdb-guard warn`` goes on, ``raise`` stops; either way every later
     boundary of the step (the periodic one after a best one) is refused too."""
     trainer: Any = SimpleNamespace(
-        manager=_Refusing(), ckptdb=train.Options(guard=guard), _refused_step=None
+        manager=_Refusing(),
+        ckptdb=train.Options(guard=guard),
+        _refused_step=None,
+        _log_files=lambda: None,
     )
     if guard == "raise":
         with pytest.raises(NonFiniteGradientError):

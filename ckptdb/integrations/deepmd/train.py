@@ -48,8 +48,16 @@ from ...record import Checkpoint
 from ...storage.alias import point_symlink, write_pointer
 from ...storage.external import External
 from .layout import BEST_EMA_STREAM, BEST_STREAM, EMA_STREAM, POINTER, STREAM
+from .logs import LogTail
 
-__all__ = ["SUPPORTED", "LedgerTrainer", "check_version", "main", "resolve_restart"]
+__all__ = [
+    "SUPPORTED",
+    "LedgerTrainer",
+    "LogTail",
+    "check_version",
+    "main",
+    "resolve_restart",
+]
 
 log = logging.getLogger("ckptdb.deepmd")
 
@@ -217,6 +225,7 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         self._pending: tuple[int, Path, dict[str, Any]] | None = None
         self._refused_step: int | None = None
         self._hook: Any = None
+        self._tails: list[LogTail] = []
         try:
             if restart_model is not None:
                 spec = ckptdb.restart if ckptdb.restart is not None else restart_model
@@ -248,6 +257,31 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
             self.manager.guard = NonFiniteGradGuard(self.wrapper.named_parameters())
             self._hook = self.optimizer.register_step_pre_hook(self._observe)
         self._point_aliases(stale_warning=True)
+        self._tails = self._log_tails()
+
+    def _log_tails(self) -> list[LogTail]:
+        """``lcurve.out`` (``disp_file``) and each validator's ``val.log``, read from where
+        this attempt starts writing: the end of the file on a restart (DeePMD appends),
+        the start once DeePMD has rewritten it otherwise."""
+        tails = [
+            LogTail(self.run_root / self.disp_file, append=bool(self.restart_training), skip={"lr"})
+        ]
+        for stream, validator in self._validators():
+            tails.append(
+                LogTail(
+                    self.run_root / validator.full_val_file,
+                    prefix=VAL_PREFIX[stream],
+                    append=validator._write_mode == "a",
+                )
+            )
+        return tails
+
+    def _log_files(self) -> None:
+        """What DeePMD appended to its log files since the last look, as ledger metrics
+        (buffered: written with the next commit, or when the ledger closes)."""
+        for tail in self._tails:
+            for step, values in tail.read():
+                self.manager.log_metrics(step, values)
 
     def _stores(self) -> list[tuple[str, Any]]:
         """Each stream with DeePMD's store of its names (the EMA one when EMA is on)."""
@@ -271,6 +305,10 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         hook, self._hook = self._hook, None
         if hook is not None:
             hook.remove()
+        try:  # the rows written after the last boundary
+            self._log_files()
+        except Exception:  # never in place of the attempt's own outcome
+            log.warning("ckptdb: the last rows of DeePMD's logs were not recorded", exc_info=True)
         tb: TracebackType | None = exc.__traceback__ if exc is not None else None
         self.manager.__exit__(type(exc) if exc is not None else None, exc, tb)
 
@@ -349,6 +387,7 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         goes on); it also refuses every later boundary of the step (the
         periodic checkpoint after a best one).
         """
+        self._log_files()  # the rows so far commit with this boundary
         if self._refused_step == step:
             log.warning("ckptdb: step %d was not checkpointed: the guard refused this step", step)
             return None
@@ -424,6 +463,10 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         guard = self.manager.guard
         if guard is not None:
             guard.observe(common.optimizer_params(optimizer))
+
+
+#: The metric-name prefix of each validator's log (``val.log``, ``val_ema.log``).
+VAL_PREFIX = {BEST_STREAM: "val_", BEST_EMA_STREAM: "val_ema_"}
 
 
 class _DeepmdGuard:
