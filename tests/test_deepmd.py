@@ -15,6 +15,7 @@ the refused configurations and the log reader are tested in-process.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 from pathlib import Path
@@ -28,6 +29,7 @@ pytest.importorskip("deepmd")
 
 from click.testing import CliRunner
 from deepmdlib import VALIDATING, dp, make_run_dir, output, validation_log
+from helpers import LedgerClient
 
 from ckptdb import CheckpointManager, RunReader
 from ckptdb.cli import main as ckptdb_cli
@@ -604,3 +606,28 @@ def test_sigkill_in_a_best_save_then_restart_latest(tmp_path: Path) -> None:
     assert all(c.path.exists() for c in best)
     assert rows(root)[("model", 60)] == ("committed", "model.ckpt-60.pt")
     check_clean(root)
+
+
+@pytest.mark.parametrize("training_failed", [False, True])
+def test_a_failed_last_log_read_is_reported_never_in_place_of_the_outcome(
+    tmp_path: Path, training_failed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rows after the last boundary cannot be read: after a failed training the
+    failure is a note on the training's own error; after a successful one it is an
+    error record, and the attempt still ends as it should."""
+    manager = CheckpointManager(tmp_path)
+
+    def unreadable() -> None:
+        raise OSError(5, "lcurve.out: input/output error")
+
+    trainer: Any = SimpleNamespace(manager=manager, _hook=None, _log_files=unreadable)
+    own = RuntimeError("training diverged") if training_failed else None
+    with caplog.at_level(logging.ERROR, logger="ckptdb.deepmd"):
+        train.LedgerTrainer._close(trainer, own)
+    if own is not None:
+        assert any("lcurve.out: input/output error" in n for n in getattr(own, "__notes__", []))
+        assert not caplog.records
+    else:
+        assert "lcurve.out: input/output error" in caplog.text
+    ended = LedgerClient(tmp_path).rows("SELECT end_state FROM attempts")
+    assert ended == [("failed",) if training_failed else ("closed",)]

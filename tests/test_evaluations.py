@@ -23,7 +23,12 @@ from click.testing import CliRunner
 from helpers import LedgerClient, invoke, state
 
 from ckptdb import CheckpointManager, Keep, RunReader
-from ckptdb.errors import ArgumentTypeError, CheckpointNotFoundError, InvalidArgumentError
+from ckptdb.errors import (
+    ArgumentTypeError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    LedgerError,
+)
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_db_url_from_environment")]
 
@@ -538,3 +543,22 @@ def test_the_pin_keeps_the_file_the_trainer_evicts_while_the_command_runs(
         assert not first.path.exists()
     rows = evaluation_rows(root)
     assert (1, "late", "w", 1.0) in rows and (1, "late", "exit_status", 0.0) in rows
+
+
+def test_last_evaluated_is_the_newest_checkpoint_an_evaluator_scored(root: Path) -> None:
+    """Where a restarted ``ckptdb follow`` continues: per evaluator and per stream."""
+    streams = {"model": Keep(last=None), "ema": Keep(last=None)}
+    with CheckpointManager(root, streams=streams) as mgr:
+        saved = [mgr.save(step, model=state(1.0), ema=state(2.0)) for step in (1, 2, 3)]
+    with RunReader(root) as reader:
+        assert reader.last_evaluated("a") is None
+        reader.record_evaluation(saved[1]["model"], {"acc": 0.5}, evaluator="a")
+        reader.record_evaluation(saved[0]["model"], {"acc": 0.4}, evaluator="a")  # later, older
+        reader.record_evaluation(saved[2]["ema"], {"acc": 0.6}, evaluator="a")
+        reader.record_evaluation(saved[2]["model"], {"acc": 0.7}, evaluator="b")
+        assert reader.last_evaluated("a") == saved[1]["model"].id
+        assert reader.last_evaluated("a", stream="ema") == saved[2]["ema"].id
+        assert reader.last_evaluated("b") == saved[2]["model"].id
+        assert reader.last_evaluated("c") is None
+    with pytest.raises(LedgerError, match="closed"):
+        reader.last_evaluated("a")

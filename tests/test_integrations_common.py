@@ -397,3 +397,15 @@ def test_a_layout_that_cannot_be_imported_is_kept_shown_and_raised(
     assert isinstance(caught.value.__cause__, RuntimeError)
     with pytest.raises(InvalidArgumentError, match="unknown layout 'nope'; known: accelerate"):
         layouts.layout_named("nope")
+
+
+def test_a_framework_packages_names_resolve_lazily_and_typos_fail() -> None:
+    import ckptdb.integrations.lightning as package
+    from ckptdb.integrations.lightning import callback
+
+    assert package.ModelCheckpoint is callback.ModelCheckpoint
+    assert {"ModelCheckpoint", "default_ledger", "newest_committed"} <= set(dir(package))
+    with pytest.raises(AttributeError, match="has no attribute 'ModelCheckpointt'"):
+        package.ModelCheckpointt  # noqa: B018
+    with pytest.raises(AttributeError):
+        package.__wrapped__  # noqa: B018  # dunder names never reach the writer

@@ -1092,6 +1092,37 @@ def test_adopt_move_into_an_object_store_run_is_refused(
 
 
 @pytest.mark.timeout(60)
+def test_a_dry_adopt_of_an_object_store_run_contacts_no_store(
+    open_s3: Callable[..., CheckpointManager],
+    root: Path,
+    runner: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dry run only reads the ledger: opening the run's object store (whose probe
+    writes test objects) would be a write, so it must not happen without --move."""
+    from dataclasses import replace
+
+    from ckptdb.cli import main
+    from ckptdb.storage import opening
+
+    mgr = open_s3()
+    mgr.save(1, model=state(1.0))
+    mgr.close()
+    torch.save(state(5.0), root / "ckpt-5.pt")
+
+    def never(*args: Any) -> Any:
+        raise AssertionError("a dry adopt opened the object store")
+
+    entry = replace(opening.OBJECT_STORES["s3"], open=never)
+    monkeypatch.setitem(opening.OBJECT_STORES, "s3", entry)
+    args = ["adopt", str(root), "--layout", "glob", "--pattern", "ckpt-*.pt"]
+    result = runner.invoke(main, [*args, "--step-regex", r"ckpt-(\d+)", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "outside the run's save directory" in result.output
+    assert "nothing was written" in result.output
+
+
+@pytest.mark.timeout(60)
 def test_a_store_that_ignores_the_condition_on_completion_is_refused(
     root: Path, s3_url: str, hooks: list[Any], client: Any
 ) -> None:

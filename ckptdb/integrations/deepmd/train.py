@@ -40,6 +40,7 @@ from ...errors import (
     NoCheckpointToResumeError,
     NonFiniteGradientError,
     UnsupportedVersionError,
+    note_on,
 )
 from ...guard import NonFiniteGradGuard
 from ...manager import CheckpointManager
@@ -307,8 +308,12 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
             hook.remove()
         try:  # the rows written after the last boundary
             self._log_files()
-        except Exception:  # never in place of the attempt's own outcome
-            log.warning("ckptdb: the last rows of DeePMD's logs were not recorded", exc_info=True)
+        except Exception as failed:  # never in place of the attempt's own outcome
+            text = f"ckptdb: the last rows of DeePMD's logs were not recorded: {failed!r}"
+            if exc is not None:
+                note_on(exc, text)  # the training's own error is the one raised
+            else:  # training succeeded: its checkpoints stand, the lost metrics are said
+                log.error(text, exc_info=True)
         tb: TracebackType | None = exc.__traceback__ if exc is not None else None
         self.manager.__exit__(type(exc) if exc is not None else None, exc, tb)
 
