@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, TypeGuard, overload
+from typing import Any, Literal, TypeGuard, TypeVar, overload
 
 from .coord import Coordinator, coordinator_for
 from .errors import (
@@ -64,6 +64,8 @@ from .storage.opening import check_options, open_store
 __all__ = ["CheckpointManager", "CleanupWarning"]
 
 DEFAULT_STREAMS: dict[str, Policy] = {"model": Keep(last=5)}
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -589,6 +591,27 @@ class CheckpointManager:
             error = RankFailedError(f"{what} failed on rank {where}: {shown}")
             error.ranks = ranks
             raise error from agreed
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process is the chief: the rank that opened the ledger (rank 0 of
+        the group; True in one process). Integrations write a framework's derived
+        files (aliases, pointers) from the chief only."""
+        self._check_open()
+        return self._coord.is_chief
+
+    def from_chief(self, value: T, *, what: str = "share") -> T:
+        """The chief's ``value``, on every rank; collective.
+
+        For integrations whose framework decides on rank 0 alone what the next
+        boundary is (DeePMD-kit's step and file names, its validation metric):
+        every rank calls it at the same point, the chief's ``value`` (picklable)
+        is returned everywhere and the others' is ignored. In one process it is
+        ``value`` itself. ``what`` names the collective in errors and in the
+        coordinator's log.
+        """
+        self._check_open()
+        return self._coord.shared(what, lambda: value)
 
     def gc(self) -> list[Checkpoint]:
         """Apply every stream's stored retention policy now (e.g. after lowering ``last``)."""

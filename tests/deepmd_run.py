@@ -5,14 +5,23 @@
   norm, as its clipping would), and the true gradient is put back before the
   step, so the weights stay finite: the run shows the refusal and then goes
   on to publish the next checkpoint.
+  ``CKPTDB_TEST_NAN_RANK=r`` (under torchrun): on rank r only, after DDP has
+  averaged the gradients, so only that rank's guard sees it.
 - ``CKPTDB_TEST_KILL_AT=point:n``: SIGKILL at the n-th visit of ckptdb's fault
   point ``point`` (:mod:`ckptdb.faults`), i.e. in the middle of a boundary.
+- ``CKPTDB_TEST_FAIL_WRITE=r:n``: the n-th checkpoint write on rank r (every
+  rank runs the writer of each payload; only rank 0's writes a file) raises
+  ``OSError(EIO)``.
+
+Under torchrun each rank prints ``TEST: rank R raised TYPE: message`` for the
+error it ends with, so a test can tell what every rank saw.
 
 Nothing of this is in the library.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -23,13 +32,15 @@ import torch
 from ckptdb import faults
 from ckptdb.integrations.deepmd import train
 
+RANK = int(os.environ.get("RANK", "0"))
 
-def _nan_at(step: int) -> None:
+
+def _nan_at(step: int, rank: int) -> None:
     observe = train.LedgerTrainer._observe
     seen = [0]
 
     def poisoned(self: Any, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if seen[0] == step:
+        if seen[0] == step and rank == RANK:
             grads = (p for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
             param = next(grads)
             true = param.grad.clone()
@@ -37,7 +48,11 @@ def _nan_at(step: int) -> None:
             self.nonfinite_grad_guard.update(torch.tensor(float("nan")))
             observe(self, optimizer, args, kwargs)
             param.grad.copy_(true)
-            print(f"TEST: NaN gradient at optimizer step {step}", file=sys.stderr, flush=True)
+            print(
+                f"TEST: NaN gradient at optimizer step {step} on rank {RANK}",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             observe(self, optimizer, args, kwargs)
         seen[0] += 1
@@ -58,10 +73,39 @@ def _kill_at(point: str, visit: int) -> None:
     faults.set_hook(hook)
 
 
+def _fail_write(rank: int, visit: int) -> None:
+    make_writer = train.LedgerTrainer._writer
+    seen = [0]
+
+    def failing_writer(self: Any, data: Any) -> Any:
+        write = make_writer(self, data)
+
+        def maybe_fail(target: Any) -> None:
+            seen[0] += 1
+            if rank == RANK and seen[0] == visit:
+                print(f"TEST: write #{visit} fails on rank {RANK}", file=sys.stderr, flush=True)
+                raise OSError(errno.EIO, "injected write failure", str(target))
+            write(target)
+
+        return maybe_fail
+
+    train.LedgerTrainer._writer = failing_writer  # type: ignore[method-assign]
+
+
 if __name__ == "__main__":
     if "CKPTDB_TEST_NAN_STEP" in os.environ:
-        _nan_at(int(os.environ["CKPTDB_TEST_NAN_STEP"]))
+        nan_rank = int(os.environ.get("CKPTDB_TEST_NAN_RANK", "0"))
+        _nan_at(int(os.environ["CKPTDB_TEST_NAN_STEP"]), nan_rank)
     if "CKPTDB_TEST_KILL_AT" in os.environ:
         point, visit = os.environ["CKPTDB_TEST_KILL_AT"].rsplit(":", 1)
         _kill_at(point, int(visit))
-    train.main(sys.argv[1:])
+    if "CKPTDB_TEST_FAIL_WRITE" in os.environ:
+        rank, visit = os.environ["CKPTDB_TEST_FAIL_WRITE"].split(":")
+        _fail_write(int(rank), int(visit))
+    try:
+        train.main(sys.argv[1:])
+    except BaseException as exc:
+        if "LOCAL_RANK" in os.environ:
+            shown = " ".join(str(exc).split())
+            print(f"TEST: rank {RANK} raised {type(exc).__name__}: {shown}", file=sys.stderr)
+        raise

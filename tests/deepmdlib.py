@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -188,6 +189,42 @@ def dp(
         text=True,
         timeout=timeout,
     )
+
+
+def torchrun(
+    cwd: Path,
+    *args: str,
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    timeout: float = 150,
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc_per_node=nproc tests/deepmd_run.py ARGS`` in ``cwd``:
+    ckptdb's ``dp`` on ``nproc`` CPU ranks (gloo). Every rank's output goes to the one
+    captured stdout/stderr; never raises on a non-zero exit."""
+    full_env = {**os.environ, **SPEED_ENV, **(env or {})}
+    full_env.pop("CKPTDB_DB_URL", None)
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc_per_node={nproc}", str(RUNNER), *args]
+    # a session of its own: on a timeout the ranks go too, not torchrun alone
+    with subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def output(proc: subprocess.CompletedProcess[str]) -> str:

@@ -554,15 +554,16 @@ def test_a_refused_boundary_warns_or_raises_and_refuses_the_rest_of_its_step(
         _refused_step=None,
         _log_files=lambda: None,
     )
+    plan = train._Plan(40, {}, None)
     if guard == "raise":
         with pytest.raises(NonFiniteGradientError):
-            train.LedgerTrainer._boundary(trainer, 40, None, {})
+            train.LedgerTrainer._publish_plan(trainer, plan, {})
     else:
-        assert train.LedgerTrainer._boundary(trainer, 40, None, {}) is None
+        assert train.LedgerTrainer._publish_plan(trainer, plan, {}) is None
         assert "step 40 was not checkpointed" in caplog.text
     assert trainer._refused_step == 40
     trainer.manager = None  # a later boundary of the step never reaches the manager
-    assert train.LedgerTrainer._boundary(trainer, 40, None, {}) is None
+    assert train.LedgerTrainer._publish_plan(trainer, plan, {}) is None
 
 
 def test_a_ckptdb_error_is_one_line_on_stderr(

@@ -323,6 +323,9 @@ def test_the_policy_holds_in_the_ledger(tmp_path: Path) -> None:
 
 def test_agree_in_one_process_raises_the_local_error_itself(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path / "run") as mgr:
+        assert mgr.is_chief
+        plan = {"step": 4}
+        assert mgr.from_chief(plan) is plan
         mgr.agree(None)
         mine = InvalidArgumentError("bad step")
         with pytest.raises(InvalidArgumentError) as caught:
@@ -344,6 +347,9 @@ def _agree_on_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
         # every rank is still in step: a boundary after the agreement commits
         saved = mgr.save(3, model={"w": torch.tensor(float(rank))})
         seen["saved"] = saved["model"].step if "model" in saved else None
+        seen["is_chief"] = mgr.is_chief
+        seen["from_chief"] = mgr.from_chief({"step": 10 + rank, "names": [f"r{rank}"]})
+        seen["none_from_chief"] = mgr.from_chief(None if rank == 0 else "mine", what="end")
     return seen
 
 
@@ -358,6 +364,9 @@ def test_agree_on_two_ranks_names_the_failed_rank_and_hangs_nobody(tmp_path: Pat
     assert chief["cause"] is not None
     assert other["raised"][:2] == ("OSError", None) and other["cause"] is None
     assert chief["saved"] == other["saved"] == 3
+    assert (chief["is_chief"], other["is_chief"]) == (True, False)
+    assert chief["from_chief"] == other["from_chief"] == {"step": 10, "names": ["r0"]}
+    assert chief["none_from_chief"] is None and other["none_from_chief"] is None
 
 
 def test_rank_failed_error_is_the_typed_error_users_catch() -> None:

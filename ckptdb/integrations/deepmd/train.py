@@ -3,9 +3,18 @@
 The only module that imports DeePMD-kit. It reaches into DeePMD's
 ``Trainer`` (its checkpoint writer, its stores, its guard), so it refuses any
 DeePMD-kit but the tested 3.2 series (:func:`check_version`), and it refuses
-what it does not guard yet (several ranks, a best-checkpoint directory
-outside the save directory) rather than let DeePMD write or delete
+what it does not guard yet (sharded ZeRO/FSDP training, a best-checkpoint
+directory outside the save directory) rather than let DeePMD write or delete
 checkpoints behind the ledger's back.
+
+Several ranks (``torchrun``): DeePMD saves from rank 0 alone, and a ckptdb
+boundary is collective, so every boundary starts with the chief's
+description of it (:class:`_Plan`, :meth:`CheckpointManager.from_chief`),
+which every rank receives at the same point of DeePMD's loop: the periodic
+checkpoint at DeePMD's own pre-save guard check (every rank calls it), a
+validation-best one in the validator's save (every rank is made to enter
+it), and what rank 0 saves after the loop once training has ended
+(:meth:`LedgerTrainer.run`).
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ import os
 import re
 import sys
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -125,6 +135,7 @@ _without_op_library()
 
 import deepmd.main as dp_main  # noqa: E402
 import deepmd.pt.train.training as training  # noqa: E402
+import deepmd.pt.utils.env as pt_env  # noqa: E402
 import deepmd.pt_expt.train.validation as validation  # noqa: E402
 
 #: DeePMD's own ``Trainer`` (``main`` patches the module's name while it runs).
@@ -163,8 +174,63 @@ def main(argv: Sequence[str] | None = None) -> None:
             "pass --pt (or set DP_BACKEND=pytorch)"
         )
     options = Options(guard=guard, restart=flags.restart)
-    with mock.patch.object(training, "Trainer", partial(LedgerTrainer, ckptdb=options)):
+    with (
+        mock.patch.object(training, "Trainer", partial(LedgerTrainer, ckptdb=options)),
+        _gloo_on_the_cpu(),
+    ):
         dp_main.main(args)
+
+
+def _on_the_cpu() -> bool:
+    """Whether DeePMD trains on the CPU (no CUDA, or ``DEVICE=cpu``)."""
+    return bool(pt_env.DEVICE.type == "cpu")
+
+
+@contextmanager
+def _gloo_on_the_cpu() -> Iterator[None]:
+    """Under ``torchrun`` on the CPU, DeePMD's process group is gloo's.
+
+    DeePMD-kit 3.2 asks for ``"cuda:nccl,cpu:gloo"``, which fails in a torch
+    built without NCCL (every CPU build); a CPU run needs gloo alone. On a GPU
+    nothing changes.
+    """
+    if os.environ.get("LOCAL_RANK") is None or not _on_the_cpu():
+        yield
+        return
+    dist = torch.distributed
+    original = dist.init_process_group
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        kwargs["backend"] = "gloo"
+        original(*args, **kwargs)
+
+    with mock.patch.object(dist, "init_process_group", init_process_group):
+        yield
+
+
+@contextmanager
+def _ddp_on_the_cpu() -> Iterator[None]:
+    """DeePMD's DDP set-up, on the CPU: no ``torch.cuda.set_device``, and DDP built
+    without ``device_ids`` (torch's form for a CPU module; DeePMD-kit 3.2 passes
+    its local rank as a CUDA device). On a GPU nothing changes."""
+    if not _on_the_cpu():
+        yield
+        return
+    with (
+        mock.patch.object(torch.cuda, "set_device", _no_device),
+        mock.patch.object(training, "DDP", partial(_cpu_ddp, training.DDP)),
+    ):
+        yield
+
+
+def _no_device(device: Any) -> None:
+    """``torch.cuda.set_device`` on the CPU: there is no device to select."""
+
+
+def _cpu_ddp(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
+    kwargs.pop("device_ids", None)
+    kwargs.pop("output_device", None)
+    return ddp(module, *args, **kwargs)
 
 
 def _take_guard(args: list[str]) -> tuple[list[str], common.GuardSetting]:
@@ -235,7 +301,10 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
                 )
                 restart_model = os.fspath(self.resumed.path)
             common.protect_start(self.manager, self.resumed)
-            super().__init__(config, training_data, *args, restart_model=restart_model, **kwargs)
+            with _ddp_on_the_cpu():
+                super().__init__(
+                    config, training_data, *args, restart_model=restart_model, **kwargs
+                )
             self._take_over()
         except BaseException as exc:
             self._close(exc)
@@ -253,7 +322,12 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
             store.prune = _never
             store.publish = _never
         guard_on = bool(self.ckptdb.guard)
-        self.nonfinite_grad_guard = _DeepmdGuard(self.nonfinite_grad_guard, defer=guard_on)
+        self.nonfinite_grad_guard = _DeepmdGuard(
+            self.nonfinite_grad_guard,
+            defer=guard_on,
+            # rank 0 publishes from DeePMD's save; every other rank joins here
+            before_save=None if self.manager.is_chief else self._follow,
+        )
         if guard_on:
             self.manager.guard = NonFiniteGradGuard(self.wrapper.named_parameters())
             self._hook = self.optimizer.register_step_pre_hook(self._observe)
@@ -263,7 +337,10 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
     def _log_tails(self) -> list[LogTail]:
         """``lcurve.out`` (``disp_file``) and each validator's ``val.log``, read from where
         this attempt starts writing: the end of the file on a restart (DeePMD appends),
-        the start once DeePMD has rewritten it otherwise."""
+        the start once DeePMD has rewritten it otherwise. Rank 0's only: DeePMD
+        writes them there, and the ledger records the chief's metrics."""
+        if not self.manager.is_chief:
+            return []
         tails = [
             LogTail(self.run_root / self.disp_file, append=bool(self.restart_training), skip={"lr"})
         ]
@@ -294,9 +371,19 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
     # ------------------------------------------------------------ lifecycle
 
     def run(self) -> None:
-        """DeePMD's training loop; the ledger's attempt ends with it (failed on an error)."""
+        """DeePMD's training loop; the ledger's attempt ends with it (failed on an error).
+
+        Once the loop is over, rank 0 may still save (``change_bias_after_training``,
+        ``numb_steps: 0``) while the other ranks have nothing left to do: they join
+        each such boundary until rank 0 says it is done (a plan of None).
+        """
         try:
             super().run()
+            if self.manager.is_chief:
+                self.manager.from_chief(None, what=PLAN)
+            else:
+                while (plan := self.manager.from_chief(None, what=PLAN)) is not None:
+                    self._publish_plan(plan, {})
         except BaseException as exc:
             self._close(exc)
             raise
@@ -346,53 +433,72 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         )
 
     def _publish(self, step: int, ema: tuple[Path, dict[str, Any]] | None) -> None:
-        """One boundary: the held regular checkpoint of ``step`` and its EMA twin."""
+        """One boundary (rank 0): the held regular checkpoint of ``step`` and its EMA twin."""
         pending, self._pending = self._pending, None
-        payloads: dict[str, External] = {}
+        names: dict[str, str] = {}
+        data: dict[str, dict[str, Any]] = {}
         if pending is not None and pending[0] == step:
-            payloads[STREAM] = self._payload(pending[1], pending[2])
+            names[STREAM], data[STREAM] = pending[1].name, pending[2]
         if ema is not None:
-            payloads[EMA_STREAM] = self._payload(*ema)
-        if self._boundary(step, self._metrics(), payloads) is not None:
-            self._point_aliases()
+            names[EMA_STREAM], data[EMA_STREAM] = ema[0].name, ema[1]
+        self._boundary(_Plan(step, names, self._metrics()), data)
+
+    def _follow(self) -> None:
+        """A rank other than 0, where DeePMD checks its guard before rank 0 saves the
+        periodic checkpoint: this rank's part of that boundary (rank 0's plan)."""
+        self._boundary(None, {})
 
     def _publish_best(self, stream: str, validator: Any, step: int, data: dict[str, Any]) -> None:
         """A validation-best checkpoint: one boundary of its top-K stream, ranked by
         DeePMD's validation metric, under DeePMD's name without the rank (``-t-R``):
-        the ledger ranks, a name never changes."""
-        value = next(r.metric for r in validator.topk_records if r.step == step)
-        metric = self.manager.policies[stream].ranking_metric
-        assert metric is not None
-        metrics = common.rankable_metrics(
-            {**(self._metrics() or {}), metric: value},
-            self.manager.policies[stream],
-            step=step,
-            log=log,
-        )
-        name = os.path.relpath(
-            validator.checkpoint_dir.resolve()
-            / f"{validator.best_checkpoint_prefix}-{step}{validator.best_checkpoint_suffix}",
-            self.manager.save_dir,
-        )
-        payload = External(self._writer(data), common.free_name(name, self.manager, suffix=".pt"))
-        saved = self._boundary(step, metrics, {stream: payload})
-        if saved is None or stream not in saved:
+        the ledger ranks, a name never changes. Every rank comes here
+        (:class:`_LedgerValidator`); rank 0 alone has evaluated, so its plan is
+        everyone's."""
+        plan: _Plan | None = None
+        if self.manager.is_chief:
+            value = next(r.metric for r in validator.topk_records if r.step == step)
+            metric = self.manager.policies[stream].ranking_metric
+            assert metric is not None
+            metrics = common.rankable_metrics(
+                {**(self._metrics() or {}), metric: value},
+                self.manager.policies[stream],
+                step=step,
+                log=log,
+            )
+            name = os.path.relpath(
+                validator.checkpoint_dir.resolve()
+                / f"{validator.best_checkpoint_prefix}-{step}{validator.best_checkpoint_suffix}",
+                self.manager.save_dir,
+            )
+            plan = _Plan(step, {stream: name}, metrics)
+        saved = self._boundary(plan, {stream: data})
+        if self.manager.is_chief and (saved is None or stream not in saved):
             # refused, or not in the ledger's top-K: DeePMD's own top-K (which decides
             # what it proposes next, and is saved in its checkpoints) drops it too
             validator.topk_records = [r for r in validator.topk_records if r.step != step]
             validator._sync_state_store()
 
     def _boundary(
-        self, step: int, metrics: Mapping[str, Any] | None, payloads: Mapping[str, External]
+        self, plan: _Plan | None, data: Mapping[str, dict[str, Any]]
     ) -> dict[str, Checkpoint] | None:
-        """``manager.save`` of ``payloads``; None when the guard refused the step.
+        """Rank 0's ``plan``, on every rank (the others pass None), then the boundary."""
+        agreed = self.manager.from_chief(plan, what=PLAN)
+        assert agreed is not None  # rank 0 sends None only once training has ended
+        return self._publish_plan(agreed, data)
+
+    def _publish_plan(
+        self, plan: _Plan, data: Mapping[str, dict[str, Any]]
+    ) -> dict[str, Checkpoint] | None:
+        """``manager.save`` of the plan's checkpoints, written from ``data`` (rank 0's;
+        another rank writes nothing); None when the guard refused the step.
 
         A refusal is :func:`common.publish_all`'s (the manager has recorded
         ``guard_tripped``; ``raise`` re-raises, otherwise a warning and training
         goes on); it also refuses every later boundary of the step (the
-        periodic checkpoint after a best one).
+        periodic checkpoint after a best one). After a commit the aliases follow.
         """
         self._log_files()  # the rows so far commit with this boundary
+        step = plan.step
         if self._refused_step == step:
             log.warning("ckptdb: step %d was not checkpointed: the guard refused this step", step)
             return None
@@ -400,27 +506,37 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         def refused(exc: NonFiniteGradientError) -> None:
             self._refused_step = step
 
-        return common.publish_all(
+        payloads = {
+            stream: External(
+                self._writer(data.get(stream)),
+                common.free_name(name, self.manager, suffix=".pt"),
+            )
+            for stream, name in plan.names.items()
+        }
+        saved = common.publish_all(
             self.manager,
             step,
             payloads,
-            metrics=metrics,
+            metrics=plan.metrics,
             guard=self.ckptdb.guard,
             log=log,
             refused=refused,
         )
+        if saved is not None and saved.keys() & {STREAM, EMA_STREAM}:
+            self._point_aliases()
+        return saved
 
     def _metrics(self) -> dict[str, float] | None:
         lr = self._get_inner_module().train_infos.get("lr")
         return {"lr": float(lr)} if isinstance(lr, (int, float)) else None
 
-    def _payload(self, path: Path, data: dict[str, Any]) -> External:
-        """DeePMD's own write of ``data``, published under its name (``-vN`` when taken)."""
-        return External(self._writer(data), common.free_name(path.name, self.manager, suffix=".pt"))
+    def _writer(self, data: dict[str, Any] | None) -> Callable[[Path], None]:
+        """DeePMD's own write of ``data`` (rank 0); nothing on another rank, which has
+        no data: in a plain (unsharded) boundary the chief alone writes."""
 
-    def _writer(self, data: dict[str, Any]) -> Callable[[Path], None]:
         def write(target: Path) -> None:
-            DeepmdTrainer._write_checkpoint(self, target, data, store=_KEEP_ALL)
+            if data is not None and self.manager.is_chief:
+                DeepmdTrainer._write_checkpoint(self, target, data, store=_KEEP_ALL)
 
         return write
 
@@ -444,8 +560,8 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         read by ckptdb. At start (``stale_warning``) a stale one, left by a crash
         between a commit and its aliases, is re-pointed with a warning."""
         for stream, store in self._stores():
-            latest = self.manager.latest(stream)
-            if latest is None:
+            latest = self.manager.latest(stream)  # collective: every rank asks
+            if latest is None or not self.manager.is_chief:
                 continue
             alias = _alias_path(store, self.run_root)
             link = os.path.relpath(latest.path, alias.parent)
@@ -472,6 +588,20 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
 
 #: The metric-name prefix of each validator's log (``val.log``, ``val_ema.log``).
 VAL_PREFIX = {BEST_STREAM: "val_", BEST_EMA_STREAM: "val_ema_"}
+#: The name of the collective that shares rank 0's plan of a boundary.
+PLAN = "deepmd checkpoint"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One boundary as rank 0 (the rank DeePMD saves from) sees it, for every rank:
+    the step, DeePMD's name of each stream's checkpoint (relative to the save
+    directory, before ckptdb adds a version to a taken one) and the boundary's
+    metrics (the validation metric is rank 0's alone)."""
+
+    step: int
+    names: dict[str, str]
+    metrics: Mapping[str, Any] | None
 
 
 class _DeepmdGuard:
@@ -485,16 +615,23 @@ class _DeepmdGuard:
     off, DeePMD's own works as it always does.
     """
 
-    def __init__(self, inner: Any, *, defer: bool) -> None:
+    def __init__(
+        self, inner: Any, *, defer: bool, before_save: Callable[[], None] | None = None
+    ) -> None:
         self.inner = inner
         self.defer = defer
+        self.before_save = before_save
 
     def update(self, total_norm: torch.Tensor) -> None:
         if not self.defer:
             self.inner.update(total_norm)
 
     def raise_if_nonfinite(self, named_parameters: Callable[[], Any]) -> None:
+        """DeePMD calls it on every rank just before rank 0 saves a periodic
+        checkpoint: a rank other than 0 joins that boundary here (``before_save``)."""
         self.inner.raise_if_nonfinite(named_parameters)
+        if self.before_save is not None:
+            self.before_save()
 
 
 class _LedgerValidator(DeepmdValidator):  # type: ignore[misc]  # DeePMD is untyped
@@ -507,11 +644,32 @@ class _LedgerValidator(DeepmdValidator):  # type: ignore[misc]  # DeePMD is unty
     and the ledger evicts it after the commit that pushed it out.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        sharding: Any = getattr(self, "sharding")  # noqa: B009  # DeePMD's, untyped
+        if self.is_distributed and not sharding.enabled:
+            self.sharding = _EveryRankSaves(sharding)
+
     def _initialize_best_checkpoints(self, restart_training: bool) -> None:
         """Never: the files of an earlier run are the ledger's (or no one's) to remove."""
 
     def _reconcile_best_checkpoints(self) -> None:
         """Never: the ledger's top-K ranks and evicts."""
+
+
+class _EveryRankSaves:
+    """The validator's view of DeePMD's sharding policy under several ranks: every
+    rank enters the best checkpoint's save, as DeePMD has them do when the
+    save is collective (sharded state). A ckptdb boundary is collective: rank 0
+    writes, every rank agrees. Only the validator sees this view."""
+
+    enabled = True
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 class _KeepAll:
@@ -589,10 +747,12 @@ def _newest(manager: CheckpointManager, stream: str, spec: str) -> Checkpoint:
 def _refuse_unsupported(config: dict[str, Any]) -> None:
     """What this integration does not guard yet is refused before anything is opened."""
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    stage = int(config["training"].get("zero_stage", 0) or 0)
+    if several and stage > 0:
         raise InvalidArgumentError(
-            "ckptdb's DeePMD-kit integration does not support several ranks yet "
-            f"(world size {dist.get_world_size()}): train on one process"
+            f"ckptdb's DeePMD-kit integration does not support training.zero_stage={stage} "
+            "(sharded optimizer or parameters) yet: train with zero_stage 0 (DDP)"
         )
     if _best_metric(config) is not None:
         root = Path.cwd().resolve()
