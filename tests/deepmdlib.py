@@ -14,6 +14,7 @@ runs ``ckptdb.integrations.deepmd``'s ``main`` with the test-only faults of
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -208,7 +209,8 @@ def torchrun(
     )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc_per_node={nproc}", str(RUNNER), *args]
-    # a session of its own: on a timeout the ranks go too, not torchrun alone
+    # on a timeout torchrun is told to stop (SIGTERM: it stops its ranks, which run in
+    # sessions of their own), then its session is killed
     with subprocess.Popen(
         command,
         cwd=cwd,
@@ -221,8 +223,12 @@ def torchrun(
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            proc.terminate()
+            try:
+                proc.communicate(timeout=40)
+            finally:
+                with contextlib.suppress(ProcessLookupError):  # torchrun's session is gone
+                    os.killpg(proc.pid, signal.SIGKILL)
             raise
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
