@@ -139,6 +139,7 @@ def test_one_ranks_failed_write_publishes_nothing_then_both_ranks_resume(tmp_pat
     assert seen[0] == seen[1], seen  # the same error, word for word
     assert seen[0].startswith("PublishError: step 40 not published: write failed: rank 1: ")
     assert "injected write failure" in seen[0]
+    assert seen[0].count("injected write failure") == 1  # said once, not relayed again
     assert {k: v[0] for k, v in rows(root).items()} == {
         ("model", 20): "committed",
         ("model", 40): "aborted",

@@ -977,3 +977,25 @@ def test_every_rank_saves_a_64_bit_step_on_postgresql(tmp_path: Path, pg_url: st
     for o in outcomes:
         assert o.error is None, o.trace
         assert o.value == {"latest": 2**31, "past": "InvalidArgumentError"}
+
+
+def test_one_ranks_failure_relayed_by_the_chief_is_said_once() -> None:
+    """A write failure on rank 1 reaches the ``write`` gather twice: from rank 1 itself
+    and from the chief, which already agreed on it (``wrote``) and relays it. The
+    agreed message names it once; a different failure of another rank is still added."""
+    from ckptdb.coord.dist import first_error
+    from ckptdb.errors import WireError
+
+    own = WireError(1, "PublishError", "OSError: [Errno 5] disk on fire", {}, (1,))
+    relayed = WireError(0, "PublishError", "rank 1: OSError: [Errno 5] disk on fire", {}, (1,))
+    agreed = first_error([relayed, own])
+    assert agreed is not None
+    assert agreed.message == "rank 1: OSError: [Errno 5] disk on fire"
+    assert agreed.ranks == (1,)
+    other = WireError(2, "PublishError", "OSError: [Errno 28] disk full", {}, (2,))
+    both = first_error([relayed, own, other])
+    assert both is not None
+    assert both.message == (
+        "rank 1: OSError: [Errno 5] disk on fire (also rank 2: OSError: [Errno 28] disk full)"
+    )
+    assert both.ranks == (1, 2)

@@ -81,12 +81,25 @@ def first_error(found: Sequence[WireError | None]) -> WireError | None:
     head = present[0]
     if len(present) == 1:
         return WireError(head.rank, head.kind, head.message, head.fields, ranks)
-    # ranks that report the same failure (DCP raises one rank's error on all) say it once
-    others = "; ".join(
-        f"rank {x.rank}: {x.message}" for x in present[1:] if x.message != head.message
-    )
-    message = f"{head.message} (also {others})" if others else head.message
+    # ranks that report the same failure say it once: DCP raises one rank's error on
+    # all; the chief relays another rank's agreed write failure that the rank reports too
+    seen = {_said(head)}
+    others = []
+    for x in present[1:]:
+        if _said(x) not in seen:
+            seen.add(_said(x))
+            others.append(_said(x))
+    message = f"{head.message} (also {'; '.join(others)})" if others else head.message
     return WireError(head.rank, head.kind, message, head.fields, ranks)
+
+
+def _said(error: WireError) -> str:
+    """``error``'s message naming the rank it is about (a relayed one names it already)."""
+    return (
+        error.message
+        if error.message.startswith("rank ")
+        else f"rank {error.rank}: {error.message}"
+    )
 
 
 def objection_of(
