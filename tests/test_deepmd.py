@@ -581,29 +581,37 @@ def test_a_ckptdb_error_is_one_line_on_stderr(
 
 
 @pytest.mark.timeout(240)
-def test_sigkill_in_a_best_save_then_restart_latest(tmp_path: Path) -> None:
-    """Killed inside the best boundary at step 60 (the fifth: 20, best 30, best_ema 30,
-    40, best 60): the best checkpoint is pending and no file is under its name, the
-    aliases still name 40; ``--restart latest`` rolls it back, resumes from 40, and the
-    new timeline's best at 60 takes the name the killed one never committed."""
+@pytest.mark.parametrize(("stream", "visit"), [("best", 5), ("best_ema", 6)])
+def test_sigkill_in_a_best_save_then_restart_latest(
+    tmp_path: Path, stream: str, visit: int
+) -> None:
+    """Killed inside a best boundary at step 60 (boundaries: 20, best 30, best_ema 30,
+    40, best 60, best_ema 60): that checkpoint is pending and no file is under its
+    name, the aliases still name 40; ``--restart latest`` rolls it back, resumes from
+    40, and the new timeline's best at 60 takes the name the killed one never
+    committed."""
     validating = {**VALIDATING, "validation_freq": 30}
     root = make_run_dir(tmp_path / "run", validating=validating, numb_steps=60, enable_ema=True)
-    proc = dp(root, "--pt", "train", "input.json", env={"CKPTDB_TEST_KILL_AT": "after_fsync:5"})
+    env = {"CKPTDB_TEST_KILL_AT": f"after_fsync:{visit}"}
+    proc = dp(root, "--pt", "train", "input.json", env=env)
     assert proc.returncode == -signal.SIGKILL, output(proc)
     killed = rows(root)
-    assert killed[("best", 60)][0] == "pending"
-    assert killed[("best", 30)][0] == "committed" and ("model", 60) not in killed
-    assert not (root / killed[("best", 60)][1]).exists()
+    assert killed[(stream, 60)][0] == "pending"
+    assert killed[(stream, 30)][0] == "committed" and ("model", 60) not in killed
+    if stream == "best_ema":  # the live best of the step committed before it
+        assert killed[("best", 60)][0] == "committed"
+    assert not (root / killed[(stream, 60)][1]).exists()
     assert os.readlink(root / "model.ckpt.pt") == "model.ckpt-40.pt"
 
     again = dp(root, "--pt", "train", "input.json", "--restart", "latest")
     assert again.returncode == 0, output(again)
     assert [e.step for e in events(root) if e.kind == "resumed"] == [40]
     with RunReader(root) as reader:
-        best = reader.best("best")
-        at_60 = [c for c in reader.checkpoints("best", states=("aborted",)) if c.step == 60]
+        best = reader.best(stream)
+        at_60 = [c for c in reader.checkpoints(stream, states=("aborted",)) if c.step == 60]
     assert len(at_60) == 1  # the killed attempt's, rolled back at the open
-    assert sorted(c.path.name for c in best) == ["best.ckpt-30.pt", "best.ckpt-60.pt"]
+    prefix = f"{stream}.ckpt"
+    assert sorted(c.path.name for c in best) == [f"{prefix}-30.pt", f"{prefix}-60.pt"]
     assert all(c.path.exists() for c in best)
     assert rows(root)[("model", 60)] == ("committed", "model.ckpt-60.pt")
     check_clean(root)
