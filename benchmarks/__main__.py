@@ -1,7 +1,8 @@
-"""Run the benchmark suite: ``python -m benchmarks [--quick] [--full] [--out FILE]``.
+"""Run the benchmark suite: ``python -m benchmarks [--quick] [--full] [--case NAME] [--out FILE]``.
 
 Prints a markdown table of the ratios to each case's baseline and writes every
 figure (medians, ratios, notes, machine description) to a JSON file.
+``--case NAME`` (repeatable) runs only the cases named (``--help`` lists them).
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ import os
 import platform
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import cases, lightning_case, s3_case, transformers_case
+from . import cases, deepmd_case, lightning_case, s3_case, transformers_case
 from .harness import Comparison, markdown
 
-# (publish sizes MB, repetitions, restart sizes, metric points, guard steps, load MB)
+# (publish sizes MB, repetitions, restart sizes, metric points, guard steps, load MB, ...;
+# deepmd: training steps, a checkpoint every save_freq steps, rounds after `warmup`)
 PROFILES: dict[str, dict[str, Any]] = {
     "quick": {
         "publish_mb": [1],
@@ -32,6 +35,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "load_mb": 1,
         "growth": [20, 60],
         "s3_mb": 12,  # two 8 MiB parts: the multipart path
+        "deepmd": {"steps": 10, "save_freq": 2, "reps": 1, "warmup": 0},
     },
     "default": {
         "publish_mb": [1, 10, 100],
@@ -42,6 +46,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "load_mb": 100,
         "growth": [1_000, 4_000],
         "s3_mb": 100,
+        "deepmd": {"steps": 200, "save_freq": 20, "reps": 7, "warmup": 1},
     },
     "full": {
         "publish_mb": [1, 10, 100, 1024],
@@ -52,6 +57,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "load_mb": 100,
         "growth": [1_000, 20_000],
         "s3_mb": 100,
+        "deepmd": {"steps": 200, "save_freq": 20, "reps": 7, "warmup": 1},
     },
 }
 
@@ -67,31 +73,69 @@ def machine() -> dict[str, Any]:
     }
 
 
-def run(profile: dict[str, Any], work: Path) -> list[Comparison]:
+Case = Callable[[], list[Comparison]]
+
+
+def suite(profile: dict[str, Any], work: Path) -> dict[str, Case]:
+    """Every case of the suite by name, in the order it runs (nothing runs yet)."""
     reps = profile["reps"]
-    results = [cases.publish(work / f"publish{mb}", mb, reps) for mb in profile["publish_mb"]]
-    results.append(cases.ledger_overhead(work / "overhead", max(reps, 30)))
-    results.append(cases.boundary_floor(work / "floor", max(reps, 30)))
-    results.append(cases.restart(work / "restart", profile["restart"], reps))
-    results.extend(cases.growth(work / "growth", profile["growth"], reps))
-    results.extend(cases.history(work / "history", profile["points"], min(reps, 3)))
-    results.append(cases.guard(reps, profile["guard_steps"]))
-    results.append(cases.load(work / "load", profile["load_mb"], reps))
-    results.append(cases.async_save(work / "async", profile["load_mb"], reps))
-    results.append(
-        lightning_case.lightning_checkpoint(work / "lightning", profile["load_mb"], reps)
-    )
-    results.append(
-        lightning_case.lightning_guard(work / "lightning-guard", reps, profile["guard_steps"] * 20)
-    )
-    results.append(
-        transformers_case.transformers_checkpoint(work / "transformers", profile["load_mb"], reps)
-    )
-    missing = s3_case.available()
-    if missing is None:
-        results.extend(s3_case.run(work / "s3", profile["s3_mb"], reps))
-    else:
-        print(f"skipped the S3 case: {missing}", file=sys.stderr)
+    deepmd = profile["deepmd"]
+    return {
+        "publish": lambda: [
+            cases.publish(work / f"publish{mb}", mb, reps) for mb in profile["publish_mb"]
+        ],
+        "overhead": lambda: [cases.ledger_overhead(work / "overhead", max(reps, 30))],
+        "floor": lambda: [cases.boundary_floor(work / "floor", max(reps, 30))],
+        "restart": lambda: [cases.restart(work / "restart", profile["restart"], reps)],
+        "growth": lambda: cases.growth(work / "growth", profile["growth"], reps),
+        "history": lambda: cases.history(work / "history", profile["points"], min(reps, 3)),
+        "guard": lambda: [cases.guard(reps, profile["guard_steps"])],
+        "load": lambda: [cases.load(work / "load", profile["load_mb"], reps)],
+        "async": lambda: [cases.async_save(work / "async", profile["load_mb"], reps)],
+        "lightning": lambda: [
+            lightning_case.lightning_checkpoint(work / "lightning", profile["load_mb"], reps),
+            lightning_case.lightning_guard(
+                work / "lightning-guard", reps, profile["guard_steps"] * 20
+            ),
+        ],
+        "transformers": lambda: [
+            transformers_case.transformers_checkpoint(
+                work / "transformers", profile["load_mb"], reps
+            )
+        ],
+        "s3": lambda: _unless_missing(
+            "S3", s3_case.available(), lambda: s3_case.run(work / "s3", profile["s3_mb"], reps)
+        ),
+        "deepmd": lambda: _unless_missing(
+            "DeePMD-kit",
+            deepmd_case.available(),
+            lambda: deepmd_case.deepmd_training(
+                work / "deepmd",
+                deepmd["steps"],
+                deepmd["save_freq"],
+                deepmd["reps"],
+                deepmd["warmup"],
+            ),
+        ),
+    }
+
+
+CASES = tuple(suite(PROFILES["quick"], Path()))
+
+
+def _unless_missing(name: str, missing: str | None, case: Case) -> list[Comparison]:
+    if missing is not None:
+        print(f"skipped the {name} case: {missing}", file=sys.stderr)
+        return []
+    return case()
+
+
+def run(profile: dict[str, Any], work: Path, only: list[str] | None = None) -> list[Comparison]:
+    """The cases named in ``only`` (default: all of them), in the suite's order."""
+    results: list[Comparison] = []
+    for name, case in suite(profile, work).items():
+        if only is None or name in only:
+            results.extend(case())
     return results
 
 
@@ -116,10 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("benchmark-results.json"))
     parser.add_argument("--work", type=Path, default=None, help="scratch directory")
+    parser.add_argument(
+        "--case",
+        action="append",
+        choices=CASES,
+        metavar="NAME",
+        help=f"run only this case (repeatable; default: all): {', '.join(CASES)}",
+    )
     args = parser.parse_args(argv)
     profile = PROFILES["quick" if args.quick else "full" if args.full else "default"]
     with tempfile.TemporaryDirectory(dir=args.work) as scratch:
-        results = run(profile, Path(scratch))
+        results = run(profile, Path(scratch), args.case)
     report(results, args.out)
     return 0
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import s3_case, s3server
-from benchmarks.__main__ import main
+from benchmarks import deepmd_case, s3_case, s3server
+from benchmarks.__main__ import PROFILES, main
 from benchmarks.harness import AGAIN, compare
 
 S3_CONTENDERS = {
@@ -57,6 +57,7 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
         "Lightning fit",
         "S3 save",
         "S3 load",
+        "DeePMD-kit dp --pt train",
     ):
         assert any(n.startswith(expected) for n in names), (expected, names)
     for result in report["results"]:
@@ -150,6 +151,43 @@ def assert_stopped_and_cleaned(started: list[s3server.S3Server], scratch: Path) 
     assert started[0].process.poll() is not None  # the server exited
     assert not started[0].log.exists()  # its data and log were removed with the work dir
     assert not any(scratch.rglob("weed*"))
+
+
+@pytest.mark.timeout(240)
+def test_the_deepmd_case_alone_times_both_contenders_twice(tmp_path: Path, capsys) -> None:
+    """``--case deepmd``: stock dp and ckptdb's, each a whole training subprocess, and the
+    stock one again (the noise floor); after import and whole process, from the same runs."""
+    missing = deepmd_case.available()
+    if missing is not None:
+        pytest.skip(missing)
+    out = tmp_path / "deepmd.json"
+    assert main(["--quick", "--case", "deepmd", "--out", str(out), "--work", str(tmp_path)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["name"].rsplit(": ", 1)[1] for r in results] == ["after import", "whole process"]
+    contenders = [deepmd_case.STOCK, deepmd_case.OURS, deepmd_case.STOCK + AGAIN]
+    quick = PROFILES["quick"]["deepmd"]
+    for result in results:
+        assert result["baseline"] == deepmd_case.STOCK
+        assert sorted(result["median_s"]) == sorted(contenders)
+        assert result["ratio_to_baseline"][deepmd_case.STOCK] == pytest.approx(1.0)
+        assert all(v > 0 for v in result["median_s"].values()), result["median_s"]
+        assert result["repetitions"] == dict.fromkeys(contenders, quick["reps"])
+        saved = result["notes"]["checkpoints per run"]  # the same for both, or the case raised
+        assert saved["periodic (+ its EMA twin)"] == quick["steps"] // quick["save_freq"]
+        assert saved["best"] >= 1 and saved["best_ema"] >= 1, saved
+    after, whole = (r["median_s"] for r in results)
+    # one run each: the window after the imports lies inside its process's lifetime
+    assert all(after[k] < whole[k] for k in contenders), (after, whole)
+    assert set(results[1]["notes"]["imports, median s"]) == set(contenders)
+    table = capsys.readouterr().out
+    assert f"| {results[0]['name']} | {deepmd_case.OURS} |" in table
+    assert not list(tmp_path.rglob("input.json"))  # every run directory removed
+
+
+def test_an_unknown_case_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--quick", "--case", "nothing"])
+    assert "invalid choice: 'nothing'" in capsys.readouterr().err
 
 
 def test_each_publish_size_prints_its_own_target() -> None:

@@ -1,0 +1,386 @@
+"""The DeePMD-kit case: a whole ``dp --pt train`` through ckptdb beside stock ``dp``.
+
+Every contender is a subprocess that runs a complete DeePMD-kit 3.2 training
+(the PyTorch backend, CPU, one thread) in a fresh directory of its own, on
+the same tiny generated system and the same configuration, which checkpoints
+often so that the checkpoints' cost shows: a periodic checkpoint and its EMA
+twin every ``save_freq`` steps, and a full validation at the same steps with
+``save_best`` (a best and a best-EMA checkpoint whenever the metric improves).
+The contenders:
+
+- **stock dp**: DeePMD-kit's own entry point (``deepmd.main``), with the one
+  workaround ckptdb's entry point makes too: when the running torch is not
+  the one DeePMD-kit's op library was built for, ``deepmd.pt.cxx_op`` is
+  pre-seeded with ``ENABLE_CUSTOMIZED_OP = False`` (the baseline);
+- **stock dp again**: the same, a second time, as a contender of its own:
+  its ratio is the noise floor of the run (:data:`harness.AGAIN`);
+- **ckptdb**: ``python -m ckptdb.integrations.deepmd --pt train input.json``,
+  its defaults (the guard on, every checkpoint a ledger boundary).
+
+Two figures of the same runs, each its own comparison:
+
+- **after import**: from DeePMD's first log line (its banner, once
+  ``deepmd``, torch and, for ckptdb, ckptdb are imported) to the moment
+  ``dp`` returns (a line the process prints last, :data:`END`): the data
+  statistics, the ledger's opening, the training loop, every checkpoint,
+  the ledger's closing; not the interpreter's start, the imports or the
+  teardown (over a second here: the modules torch and DeePMD-kit load);
+- **whole process**: from the start of the subprocess to its exit, all of
+  that included (mostly imports: importing DeePMD-kit takes several seconds).
+
+The system is a Lennard-Jones-like pair potential (two atom types, twelve
+atoms in a periodic box), the model the smallest ``se_e2_a`` that trains:
+a training step is a few tens of milliseconds, so a checkpoint every 20
+steps is far more often than any real run would write one, which is what
+makes the checkpoints' cost visible at all.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.util
+import itertools
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .harness import AGAIN, Comparison, compare
+
+REPO = Path(__file__).resolve().parents[1]
+
+STOCK = "stock dp (DeePMD-kit's own entry point)"
+OURS = "ckptdb (python -m ckptdb.integrations.deepmd)"
+
+#: One thread, no loader workers (as the tests' runs): the two processes of a
+#: comparison never run at once, and each has one core.
+SPEED_ENV = {
+    "NUM_WORKERS": "0",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "DP_INTRA_OP_PARALLELISM_THREADS": "1",
+    "DP_INTER_OP_PARALLELISM_THREADS": "1",
+}
+
+#: DeePMD-kit's own ``dp``, with the op-library workaround of
+#: ``ckptdb.integrations.deepmd.train._without_op_library``; nothing of ckptdb.
+STOCK_DP = """\
+import types
+import torch
+from deepmd.env import GLOBAL_CONFIG
+built_for = str(GLOBAL_CONFIG.get("pt_version") or "")
+if built_for and built_for != torch.__version__.split("+")[0]:
+    stub = types.ModuleType("deepmd.pt.cxx_op")
+    stub.ENABLE_CUSTOMIZED_OP = False
+    stub.__all__ = ["ENABLE_CUSTOMIZED_OP"]
+    sys.modules["deepmd.pt.cxx_op"] = stub
+from deepmd.main import main
+main(sys.argv[1:])
+"""
+
+#: ``python -m ckptdb.integrations.deepmd``, exactly (its ``sys.exit(run())`` included).
+OURS_DP = """\
+import runpy
+runpy.run_module("ckptdb.integrations.deepmd", run_name="__main__", alter_sys=True)
+"""
+
+#: The line each process ends with: when ``dp`` returned (or raised), before the
+#: interpreter's teardown.
+END = "benchmark: dp returned at"
+
+
+def _driver(dp: str) -> str:
+    """The code of a contender's process (``python -c``): ``dp``, then the END line."""
+    return (
+        f"import sys, time\ntry:\n{textwrap.indent(dp, '    ')}finally:\n"
+        f"    print({END!r}, repr(time.time()), file=sys.stderr, flush=True)\n"
+    )
+
+
+COMMANDS = {
+    STOCK: [sys.executable, "-c", _driver(STOCK_DP)],
+    OURS: [sys.executable, "-c", _driver(OURS_DP)],
+}
+ARGS = ["--pt", "train", "input.json"]
+
+# DeePMD's log lines start with their time: "[2026-12-05 09:03:34,485] DEEPMD INFO ..."
+LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] DEEPMD ", re.M)
+END_TIME = re.compile(rf"^{re.escape(END)} (\d+\.\d+)$", re.M)
+
+BOX = 6.0  # Angstrom, cubic
+RCUT = 2.9  # < BOX/2: the minimum image is exact
+EPS = np.array([[0.05, 0.04], [0.04, 0.03]])  # eV, per type pair
+SIG = np.array([[1.6, 1.7], [1.7, 1.8]])  # Angstrom
+
+
+def available() -> str | None:
+    """Why the case cannot run here (None: it can): it needs DeePMD-kit."""
+    if importlib.util.find_spec("deepmd") is None:
+        return "no DeePMD-kit (pip install 'ckptdb[deepmd]')"
+    return None
+
+
+# ------------------------------------------------------------- the system
+
+
+def _pair(r: np.ndarray, eps: np.ndarray, sig: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Energy and dE/dr of a LJ potential, force-shifted to 0 at the cutoff."""
+
+    def lj(rr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        s6 = (sig / rr) ** 6
+        return 4 * eps * (s6 * s6 - s6), 4 * eps * (-12 * s6 * s6 + 6 * s6) / rr
+
+    e, de = lj(r)
+    ec, dec = lj(np.full_like(r, RCUT))
+    return e - ec - (r - RCUT) * dec, de - dec
+
+
+def _frame(rng: np.random.Generator, types: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Coordinates, box, energy, forces and virial of one jittered-lattice frame."""
+    n = len(types)
+    g = int(np.ceil(n ** (1 / 3)))
+    grid = np.array([(i, j, k) for i in range(g) for j in range(g) for k in range(g)])[:n]
+    coord = ((grid + 0.5) * (BOX / g) + rng.normal(scale=0.15, size=(n, 3))) % BOX
+    energy, force, virial = 0.0, np.zeros((n, 3)), np.zeros((3, 3))
+    for i in range(n):
+        d = coord[i + 1 :] - coord[i]
+        d -= BOX * np.round(d / BOX)
+        r = np.linalg.norm(d, axis=1)
+        near = r < RCUT
+        if not near.any():
+            continue
+        j = np.arange(i + 1, n)[near]
+        e, de = _pair(r[near], EPS[types[i], types[j]], SIG[types[i], types[j]])
+        energy += float(e.sum())
+        fij = (de / r[near])[:, None] * d[near]
+        force[i] += fij.sum(0)
+        np.subtract.at(force, j, fij)
+        virial -= np.einsum("ka,kb->ab", d[near], fij)
+    box = np.eye(3) * BOX
+    flat = coord.reshape(-1), box.reshape(-1), np.array(energy)
+    return (*flat, force.reshape(-1), virial.reshape(-1))
+
+
+def write_system(path: Path, *, nframes: int, seed: int, natoms: int = 12) -> None:
+    """A system in DeePMD's npy format (deterministic, milliseconds)."""
+    rng = np.random.default_rng(seed)
+    types = np.array([i % 2 for i in range(natoms)], dtype=int)
+    rows = [_frame(rng, types) for _ in range(nframes)]
+    (path / "set.000").mkdir(parents=True, exist_ok=True)
+    np.savetxt(path / "type.raw", types, fmt="%d")
+    (path / "type_map.raw").write_text("A\nB\n")
+    for k, name in enumerate(["coord", "box", "energy", "force", "virial"]):
+        np.save(path / "set.000" / f"{name}.npy", np.array([r[k] for r in rows], dtype=np.float64))
+
+
+def config(steps: int, save_freq: int) -> dict[str, Any]:
+    """The training: ``steps`` steps; every ``save_freq`` a periodic checkpoint with its
+    EMA twin (the two newest of each kept) and a full validation, plain and EMA, whose
+    improvements are saved as best checkpoints (the two best of each kept)."""
+    return {
+        "model": {
+            "type_map": ["A", "B"],
+            "descriptor": {
+                "type": "se_e2_a",
+                "sel": [12, 12],
+                "rcut_smth": 0.5,
+                "rcut": 3.0,
+                "neuron": [4, 8],
+                "resnet_dt": False,
+                "axis_neuron": 4,
+                "seed": 1,
+            },
+            "fitting_net": {"neuron": [16, 16], "resnet_dt": True, "seed": 1},
+        },
+        "learning_rate": {
+            "type": "exp",
+            "decay_steps": 40,
+            "start_lr": 0.001,
+            "stop_lr": 1e-05,
+        },
+        "loss": {
+            "type": "ener",
+            "start_pref_e": 0.2,
+            "limit_pref_e": 1,
+            "start_pref_f": 100,
+            "limit_pref_f": 1,
+            "start_pref_v": 0.02,
+            "limit_pref_v": 0.1,
+        },
+        "training": {
+            "training_data": {"systems": ["data/train"], "batch_size": 1},
+            "validation_data": {"systems": ["data/valid"], "batch_size": 1, "numb_btch": 1},
+            "numb_steps": steps,
+            "seed": 10,
+            "disp_file": "lcurve.out",
+            "disp_freq": save_freq,
+            "save_freq": save_freq,
+            "max_ckpt_keep": 2,
+            "enable_ema": True,
+        },
+        "validating": {
+            "full_validation": True,
+            "ema_full_validation": True,
+            "validation_freq": save_freq,
+            "full_val_start": 0,
+            "save_best": True,
+            "max_best_ckpt": 2,
+            "validation_metric": "E:MAE",
+            "full_val_file": "val.log",
+        },
+    }
+
+
+def make_run_dir(path: Path, steps: int, save_freq: int) -> Path:
+    """A training directory: ``data/{train,valid}`` and ``input.json``."""
+    path.mkdir(parents=True)
+    write_system(path / "data" / "train", nframes=8, seed=0)
+    write_system(path / "data" / "valid", nframes=2, seed=1)
+    (path / "input.json").write_text(json.dumps(config(steps, save_freq), indent=2))
+    return path
+
+
+# ------------------------------------------------------------- the runs
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training subprocess: its times and what it reported saving."""
+
+    whole_s: float  # the subprocess, start to exit
+    after_import_s: float  # DeePMD's first log line to dp's return
+    imports_s: float  # the subprocess's start to DeePMD's first log line
+    teardown_s: float  # dp's return to the subprocess's exit
+    saved: dict[str, int]  # checkpoints by kind, from DeePMD's own log lines
+
+
+def _times(text: str) -> tuple[float, float]:
+    """The wall-clock times (``time.time()``) of DeePMD's first log line in a run's
+    output and of the driver's line saying that ``dp`` returned."""
+    first, end = LOG_TIME.search(text), END_TIME.search(text)
+    if first is None or end is None:
+        raise RuntimeError(f"no DeePMD log line or no end in the run's output:\n{text[-3000:]}")
+    return dt.datetime.strptime(first[1], "%Y-%m-%d %H:%M:%S,%f").timestamp(), float(end[1])
+
+
+def _saved(where: Path, text: str) -> dict[str, int]:
+    """How many checkpoints of each kind DeePMD said it saved (an EMA twin is not
+    logged: it is written with each periodic checkpoint when ``enable_ema`` is on)."""
+    val_ema = where / "val_ema.log"
+    return {
+        "periodic (+ its EMA twin)": len(re.findall(r"Saved model to model\.ckpt-\d+", text)),
+        "best": len(re.findall(r"Saved best model to best\.ckpt-", text)),
+        "best_ema": val_ema.read_text().count("saved best checkpoint: best_ema.ckpt-")
+        if val_ema.exists()
+        else 0,
+    }
+
+
+def train_once(
+    where: Path, command: list[str], steps: int, save_freq: int, timeout: float = 600
+) -> Run:
+    """One ``dp --pt train`` by ``command`` in a fresh ``where`` (removed afterwards)."""
+    make_run_dir(where, steps, save_freq)
+    env = {**os.environ, **SPEED_ENV}
+    env.pop("CKPTDB_DB_URL", None)  # the run's own SQLite ledger
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    os.sync()  # no other contender's dirty pages written back inside this one's time
+    started = time.time()
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [*command, *ARGS],
+        cwd=where,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    ended = time.time()
+    whole = time.perf_counter() - start
+    if proc.returncode != 0 or f"Saved model to model.ckpt-{steps}.pt" not in proc.stdout:
+        raise RuntimeError(
+            f"dp {' '.join(ARGS)} failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}"
+        )
+    first, returned = _times(proc.stdout)
+    run = Run(
+        whole_s=whole,
+        after_import_s=returned - first,
+        imports_s=first - started,
+        teardown_s=ended - returned,
+        saved=_saved(where, proc.stdout),
+    )
+    shutil.rmtree(where)
+    return run
+
+
+def deepmd_training(
+    work: Path, steps: int, save_freq: int, reps: int, warmup: int = 1
+) -> list[Comparison]:
+    """The after-import and the whole-process comparisons of the same interleaved runs."""
+    counter = itertools.count()
+    runs: dict[str, list[Run]] = {}
+
+    def contender(key: str, command: list[str]) -> Callable[[], float]:
+        runs[key] = []
+
+        def run() -> float:
+            done = train_once(work / str(next(counter)), command, steps, save_freq)
+            runs[key].append(done)
+            return done.after_import_s
+
+        return run
+
+    # the noise floor as compare(noise_floor=True) makes it, but a callable of its own,
+    # so that each run's whole-process time is also known by contender
+    contenders = {
+        STOCK: contender(STOCK, COMMANDS[STOCK]),
+        OURS: contender(OURS, COMMANDS[OURS]),
+        STOCK + AGAIN: contender(STOCK + AGAIN, COMMANDS[STOCK]),
+    }
+    what = f"DeePMD-kit dp --pt train, {steps} steps, checkpoints every {save_freq}"
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        after = compare(
+            f"{what}: after import",
+            contenders,
+            baseline=STOCK,
+            reps=reps,
+            warmup=warmup,
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    timed = {key: done[warmup:] for key, done in runs.items()}
+    whole = Comparison(
+        f"{what}: whole process",
+        STOCK,
+        {key: [r.whole_s for r in done] for key, done in timed.items()},
+    )
+    saved = {key: done[-1].saved for key, done in timed.items()}
+    if saved[OURS] != saved[STOCK]:
+        raise RuntimeError(f"the contenders saved different checkpoints: {saved}")
+    for result in (after, whole):
+        result.notes["target"] = "ckptdb <= 1.05x stock dp"
+        result.notes["checkpoints per run"] = saved[STOCK]
+    after.notes["what"] = (
+        "from DeePMD's first log line to dp's return: the interpreter's start, the imports "
+        "and the teardown excluded"
+    )
+    whole.notes["what"] = "the whole training subprocess, from its start to its exit"
+    for part in ("imports", "teardown"):
+        whole.notes[f"{part}, median s"] = {
+            key: round(statistics.median(getattr(r, f"{part}_s") for r in done), 3)
+            for key, done in timed.items()
+        }
+    return [after, whole]
