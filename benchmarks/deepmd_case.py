@@ -40,7 +40,6 @@ from __future__ import annotations
 import datetime as dt
 import importlib.util
 import itertools
-import json
 import os
 import re
 import shutil
@@ -52,10 +51,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
+from .deepmd_system import SPEED_ENV, VALIDATING
+from .deepmd_system import make_run_dir as make_system_dir
 from .harness import AGAIN, Comparison, compare
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,15 +61,6 @@ REPO = Path(__file__).resolve().parents[1]
 STOCK = "stock dp (DeePMD-kit's own entry point)"
 OURS = "ckptdb (python -m ckptdb.integrations.deepmd)"
 
-#: One thread, no loader workers (as the tests' runs): the two processes of a
-#: comparison never run at once, and each has one core.
-SPEED_ENV = {
-    "NUM_WORKERS": "0",
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "DP_INTRA_OP_PARALLELISM_THREADS": "1",
-    "DP_INTER_OP_PARALLELISM_THREADS": "1",
-}
 
 #: DeePMD-kit's own ``dp``, with the op-library workaround of
 #: ``ckptdb.integrations.deepmd.train._without_op_library``; nothing of ckptdb.
@@ -118,11 +107,6 @@ ARGS = ["--pt", "train", "input.json"]
 LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] DEEPMD ", re.M)
 END_TIME = re.compile(rf"^{re.escape(END)} (\d+\.\d+)$", re.M)
 
-BOX = 6.0  # Angstrom, cubic
-RCUT = 2.9  # < BOX/2: the minimum image is exact
-EPS = np.array([[0.05, 0.04], [0.04, 0.03]])  # eV, per type pair
-SIG = np.array([[1.6, 1.7], [1.7, 1.8]])  # Angstrom
-
 
 def available() -> str | None:
     """Why the case cannot run here (None: it can): it needs DeePMD-kit."""
@@ -134,121 +118,21 @@ def available() -> str | None:
 # ------------------------------------------------------------- the system
 
 
-def _pair(r: np.ndarray, eps: np.ndarray, sig: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Energy and dE/dr of a LJ potential, force-shifted to 0 at the cutoff."""
-
-    def lj(rr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        s6 = (sig / rr) ** 6
-        return 4 * eps * (s6 * s6 - s6), 4 * eps * (-12 * s6 * s6 + 6 * s6) / rr
-
-    e, de = lj(r)
-    ec, dec = lj(np.full_like(r, RCUT))
-    return e - ec - (r - RCUT) * dec, de - dec
-
-
-def _frame(rng: np.random.Generator, types: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Coordinates, box, energy, forces and virial of one jittered-lattice frame."""
-    n = len(types)
-    g = int(np.ceil(n ** (1 / 3)))
-    grid = np.array([(i, j, k) for i in range(g) for j in range(g) for k in range(g)])[:n]
-    coord = ((grid + 0.5) * (BOX / g) + rng.normal(scale=0.15, size=(n, 3))) % BOX
-    energy, force, virial = 0.0, np.zeros((n, 3)), np.zeros((3, 3))
-    for i in range(n):
-        d = coord[i + 1 :] - coord[i]
-        d -= BOX * np.round(d / BOX)
-        r = np.linalg.norm(d, axis=1)
-        near = r < RCUT
-        if not near.any():
-            continue
-        j = np.arange(i + 1, n)[near]
-        e, de = _pair(r[near], EPS[types[i], types[j]], SIG[types[i], types[j]])
-        energy += float(e.sum())
-        fij = (de / r[near])[:, None] * d[near]
-        force[i] += fij.sum(0)
-        np.subtract.at(force, j, fij)
-        virial -= np.einsum("ka,kb->ab", d[near], fij)
-    box = np.eye(3) * BOX
-    flat = coord.reshape(-1), box.reshape(-1), np.array(energy)
-    return (*flat, force.reshape(-1), virial.reshape(-1))
-
-
-def write_system(path: Path, *, nframes: int, seed: int, natoms: int = 12) -> None:
-    """A system in DeePMD's npy format (deterministic, milliseconds)."""
-    rng = np.random.default_rng(seed)
-    types = np.array([i % 2 for i in range(natoms)], dtype=int)
-    rows = [_frame(rng, types) for _ in range(nframes)]
-    (path / "set.000").mkdir(parents=True, exist_ok=True)
-    np.savetxt(path / "type.raw", types, fmt="%d")
-    (path / "type_map.raw").write_text("A\nB\n")
-    for k, name in enumerate(["coord", "box", "energy", "force", "virial"]):
-        np.save(path / "set.000" / f"{name}.npy", np.array([r[k] for r in rows], dtype=np.float64))
-
-
-def config(steps: int, save_freq: int) -> dict[str, Any]:
-    """The training: ``steps`` steps; every ``save_freq`` a periodic checkpoint with its
-    EMA twin (the two newest of each kept) and a full validation, plain and EMA, whose
-    improvements are saved as best checkpoints (the two best of each kept)."""
-    return {
-        "model": {
-            "type_map": ["A", "B"],
-            "descriptor": {
-                "type": "se_e2_a",
-                "sel": [12, 12],
-                "rcut_smth": 0.5,
-                "rcut": 3.0,
-                "neuron": [4, 8],
-                "resnet_dt": False,
-                "axis_neuron": 4,
-                "seed": 1,
-            },
-            "fitting_net": {"neuron": [16, 16], "resnet_dt": True, "seed": 1},
-        },
-        "learning_rate": {
-            "type": "exp",
-            "decay_steps": 40,
-            "start_lr": 0.001,
-            "stop_lr": 1e-05,
-        },
-        "loss": {
-            "type": "ener",
-            "start_pref_e": 0.2,
-            "limit_pref_e": 1,
-            "start_pref_f": 100,
-            "limit_pref_f": 1,
-            "start_pref_v": 0.02,
-            "limit_pref_v": 0.1,
-        },
-        "training": {
-            "training_data": {"systems": ["data/train"], "batch_size": 1},
-            "validation_data": {"systems": ["data/valid"], "batch_size": 1, "numb_btch": 1},
-            "numb_steps": steps,
-            "seed": 10,
-            "disp_file": "lcurve.out",
-            "disp_freq": save_freq,
-            "save_freq": save_freq,
-            "max_ckpt_keep": 2,
-            "enable_ema": True,
-        },
-        "validating": {
-            "full_validation": True,
-            "ema_full_validation": True,
-            "validation_freq": save_freq,
-            "full_val_start": 0,
-            "save_best": True,
-            "max_best_ckpt": 2,
-            "validation_metric": "E:MAE",
-            "full_val_file": "val.log",
-        },
-    }
-
-
 def make_run_dir(path: Path, steps: int, save_freq: int) -> Path:
-    """A training directory: ``data/{train,valid}`` and ``input.json``."""
+    """A training directory on the shared system (:mod:`benchmarks.deepmd_system`):
+    ``steps`` steps; every ``save_freq`` a periodic checkpoint with its EMA twin
+    (the two newest of each kept) and a full validation, plain and EMA, whose
+    improvements are saved as best checkpoints (the two best of each kept)."""
     path.mkdir(parents=True)
-    write_system(path / "data" / "train", nframes=8, seed=0)
-    write_system(path / "data" / "valid", nframes=2, seed=1)
-    (path / "input.json").write_text(json.dumps(config(steps, save_freq), indent=2))
-    return path
+    validating = {**VALIDATING, "validation_freq": save_freq}
+    return make_system_dir(
+        path,
+        validating=validating,
+        numb_steps=steps,
+        disp_freq=save_freq,
+        save_freq=save_freq,
+        enable_ema=True,
+    )
 
 
 # ------------------------------------------------------------- the runs
