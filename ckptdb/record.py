@@ -1,4 +1,5 @@
-"""The public, immutable view of one checkpoint row (built by ckptdb.ledger.rows).
+"""The public, immutable view of one checkpoint row (built by ckptdb.ledger.rows),
+and of one derived alias (a row of ``aliases``).
 
 Also the record's vocabulary: the states a :attr:`Checkpoint.state` takes (the
 ``checkpoints.state`` column's values, see docs/guarantees.md) and the clock its
@@ -44,3 +45,22 @@ class Checkpoint:
     id: int = field(compare=False)
     attempt_id: int = field(compare=False)
     metrics: dict[str, float] = field(default_factory=dict, compare=False)
+
+
+# Kinds of a derived alias (the ``aliases.kind`` column's values, see docs/ledger.md).
+SYMLINK = "symlink"  # a relative symbolic link (DeePMD's model.ckpt.pt)
+POINTER = "pointer"  # a small text file naming the checkpoint (DeePMD's checkpoint)
+LINK = "link"  # a hard link (a copy where links are not possible), Lightning's last.ckpt
+ALIAS_KINDS = (SYMLINK, POINTER, LINK)
+
+
+@dataclass(frozen=True)
+class DerivedAlias:
+    """A name other tools open, derived from the ledger: after each change it names
+    the latest committed checkpoint of ``stream``. ``path`` is relative to the run
+    root (``model.ckpt.pt``); ``kind`` one of :data:`ALIAS_KINDS`. A pointer's text is
+    the checkpoint's path relative to the pointer's directory."""
+
+    path: str
+    stream: str
+    kind: str

@@ -383,7 +383,8 @@ def test_sigkill_in_a_save_then_restart_latest(tmp_path: Path) -> None:
 
     again = dp(root, "--pt", "train", "input.json", "--restart", "latest")
     assert again.returncode == 0, output(again)
-    assert "model.ckpt.pt named model.ckpt-20.pt, not the newest committed" in again.stderr
+    assert "a stale alias re-pointed at start: aliased" in again.stderr
+    assert "was model.ckpt-20.pt" in again.stderr
     resumed = [e for e in events(root) if e.kind == "resumed"]
     assert [e.step for e in resumed] == [40]
     with RunReader(root) as reader:
@@ -414,6 +415,14 @@ def test_sigkill_in_a_save_then_restart_latest(tmp_path: Path) -> None:
         ]
         assert all(c.path.exists() for c in best[stream])
     check_clean(root)
+    # a crash between a commit and its aliases, then `ckptdb reconcile`: rebuilt
+    (root / "model.ckpt.pt").unlink()
+    (root / "model.ckpt.pt").symlink_to("model.ckpt-40.pt")
+    (root / "checkpoint").write_text("model.ckpt-40.pt")
+    result = CliRunner().invoke(ckptdb_cli, ["reconcile", str(root)])
+    assert result.exit_code == 0, result.output
+    assert os.readlink(root / "model.ckpt.pt") == "model.ckpt-60.pt"
+    assert (root / "checkpoint").read_text() == "model.ckpt-60.pt"
 
 
 # ------------------------------------------------------------------ adopting

@@ -322,18 +322,18 @@ def step_types(url: str) -> set[str]:
         engine.dispose()
 
 
-def test_downgrade_of_the_last_revision_then_upgrade(
-    ledger: Opener, root: Path, backend: str | None
-) -> None:
-    """0003 only widens the step columns on PostgreSQL: undone, every table and view
-    is still there (the views were dropped and created again around the change)."""
+def test_downgrade_of_0003_then_upgrade(ledger: Opener, root: Path, backend: str | None) -> None:
+    """0003 only widens the step columns on PostgreSQL: undone (with 0004, which only
+    adds ``aliases``), every table and view of 0002 is still there (the views were
+    dropped and created again around the change)."""
     ledger().close()
     url = url_of(root, backend)
     wide = {"BIGINT"} if backend is not None else {"INTEGER"}  # SQLite's is 64-bit
     assert step_types(url) == wide
-    migrate_to(url, "-1", down=True)
-    tables, views, _ = ledger_objects(url)
-    assert tables >= TABLES and views == set(VIEW_NAMES)
+    migrate_to(url, "0002", down=True)
+    tables, views, version = ledger_objects(url)
+    assert version == "0002" and tables >= TABLES and "aliases" not in tables
+    assert views == set(VIEW_NAMES)
     assert step_types(url) == {"INTEGER"}
     migrate_to(url, "head")
     assert ledger_objects(url)[1] == set(VIEW_NAMES)
@@ -351,8 +351,9 @@ def test_a_downgrade_that_would_truncate_a_step_changes_nothing(pg_url: str, roo
         mgr.save(2**40, metrics={"loss": 0.5}, model=state(1))
     url = url_of(root, pg_url)
     with pytest.raises(DBAPIError, match="out of range"):
-        migrate_to(url, "-1", down=True)
-    assert ledger_objects(url)[1] == set(VIEW_NAMES)
+        migrate_to(url, "0002", down=True)  # 0004's drop of aliases is undone with it
+    tables, views, version = ledger_objects(url)
+    assert version == newest_revision() and "aliases" in tables and views == set(VIEW_NAMES)
     assert step_types(url) == {"BIGINT"}
     with RunReader(root, db_url=pg_url) as reader:
         assert reader.latest().step == 2**40

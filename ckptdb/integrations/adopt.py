@@ -10,7 +10,8 @@ under the writer lock.
 An existing run keeps its stored save directory. Nothing but the ledger is
 written, except the aliases a layout derives (DeePMD's ``model.ckpt.pt`` and
 ``checkpoint`` pointer, re-pointed at the newest committed checkpoint after
-the commit) and, with ``move``, checkpoints outside the run's save
+the commit, and registered in the ledger so that every later reconcile keeps
+them pointed) and, with ``move``, checkpoints outside the run's save
 directory (moved into it).
 """
 
@@ -30,9 +31,11 @@ from ..protocol.adopt import (
     NEW_STREAM_POLICY,
     Candidate,
     Outcome,
+    RecordedRun,
     preview,
     preview_recorded,
 )
+from ..record import DerivedAlias
 from ..storage import open_store
 from .layouts import AliasChange, Layout, file_damage, layout_named, mtime, register, tree_damage
 
@@ -180,7 +183,8 @@ def adopt(
     newest = [o for o in planned if o.candidate.stream == lay.alias_stream and o.name]
     target = save_dir / str(newest[-1].name) if newest else current
     result.aliases = lay.alias_changes(where, target)
-    if dry_run or (not planned and not result.aliases):
+    unregistered = _unregistered(lay, where, recorded, planned)
+    if dry_run or (not planned and not result.aliases and not unregistered):
         if report is not None:
             for outcome in outcomes:
                 report(outcome)
@@ -197,6 +201,20 @@ def adopt(
         stream = lay.alias_stream
         latest = mgr.latest(stream) if stream is not None and stream in mgr.policies else None
         result.aliases = lay.alias_changes(where, latest.path if latest is not None else None)
-        for change in result.aliases:
-            change.apply()
+        derived = [a for a in lay.aliases(where) if a.stream in mgr.policies]
+        if derived:  # registered, so that every later reconcile keeps them pointed
+            mgr.derive_aliases(derived)
     return result
+
+
+def _unregistered(
+    lay: Layout, root: Path, recorded: RecordedRun | None, planned: list[Outcome]
+) -> list[DerivedAlias]:
+    """The layout's aliases the run has not registered yet, of a stream it has (or
+    will have once ``planned`` is adopted): adopting registers them."""
+    streams = {str(o.candidate.stream) for o in planned}
+    registered: tuple[DerivedAlias, ...] = ()
+    if recorded is not None:
+        streams |= set(recorded.policies)
+        registered = recorded.aliases
+    return [a for a in lay.aliases(root) if a.stream in streams and a not in registered]

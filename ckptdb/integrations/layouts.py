@@ -28,13 +28,14 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from ..errors import InvalidArgumentError
 from ..protocol.adopt import Candidate
-from ..storage.alias import point_alias, point_symlink, write_pointer
+from ..record import DerivedAlias
+from ..storage import derived
 
 __all__ = [
     "AliasChange",
@@ -73,9 +74,21 @@ class Layout:
     def scan(self, root: Path) -> list[Candidate]:
         raise NotImplementedError
 
-    def alias_changes(self, root: Path, target: Path | None) -> list[AliasChange]:
-        """The aliases that do not name ``target`` yet (none by default)."""
+    def aliases(self, root: Path) -> list[DerivedAlias]:
+        """The derived aliases of ``alias_stream`` in ``root`` (none by default): adopt
+        registers them, so that every later reconcile keeps them pointed."""
         return []
+
+    def alias_changes(self, root: Path, target: Path | None) -> list[AliasChange]:
+        """The aliases that do not name ``target`` yet (none without a target)."""
+        if target is None:
+            return []
+        changes = []
+        for alias in self.aliases(root):
+            where = root / alias.path
+            if not derived.names(where, alias.kind, target):
+                changes.append(AliasChange(where, target, alias.kind))
+        return changes
 
 
 L = TypeVar("L", bound=type[Layout])
@@ -281,19 +294,15 @@ def numbered(
 
 @dataclass(frozen=True)
 class AliasChange:
-    """A derived name that adopt re-points at the newest committed checkpoint."""
+    """A derived name that adopt re-points at the newest committed checkpoint (what a
+    :meth:`Layout.aliases` alias names now is not ``target``)."""
 
     path: Path
     target: Path
-    kind: Literal["symlink", "link", "pointer"]
+    kind: str  # symlink | link | pointer (ckptdb.record.ALIAS_KINDS)
 
     def apply(self) -> None:
-        if self.kind == "symlink":
-            point_symlink(self.target, self.path)
-        elif self.kind == "link":
-            point_alias(self.target, self.path)
-        else:
-            write_pointer(self.path, os.path.relpath(self.target, self.path.parent))
+        derived.point(self.path, self.kind, self.target)
 
     def __str__(self) -> str:
         return f"{self.path.name} -> {os.path.relpath(self.target, self.path.parent)}"

@@ -239,6 +239,22 @@ class Evaluation(Base):
     recorded_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+class Alias(Base):
+    """A derived alias (DeePMD's ``model.ckpt.pt``, its ``checkpoint`` pointer file): a
+    name other tools open, which reconcile re-points at the latest committed
+    checkpoint of ``stream``. ckptdb never reads it to decide anything."""
+
+    __tablename__ = "aliases"
+    __table_args__ = (
+        ForeignKeyConstraint(["run_id", "stream"], ["streams.run_id", "streams.name"]),
+    )
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    path: Mapped[str] = mapped_column(Text, primary_key=True)  # relative to the run root
+    stream: Mapped[str] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(16))  # symlink | pointer | link
+
+
 # Views created by the migrations (see migrations/versions): the latest
 # checkpoint of every stream, the ranked members of every top-K stream,
 # restarts per run, per training attempt how far it got and how many steps a

@@ -45,6 +45,7 @@ from typing import Any, Literal
 
 from ..errors import InvalidArgumentError, LedgerError, PhaseError, note_on
 from ..ledger import Ledger, RunQueries, after_commit, open_ledger
+from ..ledger import aliases as ledger_aliases
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
 from ..ledger.engine import LEDGER_FILE
@@ -52,7 +53,7 @@ from ..ledger.follow import notify_commit
 from ..ledger.runs import ledger_url, open_as_reader
 from ..location import ObjectPath
 from ..policies import Entry, Keep, Policy, Reads, validate_stream_name
-from ..record import Checkpoint
+from ..record import Checkpoint, DerivedAlias
 from ..storage.base import FileInfo, PayloadStore
 from ..storage.external import check_name
 from .context import RunContext
@@ -420,6 +421,8 @@ class RecordedRun:
     outcomes: list[Outcome]
     #: The newest committed checkpoint of the stream the layout's aliases follow.
     alias_target: Path | None
+    #: The derived aliases the run has registered (``aliases`` table).
+    aliases: tuple[DerivedAlias, ...] = ()
 
 
 def preview_recorded(
@@ -476,6 +479,8 @@ def preview_recorded(
             queries = RunQueries(db, run.run_id, run.save_dir, run.policies)
             latest = queries.latest(alias_stream)
             target = latest.path if latest is not None else None
-        return RecordedRun(run.save_dir, run.policies, outcomes, target)
+        with db.transaction(read=True) as session:
+            aliases = tuple(ledger_aliases.registered(session, run.run_id))
+        return RecordedRun(run.save_dir, run.policies, outcomes, target, aliases)
     finally:
         db.dispose()

@@ -17,6 +17,9 @@ temporary payload of ours, no row               removed
 payload in our naming, no row                   moved to ``<root>/ckptdb.quarantine``
                                                 (no rename: left in place, remembered)
 object another writer took first (no rename)    untouched, remembered (``foreign`` event)
+registered alias not naming its stream's latest re-pointed (``aliased``), after the commit;
+                                                a stream with nothing committed: left as
+                                                it is (``alias_left``)
 anything else                                   untouched
 =============================================  ===========================================
 
@@ -24,6 +27,9 @@ Payload work happens first and the ledger is updated afterwards in one
 transaction, so a crash in the middle only leaves work that the next
 reconcile redoes; a second run does nothing. Only names inside the save
 directory are touched, symlinks never, and nothing unowned is deleted.
+Registered aliases (:mod:`.aliases`) are names under the run root: each is
+replaced atomically, never followed, and never where its directory leads out
+of the root.
 """
 
 from __future__ import annotations
@@ -31,7 +37,6 @@ from __future__ import annotations
 import gc
 import logging
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -48,50 +53,13 @@ from ..ledger.scan import LiveRow, live_rows
 from ..storage.base import LOST, Finding, PayloadStore
 from ..storage.naming import is_own_name
 from .absence import absent_directories
+from .aliases import AliasKeeper
+from .report import Action as Action
+from .report import ReconcileReport as ReconcileReport
 
 log = logging.getLogger("ckptdb.reconcile")  # the name users configure (kept across moves)
 
 QUARANTINE_NAME = "ckptdb.quarantine"
-
-
-@dataclass(frozen=True)
-class Action:
-    """One repair (or, in a dry run, one repair that would be made)."""
-
-    # rolled_back | deleted | lost | corrupt | restored | repointed | removed_temp |
-    # quarantined | failed
-    kind: str
-    path: str
-    detail: str = ""
-    checkpoint_id: int | None = None
-    step: int | None = None
-    #: A quarantined payload left where it is (a store without rename): remembered
-    #: in its event, so the next reconcile does not report it again.
-    in_place: bool = False
-
-    def __str__(self) -> str:
-        return f"{self.kind:<12} {self.path}" + (f"  ({self.detail})" if self.detail else "")
-
-
-@dataclass
-class ReconcileReport:
-    dry_run: bool = False
-    actions: list[Action] = field(default_factory=list)
-
-    @property
-    def counts(self) -> dict[str, int]:
-        return dict(Counter(a.kind for a in self.actions))
-
-    @property
-    def failures(self) -> list[Action]:
-        return [a for a in self.actions if a.kind == "failed"]
-
-    def __str__(self) -> str:
-        if not self.actions:
-            return "reconcile: ledger and disk agree; nothing to do"
-        head = "reconcile (dry run)" if self.dry_run else "reconcile"
-        counts = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items()))
-        return "\n".join([f"{head}: {counts}", *(f"  {a}" for a in self.actions)])
 
 
 @dataclass
@@ -163,10 +131,12 @@ class Reconciler:
                 self._restore(lost, rows, plan, report)
             self._scan(keep_paths, report, dry_run=dry_run)
         faults.point("mid_reconcile")
+        chosen = None
         if not dry_run:
             self._apply(plan, report, streams)
         else:
-            self._preview_pointers(plan, report, streams)
+            chosen = self._preview_pointers(plan, report, streams)
+        self._rederive_aliases(report, dry_run, chosen)
         for failure in report.failures:
             warnings.warn(
                 f"ckptdb reconcile could not repair {failure.path}: {failure.detail}", stacklevel=3
@@ -350,31 +320,53 @@ class Reconciler:
                     report.actions.append(
                         Action("repointed", f"latest:{stream}", f"{old} -> {new}", new)
                     )
-            for action in report.actions:
-                ledger_rows.add_event(
-                    session,
-                    self.run_id,
-                    self.attempt_id,
-                    action.kind,
-                    checkpoint_id=action.checkpoint_id,
-                    step=action.step,
-                    detail=_event_detail(action),
-                )
-        for action in report.actions:
-            log.info("ckptdb reconcile: %s", action)
+            self._record(session, report.actions)
+        _log(report.actions)
 
-    def _preview_pointers(self, plan: _Plan, report: ReconcileReport, streams: list[str]) -> None:
+    def _record(self, session: Any, actions: list[Action]) -> None:
+        """One event per action, in the caller's transaction."""
+        for action in actions:
+            ledger_rows.add_event(
+                session,
+                self.run_id,
+                self.attempt_id,
+                action.kind,
+                checkpoint_id=action.checkpoint_id,
+                step=action.step,
+                detail=_event_detail(action),
+            )
+
+    def _preview_pointers(
+        self, plan: _Plan, report: ReconcileReport, streams: list[str]
+    ) -> dict[str, int | None]:
+        """The dry run's pointer moves; returns where each ``latest`` would point."""
+        chosen: dict[str, int | None] = {}
         with self.db.transaction(read=True) as session:
             for stream in streams:
                 pointer = ledger_rows.latest_row(session, self.run_id, stream)
                 new = plan.restored.get(stream) or ledger_rows.newest_committed_id(
                     session, self.run_id, stream, excluding=plan.state
                 )
+                chosen[stream] = new
                 old = pointer.id if pointer is not None else None
                 if old != new:
                     report.actions.append(
                         Action("repointed", f"latest:{stream}", f"{old} -> {new}")
                     )
+        return chosen
+
+    def _rederive_aliases(
+        self, report: ReconcileReport, dry_run: bool, chosen: dict[str, int | None] | None
+    ) -> None:
+        """After the pointers are repaired (and committed): every registered alias
+        names the latest of its stream again (:mod:`.aliases`), one event per action."""
+        keeper = AliasKeeper(self.db, self.run_id, self.root, self.store.location)
+        actions = keeper.rederive(dry_run=dry_run, chosen=chosen)
+        report.actions.extend(actions)
+        if actions and not dry_run:
+            with self.db.transaction() as session:
+                self._record(session, actions)
+            _log(actions)
 
 
 @contextmanager
@@ -392,6 +384,11 @@ def _cyclic_gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def _log(actions: list[Action]) -> None:
+    for action in actions:
+        log.info("ckptdb reconcile: %s", action)
 
 
 def _event_detail(action: Action) -> dict[str, object]:

@@ -5,14 +5,14 @@ Imports nothing of DeePMD-kit: adopting a run must not need it installed.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ...protocol.adopt import Candidate
+from ...record import LINK, SYMLINK, DerivedAlias
+from ...record import POINTER as POINTER_KIND
 from ..layouts import (
-    AliasChange,
     Layout,
     kind_problem,
     mtime,
@@ -97,26 +97,15 @@ class DeepmdLayout(Layout):
         metrics = {"lr": lr} if lr is not None else {}
         return Candidate(path, STREAM, step, metrics, written_at=mtime(path))
 
-    def alias_changes(self, root: Path, target: Path | None) -> list[AliasChange]:
-        if target is None:
-            return []
-        changes = []
+    def aliases(self, root: Path) -> list[DerivedAlias]:
+        """``model.ckpt.pt`` (a symlink, as DeePMD makes it; a regular file there, a copy
+        or hard link where symlinks are not possible, stays one) and ``checkpoint``."""
         alias = root / self.ALIAS
-        if alias.is_file() and not alias.is_symlink():  # a copy or hard link (not DeePMD's own)
-            if not os.path.samefile(alias, target):
-                changes.append(AliasChange(alias, target, "link"))
-        elif not (alias.is_symlink() and os.readlink(alias) == os.path.relpath(target, root)):
-            changes.append(AliasChange(alias, target, "symlink"))
-        pointer = root / self.POINTER
-        try:
-            current = (
-                pointer.read_text() if pointer.is_file() and not pointer.is_symlink() else None
-            )
-        except (OSError, UnicodeDecodeError):
-            current = None
-        if current != os.path.relpath(target, root):
-            changes.append(AliasChange(pointer, target, "pointer"))
-        return changes
+        kind = LINK if alias.is_file() and not alias.is_symlink() else SYMLINK
+        return [
+            DerivedAlias(self.ALIAS, STREAM, kind),
+            DerivedAlias(self.POINTER, STREAM, POINTER_KIND),
+        ]
 
 
 def _dig(value: Any, *keys: str) -> Any:

@@ -55,8 +55,7 @@ from ...errors import (
 from ...guard import NonFiniteGradGuard
 from ...manager import CheckpointManager
 from ...policies import Keep, Policy, TopK
-from ...record import Checkpoint
-from ...storage.alias import point_symlink, write_pointer
+from ...record import Checkpoint, DerivedAlias
 from ...storage.external import External
 from .layout import BEST_EMA_STREAM, BEST_STREAM, EMA_STREAM, POINTER, STREAM
 from .logs import LogTail
@@ -556,25 +555,26 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
 
     def _point_aliases(self, *, stale_warning: bool = False) -> None:
         """``model.ckpt.pt`` (``model_ema.ckpt.pt``) and ``checkpoint`` name the ledger's
-        latest of each stream: written after the commit, swapped in atomically, never
-        read by ckptdb. At start (``stale_warning``) a stale one, left by a crash
-        between a commit and its aliases, is re-pointed with a warning."""
-        for stream, store in self._stores():
-            latest = self.manager.latest(stream)  # collective: every rank asks
-            if latest is None or not self.manager.is_chief:
-                continue
-            alias = _alias_path(store, self.run_root)
-            link = os.path.relpath(latest.path, alias.parent)
-            if stale_warning and alias.is_symlink() and os.readlink(alias) != link:
-                log.warning(
-                    "ckptdb: %s named %s, not the newest committed %s: re-pointed",
-                    alias.name,
-                    os.readlink(alias),
-                    latest.path.name,
-                )
-            point_symlink(latest.path, alias)
-            if stream == STREAM:
-                write_pointer(self.run_root / POINTER, os.path.relpath(latest.path, self.run_root))
+        latest of each stream: derived aliases of the ledger
+        (:meth:`CheckpointManager.derive_aliases`), written after the commit,
+        swapped in atomically, never read by ckptdb, and re-pointed by every
+        reconcile (the open's included) when a crash left them stale. Collective:
+        the chief writes. At start (``stale_warning``) the open's repairs of them
+        are said as a warning."""
+        aliases = [
+            DerivedAlias(
+                _alias_path(store, self.run_root).relative_to(self.run_root).as_posix(),
+                stream,
+                "symlink",
+            )
+            for stream, store in self._stores()
+        ]
+        aliases.append(DerivedAlias(POINTER, STREAM, "pointer"))
+        self.manager.derive_aliases(aliases)
+        if stale_warning and self.manager.is_chief:
+            for action in self.manager.last_reconcile.actions:
+                if action.kind == "aliased":
+                    log.warning("ckptdb: a stale alias re-pointed at start: %s", action)
 
     # --------------------------------------------------------------- guard
 
