@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import cases, deepmd_case, lightning_case, s3_case, transformers_case
+from . import cases, deepmd_case, lightning_case, preemption_case, s3_case, transformers_case
 from .harness import Comparison, markdown
 
 # (publish sizes MB, repetitions, restart sizes, metric points, guard steps, load MB, ...;
@@ -36,6 +36,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "growth": [20, 60],
         "s3_mb": 12,  # two 8 MiB parts: the multipart path
         "deepmd": {"steps": 10, "save_freq": 2, "reps": 1, "warmup": 0},
+        "preemption_steps": 20,
     },
     "default": {
         "publish_mb": [1, 10, 100],
@@ -47,6 +48,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "growth": [1_000, 4_000],
         "s3_mb": 100,
         "deepmd": {"steps": 200, "save_freq": 20, "reps": 7, "warmup": 1},
+        "preemption_steps": 1000,
     },
     "full": {
         "publish_mb": [1, 10, 100, 1024],
@@ -58,6 +60,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "growth": [1_000, 20_000],
         "s3_mb": 100,
         "deepmd": {"steps": 200, "save_freq": 20, "reps": 7, "warmup": 1},
+        "preemption_steps": 1000,
     },
 }
 
@@ -90,6 +93,9 @@ def suite(profile: dict[str, Any], work: Path) -> dict[str, Case]:
         "growth": lambda: cases.growth(work / "growth", profile["growth"], reps),
         "history": lambda: cases.history(work / "history", profile["points"], min(reps, 3)),
         "guard": lambda: [cases.guard(reps, profile["guard_steps"])],
+        "preemption": lambda: [
+            preemption_case.preemption_check(work / "preemption", profile["preemption_steps"], reps)
+        ],
         "load": lambda: [cases.load(work / "load", profile["load_mb"], reps)],
         "async": lambda: [cases.async_save(work / "async", profile["load_mb"], reps)],
         "lightning": lambda: [

@@ -12,10 +12,11 @@ from .errors import CleanupWarning
 from .guard import NonFiniteGradGuard
 from .manager import CheckpointManager
 from .policies import Keep, TopK
+from .preemption import Preemption
 from .protocol.asyncsave import SaveHandle
 from .protocol.reconcile import Action, ReconcileReport
 from .reader import RunReader, resolve
-from .record import Checkpoint
+from .record import Checkpoint, DerivedAlias
 from .storage.dcp import Sharded
 from .storage.external import External
 
@@ -26,9 +27,11 @@ __all__ = [
     "Checkpoint",
     "CheckpointManager",
     "CleanupWarning",
+    "DerivedAlias",
     "External",
     "Keep",
     "NonFiniteGradGuard",
+    "Preemption",
     "ReconcileReport",
     "RunReader",
     "SaveHandle",

@@ -19,11 +19,14 @@ under torch.distributed, where only the chief (rank 0) opens the ledger.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeGuard, TypeVar, overload
+
+import torch.distributed as dist
 
 from .coord import Coordinator, coordinator_for
 from .errors import (
@@ -46,16 +49,24 @@ from .ledger.netfs import check_ledger_location
 from .ledger.runs import open_as_writer
 from .location import ObjectPath, is_object_url, looks_like_object_url, object_path
 from .policies import Keep, Policy, validate_policies
+from .preemption import DEFAULT_SIGNALS, Preemption
 from .protocol.adopt import Adopter, Candidate
 from .protocol.adopt import Outcome as AdoptOutcome
-from .protocol.asyncsave import BackgroundWriter, InFlight, SaveHandle, Snapshotter
+from .protocol.aliases import AliasKeeper, requested
+from .protocol.asyncsave import (
+    BackgroundWriter,
+    InFlight,
+    SaveHandle,
+    Snapshotter,
+    group_timeout,
+)
 from .protocol.boundary import Publisher
 from .protocol.check import Checker
 from .protocol.context import METRIC_FLUSH_THRESHOLD, RunContext
 from .protocol.inputs import validate_metrics, validate_step
 from .protocol.loading import Loader
-from .protocol.reconcile import Reconciler, ReconcileReport
-from .record import Checkpoint
+from .protocol.reconcile import Action, Reconciler, ReconcileReport
+from .record import Checkpoint, DerivedAlias
 from .storage.base import PayloadStore
 from .storage.files import make_dir
 from .storage.naming import run_token
@@ -191,6 +202,7 @@ class CheckpointManager:
         self._writer = BackgroundWriter()
         self._snapshots = Snapshotter()
         self._inflight = InFlight()
+        self._preemption: Preemption | None = None
         self.last_reconcile = ReconcileReport()
 
         def open_as_chief() -> _RunInfo:
@@ -357,10 +369,16 @@ class CheckpointManager:
         A boundary in flight finishes first (commits or rolls back); its error,
         if nobody fetched it, is raised once the manager is closed, unless the
         manager is closing because of another exception (then it was logged).
+        An attempt whose ranks agreed on a preemption ends ``preempted``.
         """
         if self._closed:
             return
         handle = self._inflight.handle
+        preemption, self._preemption = self._preemption, None
+        if preemption is not None:
+            preemption.close()
+            if preemption.agreed_step is not None:
+                end_state = "preempted"
         try:
             self._inflight.wait()
         finally:
@@ -373,7 +391,7 @@ class CheckpointManager:
             finally:
                 self._writer.shutdown()
         error = handle.unfetched_error if handle is not None else None
-        if error is not None and end_state == "closed":
+        if error is not None and end_state in ("closed", "preempted"):
             assert handle is not None
             handle.mark_fetched()
             raise error
@@ -613,6 +631,67 @@ class CheckpointManager:
         self._check_open()
         return self._coord.shared(what, lambda: value)
 
+    def preemption(
+        self,
+        *,
+        signals: Iterable[signal.Signals | int] = DEFAULT_SIGNALS,
+        grace: float | None = None,
+        every: int = 1,
+    ) -> Preemption:
+        """Treat ``signals`` (default SIGTERM) as "this job is being preempted".
+
+        Collective under torch.distributed (every rank calls it; it makes the
+        small gloo group the agreement runs on). Installs handlers that only
+        record the signal; ``stop.requested(step)``, called once per step on
+        every rank, says when every rank must save that step and stop, the same
+        answer at the same step everywhere; ``stop.save(step, **payloads)`` is
+        that checkpoint, an ordinary guarded boundary rolled back if ``grace``
+        seconds (counted from the first signal) run out before its commit. The
+        attempt then ends ``preempted``. Under several ranks the agreement runs
+        every ``every`` steps (default 1: a signal is acted on within two
+        steps). Closing the manager restores the previous handlers. See
+        :mod:`ckptdb.preemption` and docs/preemption.md.
+        """
+        self._check_open()
+        if self._preemption is not None:
+            raise InvalidArgumentError("this CheckpointManager already handles preemption")
+        group = None
+        if self._coord.group is not None:
+            group = dist.new_group(
+                ranks=dist.get_process_group_ranks(self._coord.group),
+                backend="gloo",
+                timeout=group_timeout(self._coord.group),
+                use_local_synchronization=True,
+            )
+        self._preemption = Preemption(
+            self._save_until,
+            self._record_preemption,
+            signals=signals,
+            grace=grace,
+            every=every,
+            group=group,
+        )
+        return self._preemption
+
+    def _save_until(
+        self,
+        step: int,
+        *,
+        metrics: Mapping[str, float] | None,
+        deadline: float | None,
+        **payloads: Any,
+    ) -> dict[str, Checkpoint]:
+        """A blocking boundary rolled back if ``deadline`` (``time.time()``) passes first."""
+        self._check_open()
+        saved = self._publisher.save(step, metrics, payloads, True, deadline=deadline)
+        assert isinstance(saved, dict)
+        return saved
+
+    def _record_preemption(self, kind: str, step: int, detail: dict[str, Any]) -> None:
+        """The chief records a preemption event at once, in its own transaction."""
+        if self._ctx.is_writer:
+            self._ctx.event(kind, step=step, detail=detail)
+
     def gc(self) -> list[Checkpoint]:
         """Apply every stream's stored retention policy now (e.g. after lowering ``last``)."""
         self._require_chief("gc()")
@@ -638,6 +717,43 @@ class CheckpointManager:
         self._require_chief("adopt()")
         self._inflight.wait()  # its pending rows are not ours to judge
         return Adopter(self._ctx).run(candidates, move=move, report=report)
+
+    def derive_aliases(
+        self,
+        aliases: Mapping[str | os.PathLike[str], tuple[str, str]] | Iterable[DerivedAlias],
+        *,
+        replace: bool = False,
+    ) -> list[Action]:
+        """Register names other tools open, and point each at its stream's latest now.
+
+        ``aliases``: :class:`~ckptdb.record.DerivedAlias` values, or a mapping of
+        path to ``(stream, kind)``. A path is relative to the run root and stays in
+        it; ``kind`` is ``"symlink"`` (a relative symbolic link), ``"pointer"`` (a
+        text file holding the checkpoint's path relative to the pointer's
+        directory) or ``"link"`` (a hard link, a copy where links are not possible).
+        They are recorded in the ledger (a path registered again takes the new
+        stream and kind; ``replace`` forgets the run's other aliases, leaving their
+        files as they are), so that every reconcile re-points them: a crash between
+        a commit and its aliases no longer leaves them stale. Each is pointed at
+        the latest committed checkpoint of its stream now, atomically (an alias of
+        a stream with nothing committed is left as it is). Returns what was done,
+        one :class:`~ckptdb.Action` per alias changed (``aliased``), and records no
+        event: call it again after each commit of an aliased stream. Bad input,
+        a path outside the root, a checkpoint's own name or a directory raise
+        :class:`~ckptdb.errors.InvalidArgumentError` before anything changes.
+        Collective under torch.distributed: only the chief writes, the others'
+        ``aliases`` are ignored.
+        """
+        self._check_open()
+        self._inflight.wait()  # the latest is the one its commit makes
+
+        def on_chief() -> list[Action]:
+            wanted = requested(aliases)
+            ctx = self._ctx
+            keeper = AliasKeeper(ctx.ledger, ctx.run_id, ctx.root, ctx.save_dir)
+            return keeper.register(wanted, replace=replace)
+
+        return self._coord.shared("derive_aliases", on_chief)
 
     # ------------------------------------------------------------------ metrics
 

@@ -42,6 +42,7 @@ from .ledger.runs import ledger_beside, ledger_url, open_as_reader, run_exists
 from .location import ObjectPath, is_object_url, relative_within
 from .pinning import Pin
 from .policies import Policy
+from .preemption import preemption_summary
 from .record import Checkpoint
 from .storage.base import LOST
 from .storage.kinds import kind_of_path
@@ -376,6 +377,17 @@ class RunReader:
     def events(self, limit: int = 10) -> list[m.Event]:
         """The newest ``limit`` events, oldest first."""
         return self._open().events(limit)
+
+    def events_of(self, *kinds: str) -> list[m.Event]:
+        """Every event of these kinds (``preempted``, ``resumed``...), oldest first."""
+        return self._open().events_of(*kinds)
+
+    def preemptions(self) -> list[dict[str, Any]]:
+        """One entry per preempted attempt: the step the ranks agreed to stop at, the
+        signal and the ranks that received it, whether its checkpoint was saved, the
+        step training resumes from (the next attempt's resume, else the saved step)
+        and how many steps that cost."""
+        return preemption_summary(self.events_of("preempted", "preemption_saved", "resumed"))
 
     def metric_history(self, name: str) -> list[tuple[int, float, int]]:
         """(step, value, attempt id) of one metric, by step then attempt."""

@@ -58,6 +58,7 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
         "S3 save",
         "S3 load",
         "DeePMD-kit dp --pt train",
+        "preemption check per step",
     ):
         assert any(n.startswith(expected) for n in names), (expected, names)
     for result in report["results"]:
@@ -72,6 +73,12 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
     assert floor["notes"]["transactions_per_boundary"] == 3
     assert floor["notes"]["statements_per_boundary"] == 18
     assert report["machine"]["torch"]
+    preemption = next(r for r in report["results"] if r["name"].startswith("preemption check"))
+    assert len(preemption["median_s"]) == 4  # no check, ckptdb, ckptdb every=10, blocking
+    assert sorted(preemption["notes"]["per_step_us"]) == sorted(
+        set(preemption["median_s"]) - {preemption["baseline"]}
+    )
+    assert preemption["notes"]["one_process_requested_ns"] > 0
     for case in ("training step with clipping", "load"):  # targets of a few percent
         result = next(r for r in report["results"] if r["name"].startswith(case))
         again = result["baseline"] + AGAIN

@@ -38,6 +38,7 @@ DOC_PAGES = {
     "lightning.md",
     "integrations.md",
     "postgres.md",
+    "preemption.md",
     "s3.md",
     "performance.md",
     "development.md",

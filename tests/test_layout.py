@@ -31,6 +31,7 @@ ALLOWED = {
     "storage": {"errors", "faults", "location", "policies", "trace"},
     "ledger": {"errors", "location", "policies", "record", "trace"},
     "coord": {"errors"},
+    "preemption": {"errors", "record"},
     "protocol": {
         "errors",
         "faults",
@@ -52,10 +53,20 @@ ALLOWED = {
         "ledger",
         "coord",
         "protocol",
+        "preemption",
     },
     "pinning": {"record"},
     "maintenance": {"errors", "ledger"},
-    "reader": {"errors", "location", "policies", "record", "ledger", "storage", "pinning"},
+    "reader": {
+        "errors",
+        "location",
+        "policies",
+        "record",
+        "ledger",
+        "storage",
+        "pinning",
+        "preemption",
+    },
     # each integration is an addition on top of the public parts
     "integrations": {
         "errors",
@@ -167,6 +178,7 @@ SEAM = {
     "ckptdb.storage.kinds",
     "ckptdb.storage.naming",
     "ckptdb.storage.external",  # the External payload and its names
+    "ckptdb.storage.derived",  # derived aliases: local names under the run root, not payloads
 }
 SEAM_EXTRAS = {"ckptdb.storage.dcp"}  # resolving a sharded load target's Stateful values
 

@@ -113,6 +113,14 @@ def status(root: Path, db_url: str | None, as_json: bool) -> None:
     click.echo(f"\ncheckpoints by state: {counts}")
     ends = ", ".join(f"{a['id']}:{a['end_state']}" for a in data["attempts"])
     click.echo(f"attempts: {len(data['attempts'])} ({ends})")
+    if data["preemptions"]:
+        click.echo("\npreemptions:")
+        click.echo(
+            clifmt.table(
+                ["attempt", "step", "signal", "ranks", "saved", "resumed from", "steps lost"],
+                [_preemption_row(p) for p in data["preemptions"]],
+            )
+        )
     if data["events"]:
         click.echo("\nlast events:")
         click.echo(
@@ -121,6 +129,12 @@ def status(root: Path, db_url: str | None, as_json: bool) -> None:
                 [[e["time"], e["kind"], e["step"], e["detail"]] for e in data["events"]],
             )
         )
+
+
+def _preemption_row(p: dict[str, Any]) -> list[Any]:
+    saved = {True: "yes", False: f"no ({p['why']})", None: "-"}[p["saved"]]
+    ranks = ",".join(map(str, p["ranks"] or [])) or "-"
+    return [p["attempt"], p["step"], p["signal"], ranks, saved, p["resumed_from"], p["lost"]]
 
 
 def _status_data(reader: RunReader) -> dict[str, Any]:
@@ -155,6 +169,7 @@ def _status_data(reader: RunReader) -> dict[str, Any]:
             }
             for a in reader.attempts()
         ],
+        "preemptions": reader.preemptions(),
         "events": [
             {"time": clifmt.cell(e.time), "kind": e.kind, "step": e.step, "detail": e.detail}
             for e in reader.events(8)

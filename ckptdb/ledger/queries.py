@@ -159,6 +159,16 @@ class RunQueries:
             )
             return list(reversed(list(session.scalars(query))))
 
+    def events_of(self, *kinds: str) -> list[m.Event]:
+        """Every event of these kinds, oldest first (all of them: a run has few)."""
+        with self.db.transaction(read=True) as session:
+            query = (
+                select(m.Event)
+                .where(m.Event.run_id == self.run_id, m.Event.kind.in_(kinds))
+                .order_by(m.Event.id)
+            )
+            return list(session.scalars(query))
+
     def metric_history(self, name: str) -> list[tuple[int, float, int]]:
         """(step, value, attempt id) of one metric, by step then attempt."""
         with self.db.transaction(read=True) as session:

@@ -141,8 +141,23 @@ def _rerank(session: Session, run_id: int, stream: str, metric: str, required: b
 
 
 def start_attempt(session: Session, run_id: int, kind: str = "train") -> m.Attempt:
-    """Close attempts a crash left running, then open this process's attempt."""
+    """Close attempts a crash left running, then open this process's attempt.
+
+    One that had been told it was preempted (a ``preempted`` event) and died
+    before it closed, killed at the end of its grace period, ended
+    ``preempted``: the scheduler took it, it did not crash.
+    """
     now = m.utcnow()
+    told = select(m.Event.attempt_id).where(m.Event.run_id == run_id, m.Event.kind == "preempted")
+    session.execute(
+        update(m.Attempt)
+        .where(
+            m.Attempt.run_id == run_id,
+            m.Attempt.end_state == "running",
+            m.Attempt.id.in_(told),
+        )
+        .values(end_state="preempted", ended_at=now)
+    )
     session.execute(
         update(m.Attempt)
         .where(m.Attempt.run_id == run_id, m.Attempt.end_state == "running")

@@ -42,6 +42,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import secrets
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,8 +111,15 @@ class Publisher:
     # ------------------------------------------------------------ the machine
 
     def save(
-        self, step: object, metrics: object, payloads: dict[str, Any], blocking: object
+        self,
+        step: object,
+        metrics: object,
+        payloads: dict[str, Any],
+        blocking: object,
+        deadline: float | None = None,
     ) -> dict[str, Checkpoint] | SaveHandle:
+        """One boundary. ``deadline`` (``time.time()``; a blocking save only): a boundary
+        still before its commit when it passes is rolled back (phase ``deadline``)."""
         previous, unfetched = self.inflight.settle()
         reset_guard = False  # a typo, or a boundary that never ran, keeps the guard
         shares: list[Share] = []
@@ -142,7 +150,7 @@ class Publisher:
             if not self.coord.is_chief:
                 return self._follow(self.coord, plan, payloads)
             rolls_back_itself = True
-            return self._finish(self.coord, at, verdict.values, shares)
+            return self._finish(self.coord, at, verdict.values, shares, deadline=deadline)
         except RankAgreementError as broken:  # the group broke between intent and write
             if shares and not rolls_back_itself:
                 at = validate_step(step)
@@ -438,8 +446,11 @@ class Publisher:
         values: dict[str, float],
         shares: list[Share],
         metric_limit: int | None = None,
+        *,
+        deadline: float | None = None,
     ) -> dict[str, Checkpoint]:
-        """Write, place, commit, clean up: everything after the intent, on the chief."""
+        """Write, place, commit, clean up: everything after the intent, on the chief.
+        Past ``deadline`` before the placing, the boundary is rolled back instead."""
         progress = _Progress()
 
         def announce(committed_at: dt.datetime) -> None:
@@ -451,6 +462,7 @@ class Publisher:
 
         try:
             coord.written(self._write_here(coord, shares))
+            _check_deadline(deadline)
             self._place(shares)
             self._commit(step, shares, metric_limit, progress, announce)
         except RankAgreementError as broken:  # the group is broken: roll back, share nothing
@@ -672,3 +684,15 @@ class Publisher:
             pins.clear_stale(session, ctx.run_id, m.utcnow())
             after_commit(session, lambda: self.clean_up(None, evicted))
         return [ledger_rows.to_record(r, ctx.save_dir) for r in evicted]
+
+
+def _check_deadline(deadline: float | None) -> None:
+    """Raise (as a failure of phase ``deadline``) once ``deadline`` has passed: a
+    preemption's grace period is over, so the boundary is rolled back before it
+    places anything, rather than killed half-way through its commit."""
+    now = time.time()
+    if deadline is not None and now > deadline:
+        raise PhaseFailure(
+            "deadline",
+            TimeoutError(f"the grace period ended {now - deadline:.1f} s before the commit"),
+        )

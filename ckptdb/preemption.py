@@ -1,0 +1,331 @@
+"""Preemption: a signal on any rank becomes one agreed, guarded save before the job dies.
+
+Schedulers announce a preemption with a signal and a grace period (SIGTERM
+on Kubernetes and spot instances, SIGUSR1 with SLURM's ``--signal``). Saving
+inside the signal handler is what goes wrong elsewhere: the handler runs
+between two bytecodes of whatever the process was doing, maybe inside a
+collective or a write. Here the flow is:
+
+1. **Handler.** It only records the first signal (which one, when) and
+   counts later ones. It never saves, never raises, never touches the ledger,
+   so a second signal during the save interrupts nothing.
+2. **Agreement.** Every rank calls :meth:`Preemption.requested` once per step.
+   In one process it is the local flag. Under torch.distributed it is a
+   pipelined all-reduce (MAX) of one byte per rank on a gloo group of its
+   own: launched without waiting at one call, read at the next. So there is
+   no blocking collective per step and no host sync of a CUDA tensor, and
+   every rank gets the same answer at the same call: a signal that reached
+   any rank before call ``k`` is seen by every rank at call ``k + 1``.
+3. **Save.** :meth:`Preemption.save` is an ordinary boundary (guarded,
+   durable, committed), with the grace period as its deadline: a boundary
+   still before its commit when the deadline passes is rolled back, never
+   half-done. A guard trip refuses it: the last good checkpoint stands.
+4. **Record.** The chief records a ``preempted`` event when the ranks agree
+   (before the save: a job killed during the save is still known as
+   preempted), then ``preemption_saved`` with the outcome; the attempt ends as
+   ``preempted``, not ``crashed``. :attr:`Preemption.exit_code` is the status
+   of a process killed by the signal (143 for SIGTERM), for the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import ArgumentTypeError, InvalidArgumentError, NonFiniteGradientError
+from .record import Checkpoint
+
+__all__ = ["DEFAULT_SIGNALS", "Preemption", "Received", "preemption_summary"]
+
+log = logging.getLogger("ckptdb.preemption")
+
+#: What "preemption" means unless told otherwise: Kubernetes', the clouds' and
+#: SLURM's own termination signal. SLURM's ``--signal=USR1@90`` adds SIGUSR1.
+DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM,)
+
+#: Records an event (kind, step, detail) in the ledger; the chief's only.
+Recorder = Callable[[str, int, dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class Received:
+    """The first preemption signal this process received."""
+
+    signal: signal.Signals
+    at: float  # time.time() in the handler: ranks on several hosts compare it
+
+
+class Preemption:
+    """The agreed answer to "were we told to stop?", and the save that answers it.
+
+    Made by :meth:`ckptdb.CheckpointManager.preemption` (collective: every rank
+    makes one), which installs the handlers; :meth:`close` (or the manager's
+    close) restores the previous ones.
+    """
+
+    def __init__(
+        self,
+        save: Callable[..., dict[str, Checkpoint]],
+        record: Recorder,
+        *,
+        signals: Iterable[signal.Signals | int] = DEFAULT_SIGNALS,
+        grace: float | None = None,
+        every: int = 1,
+        group: Any = None,
+    ) -> None:
+        self.signals = _checked_signals(signals)
+        self.grace = _checked_grace(grace)
+        self.every = _checked_every(every)
+        self._save = save
+        self._record = record
+        self.received: Received | None = None
+        self.count = 0  # signals received, the first included
+        self.agreed_step: int | None = None
+        self.agreed_signal: signal.Signals | None = None  # the lowest signalled rank's
+        self.ranks: list[int] = []  # the ranks that received a signal before the agreement
+        self._flag = _PipelinedFlag(group) if group is not None else None
+        self._calls = 0
+        self._previous: dict[signal.Signals, Any] = {}
+        self._install()
+
+    # ------------------------------------------------------------ the handler
+
+    def _install(self) -> None:
+        try:
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        except ValueError as exc:  # not the main thread
+            self.close()
+            raise InvalidArgumentError(
+                f"preemption signals can only be handled from the main thread: {exc}"
+            ) from exc
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        """Record, and nothing else: never a save, a lock, a log call or an exception."""
+        self.count += 1
+        if self.received is None:
+            self.received = Received(signal.Signals(signum), time.time())
+
+    def close(self) -> None:
+        """Restore the handlers that were there before; wait for an agreement in flight."""
+        previous, self._previous = self._previous, {}
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if self._flag is not None:
+            self._flag.close()
+
+    # ------------------------------------------------------------- agreement
+
+    def requested(self, step: int) -> bool:
+        """Whether every rank must save ``step`` and stop; one cheap call per step.
+
+        Every rank calls it once per step, with the same ``step``, and gets the
+        same answer at the same call. Once True it stays True (and runs no more
+        collectives). The first True is recorded as the ``preempted`` event.
+        Under torch.distributed the agreement is launched at every ``every``-th
+        call and read at the next one: a signal is acted on at most
+        ``every + 1`` steps after it came (``every`` trades that delay for the
+        cost of one small all-reduce per step).
+        """
+        if self.agreed_step is not None:
+            return True
+        mine = int(self.received.signal) if self.received is not None else 0
+        launch = self._calls % self.every == 0
+        self._calls += 1
+        # one process: the flag itself, at every call
+        agreed = [mine] if self._flag is None else self._flag.agree(mine, launch=launch)
+        if not any(agreed):
+            return False
+        self.agreed_step = step
+        self.ranks = [rank for rank, signum in enumerate(agreed) if signum]
+        self.agreed_signal = signal.Signals(agreed[self.ranks[0]])
+        detail = {"signal": self.agreed_signal.name, "ranks": self.ranks}
+        self._record("preempted", step, detail)
+        return True
+
+    # ------------------------------------------------------------------ save
+
+    @property
+    def deadline(self) -> float | None:
+        """The end of this rank's grace period (``time.time()``), counted from its
+        first signal; None without a grace period or a signal."""
+        if self.grace is None or self.received is None:
+            return None
+        return self.received.at + self.grace
+
+    def _agreed_deadline(self) -> float | None:
+        """The earliest rank's deadline (collective under torch.distributed): a signal
+        that reached one rank only still bounds the save the chief commits."""
+        if self._flag is None:
+            return self.deadline
+        found = [d for d in self._flag.gather(self.deadline) if d is not None]
+        return min(found) if found else None
+
+    def save(
+        self, step: int, *, metrics: Mapping[str, float] | None = None, **payloads: Any
+    ) -> dict[str, Checkpoint] | None:
+        """The preemption checkpoint: ``manager.save(step, ...)`` within the grace period.
+
+        Collective, like ``save``. None when nothing was published: the guard
+        refused the step (its ``guard_tripped`` event says why) or the grace
+        period was over before the commit (rolled back); the last good
+        checkpoint stands, and ``preemption_saved`` records the outcome. Any
+        other failure is raised, after it is recorded.
+        """
+        try:
+            deadline = self._agreed_deadline()
+            saved = self._save(step, metrics=metrics, deadline=deadline, **payloads)
+        except NonFiniteGradientError as exc:
+            self._record("preemption_saved", step, {"saved": False, "why": f"guard: {exc}"})
+            log.warning("ckptdb: the preemption checkpoint of step %d was refused: %s", step, exc)
+            return None
+        except Exception as exc:
+            self._record("preemption_saved", step, {"saved": False, "why": str(exc)})
+            if getattr(exc, "phase", None) == "deadline":
+                log.warning("ckptdb: the preemption checkpoint of step %d: %s", step, exc)
+                return None
+            raise
+        self._record("preemption_saved", step, {"saved": True})
+        return saved
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number (143 for SIGTERM), the status of a process the
+        signal killed: schedulers read it as "terminated", not "finished". Once
+        the ranks agreed, every rank's is the agreed signal's (a rank that was not
+        signalled itself still stops for it); before that, this rank's own
+        signal's, or 0 without one."""
+        sig = self.agreed_signal or (self.received.signal if self.received else None)
+        return 128 + int(sig) if sig is not None else 0
+
+
+class _PipelinedFlag:
+    """Every rank's signal number (0: none), all-reduced with MAX one call late.
+
+    Call ``k`` launches the all-reduce of the flag as it is now, without
+    waiting, and returns the result of call ``k - 1``'s (waited for here: it
+    finished long ago, in the previous step). One byte per rank, on a gloo
+    group: a CPU tensor, never a device sync.
+    """
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._buffer: torch.Tensor | None = None
+        self._work: Any = None
+
+    def agree(self, mine: int, *, launch: bool = True) -> list[int]:
+        """The previous launch's result (empty if none was in flight); then, with
+        ``launch`` and no agreement yet, the next launch."""
+        agreed: list[int] = []
+        if self._work is not None:
+            self._work.wait()
+            assert self._buffer is not None
+            agreed = [int(x) for x in self._buffer.tolist()]
+            self._work = None
+        if any(agreed) or not launch:
+            return agreed
+        buffer = torch.zeros(self.size, dtype=torch.uint8)
+        buffer[self.rank] = mine
+        self._buffer = buffer
+        self._work = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return agreed
+
+    def gather(self, mine: Any) -> list[Any]:
+        """Every rank's ``mine`` (after the agreement in flight, on the same group)."""
+        self.close()
+        found: list[Any] = [None] * self.size
+        dist.all_gather_object(found, mine, group=self.group)
+        return found
+
+    def close(self) -> None:
+        """The agreement in flight completes (every rank launched it) before the group goes."""
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
+
+
+def preemption_summary(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """Per ``preempted`` event (oldest first, with the ``preemption_saved`` and
+    ``resumed`` events of the run): what the preemption cost.
+
+    ``resumed_from`` is the step the next attempt resumed from (its ``resumed``
+    event), else the preemption checkpoint's step when it was saved, else None
+    (nothing known yet); ``lost`` is the agreed step minus that.
+    """
+    events = list(events)
+    summary = []
+    for told in (e for e in events if e.kind == "preempted"):
+        detail = json.loads(told.detail or "{}")
+        saved = [
+            json.loads(e.detail or "{}")
+            for e in events
+            if e.kind == "preemption_saved" and e.attempt_id == told.attempt_id
+        ]
+        later = [
+            e.step
+            for e in events
+            if e.kind == "resumed" and (e.attempt_id or 0) > (told.attempt_id or 0)
+        ]
+        was_saved = bool(saved and saved[-1].get("saved"))
+        resumed_from = later[0] if later else (told.step if was_saved else None)
+        summary.append(
+            {
+                "attempt": told.attempt_id,
+                "step": told.step,
+                "signal": detail.get("signal"),
+                "ranks": detail.get("ranks"),
+                "saved": was_saved if saved else None,
+                "why": saved[-1].get("why") if saved and not was_saved else None,
+                "resumed_from": resumed_from,
+                "lost": told.step - resumed_from if resumed_from is not None else None,
+            }
+        )
+    return summary
+
+
+def _checked_signals(signals: Iterable[signal.Signals | int]) -> tuple[signal.Signals, ...]:
+    if isinstance(signals, (str, bytes, int)):
+        raise ArgumentTypeError(f"signals must be a sequence of signals, got {signals!r}")
+    found: list[signal.Signals] = []
+    for sig in signals:
+        if isinstance(sig, bool) or not isinstance(sig, int):
+            raise ArgumentTypeError(f"a preemption signal must be a signal number, got {sig!r}")
+        try:
+            found.append(signal.Signals(sig))
+        except ValueError:
+            raise InvalidArgumentError(f"{sig!r} is not a signal") from None
+    if not found:
+        raise InvalidArgumentError("preemption needs at least one signal")
+    for sig in found:
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise InvalidArgumentError(f"{sig.name} cannot be handled: no process can catch it")
+    return tuple(dict.fromkeys(found))
+
+
+def _checked_every(every: int) -> int:
+    if isinstance(every, bool) or not isinstance(every, int):
+        raise ArgumentTypeError(f"every must be a number of steps, got {every!r}")
+    if every < 1:
+        raise InvalidArgumentError(f"every must be at least 1 step, got {every}")
+    return every
+
+
+def _checked_grace(grace: float | None) -> float | None:
+    if grace is None:
+        return None
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)):
+        raise ArgumentTypeError(f"grace must be a number of seconds, got {grace!r}")
+    if not grace > 0 or grace == float("inf"):
+        raise InvalidArgumentError(f"grace must be a positive, finite number of seconds: {grace!r}")
+    return float(grace)
