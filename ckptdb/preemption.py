@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import ArgumentTypeError, InvalidArgumentError, NonFiniteGradientError
+from .errors import ArgumentTypeError, InvalidArgumentError, NonFiniteGradientError, note_on
 from .record import Checkpoint
 
 __all__ = ["DEFAULT_SIGNALS", "Preemption", "Received", "preemption_summary"]
@@ -119,7 +119,15 @@ class Preemption:
         """Restore the handlers that were there before; wait for an agreement in flight."""
         previous, self._previous = self._previous, {}
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            try:
+                signal.signal(sig, handler)
+            except ValueError:  # closed from a thread other than the main one
+                log.error(
+                    "ckptdb: the handler of %s could not be restored outside the main "
+                    "thread; ckptdb's stays installed (it only records the signal)",
+                    sig.name,
+                    exc_info=True,
+                )
         if self._flag is not None:
             self._flag.close()
 
@@ -149,7 +157,7 @@ class Preemption:
         self.ranks = [rank for rank, signum in enumerate(agreed) if signum]
         self.agreed_signal = signal.Signals(agreed[self.ranks[0]])
         detail = {"signal": self.agreed_signal.name, "ranks": self.ranks}
-        self._record("preempted", step, detail)
+        self._note("preempted", step, detail)
         return True
 
     # ------------------------------------------------------------------ save
@@ -185,17 +193,38 @@ class Preemption:
             deadline = self._agreed_deadline()
             saved = self._save(step, metrics=metrics, deadline=deadline, **payloads)
         except NonFiniteGradientError as exc:
-            self._record("preemption_saved", step, {"saved": False, "why": f"guard: {exc}"})
+            self._note("preemption_saved", step, {"saved": False, "why": f"guard: {exc}"})
             log.warning("ckptdb: the preemption checkpoint of step %d was refused: %s", step, exc)
             return None
         except Exception as exc:
-            self._record("preemption_saved", step, {"saved": False, "why": str(exc)})
+            self._note("preemption_saved", step, {"saved": False, "why": str(exc)}, onto=exc)
             if getattr(exc, "phase", None) == "deadline":
                 log.warning("ckptdb: the preemption checkpoint of step %d: %s", step, exc)
                 return None
             raise
-        self._record("preemption_saved", step, {"saved": True})
+        self._note("preemption_saved", step, {"saved": True})
         return saved
+
+    def _note(
+        self,
+        kind: str,
+        step: int,
+        detail: dict[str, Any],
+        *,
+        onto: BaseException | None = None,
+    ) -> None:
+        """Record an event; a failure to record it (the ledger unreachable) never
+        changes what this call returns, since it happens on the chief alone and the
+        ranks must agree: it is attached to ``onto`` (the error being raised) or
+        logged with its error."""
+        try:
+            self._record(kind, step, detail)
+        except Exception as failed:
+            text = f"the {kind!r} event of step {step} was not recorded: {failed!r}"
+            if onto is not None:
+                note_on(onto, f"ckptdb: {text}")
+            else:
+                log.error("ckptdb: %s", text, exc_info=True)
 
     @property
     def exit_code(self) -> int:

@@ -302,3 +302,27 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(
         [attempt] = reader.attempts()
     assert (summary["step"], summary["ranks"], summary["saved"]) == (stop_at, [world - 1], True)
     assert attempt.end_state == "preempted"
+
+
+def test_an_event_that_cannot_be_recorded_never_changes_the_outcome(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ledger fails while recording ``preempted`` and ``preemption_saved`` (fault
+    injection): the answer and the committed checkpoint stand, the failures are logged."""
+    with CheckpointManager(tmp_path / "run", streams={"model": Keep(last=2)}) as mgr:
+        stop = mgr.preemption(signals=[signal.SIGUSR1])
+
+        def unreachable(*args: Any, **kwargs: Any) -> None:
+            raise OSError("the ledger is unreachable")
+
+        monkeypatch.setattr(mgr._ctx, "event", unreachable)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.requested(4)
+        saved = stop.save(4, model={"w": torch.ones(2)})
+        assert saved is not None and saved["model"].step == 4
+        monkeypatch.undo()
+    logged = [r.getMessage() for r in caplog.records if r.name == "ckptdb.preemption"]
+    assert any("'preempted' event of step 4 was not recorded" in m for m in logged), logged
+    assert any("'preemption_saved' event of step 4" in m for m in logged), logged
+    with RunReader(tmp_path / "run") as reader:
+        assert [c.step for c in reader.checkpoints("model")] == [4]
