@@ -26,7 +26,12 @@ from helpers import LedgerClient, invoke, ledger_objects, migrate_to, schema_dif
 from helpers import tree as full_tree
 
 from ckptdb import CheckpointManager, DerivedAlias, Keep
-from ckptdb.errors import ArgumentTypeError, InvalidArgumentError, UnknownStreamError
+from ckptdb.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    RunDirectoryError,
+    UnknownStreamError,
+)
 from ckptdb.ledger.engine import default_sqlite_url, newest_revision
 
 Opener = Callable[..., CheckpointManager]
@@ -129,6 +134,29 @@ def test_registration_records_the_aliases_and_points_them(
     as_records = [DerivedAlias(p, s, k) for p, (s, k) in ALIASES.items()]
     assert mgr.derive_aliases(as_records) == []  # the same aliases: nothing to do
     assert (tree(root), registered(db)) == before
+
+
+def test_an_alias_that_cannot_be_written_is_raised_naming_it_and_reconcile_retries(
+    mgr: CheckpointManager, root: Path, db: LedgerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk refuses the write (fault injection): ``derive_aliases`` raises a typed
+    error naming the alias, never returns quietly; the alias stays registered and
+    the next reconcile writes it."""
+    from ckptdb.storage import derived
+
+    def refused(*args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(derived, "point", refused)
+    with pytest.raises(RunDirectoryError, match=r"checkpoint: .*No space left") as caught:
+        mgr.derive_aliases({"checkpoint": ("model", "pointer")})
+    assert isinstance(caught.value, OSError)
+    assert not (root / "checkpoint").exists()
+    assert registered(db) == [("checkpoint", "model", "pointer")]
+    monkeypatch.undo()
+    report = mgr.reconcile()
+    assert [a.kind for a in report.actions] == ["aliased"]
+    assert (root / "checkpoint").read_text() == rel(root, 2)
 
 
 def test_each_commit_then_derive_aliases_moves_them_and_reregistering_replaces(

@@ -24,7 +24,12 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import ArgumentTypeError, InvalidArgumentError, UnknownStreamError
+from ..errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    RunDirectoryError,
+    UnknownStreamError,
+)
 from ..ledger import Ledger
 from ..ledger import aliases as ledger_aliases
 from ..ledger import rows as ledger_rows
@@ -119,7 +124,12 @@ class AliasKeeper:
         if after != known:
             with self.db.transaction() as session:
                 ledger_aliases.register(session, self.run_id, wanted, replace=replace)
-        return self.rederive(dry_run=False, only={a.path for a in wanted})
+        done = self.rederive(dry_run=False, only={a.path for a in wanted})
+        failed = [a for a in done if a.kind == "failed"]
+        if failed:  # recorded all the same: the next reconcile tries again
+            said = "; ".join(f"{self.root / a.path}: {a.detail}" for a in failed)
+            raise RunDirectoryError(f"derived aliases not written: {said}")
+        return done
 
     def _refuse(
         self, alias: DerivedAlias, streams: set[str], owned: set[str], *, dir_ok: bool
