@@ -12,7 +12,7 @@ from .errors import CleanupWarning
 from .guard import NonFiniteGradGuard
 from .manager import CheckpointManager
 from .policies import Keep, TopK
-from .preemption import Preemption
+from .preemption import OnPreemption, Preempted, Preemption
 from .protocol.asyncsave import SaveHandle
 from .protocol.reconcile import Action, ReconcileReport
 from .reader import RunReader, resolve
@@ -31,6 +31,8 @@ __all__ = [
     "External",
     "Keep",
     "NonFiniteGradGuard",
+    "OnPreemption",
+    "Preempted",
     "Preemption",
     "ReconcileReport",
     "RunReader",

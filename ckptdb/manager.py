@@ -18,9 +18,10 @@ under torch.distributed, where only the chief (rank 0) opens the ledger.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -203,6 +204,7 @@ class CheckpointManager:
         self._snapshots = Snapshotter()
         self._inflight = InFlight()
         self._preemption: Preemption | None = None
+        self._deadline: float | None = None  # the preemption save's, while it runs
         self.last_reconcile = ReconcileReport()
 
         def open_as_chief() -> _RunInfo:
@@ -553,7 +555,8 @@ class CheckpointManager:
         boundary, and raises its error if nobody fetched it.
         """
         self._check_open()
-        return self._publisher.save(step, metrics, payloads, blocking)
+        deadline = self._deadline if blocking else None
+        return self._publisher.save(step, metrics, payloads, blocking, deadline=deadline)
 
     def protect(self, checkpoint: Checkpoint) -> None:
         """Never remove ``checkpoint``'s file while this manager is open.
@@ -664,8 +667,9 @@ class CheckpointManager:
                 use_local_synchronization=True,
             )
         self._preemption = Preemption(
-            self._save_until,
+            self.save,
             self._record_preemption,
+            self._deadline_scope,
             signals=signals,
             grace=grace,
             every=every,
@@ -673,19 +677,16 @@ class CheckpointManager:
         )
         return self._preemption
 
-    def _save_until(
-        self,
-        step: int,
-        *,
-        metrics: Mapping[str, float] | None,
-        deadline: float | None,
-        **payloads: Any,
-    ) -> dict[str, Checkpoint]:
-        """A blocking boundary rolled back if ``deadline`` (``time.time()``) passes first."""
-        self._check_open()
-        saved = self._publisher.save(step, metrics, payloads, True, deadline=deadline)
-        assert isinstance(saved, dict)
-        return saved
+    @contextlib.contextmanager
+    def _deadline_scope(self, deadline: float | None) -> Iterator[None]:
+        """Every blocking boundary begun inside is rolled back if ``deadline``
+        (``time.time()``) passes before its commit: the preemption save's grace
+        period, reaching an integration's own publish path unchanged."""
+        previous, self._deadline = self._deadline, deadline
+        try:
+            yield
+        finally:
+            self._deadline = previous
 
     def _record_preemption(self, kind: str, step: int, detail: dict[str, Any]) -> None:
         """The chief records a preemption event at once, in its own transaction."""

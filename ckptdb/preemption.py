@@ -33,10 +33,11 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,15 @@ import torch.distributed as dist
 from .errors import ArgumentTypeError, InvalidArgumentError, NonFiniteGradientError, note_on
 from .record import Checkpoint
 
-__all__ = ["DEFAULT_SIGNALS", "Preemption", "Received", "preemption_summary"]
+__all__ = [
+    "DEFAULT_SIGNALS",
+    "OnPreemption",
+    "Preempted",
+    "Preemption",
+    "Received",
+    "on_preemption",
+    "preemption_summary",
+]
 
 log = logging.getLogger("ckptdb.preemption")
 
@@ -54,6 +63,63 @@ DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM,)
 
 #: Records an event (kind, step, detail) in the ledger; the chief's only.
 Recorder = Callable[[str, int, dict[str, Any]], None]
+#: Makes every blocking boundary begun inside it end by a deadline (``time.time()``).
+DeadlineScope = Callable[[float | None], AbstractContextManager[None]]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class OnPreemption:
+    """What a framework integration does on preemption (its ``preemption=``): the
+    arguments of :meth:`ckptdb.CheckpointManager.preemption`, checked when made.
+
+    ``preemption=True`` is ``OnPreemption()``: SIGTERM, no grace period, the
+    agreement at every step.
+    """
+
+    signals: Sequence[signal.Signals | int] = DEFAULT_SIGNALS
+    grace: float | None = None
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "signals", _checked_signals(self.signals))
+        object.__setattr__(self, "grace", _checked_grace(self.grace))
+        object.__setattr__(self, "every", _checked_every(self.every))
+
+
+def on_preemption(value: object) -> OnPreemption | None:
+    """An integration's ``preemption=`` argument: ``True`` (the defaults), an
+    :class:`OnPreemption`, or ``False``/``None`` (off)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return OnPreemption()
+    if isinstance(value, OnPreemption):
+        return value
+    raise ArgumentTypeError(
+        f"preemption must be True, False, None or an OnPreemption(...), got {value!r}"
+    )
+
+
+class Preempted(SystemExit):
+    """Raised by a framework integration once the preemption checkpoint is dealt
+    with, to end the job the way the signal would have (:attr:`Preemption.exit_code`).
+
+    A ``SystemExit``: uncaught, the process exits with ``code`` (143 for
+    SIGTERM), so a scheduler sees "terminated" (a Kubernetes Job retries it; an
+    exit status of 0 would mark it complete), and no code after ``fit``/``train``
+    runs inside the grace period. ``saved`` is what was committed (empty when
+    the checkpoint was refused or abandoned: the last good one stands).
+    """
+
+    def __init__(self, code: int, step: int, saved: list[Checkpoint]) -> None:
+        super().__init__(code)
+        self.step = step
+        self.saved = saved
+
+    def __str__(self) -> str:
+        what = ", ".join(str(c.path) for c in self.saved) or "nothing (the last good one stands)"
+        return f"preempted at step {self.step} (exit status {self.code}); saved: {what}"
 
 
 @dataclass(frozen=True)
@@ -76,6 +142,7 @@ class Preemption:
         self,
         save: Callable[..., dict[str, Checkpoint]],
         record: Recorder,
+        deadline_scope: DeadlineScope,
         *,
         signals: Iterable[signal.Signals | int] = DEFAULT_SIGNALS,
         grace: float | None = None,
@@ -87,6 +154,7 @@ class Preemption:
         self.every = _checked_every(every)
         self._save = save
         self._record = record
+        self._deadline_scope = deadline_scope
         self.received: Received | None = None
         self.count = 0  # signals received, the first included
         self.agreed_step: int | None = None
@@ -116,9 +184,16 @@ class Preemption:
             self.received = Received(signal.Signals(signum), time.time())
 
     def close(self) -> None:
-        """Restore the handlers that were there before; wait for an agreement in flight."""
+        """Restore the handlers that were there before; wait for an agreement in flight.
+
+        A handler someone installed over ours (a framework's, for its own run)
+        is left alone: whoever installed it restores what it replaced, and
+        putting back what ours replaced would undo that.
+        """
         previous, self._previous = self._previous, {}
         for sig, handler in previous.items():
+            if signal.getsignal(sig) != self._handle:
+                continue
             try:
                 signal.signal(sig, handler)
             except ValueError:  # closed from a thread other than the main one
@@ -190,20 +265,50 @@ class Preemption:
         other failure is raised, after it is recorded.
         """
         try:
-            deadline = self._agreed_deadline()
-            saved = self._save(step, metrics=metrics, deadline=deadline, **payloads)
+            return self.publish(step, lambda: self._save(step, metrics=metrics, **payloads))
         except NonFiniteGradientError as exc:
-            self._note("preemption_saved", step, {"saved": False, "why": f"guard: {exc}"})
             log.warning("ckptdb: the preemption checkpoint of step %d was refused: %s", step, exc)
             return None
+
+    def publish(self, step: int, boundary: Callable[[], T]) -> T | None:
+        """The preemption checkpoint written by ``boundary``, within the grace period.
+
+        For integrations, whose frameworks write a checkpoint their own way:
+        ``boundary()`` runs the framework's usual publish (which calls
+        ``manager.save``); every blocking boundary it begins is rolled back if
+        the grace period ends before its commit. It returns what was committed,
+        or None (falsy) when the guard refused the step without raising. A
+        deadline passed returns None; a guard refusal that raises is recorded
+        and raised; so is any other failure. Collective: every rank calls it.
+        """
+        deadline = self._agreed_deadline()
+        try:
+            with self._deadline_scope(deadline):
+                saved = boundary()
+        except NonFiniteGradientError as exc:
+            self._note("preemption_saved", step, {"saved": False, "why": f"guard: {exc}"})
+            raise
         except Exception as exc:
             self._note("preemption_saved", step, {"saved": False, "why": str(exc)}, onto=exc)
             if getattr(exc, "phase", None) == "deadline":
                 log.warning("ckptdb: the preemption checkpoint of step %d: %s", step, exc)
                 return None
             raise
+        if not saved:
+            why = "guard: the guard refused the step (see its guard_tripped event)"
+            self._note("preemption_saved", step, {"saved": False, "why": why})
+            return None
         self._note("preemption_saved", step, {"saved": True})
         return saved
+
+    def already_saved(self, step: int) -> None:
+        """Record that the framework's own checkpoint of the agreed step, committed
+        before the agreement, is the preemption checkpoint (no second one)."""
+        self._note("preemption_saved", step, {"saved": True})
+
+    def stop(self, step: int, saved: Iterable[Checkpoint] = ()) -> Preempted:
+        """The :class:`Preempted` an integration raises to end the job after ``step``."""
+        return Preempted(self.exit_code, step, list(saved))
 
     def _note(
         self,

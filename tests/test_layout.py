@@ -75,6 +75,7 @@ ALLOWED = {
         "ledger",
         "manager",
         "policies",
+        "preemption",  # their preemption= settings and the Preempted they raise
         "protocol",  # adopt layouts produce the protocol's candidates
         "reader",
         "record",

@@ -36,6 +36,7 @@ from ...guard import NonFiniteGradGuard
 from ...ledger.runs import ledger_beside
 from ...manager import CheckpointManager
 from ...policies import Keep, Policy, TopK
+from ...preemption import OnPreemption, Preempted, Preemption, on_preemption
 from ...record import Checkpoint
 from ...storage.alias import point_alias, remove_alias
 from ...storage.external import External
@@ -80,6 +81,7 @@ class _Session:
     users: set[int] = field(default_factory=set)
     refused_step: int | None = None  # a guard trip refuses every save at that step
     fed: tuple[int, int] | None = None  # (global step, optimizer) the guard last saw
+    preemption: Preemption | None = None  # installed at train start by the callback asking
 
 
 #: Open ledgers by (ledger root, db_url, Trainer): one Trainer's callbacks share
@@ -93,8 +95,11 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     Extra arguments: ``ledger`` (the run root holding ``ckptdb.sqlite`` and
     the writer lock; default :func:`default_ledger` of ``dirpath``),
     ``db_url`` (e.g. PostgreSQL), ``guard`` (``True``, ``False`` or
-    ``"raise"``) and ``stream`` (the ledger stream's name; default the
-    monitor's name, or ``checkpoints`` without one).
+    ``"raise"``), ``stream`` (the ledger stream's name; default the
+    monitor's name, or ``checkpoints`` without one) and ``preemption``
+    (``True`` or an :class:`~ckptdb.OnPreemption`: a preemption signal on
+    any rank makes every rank checkpoint the same step and end ``fit`` with
+    :class:`~ckptdb.Preempted`; see :meth:`on_train_batch_end`).
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         db_url: str | None = None,
         guard: Union[bool, Literal["raise"]] = True,  # noqa: UP007
         stream: str | None = None,
+        preemption: Union[bool, OnPreemption] | None = None,  # noqa: UP007
     ) -> None:
         if dirpath is not None and "://" in str(dirpath):
             raise InvalidArgumentError(
@@ -146,6 +152,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self.ledger = common.check_path(ledger, "ledger")
         self.db_url = common.check_db_url(db_url)
         self.stream = common.check_stream(stream, suffix=LAST_SUFFIX)
+        self.preemption = on_preemption(preemption)
         common.check_local_root(ledger, "ledger")
         self._session_key: tuple[str, str | None, int] | None = None
         #: Ids of the checkpoints this callback committed in the current fit.
@@ -218,6 +225,11 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                         f"stream {name!r}; pass stream= to tell them apart"
                     )
                 streams[name] = policy
+        if sum(cb.preemption is not None for cb in peers) > 1:
+            raise InvalidArgumentError(
+                f"two ckptdb ModelCheckpoint callbacks sharing the ledger {key[0]} both ask "
+                "for preemption=; one preemption checkpoint ends the run: give it to one"
+            )
         if len({cb.guard for cb in peers}) > 1:
             raise InvalidArgumentError(
                 f"ckptdb ModelCheckpoint callbacks sharing the ledger {key[0]} must agree on "
@@ -273,7 +285,11 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         Lightning re-raises), then the ledger is released as failed.
         """
         try:
-            if self._should_save_on_exception(trainer) and self._session_key is not None:
+            if (
+                not isinstance(exception, Preempted)  # its checkpoint is already dealt with
+                and self._should_save_on_exception(trainer)
+                and self._session_key is not None
+            ):
                 candidates = self._monitor_candidates(trainer)
                 filepath = self._get_metric_interpolated_filepath_name(candidates, trainer)
                 self._publish(trainer, self.last_stream, filepath, candidates, None)
@@ -295,6 +311,13 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         session = self._session(trainer)
         manager, resumed = session.manager, trainer.ckpt_path
+        if self.preemption is not None and session.preemption is None:
+            # now, not at setup: Lightning installs its own SIGTERM handler in between,
+            # and ours must be the one that runs (its saves inside the handler)
+            settings = self.preemption
+            session.preemption = manager.preemption(
+                signals=settings.signals, grace=settings.grace, every=settings.every
+            )
         if resumed is None:
             common.protect_start(manager, None)
         else:  # a warm start from a file that is not this run's protects nothing
@@ -322,6 +345,55 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         session.guard.observe(
             common.optimizer_params(optimizer), skipped=common.skipped_by_scaler(scaler, optimizer)
         )
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """Lightning's every-n saves, then, with ``preemption=``, the agreed check.
+
+        Every rank asks at every batch end whether a preemption signal reached
+        any rank. When it did, every rank checkpoints this step into the
+        ``last`` stream (a checkpoint of this step already committed here
+        counts), ``last`` is re-pointed at it, and ``fit`` ends with
+        :class:`~ckptdb.Preempted` (a ``SystemExit`` with the signal's exit
+        status, as Lightning ends on SIGTERM): ``fit(ckpt_path="last")``
+        resumes from it.
+        """
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        key = self._session_key
+        session = _SESSIONS.get(key) if key is not None else None
+        if self.preemption is None or session is None or session.preemption is None:
+            return
+        stop, step = session.preemption, trainer.global_step
+        if stop.requested(step):
+            raise stop.stop(step, self._preemption_checkpoint(trainer, session, stop, step))
+
+    def _preemption_checkpoint(
+        self, trainer: pl.Trainer, session: _Session, stop: Preemption, step: int
+    ) -> list[Checkpoint]:
+        """The agreed step's checkpoint (collective); empty when it was refused or abandoned."""
+        done = [
+            c
+            for c in (session.manager.latest(s) for s in self.streams())
+            if c is not None and c.step == step and c.id in self._published
+        ]
+        if done:
+            stop.already_saved(step)
+            return done
+        candidates = self._monitor_candidates(trainer)
+        filepath = self._get_metric_interpolated_filepath_name(candidates, trainer)
+        record = stop.publish(
+            step, lambda: self._publish(trainer, self.last_stream, filepath, candidates, None)
+        )
+        if record is None:
+            return []
+        self._save_last_checkpoint(trainer, candidates)
+        return [record]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Lightning's restore, then the ledger's word: no path it no longer has survives."""
