@@ -22,9 +22,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch.distributed as dist
 from hflib import dataset, tiny_model, training_args
+from transformers import TrainerCallback
 
-from ckptdb import faults
+from ckptdb import Preempted, faults
 from ckptdb.integrations.transformers import Trainer
+
+
+class SignalAt(TrainerCallback):
+    """SIGTERM to this process at the end of ``step``, on ``rank`` only (before the
+    ckptdb callback's check, which the Trainer runs after the user's callbacks)."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        here = dist.get_rank() if dist.is_initialized() else 0
+        if state.global_step == self.step and here == self.rank:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main() -> None:
@@ -39,10 +53,19 @@ def main() -> None:
     parser.add_argument("--fail-step", type=int)
     parser.add_argument("--gloo", action="store_true")
     parser.add_argument("--slow-rank", type=int)
+    parser.add_argument("--preempt-step", type=int)
+    parser.add_argument("--preempt-rank", type=int, default=0)
     opts = parser.parse_args()
     extra = {"ddp_backend": "gloo", "ddp_timeout": 60} if opts.gloo else {}
     args = training_args(Path(opts.out), max_steps=opts.max_steps, **extra)
-    trainer = Trainer(model=tiny_model(), args=args, train_dataset=dataset())
+    preempting = opts.preempt_step is not None
+    trainer = Trainer(
+        model=tiny_model(),
+        args=args,
+        train_dataset=dataset(),
+        callbacks=[SignalAt(opts.preempt_step, opts.preempt_rank)] if preempting else None,
+        preemption=preempting,
+    )
     rank = dist.get_rank() if dist.is_initialized() else 0
     original = trainer._save_rng_state
 
@@ -67,6 +90,11 @@ def main() -> None:
     try:
         trainer.train(resume_from_checkpoint=True if opts.resume else None)
         outcome = {"step": trainer.state.global_step, "error": None}
+    except Preempted as stopped:
+        saved = [c.path.name for c in stopped.saved]
+        outcome = {"step": stopped.step, "error": "Preempted", "code": stopped.code, "saved": saved}
+        print("RESULT " + json.dumps({**outcome, "rank": rank}), flush=True)
+        raise
     except Exception as exc:
         outcome = {"step": trainer.state.global_step, "error": type(exc).__name__}
     print("RESULT " + json.dumps({**outcome, "rank": rank}), flush=True)

@@ -7,7 +7,11 @@ which checkpoint is best; ``NaNAt`` poisons one step's gradients.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -119,3 +123,31 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def torchrun(out: Path, *args: str) -> list[dict[str, Any]]:
+    """``hf_train.py OUT --gloo ARGS`` on two ranks under torchrun: each rank's RESULT."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--master-port=0",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=127.0.0.1:0",
+            str(Path(__file__).parent / "hf_train.py"),
+            str(out),
+            "--gloo",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    results = [
+        json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")
+    ]
+    assert len(results) == 2, done.stdout[-2000:] + done.stderr[-4000:]
+    return sorted(results, key=lambda r: r["rank"])

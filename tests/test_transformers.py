@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from hflib import (
     same_weights,
     scripted_scores,
     tiny_model,
+    torchrun,
     training_args,
     weights,
     with_scores,
@@ -529,33 +529,6 @@ def test_a_failing_write_commits_nothing_and_training_stops(tmp_path: Path) -> N
 
 
 # ------------------------------------------------------------------ distributed
-
-
-def torchrun(out: Path, *args: str) -> list[dict[str, Any]]:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=2",
-            "--master-port=0",
-            "--rdzv-backend=c10d",
-            "--rdzv-endpoint=127.0.0.1:0",
-            str(HERE / "hf_train.py"),
-            str(out),
-            "--gloo",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    results = [
-        json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")
-    ]
-    assert len(results) == 2, done.stdout[-2000:] + done.stderr[-4000:]
-    return sorted(results, key=lambda r: r["rank"])
 
 
 @pytest.mark.timeout(300)

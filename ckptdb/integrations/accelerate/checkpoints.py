@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -31,6 +32,7 @@ from ...errors import ArgumentTypeError, CkptDBError, InvalidArgumentError
 from ...guard import NonFiniteGradGuard
 from ...manager import CheckpointManager
 from ...policies import Keep, Policy, TopK
+from ...preemption import DEFAULT_SIGNALS, Preemption
 from ...protocol.inputs import validate_step
 from ...record import Checkpoint
 from ...storage.external import External
@@ -86,6 +88,7 @@ class Checkpoints:
         #: The checkpoint :meth:`resume` loaded (None: this run started afresh).
         self.resumed: Checkpoint | None = None
         self._earlier_protected = False
+        self._preemption: Preemption | None = None
         self.manager = CheckpointManager(
             self.root,
             streams={STREAM: policy},
@@ -124,6 +127,24 @@ class Checkpoints:
         """Where the ``checkpoint_<step>`` directories are."""
         return self.manager.save_dir
 
+    def preemption(
+        self,
+        *,
+        signals: Iterable[signal.Signals | int] = DEFAULT_SIGNALS,
+        grace: float | None = None,
+        every: int = 1,
+    ) -> Preemption:
+        """Treat ``signals`` (default SIGTERM) as a preemption; collective.
+
+        :meth:`ckptdb.CheckpointManager.preemption` for this run: call
+        ``stop.requested(step)`` once per step on every rank; when it is True,
+        ``save(step)`` is the preemption checkpoint (``save_state`` within the
+        ``grace`` period, its outcome recorded), then exit with
+        ``stop.exit_code``. The handlers go when this object closes.
+        """
+        self._preemption = self.manager.preemption(signals=signals, grace=grace, every=every)
+        return self._preemption
+
     # ------------------------------------------------------------------- saving
 
     def save(
@@ -135,7 +156,10 @@ class Checkpoints:
         arguments go to ``save_state`` (``safe_serialization=False``...). None
         means the guard refused the step (a warning is logged and a
         ``guard_tripped`` event recorded; nothing was written). Retention runs
-        in the commit; evicted directories are removed after it.
+        in the commit; evicted directories are removed after it. At the step a
+        preemption was agreed on (:meth:`preemption`), it is the preemption
+        checkpoint: rolled back if the grace period ends before its commit
+        (then None; the last good checkpoint stands).
         """
         local: CkptDBError | None = None
         try:
@@ -152,17 +176,23 @@ class Checkpoints:
         def write(path: Path) -> None:
             self._write(path, save_state_kwargs)
 
-        return common.publish(
-            self.manager,
-            step,
-            STREAM,
-            External(write, name),
-            metrics=common.rankable_metrics(
-                metrics, self.manager.policies[STREAM], step=step, log=log
-            ),
-            guard=self.guard_mode,
-            log=log,
-        )
+        def boundary() -> Checkpoint | None:
+            return common.publish(
+                self.manager,
+                step,
+                STREAM,
+                External(write, name),
+                metrics=common.rankable_metrics(
+                    metrics, self.manager.policies[STREAM], step=step, log=log
+                ),
+                guard=self.guard_mode,
+                log=log,
+            )
+
+        stop = self._preemption
+        if stop is not None and stop.agreed_step == step:
+            return stop.publish(step, boundary)
+        return boundary()
 
     def _write(self, path: Path, kwargs: dict[str, Any]) -> None:
         """Every rank's ``save_state`` into ckptdb's temporary path.

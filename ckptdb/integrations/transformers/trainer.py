@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from ...errors import (
 from ...guard import NonFiniteGradGuard
 from ...manager import CheckpointManager
 from ...policies import Keep, Policy, TopK
+from ...preemption import OnPreemption, Preemption, on_preemption
 from ...record import Checkpoint
 from ...storage.external import External
 from ...storage.files import fsync_file
@@ -98,6 +100,7 @@ class _Run:
     refused_step: int | None = None
     resumed: Checkpoint | None = None
     published: list[Checkpoint] = field(default_factory=list)
+    preemption: Preemption | None = None
 
 
 class _LedgerCallback(TrainerCallback):
@@ -121,6 +124,15 @@ class _LedgerCallback(TrainerCallback):
             common.optimizer_params(self.trainer.optimizer),
             skipped=common.skipped_by_scaler(scaler),
         )
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """With ``preemption=``: every rank asks, after each optimizer step, whether a
+        preemption signal reached any rank; if so, the step is checkpointed and
+        ``train`` ends with :class:`~ckptdb.Preempted`."""
+        run = self.trainer._ckptdb_run
+        stop = run.preemption if run is not None else None
+        if stop is not None and stop.requested(state.global_step):
+            self.trainer._ckptdb_preempted(run, state.global_step)
 
     def on_evaluate(
         self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None, **kw: Any
@@ -148,7 +160,9 @@ class _LedgerCallback(TrainerCallback):
 def ledger_trainer(cls: T) -> T:
     """A subclass of ``cls`` (``transformers.Trainer`` or any subclass of it) whose
     checkpoints go through the ledger. Extra keyword arguments: ``ledger=``
-    (the run root; default ``args.output_dir``), ``db_url=`` and ``guard=``."""
+    (the run root; default ``args.output_dir``), ``db_url=``, ``guard=`` and
+    ``preemption=`` (``True`` or an :class:`~ckptdb.OnPreemption`; the
+    Trainer's ``enable_jit_checkpoint=True`` means ``True``)."""
     if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
         raise ArgumentTypeError(
             f"ledger_trainer() takes transformers.Trainer or a subclass, got {cls!r}"
@@ -185,9 +199,11 @@ class _LedgerTrainerMixin:
         ledger: str | os.PathLike[str] | None = None,
         db_url: str | None = None,
         guard: common.GuardSetting = True,
+        preemption: bool | OnPreemption | None = None,
         **kwargs: Any,
     ) -> None:
         common.check_guard(guard)
+        settings = on_preemption(preemption)
         common.check_path(ledger, "ledger")
         common.check_db_url(db_url)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -204,9 +220,33 @@ class _LedgerTrainerMixin:
         self.ckptdb_ledger = ledger
         self.ckptdb_db_url = db_url
         self.ckptdb_guard: common.GuardSetting = guard
+        if self._ckptdb_without_jit_checkpoint() and settings is None:
+            settings = OnPreemption()  # enable_jit_checkpoint: the same, through the ledger
+        self.ckptdb_preemption = settings
         self._ckptdb_run: _Run | None = None
         self.add_callback(_LedgerCallback(self))  # type: ignore[attr-defined]
         self._ckptdb_quiet_refused_saves()
+
+    def _ckptdb_without_jit_checkpoint(self) -> bool:
+        """Take out the Trainer's own SIGTERM checkpoint (``enable_jit_checkpoint``),
+        handler included; True if it was there.
+
+        It saves on each rank on its own, three seconds after the signal, from
+        any of four hooks (one before the optimizer step): ranks can disagree on
+        the step, and a collective save then hangs. ckptdb's preemption does the
+        same job with the ranks' agreement, through the ledger.
+        """
+        found = [
+            c
+            for c in self.callback_handler.callbacks
+            if type(c).__name__ == "JITCheckpointCallback"
+        ]
+        for callback in found:
+            jit = getattr(callback, "jit_manager", None)
+            if jit is not None and signal.getsignal(signal.SIGTERM) == jit._sigterm_handler:
+                signal.signal(signal.SIGTERM, jit._original_sigterm_handler or signal.SIG_DFL)
+            self.remove_callback(callback)  # type: ignore[attr-defined]
+        return bool(found)
 
     def _ckptdb_quiet_refused_saves(self) -> None:
         """``on_save`` callbacks (the loggers that upload ``checkpoint-<step>``) do not
@@ -262,6 +302,11 @@ class _LedgerTrainerMixin:
             )
         run = self._ckptdb_run = self._ckptdb_open()
         try:
+            settings = self.ckptdb_preemption
+            if settings is not None:
+                run.preemption = run.manager.preemption(
+                    signals=settings.signals, grace=settings.grace, every=settings.every
+                )
             source = self._ckptdb_resume_source(run, resume_from_checkpoint)
             result = super().train(source, *args, **kwargs)  # type: ignore[misc]
         except BaseException as exc:
@@ -363,6 +408,25 @@ class _LedgerTrainerMixin:
         self._ckptdb_sync_best(run)
         if self.args.push_to_hub and record is not None:
             self._push_from_checkpoint(str(record.path))  # type: ignore[attr-defined]
+
+    def _ckptdb_preempted(self, run: _Run, step: int) -> None:
+        """The agreed step's checkpoint (collective), then :class:`~ckptdb.Preempted`.
+
+        The Trainer's usual ``checkpoint-<step>``, written within the grace
+        period (``on_step_end`` comes before the step's own save, so there is
+        never a second one). Nothing after it runs in the grace period: no
+        evaluation, no ``on_save`` upload, no end-of-training load.
+        """
+        stop = run.preemption
+        assert stop is not None
+
+        def boundary() -> list[Checkpoint] | None:
+            before = len(run.published)
+            self._save_checkpoint(self.model, None)
+            return run.published[before:] or None
+
+        saved = stop.publish(step, boundary)
+        raise stop.stop(step, saved or [])
 
     def _ckptdb_free_name(self, run: _Run, step: int) -> str:
         """``checkpoint-N``; ``checkpoint-N-vK`` when that name is taken: by a live row
