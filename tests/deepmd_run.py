@@ -12,6 +12,9 @@
 - ``CKPTDB_TEST_FAIL_WRITE=r:n``: the n-th checkpoint write on rank r (every
   rank runs the writer of each payload; only rank 0's writes a file) raises
   ``OSError(EIO)``.
+- ``CKPTDB_TEST_SIGNAL_AT=s[:r]``: SIGTERM to this process (on rank r only,
+  default 0) after the optimizer step of DeePMD's step s (its display
+  number), just before ckptdb's preemption check of that step.
 
 Under torchrun each rank prints ``TEST: rank R raised TYPE: message`` for the
 error it ends with, so a test can tell what every rank saw.
@@ -92,7 +95,22 @@ def _fail_write(rank: int, visit: int) -> None:
     train.LedgerTrainer._writer = failing_writer  # type: ignore[method-assign]
 
 
+def _signal_at(step: int, rank: int) -> None:
+    check = train.LedgerTrainer._check_preemption
+
+    def signalled(self: Any, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._steps_done + 1 == step and rank == RANK:
+            print(f"TEST: SIGTERM at step {step} on rank {RANK}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        check(self, optimizer, args, kwargs)
+
+    train.LedgerTrainer._check_preemption = signalled  # type: ignore[method-assign]
+
+
 if __name__ == "__main__":
+    if "CKPTDB_TEST_SIGNAL_AT" in os.environ:
+        at, _, on = os.environ["CKPTDB_TEST_SIGNAL_AT"].partition(":")
+        _signal_at(int(at), int(on or 0))
     if "CKPTDB_TEST_NAN_STEP" in os.environ:
         nan_rank = int(os.environ.get("CKPTDB_TEST_NAN_RANK", "0"))
         _nan_at(int(os.environ["CKPTDB_TEST_NAN_STEP"]), nan_rank)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -55,6 +56,7 @@ from ...errors import (
 from ...guard import NonFiniteGradGuard
 from ...manager import CheckpointManager
 from ...policies import Keep, Policy, TopK
+from ...preemption import OnPreemption, Preemption
 from ...record import Checkpoint, DerivedAlias
 from ...storage.external import External
 from .layout import BEST_EMA_STREAM, BEST_STREAM, EMA_STREAM, POINTER, STREAM
@@ -77,6 +79,9 @@ SUPPORTED_RANGE = "deepmd-kit>=3.2,<3.3"
 #: ckptdb's own option (taken out of the argument list before DeePMD parses it).
 GUARD_OPTION = "--ckptdb-guard"
 GUARD_CHOICES: dict[str, common.GuardSetting] = {"warn": True, "raise": "raise", "off": False}
+#: ckptdb's preemption options: the signals (``TERM``, ``TERM,USR1``...) and the grace.
+PREEMPTION_OPTION = "--ckptdb-preemption"
+GRACE_OPTION = "--ckptdb-grace"
 
 
 def check_version(version: str | None = None) -> str:
@@ -144,10 +149,11 @@ DeepmdValidator: Any = validation.FullValidator
 
 @dataclass(frozen=True)
 class Options:
-    """What the command line gave ckptdb: the guard, and ``--restart`` as typed."""
+    """What the command line gave ckptdb: the guard, preemption, and ``--restart`` as typed."""
 
     guard: common.GuardSetting = True
     restart: str | None = None
+    preemption: OnPreemption | None = None
 
 
 # --------------------------------------------------------------- entry point
@@ -157,12 +163,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``dp`` with ``train`` through the ledger; every other command is DeePMD's own.
 
     ``argv`` are ``dp``'s arguments (default ``sys.argv[1:]``), plus
-    ``--ckptdb-guard warn|raise|off`` (default ``warn``), which is taken out
+    ``--ckptdb-guard warn|raise|off`` (default ``warn``),
+    ``--ckptdb-preemption SIGNALS`` (``TERM``, ``TERM,USR1``: a preemption
+    signal on any rank becomes one agreed checkpoint, then the job exits with
+    the signal's status) and ``--ckptdb-grace SECONDS``, which are taken out
     before DeePMD parses them. ``train`` needs the PyTorch backend (``--pt``):
     another backend would train unguarded, so it is refused.
     """
     check_version()
     args, guard = _take_guard(list(sys.argv[1:] if argv is None else argv))
+    args, preemption = _take_preemption(args)
     flags = dp_main.parse_args(args)
     if flags.command != "train":
         dp_main.main(args)
@@ -172,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"ckptdb trains DeePMD-kit's PyTorch backend only, not {flags.backend!r}: "
             "pass --pt (or set DP_BACKEND=pytorch)"
         )
-    options = Options(guard=guard, restart=flags.restart)
+    options = Options(guard=guard, restart=flags.restart, preemption=preemption)
     with (
         mock.patch.object(training, "Trainer", partial(LedgerTrainer, ckptdb=options)),
         _gloo_on_the_cpu(),
@@ -232,28 +242,55 @@ def _cpu_ddp(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
     return ddp(module, *args, **kwargs)
 
 
-def _take_guard(args: list[str]) -> tuple[list[str], common.GuardSetting]:
-    """``--ckptdb-guard X`` / ``--ckptdb-guard=X`` out of ``args``; the rest stays as typed."""
+def _take_option(args: list[str], option: str, expected: str) -> tuple[list[str], str | None]:
+    """``option X`` / ``option=X`` out of ``args`` (the last one counts); the rest as typed."""
     rest: list[str] = []
     value: str | None = None
     i = 0
     while i < len(args):
         arg = args[i]
-        if arg == GUARD_OPTION:
+        if arg == option:
             if i + 1 >= len(args):
-                raise InvalidArgumentError(f"{GUARD_OPTION} needs a value: warn, raise or off")
+                raise InvalidArgumentError(f"{option} needs a value: {expected}")
             value, i = args[i + 1], i + 2
             continue
-        if arg.startswith(GUARD_OPTION + "="):
+        if arg.startswith(option + "="):
             value = arg.split("=", 1)[1]
         else:
             rest.append(arg)
         i += 1
+    return rest, value
+
+
+def _take_guard(args: list[str]) -> tuple[list[str], common.GuardSetting]:
+    """``--ckptdb-guard warn|raise|off`` out of ``args`` (default ``warn``)."""
+    rest, value = _take_option(args, GUARD_OPTION, "warn, raise or off")
     if value is None:
         return rest, True
     if value not in GUARD_CHOICES:
         raise InvalidArgumentError(f"{GUARD_OPTION} must be warn, raise or off, got {value!r}")
     return rest, GUARD_CHOICES[value]
+
+
+def _take_preemption(args: list[str]) -> tuple[list[str], OnPreemption | None]:
+    """``--ckptdb-preemption TERM,USR1`` and ``--ckptdb-grace 25`` out of ``args``."""
+    rest, names = _take_option(args, PREEMPTION_OPTION, "signal names, e.g. TERM or TERM,USR1")
+    rest, grace = _take_option(rest, GRACE_OPTION, "a number of seconds")
+    if names is None:
+        if grace is not None:
+            raise InvalidArgumentError(f"{GRACE_OPTION} needs {PREEMPTION_OPTION}")
+        return rest, None
+    signals = []
+    for name in filter(None, (n.strip().upper() for n in names.split(","))):
+        full = name if name.startswith("SIG") else f"SIG{name}"
+        if full not in signal.Signals.__members__:
+            raise InvalidArgumentError(f"{PREEMPTION_OPTION}: {name!r} is not a signal name")
+        signals.append(signal.Signals[full])
+    try:
+        seconds = float(grace) if grace is not None else None
+    except ValueError:
+        raise InvalidArgumentError(f"{GRACE_OPTION} must be seconds, got {grace!r}") from None
+    return rest, OnPreemption(signals=signals, grace=seconds)
 
 
 # ------------------------------------------------------------------- trainer
@@ -291,6 +328,9 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         self._pending: tuple[int, Path, dict[str, Any]] | None = None
         self._refused_step: int | None = None
         self._hook: Any = None
+        self._stop: Preemption | None = None
+        self._stop_hook: Any = None
+        self._steps_done = 0  # this attempt's optimizer steps, counted from start_step
         self._tails: list[LogTail] = []
         try:
             if restart_model is not None:
@@ -330,7 +370,22 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         if guard_on:
             self.manager.guard = NonFiniteGradGuard(self.wrapper.named_parameters())
             self._hook = self.optimizer.register_step_pre_hook(self._observe)
+        if self.ckptdb.preemption is not None:
+            self._handle_preemption(self.ckptdb.preemption)
         self._point_aliases(stale_warning=True)
+
+    def _handle_preemption(self, settings: OnPreemption) -> None:
+        """Install the preemption handlers (collective) and the per-step check."""
+        if self.opt_type == "LKF":
+            raise InvalidArgumentError(
+                f"{PREEMPTION_OPTION} needs a torch optimizer: the LKF optimizer's steps "
+                "cannot be counted, so no rank could agree on a step to checkpoint"
+            )
+        self._steps_done = int(self.start_step)
+        self._stop = self.manager.preemption(
+            signals=settings.signals, grace=settings.grace, every=settings.every
+        )
+        self._stop_hook = self.optimizer.register_step_post_hook(self._check_preemption)
         self._tails = self._log_tails()
 
     def _log_tails(self) -> list[LogTail]:
@@ -389,9 +444,11 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         self._close(None)
 
     def _close(self, exc: BaseException | None) -> None:
-        hook, self._hook = self._hook, None
-        if hook is not None:
-            hook.remove()
+        for name in ("_hook", "_stop_hook"):
+            hook = getattr(self, name)
+            setattr(self, name, None)
+            if hook is not None:
+                hook.remove()
         try:  # the rows written after the last boundary
             self._log_files()
         except Exception as failed:  # never in place of the attempt's own outcome
@@ -480,10 +537,19 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
     def _boundary(
         self, plan: _Plan | None, data: Mapping[str, dict[str, Any]]
     ) -> dict[str, Checkpoint] | None:
-        """Rank 0's ``plan``, on every rank (the others pass None), then the boundary."""
+        """Rank 0's ``plan``, on every rank (the others pass None), then the boundary.
+
+        The periodic boundary of the step a preemption was agreed on is the
+        preemption checkpoint (within the grace period); then every rank
+        raises :class:`~ckptdb.Preempted` (the job exits with the signal's status).
+        """
         agreed = self.manager.from_chief(plan, what=PLAN)
         assert agreed is not None  # rank 0 sends None only once training has ended
-        return self._publish_plan(agreed, data)
+        stop = self._stop
+        if stop is None or stop.agreed_step != agreed.step or STREAM not in agreed.names:
+            return self._publish_plan(agreed, data)
+        saved = stop.publish(agreed.step, lambda: self._publish_plan(agreed, data))
+        raise stop.stop(agreed.step, list((saved or {}).values()))
 
     def _publish_plan(
         self, plan: _Plan, data: Mapping[str, dict[str, Any]]
@@ -577,6 +643,24 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
                     log.warning("ckptdb: a stale alias re-pointed at start: %s", action)
 
     # --------------------------------------------------------------- guard
+
+    def _check_preemption(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """After each optimizer step, on every rank: were we told to stop?
+
+        When every rank agrees, DeePMD is made to save a periodic checkpoint at
+        the end of this step (its ``save_freq`` becomes this step's number):
+        the checkpoint is written the way DeePMD always writes it, with the
+        scheduler and EMA updates of the step in it, and its boundary raises
+        :class:`~ckptdb.Preempted` (:meth:`_boundary`). The first step of an
+        attempt is never the agreed one: DeePMD never saves at it.
+        """
+        self._steps_done += 1
+        step = self._steps_done  # DeePMD's display step: the checkpoint's number
+        stop = self._stop
+        if stop is None or stop.agreed_step is not None or step == self.start_step + 1:
+            return
+        if stop.requested(step):
+            self.save_freq = step
 
     def _observe(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Every optimizer step's gradients, after DeePMD's clipping, to ckptdb's guard
