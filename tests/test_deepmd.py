@@ -259,7 +259,10 @@ def test_the_rows_after_the_last_boundary_land_when_training_ends(tmp_path: Path
     path.write_text("# step  rmse_trn  lr\n   7   2.5e-01   1.0e-03\n")
     manager = CheckpointManager(tmp_path)
     trainer: Any = SimpleNamespace(
-        manager=manager, _hook=None, _tails=[train.LogTail(path, append=False, skip={"lr"})]
+        manager=manager,
+        _hook=None,
+        _stop_hook=None,
+        _tails=[train.LogTail(path, append=False, skip={"lr"})],
     )
     trainer._tails[0]._stale = None  # as once DeePMD has rewritten it
     trainer._log_files = lambda: train.LedgerTrainer._log_files(trainer)
@@ -638,7 +641,9 @@ def test_a_failed_last_log_read_is_reported_never_in_place_of_the_outcome(
     def unreadable() -> None:
         raise OSError(5, "lcurve.out: input/output error")
 
-    trainer: Any = SimpleNamespace(manager=manager, _hook=None, _log_files=unreadable)
+    trainer: Any = SimpleNamespace(
+        manager=manager, _hook=None, _stop_hook=None, _log_files=unreadable
+    )
     own = RuntimeError("training diverged") if training_failed else None
     with caplog.at_level(logging.ERROR, logger="ckptdb.deepmd"):
         train.LedgerTrainer._close(trainer, own)

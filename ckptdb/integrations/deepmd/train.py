@@ -373,6 +373,7 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         if self.ckptdb.preemption is not None:
             self._handle_preemption(self.ckptdb.preemption)
         self._point_aliases(stale_warning=True)
+        self._tails = self._log_tails()
 
     def _handle_preemption(self, settings: OnPreemption) -> None:
         """Install the preemption handlers (collective) and the per-step check."""
@@ -386,7 +387,6 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
             signals=settings.signals, grace=settings.grace, every=settings.every
         )
         self._stop_hook = self.optimizer.register_step_post_hook(self._check_preemption)
-        self._tails = self._log_tails()
 
     def _log_tails(self) -> list[LogTail]:
         """``lcurve.out`` (``disp_file``) and each validator's ``val.log``, read from where
