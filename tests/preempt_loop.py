@@ -4,8 +4,11 @@ A tiny model trains for ``--steps`` steps (resuming from the ledger's latest),
 saving every ``--every`` steps into a ``Keep(last=3)`` stream, and asks
 ``stop.requested(step)`` once per step; when told to stop it makes the
 preemption checkpoint and exits with ``stop.exit_code``. It prints ``STEP n``
-as each step starts and ``PREEMPTED n`` when the ranks agree, so the test can
-send its signal at a step of its choosing and check the outcome.
+as each step starts, ``RECEIVED n`` at the first step whose check comes after
+this process's signal, and ``PREEMPTED n`` when the ranks agree, so the test can
+send its signal at a step of its choosing and check the outcome. Under
+torchrun (``LOCAL_RANK`` set) every rank joins a gloo group, prints
+``RANK r PID p`` first, and prefixes each line with ``RANK r``.
 
 Test-only faults, from the environment:
 
@@ -26,8 +29,15 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from ckptdb import CheckpointManager, Keep, NonFiniteGradGuard, faults
+
+PREFIX = ""
+
+
+def say(text: str) -> None:
+    print(f"{PREFIX}{text}", flush=True)
 
 
 def _faults_during_the_save() -> None:
@@ -38,12 +48,12 @@ def _faults_during_the_save() -> None:
 
     def hook(name: str) -> None:
         if name == spec_signal:
-            print(f"SIGNAL AGAIN at {name}", flush=True)
+            say(f"SIGNAL AGAIN at {name}")
             os.kill(os.getpid(), signal.SIGTERM)
         if spec_sleep and name == spec_sleep.split(":")[0]:
             time.sleep(float(spec_sleep.split(":")[1]))
         if name == spec_kill:
-            print(f"SIGKILL at {name}", flush=True)
+            say(f"SIGKILL at {name}")
             os.kill(os.getpid(), signal.SIGKILL)
 
     faults.set_hook(hook)
@@ -58,6 +68,11 @@ def main() -> int:
     parser.add_argument("--pace", type=float, default=0.02, help="seconds per step")
     args = parser.parse_args()
     nan_at = int(os.environ.get("PREEMPT_NAN_AT", "-1"))
+    if "LOCAL_RANK" in os.environ:
+        global PREFIX
+        dist.init_process_group("gloo")
+        PREFIX = f"RANK {dist.get_rank()} "
+        say(f"PID {os.getpid()}")
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2)
@@ -71,9 +86,10 @@ def main() -> int:
             opt.load_state_dict(state["optim"])
             start = state["step"] + 1
         stop = mgr.preemption(grace=args.grace)
-        print(f"START {start}", flush=True)
+        say(f"START {start}")
+        told = False
         for step in range(start, args.steps):
-            print(f"STEP {step}", flush=True)
+            say(f"STEP {step}")
             opt.zero_grad()
             loss = model(torch.randn(4, 8)).pow(2).mean()
             loss.backward()
@@ -85,18 +101,21 @@ def main() -> int:
             opt.step()
             time.sleep(args.pace)
             state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+            if stop.received is not None and not told:
+                told = True
+                say(f"RECEIVED {step}")  # this rank's signal came before this step's call
             if stop.requested(step):
-                print(f"PREEMPTED {step}", flush=True)
+                say(f"PREEMPTED {step}")
                 _faults_during_the_save()
                 saved = stop.save(step, model=state)
-                print(f"SAVED {sorted(saved) if saved is not None else None}", flush=True)
+                say(f"SAVED {sorted(saved) if saved is not None else None}")
                 return stop.exit_code
             if step % args.every == 0:
                 try:
                     mgr.save(step, model=state)
                 except Exception as exc:  # the guard: training goes on
-                    print(f"NOT SAVED {step}: {type(exc).__name__}", flush=True)
-    print("DONE", flush=True)
+                    say(f"NOT SAVED {step}: {type(exc).__name__}")
+    say("DONE")
     return 0
 
 
