@@ -162,7 +162,8 @@ def ledger_trainer(cls: T) -> T:
     checkpoints go through the ledger. Extra keyword arguments: ``ledger=``
     (the run root; default ``args.output_dir``), ``db_url=``, ``guard=`` and
     ``preemption=`` (``True`` or an :class:`~ckptdb.OnPreemption`; the
-    Trainer's ``enable_jit_checkpoint=True`` means ``True``)."""
+    Trainer's ``enable_jit_checkpoint=True`` means ``True`` unless
+    ``preemption=False`` says otherwise)."""
     if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
         raise ArgumentTypeError(
             f"ledger_trainer() takes transformers.Trainer or a subclass, got {cls!r}"
@@ -220,7 +221,7 @@ class _LedgerTrainerMixin:
         self.ckptdb_ledger = ledger
         self.ckptdb_db_url = db_url
         self.ckptdb_guard: common.GuardSetting = guard
-        if self._ckptdb_without_jit_checkpoint() and settings is None:
+        if self._ckptdb_without_jit_checkpoint() and preemption is None:
             settings = OnPreemption()  # enable_jit_checkpoint: the same, through the ledger
         self.ckptdb_preemption = settings
         self._ckptdb_run: _Run | None = None
