@@ -197,6 +197,25 @@ class PublishError(CkptDBError, RuntimeError):
         )
 
 
+class LedgerUnavailableError(PublishError, ConnectionError):
+    """A boundary failed because the ledger could not be reached: a PostgreSQL server
+    restarting or failing over, a network blip, a SQLite file locked past its busy
+    timeout. Nothing was published; training can go on, and the next boundary
+    tries again (the manager reconnects, and takes its writer lock back when no
+    other writer took the run). ``__cause__`` is the driver's error.
+    """
+
+    def __str__(self) -> str:
+        # the rollback could not be recorded either (the rows stay pending for the next
+        # reconcile, which is the expected outcome here): only other leftovers are said
+        text = Exception.__str__(self)
+        others = [f for f in self.cleanup_failures if not f.action.startswith("record")]
+        if others:
+            leftovers = "; ".join(str(f) for f in others)
+            text += f" (cleanup also failed, left for the next reconcile: {leftovers})"
+        return text
+
+
 class PhaseError(CkptDBError, OSError):
     """An OS-level failure in one protocol phase, before the boundary wraps it.
 

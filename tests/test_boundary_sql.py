@@ -35,12 +35,13 @@ Opener = Callable[..., CheckpointManager]
 SQLITE_ONLY = pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 
 #: Statements of a steady-state 3-stream boundary, every stream evicting. SQLite:
-#: intent 6 (PRAGMA, BEGIN, top-K members, INSERT ... RETURNING, taken names,
-#: names), commit 9 (PRAGMA, BEGIN, committed, 3 retention reads, evicted, pins,
-#: pointers) + metrics, clean-up 2 (BEGIN, deleted: its level is the intent's,
-#: so no PRAGMA). PostgreSQL: no PRAGMA and no BEGIN statement (the driver
-#: begins implicitly), but one pg_notify for followers.
-STEADY_STATEMENTS = {"sqlite": 18, "postgresql": 14}
+#: intent 7 (PRAGMA, BEGIN, the writer fence, top-K members, INSERT ... RETURNING,
+#: taken names, names), commit 10 (PRAGMA, BEGIN, the writer fence, committed, 3
+#: retention reads, evicted, pins, pointers) + metrics, clean-up 2 (BEGIN,
+#: deleted: its level is the intent's, so no PRAGMA). PostgreSQL: no PRAGMA and
+#: no BEGIN statement (the driver begins implicitly), but one pg_notify for
+#: followers. The fence is one statement each time (the commit's locks the run's row).
+STEADY_STATEMENTS = {"sqlite": 20, "postgresql": 16}
 STREAMS = {"model": Keep(last=2), "best": TopK(2, "loss"), "ema": Keep(last=1)}
 
 

@@ -55,6 +55,7 @@ from ckptdb.errors import (
     CheckpointNotFoundError,
     CkptDBError,
     CorruptCheckpointError,
+    DatabaseError,
     PublishError,
 )
 from ckptdb.protocol.boundary import Publisher
@@ -623,7 +624,9 @@ def test_rollback_bookkeeping_on_a_locked_ledger_is_left_for_reconcile(
         assert err.phase == "commit"
         assert "database is locked" in str(err.__cause__)
         assert len(err.cleanup_failures) == 1  # the ledger itself could not record it
-        assert isinstance(err.cleanup_failures[0].error, sqlalchemy.exc.OperationalError)
+        failure = err.cleanup_failures[0].error  # one line; the driver's error as its cause
+        assert isinstance(failure, DatabaseError) and "\n" not in str(failure)
+        assert isinstance(failure.original, sqlalchemy.exc.OperationalError)
         assert committed_state(root) == visible_before
         assert disk(mgr.save_dir) == disk_before  # the files were removed all the same
         assert rows(root, "SELECT DISTINCT state FROM checkpoints WHERE id >= ?", first_new_id) == [

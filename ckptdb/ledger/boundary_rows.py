@@ -177,6 +177,24 @@ def _inserted_id(result: Executed) -> int:
     return int(result.lastrowid)
 
 
+def newest_attempt(session: Session, run_id: int, *, lock: bool) -> int | None:
+    """The run's newest attempt; with ``lock``, the run's row is locked until COMMIT.
+
+    The fence every commit checks (with ``lock``): a writer commits only while
+    its attempt is the run's newest. A writer that opens the run takes the same
+    row lock to add its attempt (:func:`ckptdb.ledger.rows.start_attempt`), so an
+    open and a commit never interleave: the commit either lands before the open
+    (whose reconcile then sees it committed) or sees the newer attempt and stops.
+    One statement. SQLite needs no row lock: its writers are serialized by the
+    database file's own lock.
+    """
+    newest = "(SELECT MAX(a.id) FROM attempts a WHERE a.run_id = r.id)"
+    locked = lock and connection_of(session).dialect.name == "postgresql"
+    sql = f"SELECT {newest} FROM runs r WHERE r.id = ?" + (" FOR UPDATE OF r" if locked else "")
+    ((found,),) = fetch(session, sql, (run_id,))
+    return int(found) if found is not None else None
+
+
 def live_paths(session: Session, run_id: int, step: int, streams: Sequence[str]) -> set[str]:
     """Paths that live rows of ``streams`` at ``step`` hold: where a name in ckptdb's own
     naming (which only its stream and step can use) is taken. One indexed read for the

@@ -31,6 +31,7 @@ import contextlib
 import contextvars
 import hashlib
 import importlib.resources
+import re
 import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -106,18 +107,47 @@ def safe_url(url: str) -> str:
         return url
 
 
+def one_line(exc: BaseException) -> str:
+    """``exc`` for a message: a driver's error as its first line (no SQL, no link)."""
+    return driver_message(exc) if isinstance(exc, SQLAlchemyError) else str(exc)
+
+
+def unreachable(where: str, exc: BaseException) -> str:
+    """The one line a user reads when the ledger at ``where`` could not be reached."""
+    original = getattr(exc, "original", None) or exc
+    return (
+        f"the ledger {where} is unreachable ({driver_message(original)}); training can go "
+        "on: the next checkpoint tries again"
+    )
+
+
+def _is_psycopg_operational(exc: BaseException) -> bool:
+    kind = type(exc)
+    return kind.__name__ == "OperationalError" and kind.__module__.startswith("psycopg")
+
+
+def postgres_connect_args(url: str) -> dict[str, Any]:
+    """``connect_timeout`` (:data:`CONNECT_TIMEOUT`) unless the URL sets its own."""
+    if "connect_timeout" in make_url(url).query:
+        return {}
+    return {"connect_timeout": CONNECT_TIMEOUT}
+
+
 def create_ledger_engine(url: str, *, readonly: bool = False) -> Engine:
     """Create an engine for a ledger URL with ckptdb's connection settings."""
     url = normalize_url(url)
     backend = make_url(url).get_backend_name()
     if backend == "postgresql":
+        timeout = postgres_connect_args(url)
         if readonly:
-            engine = create_engine(url, pool_pre_ping=True)
+            engine = create_engine(url, pool_pre_ping=True, connect_args=timeout)
             _configure_postgres_reader(engine)
             return engine
         # Pins and evictions rely on each statement seeing what committed before it
         # (see ledger/pins.py): never inherit another default from the server or role.
-        return create_engine(url, pool_pre_ping=True, isolation_level="READ COMMITTED")
+        return create_engine(
+            url, pool_pre_ping=True, isolation_level="READ COMMITTED", connect_args=timeout
+        )
     if backend != "sqlite":
         return create_engine(url, pool_pre_ping=True)
     engine = create_engine(url)
@@ -449,9 +479,42 @@ _DEFAULT_WHAT = "the ledger"
 
 
 def driver_message(exc: BaseException) -> str:
-    """The first line of a driver's error (SQLAlchemy appends the statement and a link)."""
+    """The first line of a driver's error (SQLAlchemy appends the statement and a link,
+    on a line of its own or, for its own errors, at the end of the first)."""
     lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    first = _BACKGROUND.sub("", lines[0]).strip() if lines else ""
+    return first or type(exc).__name__
+
+
+_BACKGROUND = re.compile(r"\s*\(Background on this error at: \S+\)")
+#: PostgreSQL's SQLSTATEs of a server that is going away or not there yet.
+_SERVER_GONE = {"57P01", "57P02", "57P03"}  # admin shutdown, crash shutdown, cannot connect now
+#: How long a connection attempt to a PostgreSQL ledger may take (seconds), unless
+#: the URL says otherwise: a save during an outage fails within it, never hangs.
+CONNECT_TIMEOUT = 10
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says the ledger could not be reached now,
+    and may be again later: a connection refused, lost or timed out, a server
+    shutting down or starting up, a SQLite file locked past its busy timeout.
+    Not bad SQL, a constraint, a missing table, a wrong password."""
+    seen: set[int] = set()
+    found: BaseException | None = exc
+    while found is not None and id(found) not in seen:
+        seen.add(id(found))
+        if getattr(found, "connection_invalidated", False):
+            return True  # SQLAlchemy saw the connection drop
+        state = getattr(found, "sqlstate", None)
+        if isinstance(state, str) and (state.startswith("08") or state in _SERVER_GONE):
+            return True
+        if state is None and _is_psycopg_operational(found):
+            return True  # psycopg: an OperationalError without SQLSTATE had no server answer
+        if isinstance(found, sqlite3.OperationalError) and "locked" in str(found):
+            return True
+        nxt = getattr(found, "orig", None) or getattr(found, "original", None)
+        found = nxt if nxt is not None else found.__cause__
+    return False
 
 
 def open_ledger(url: str, *, readonly: bool = False) -> Ledger:

@@ -38,7 +38,14 @@ from ..errors import (
     RunDirectoryError,
     WriterLockLostError,
 )
-from .engine import advisory_key, backend_name, normalize_url, safe_url, translated
+from .engine import (
+    advisory_key,
+    backend_name,
+    normalize_url,
+    postgres_connect_args,
+    safe_url,
+    translated,
+)
 
 log = logging.getLogger("ckptdb.lock")
 
@@ -56,8 +63,16 @@ class RunLock(Protocol):
     def acquire(self) -> None:
         """Take the lock at once or raise :class:`LedgerLockedError` naming the holder."""
 
+    #: Why this writer may never write again (another writer took the run), or None.
+    lost: str | None
+
     def verify(self) -> None:
-        """Raise :class:`WriterLockLostError` if the lock is no longer held."""
+        """Raise :class:`WriterLockLostError` if the lock is lost for good; take it back
+        if only its session ended (a server restart), or raise the driver's
+        :class:`DatabaseError` while the server cannot be reached (try again later)."""
+
+    def give_up(self, reason: str) -> None:
+        """Another writer took the run (``reason``): release, and refuse every later verify."""
 
     def release(self) -> None:
         """Give the lock back (idempotent)."""
@@ -88,6 +103,7 @@ class FileWriterLock:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.lost: str | None = None
         self._lock = FileLock(str(root / LOCK_NAME), timeout=0, thread_local=False)
 
     def acquire(self) -> None:
@@ -114,7 +130,13 @@ class FileWriterLock:
         return data if isinstance(data, dict) else {}
 
     def verify(self) -> None:
-        """A file lock cannot be lost while the process lives."""
+        """A file lock cannot be lost while the process lives (unless given up)."""
+        if self.lost is not None:
+            raise WriterLockLostError(self.lost)
+
+    def give_up(self, reason: str) -> None:
+        self.lost = reason
+        self.release()
 
     def release(self) -> None:
         if self._lock.is_locked:
@@ -139,6 +161,7 @@ class AdvisoryWriterLock:
         self.root = root
         self.url = normalize_url(url)
         self.key = advisory_key(f"ckptdb:run:{root}")
+        self.lost: str | None = None
         self._engine: Engine | None = None
         self._conn: Connection | None = None
 
@@ -146,7 +169,9 @@ class AdvisoryWriterLock:
         name = f"ckptdb pid={os.getpid()} host={socket.gethostname()}"
         try:
             engine = create_engine(
-                self.url, poolclass=NullPool, connect_args={"application_name": name[:63]}
+                self.url,
+                poolclass=NullPool,
+                connect_args={"application_name": name[:63], **postgres_connect_args(self.url)},
             )
         except ImportError as exc:
             raise LedgerError(
@@ -192,18 +217,57 @@ class AdvisoryWriterLock:
         return holder
 
     def verify(self) -> None:
+        """The lock session answers; or, when it ended (the server restarted, the
+        connection dropped), the lock is taken again on a new session.
+
+        Taken again only if no one holds it: a writer that opened the run in
+        between holds it (then this one is fenced off for good), and one that
+        opened and closed since is caught by the fence every commit checks
+        (:func:`ckptdb.ledger.boundary_rows.check_writer`). While the server
+        cannot be reached, the driver's :class:`DatabaseError` is raised and
+        the next call tries again.
+        """
+        if self.lost is not None:
+            raise WriterLockLostError(self.lost)
         conn = self._conn
+        if conn is not None:
+            try:
+                with translated("the lock session"):
+                    conn.exec_driver_sql("SELECT 1")
+                    conn.commit()
+                return
+            except DatabaseError as exc:
+                log.warning(
+                    "ckptdb: the PostgreSQL session holding the writer lock of run %s ended "
+                    "(%s); taking the lock again",
+                    self.root,
+                    exc,
+                )
+                self._drop_session()
         try:
-            if conn is None:
-                raise LedgerError("the writer lock is not held")
-            with translated("the lock session"):
-                conn.exec_driver_sql("SELECT 1")
-                conn.commit()
-        except LedgerError as exc:
-            raise WriterLockLostError(
-                f"lost the writer lock of run {self.root} (its PostgreSQL session ended: "
-                f"{exc}); another writer may have taken the run over: close and reopen it"
-            ) from exc
+            self.acquire()
+        except LedgerLockedError as exc:
+            self.give_up(
+                f"lost the writer lock of run {self.root}: its PostgreSQL session ended and "
+                f"another writer holds it now ({exc}); this manager never commits again: "
+                "close it"
+            )
+            raise WriterLockLostError(self.lost) from exc
+        log.warning("ckptdb: the writer lock of run %s is held again", self.root)
+
+    def give_up(self, reason: str) -> None:
+        self.lost = reason
+        self.release()
+
+    def _drop_session(self) -> None:
+        conn, engine = self._conn, self._engine
+        self._conn = self._engine = None
+        try:
+            if conn is not None:
+                conn.invalidate()  # never returned to a pool, never rolled back on a dead socket
+        finally:
+            if engine is not None:
+                engine.dispose()
 
     def release(self) -> None:
         conn, engine = self._conn, self._engine

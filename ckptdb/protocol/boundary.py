@@ -55,6 +55,7 @@ from ..errors import (
     CkptDBError,
     DatabaseError,
     InvalidArgumentError,
+    LedgerUnavailableError,
     NonFiniteGradientError,
     ObjectStoreError,
     PhaseError,
@@ -62,11 +63,13 @@ from ..errors import (
     PublishError,
     RankAgreementError,
     RunDirectoryError,
+    WriterLockLostError,
 )
 from ..guard import NonFiniteGradGuard
 from ..ledger import after_commit, boundary_rows, pins
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
+from ..ledger.engine import driver_message, is_unreachable, unreachable
 from ..ledger.follow import notify_commit
 from ..policies import Entry
 from ..record import Checkpoint
@@ -204,9 +207,15 @@ class Publisher:
     def _intent(
         self, step: int, values: dict[str, float], payloads: Mapping[str, Any]
     ) -> list[Share]:
-        """One transaction: decide top-K admission, insert a pending row per admitted stream."""
+        """One transaction: decide top-K admission, insert a pending row per admitted stream.
+
+        The writer lock is checked first (and taken back if only its session ended),
+        then the fence: a writer another one fenced off records nothing more."""
         try:
+            assert self.ctx.lock is not None
+            self.ctx.lock.verify()
             with self.ctx.ledger.transaction(durable=False) as session:
+                self._check_fence(session, lock=False)
                 admitted = self._admitted(session, step, values, payloads)
                 self._refuse_vanished_directories(session, step, admitted)
                 for stream, payload in admitted.items():
@@ -225,8 +234,14 @@ class Publisher:
             ) from exc.error
         except DatabaseError as exc:
             cause = exc.original or exc
+            if is_unreachable(exc):
+                raise LedgerUnavailableError(
+                    f"step {step} not published: {unreachable(self.ctx.ledger.safe_url, exc)}",
+                    phase="intent",
+                    step=step,
+                ) from cause
             raise PublishError(
-                f"step {step}: could not record the intent in the ledger: {cause}",
+                f"step {step}: could not record the intent in the ledger: {driver_message(cause)}",
                 phase="intent",
                 step=step,
             ) from cause
@@ -558,6 +573,7 @@ class Publisher:
         ctx = self.ctx
         try:
             with ctx.ledger.transaction() as session:
+                self._check_fence(session, lock=True)
                 written = [(s.row_id, s.info.size, s.info.hash) for s in shares if s.info]
                 assert len(written) == len(shares), "every share was sealed"
                 boundary_rows.mark_committed(session, written, now)
@@ -586,6 +602,24 @@ class Publisher:
             if progress.committed:
                 raise
             raise PhaseFailure("commit", exc) from exc
+
+    def _check_fence(self, session: Any, *, lock: bool) -> None:
+        """Write only while this writer's attempt is the run's newest: a writer whose
+        lock session ended, and that took the lock back after another writer had
+        opened the run (and maybe closed it again), stops here, for good. The
+        commit's check (``lock``) is the one that counts; the intent's keeps a
+        fenced writer from recording even a pending row."""
+        ctx = self.ctx
+        newest = boundary_rows.newest_attempt(session, ctx.run_id, lock=lock)
+        if newest == ctx.attempt_id:
+            return
+        assert ctx.lock is not None
+        ctx.lock.give_up(
+            f"lost the writer lock of run {ctx.root}: another writer opened it (attempt "
+            f"{newest}) after this one (attempt {ctx.attempt_id}); this manager never "
+            "commits again: close it"
+        )
+        raise WriterLockLostError(ctx.lock.lost)
 
     def _retention(self, session: Any, s: Share, step: int) -> list[boundary_rows.Member]:
         """The committed rows of ``s``'s stream its policy evicts now that ``s`` commits."""

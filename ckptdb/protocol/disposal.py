@@ -18,14 +18,17 @@ from ..errors import (
     DatabaseError,
     InvalidArgumentError,
     LedgerError,
+    LedgerUnavailableError,
     PhaseError,
     PhaseFailure,
     PublishError,
+    WriterLockLostError,
     warn_cleanup,
 )
 from ..ledger import boundary_rows
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
+from ..ledger.engine import is_unreachable, one_line, unreachable
 from .context import RunContext
 from .share import Share
 
@@ -50,7 +53,7 @@ def roll_back(ctx: RunContext, step: int, shares: list[Share], exc: BaseExceptio
     if isinstance(cause, CkptDBError) and cause.ranks:
         what = str(cause)  # another rank's failure, already described
     else:
-        what = f"{type(cause).__name__}: {cause}"
+        what = f"{type(cause).__name__}: {one_line(cause)}"
     error_text = f"{phase} failed{where}: {what}"
     record_rollback(ctx, step, shares, left, error_text, failures, phase)
     for failure in failures:
@@ -58,7 +61,11 @@ def roll_back(ctx: RunContext, step: int, shares: list[Share], exc: BaseExceptio
     if not isinstance(exc, Exception):
         return  # KeyboardInterrupt & co. propagate unchanged after the cleanup
     path_of = {str(store.location / r): s.stream for s in shares for r in (s.tmp, s.final)}
-    raise PublishError(
+    unavailable = is_unreachable(cause) and not isinstance(cause, WriterLockLostError)
+    kind = LedgerUnavailableError if unavailable else PublishError
+    if unavailable:
+        error_text = f"{phase} failed: {unreachable(ctx.ledger.safe_url, cause)}"
+    raise kind(
         f"step {step} not published: {error_text}",
         phase=phase,
         step=step,
@@ -77,7 +84,19 @@ def record_rollback(
     failures: list[CleanupFailure],
     phase: str,
 ) -> None:
-    """Mark rows aborted (or leave them pending for reconcile if files remain)."""
+    """Mark rows aborted (or leave them pending for reconcile if files remain).
+
+    Not by a writer another one fenced off: the run is the other's now, and its
+    open's reconcile has dealt (or will deal) with this writer's pending rows."""
+    if ctx.lock is not None and ctx.lock.lost is not None:
+        failures.append(
+            CleanupFailure(
+                Path(ctx.ledger.database),
+                WriterLockLostError(ctx.lock.lost),
+                action="record the rollback (left to the run's current writer) in",
+            )
+        )
+        return
     try:
         with ctx.ledger.transaction() as session:
             aborted = [s.row_id for s in shares if s.row_id not in left]
@@ -117,7 +136,7 @@ def record_rollback(
         failures.append(
             CleanupFailure(
                 Path(ctx.ledger.database),
-                db_exc.original or db_exc,
+                db_exc,  # one line; the driver's own error is its __cause__
                 action="record the rollback (rows stay pending for reconcile) in",
             )
         )
