@@ -31,7 +31,9 @@ def require_run(root: Path, db_url: str | None) -> None:
     which would otherwise create an empty run where the user mistyped a path.
     """
     url = db_url or engine.default_sqlite_url(root.resolve())
-    if not run_exists(root.resolve(), url):
+    # the run's own SQLite file belongs to it wherever the directory went (copied,
+    # moved, restored from a backup, mounted elsewhere), as when a manager opens it
+    if not run_exists(root.resolve(), url, adopt_single=db_url is None):
         where = f" in the ledger {engine.safe_url(db_url)}" if db_url else ""
         raise InvalidArgumentError(f"no ckptdb run at {root}{where}")
 

@@ -105,8 +105,10 @@ def open_as_reader(db: Ledger, root: Path, *, adopt_single: bool) -> OpenedRun:
         return OpenedRun(run.id, run.name, rows.rebased_save_dir(run, root), policies)
 
 
-def run_exists(root: Path, db_url: str) -> bool:
-    """Whether the ledger at ``db_url`` records a run rooted at ``root``; creates nothing."""
+def run_exists(root: Path, db_url: str, *, adopt_single: bool = False) -> bool:
+    """Whether the ledger at ``db_url`` records a run rooted at ``root`` (with
+    ``adopt_single``: or holds exactly one run, which a ledger file in the run's
+    own directory does, wherever that directory has moved); creates nothing."""
     url = normalize_url(db_url)
     path = sqlite_path(url)
     if path is not None and not path.exists():
@@ -117,7 +119,9 @@ def run_exists(root: Path, db_url: str) -> bool:
             if not inspect(conn).has_table(m.Run.__tablename__):
                 return False
             found = conn.execute(select(m.Run.id).where(m.Run.root == str(root))).first()
-            return found is not None
+            if found is not None or not adopt_single:
+                return found is not None
+            return len(conn.execute(select(m.Run.id).limit(2)).all()) == 1
     finally:
         db.dispose()
 
