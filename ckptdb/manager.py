@@ -19,6 +19,7 @@ under torch.distributed, where only the chief (rank 0) opens the ledger.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -74,6 +75,8 @@ from .storage.naming import run_token
 from .storage.opening import check_options, open_store
 
 __all__ = ["CheckpointManager", "CleanupWarning"]
+
+log = logging.getLogger("ckptdb.manager")
 
 DEFAULT_STREAMS: dict[str, Policy] = {"model": Keep(last=5)}
 
@@ -399,7 +402,22 @@ class CheckpointManager:
             raise error
 
     def _end_attempt(self, end_state: str) -> None:
+        """End the attempt, write the buffered metrics, remove what pins held back.
+
+        Not for a writer another one took the run from (its lock was given up):
+        the run is the other writer's, which already ended this attempt as
+        ``crashed``; the buffered metrics are dropped, and said so."""
         ctx = self._ctx
+        assert ctx.lock is not None
+        if ctx.lock.lost is not None:
+            log.warning(
+                "ckptdb: the end of attempt %s and its last buffered metrics were not recorded: %s",
+                ctx.attempt_id,
+                ctx.lock.lost,
+            )
+            ctx.ledger.dispose()
+            ctx.lock.release()
+            return
         try:
             with ctx.ledger.transaction() as session:
                 flushed = ctx.metrics.insert_into(session, ctx.run_id, ctx.attempt_id, None)

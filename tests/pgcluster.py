@@ -55,11 +55,18 @@ class Cluster:
         _open_to_postgres(base)
         self._as_postgres(_tool("initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres")
 
-    def _as_postgres(self, *command: str | None, check: bool = True) -> None:
+    def _as_postgres(self, *command: str | None, check: bool = True) -> int:
         args = [str(c) for c in command if c is not None]
         if os.geteuid() == 0:
             args = ["runuser", "-u", "postgres", "--", *args]
-        subprocess.run(args, check=check, capture_output=True, timeout=60)
+        done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        if check and done.returncode != 0:
+            log = self.base / "server.log"
+            tail = log.read_text()[-2000:] if log.exists() else ""
+            raise RuntimeError(
+                f"{' '.join(args)} exited {done.returncode}: {done.stdout}{done.stderr}\n{tail}"
+            )
+        return done.returncode
 
     def start(self) -> None:
         options = (
@@ -72,23 +79,8 @@ class Cluster:
         )  # fmt: skip
 
     def running(self) -> bool:
-        found = subprocess.run(
-            [
-                "runuser",
-                "-u",
-                "postgres",
-                "--",
-                _tool("pg_ctl") or "pg_ctl",
-                "-D",
-                str(self.data),
-                "status",
-            ]
-            if os.geteuid() == 0
-            else [_tool("pg_ctl") or "pg_ctl", "-D", str(self.data), "status"],
-            capture_output=True,
-            timeout=30,
-        )
-        return found.returncode == 0
+        """``pg_ctl status``: 0 while the server runs."""
+        return self._as_postgres(_tool("pg_ctl"), "-D", str(self.data), "status", check=False) == 0
 
     def stop(self, mode: str = "fast") -> None:
         self._as_postgres(_tool("pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop")

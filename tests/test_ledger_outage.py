@@ -180,9 +180,13 @@ def test_the_fence_stops_a_writer_whose_lock_came_back_after_another_writer_came
         # and it gave the lock up: a third writer can open the run
         with CheckpointManager(root, db_url=server.url) as third:
             third.save(5, model=state(5))
+        first.log_metrics(6, {"loss": 0.5})
     finally:
-        first.close()
+        first.close()  # records nothing: not its end, not its buffered metrics
     assert committed(root, server.url) == [1, 2, 5]
+    with RunReader(root, db_url=server.url) as reader:
+        assert [a.end_state for a in reader.attempts()] == ["crashed", "closed", "closed"]
+        assert reader.metric_names() == []
     with RunReader(root, db_url=server.url) as reader:
         rows = reader.checkpoints(states=("pending", "aborted", "committed"))
     assert sorted(c.step for c in rows) == [1, 2, 5]  # the fenced writer wrote no row at all
