@@ -216,6 +216,15 @@ class LedgerUnavailableError(PublishError, ConnectionError):
         return text
 
 
+class CommitOutcomeUnknownError(LedgerUnavailableError):
+    """The ledger stopped answering while a boundary's COMMIT was on its way: the
+    boundary may be committed or not, and no one can tell until the ledger
+    answers again. Its files are left in place. The manager settles it by
+    reading the ledger back at its next boundary (or at close; else the next
+    open's reconcile does): committed, it stands; not, it is rolled back.
+    """
+
+
 class PhaseError(CkptDBError, OSError):
     """An OS-level failure in one protocol phase, before the boundary wraps it.
 

@@ -23,7 +23,10 @@ POINTS = (
     "mid_reconcile",  # reconcile's file work done, ledger not yet updated
 )
 # Also visited, only by sharded saves (kept out of the sweep over POINTS):
-# "mid_shard_write", inside DCP's write step, on every rank.
+# "mid_shard_write", inside DCP's write step, on every rank. And after every
+# writing ledger transaction's COMMIT returned, before its queued work runs:
+# "commit_answered" (a test raises a lost connection there: a COMMIT whose
+# answer never came).
 
 _hook: Callable[[str], None] | None = None
 

@@ -401,6 +401,20 @@ class CheckpointManager:
             handle.mark_fetched()
             raise error
 
+    def _settle_before_close(self) -> None:
+        """A boundary whose COMMIT's answer was lost, decided before the attempt ends;
+        if the ledger still cannot be read, the next open's reconcile decides it
+        (a pending row with its files is rolled back, a committed one stands)."""
+        try:
+            self._publisher.settle()
+        except LedgerError as exc:
+            log.error(
+                "ckptdb: %d boundary(ies) with a lost COMMIT answer are left to the next "
+                "open's reconcile: %s",
+                len(self._publisher.unsettled),
+                exc,
+            )
+
     def _end_attempt(self, end_state: str) -> None:
         """End the attempt, write the buffered metrics, remove what pins held back.
 
@@ -419,6 +433,7 @@ class CheckpointManager:
             ctx.lock.release()
             return
         try:
+            self._settle_before_close()
             with ctx.ledger.transaction() as session:
                 flushed = ctx.metrics.insert_into(session, ctx.run_id, ctx.attempt_id, None)
                 ledger_rows.end_attempt(session, ctx.attempt_id, end_state)

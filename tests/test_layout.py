@@ -29,7 +29,7 @@ ALLOWED = {
     "trace": set(),
     "guard": set(),
     "storage": {"errors", "faults", "location", "policies", "trace"},
-    "ledger": {"errors", "location", "policies", "record", "trace"},
+    "ledger": {"errors", "faults", "location", "policies", "record", "trace"},
     "coord": {"errors"},
     "preemption": {"errors", "record"},
     "protocol": {

@@ -25,6 +25,7 @@ from ckptdb import CheckpointManager, Keep, RunReader, faults
 from ckptdb.cli import main as ckptdb_cli
 from ckptdb.errors import (
     CleanupWarning,
+    CommitOutcomeUnknownError,
     LedgerLockedError,
     LedgerUnavailableError,
     PublishError,
@@ -222,3 +223,87 @@ def test_the_lock_log_lines_say_what_happened(
     messages = [r.getMessage() for r in caplog.records if r.name == "ckptdb.lock"]
     assert any("ended" in m and "taking the lock again" in m for m in messages), messages
     assert any("is held again" in m for m in messages), messages
+
+
+def kill_the_commit_session(server: Cluster) -> None:
+    """From another session: end the backend whose transaction is open (the commit's)."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    admin = create_engine(server.url, poolclass=NullPool)
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE state = 'idle in transaction' AND pid <> pg_backend_pid()"
+            )
+            conn.commit()
+    finally:
+        admin.dispose()
+
+
+def lost_answer() -> Exception:
+    """What the driver raises when the connection drops before COMMIT's answer came."""
+    import psycopg
+    import sqlalchemy.exc
+
+    return sqlalchemy.exc.OperationalError(
+        "COMMIT",
+        {},
+        psycopg.OperationalError("consuming input failed: server closed the connection"),
+        connection_invalidated=True,
+    )
+
+
+@pytest.mark.parametrize("outcome", ["not committed", "committed"])
+def test_a_commit_whose_answer_is_lost_is_settled_by_reading_the_ledger_back(
+    tmp_path: Path, server: Cluster, outcome: str
+) -> None:
+    """Not committed: the backend is terminated (pg_terminate_backend from another
+    session) just before COMMIT. Committed: COMMIT went through and its answer is
+    lost (the connection error is raised once COMMIT returned). Either way the save
+    says the outcome is unknown, keeps its files, and the next save settles it: a
+    committed one stands (its metrics written once), another is rolled back."""
+    root = tmp_path / "run"
+    armed = {"on": True, "in_commit": False}
+
+    def fault(name: str) -> None:
+        if not armed["on"]:
+            return
+        if name == "in_commit":
+            armed["in_commit"] = True  # the boundary's commit transaction, not the intent's
+            if outcome == "not committed":
+                armed["on"] = False
+                kill_the_commit_session(server)
+        if outcome == "committed" and name == "commit_answered" and armed["in_commit"]:
+            armed["on"] = False
+            raise lost_answer()
+
+    with CheckpointManager(root, streams={"model": Keep(last=None)}, db_url=server.url) as mgr:
+        mgr.save(1, model=state(1))
+        mgr.log_metrics(2, {"loss": 0.25})
+        faults.set_hook(fault)
+        try:
+            with pytest.raises(CommitOutcomeUnknownError) as unknown:
+                mgr.save(2, model=state(2))
+        finally:
+            faults.set_hook(None)
+        assert isinstance(unknown.value, LedgerUnavailableError)
+        assert "not known yet" in str(unknown.value) and "\n" not in str(unknown.value)
+        files = sorted(p.name for p in (root / "checkpoints" / "model").iterdir())
+        assert len(files) == 2  # step 2's file kept: it may be a committed checkpoint
+        mgr.save(3, model=state(3))  # settles step 2 first
+        steps = [c.step for c in mgr.checkpoints("model")]
+    if outcome == "committed":
+        assert steps == [1, 2, 3]
+        assert (root / "checkpoints" / "model").joinpath(files[1]).exists()
+    else:
+        assert steps == [1, 3]
+        assert files[1] not in {p.name for p in (root / "checkpoints" / "model").iterdir()}
+    with RunReader(root, db_url=server.url) as reader:
+        assert [v for _, v, _ in reader.metric_history("loss")] == [0.25]  # once, either way
+        states = {c.step: c.state for c in reader.checkpoints(states=("committed", "aborted"))}
+        settled = [e for e in reader.events(limit=50) if e.kind == "commit_settled"]
+    assert states[2] == ("committed" if outcome == "committed" else "aborted")
+    assert len(settled) == (1 if outcome == "committed" else 0)
+    check_clean(root, server.url)

@@ -195,6 +195,19 @@ def newest_attempt(session: Session, run_id: int, *, lock: bool) -> int | None:
     return int(found) if found is not None else None
 
 
+def states_of(session: Session, ids: Sequence[int]) -> dict[int, str]:
+    """Each row's state (a boundary whose COMMIT's answer was lost, read back)."""
+    found: dict[int, str] = {}
+    for batch in batches(ids, MAX_BOUND):
+        rows = fetch(
+            session,
+            f"SELECT id, state FROM checkpoints WHERE id IN ({_marks(len(batch))})",
+            tuple(batch),
+        )
+        found.update({int(i): str(state) for i, state in rows})
+    return found
+
+
 def live_paths(session: Session, run_id: int, step: int, streams: Sequence[str]) -> set[str]:
     """Paths that live rows of ``streams`` at ``step`` hold: where a name in ckptdb's own
     naming (which only its stream and step can use) is taken. One indexed read for the

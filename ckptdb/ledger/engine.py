@@ -47,7 +47,7 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from .. import trace
+from .. import faults, trace
 from ..errors import DatabaseError, LedgerError, SchemaVersionError, note_on
 from . import driver
 from .held import CONNECTION, WriterConnection
@@ -335,6 +335,7 @@ class Ledger:
             trace.record(
                 "commit", database=self.engine.url.database, backend=self.backend, durable=durable
             )
+            faults.point("commit_answered")  # a test loses the answer of a COMMIT here
         _run_after_commit(queued)
 
     @contextlib.contextmanager

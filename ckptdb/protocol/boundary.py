@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -53,6 +54,7 @@ from .. import faults
 from ..coord.base import Coordinator, Objection, attach_rollback
 from ..errors import (
     CkptDBError,
+    CommitOutcomeUnknownError,
     DatabaseError,
     InvalidArgumentError,
     LedgerUnavailableError,
@@ -69,7 +71,7 @@ from ..guard import NonFiniteGradGuard
 from ..ledger import after_commit, boundary_rows, pins
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
-from ..ledger.engine import driver_message, is_unreachable, unreachable
+from ..ledger.engine import driver_message, is_unreachable, one_line, unreachable
 from ..ledger.follow import notify_commit
 from ..policies import Entry
 from ..record import Checkpoint
@@ -84,6 +86,8 @@ from .inputs import validate_step
 from .preflight import Preflight
 from .share import PlanItem, Share
 
+log = logging.getLogger("ckptdb.boundary")
+
 NAME_TRIES = 8  # salted names tried on a store without rename (one clash is already rare)
 
 
@@ -92,8 +96,19 @@ class _Progress:
     """How far the commit got: once ``committed``, nothing may roll the boundary back."""
 
     committed: bool = False
+    commit_sent: bool = False  # COMMIT was on its way: a lost answer leaves it unknown
+    flushed: int = 0  # buffered metric points the commit transaction inserted
     evicted: list[Any] = field(default_factory=list)
     records: dict[str, Checkpoint] = field(default_factory=dict)
+
+
+@dataclass
+class _Unsettled:
+    """A boundary whose COMMIT's answer was lost: settled once the ledger answers."""
+
+    step: int
+    shares: list[Share]
+    progress: _Progress
 
 
 class Publisher:
@@ -109,6 +124,7 @@ class Publisher:
         inflight: InFlight,
     ) -> None:
         self.ctx, self.coord, self.guard = ctx, coord, guard
+        self.unsettled: list[_Unsettled] = []
         self.writer, self.snapshots, self.inflight = writer, snapshots, inflight
 
     # ------------------------------------------------------------ the machine
@@ -214,6 +230,7 @@ class Publisher:
         try:
             assert self.ctx.lock is not None
             self.ctx.lock.verify()
+            self.settle()  # a boundary whose COMMIT's answer was lost, decided first
             with self.ctx.ledger.transaction(durable=False) as session:
                 self._check_fence(session, lock=False)
                 admitted = self._admitted(session, step, values, payloads)
@@ -487,6 +504,10 @@ class Publisher:
         except BaseException as exc:
             if progress.committed:
                 raise  # an error after COMMIT never undoes it
+            if progress.commit_sent and is_unreachable(exc):
+                unknown = self._unknown_outcome(step, shares, progress, exc)
+                coord.rolled_back(unknown, exc)
+                raise unknown from exc
             try:
                 self._roll_back(step, shares, exc)
             except Exception as failed:  # the PublishError, or the rollback's own failure
@@ -494,6 +515,49 @@ class Publisher:
                 raise
             raise  # an interrupt: rolled back (other ranks time out)
         return progress.records
+
+    def _unknown_outcome(
+        self, step: int, shares: list[Share], progress: _Progress, exc: BaseException
+    ) -> CommitOutcomeUnknownError:
+        """A COMMIT whose answer was lost: nothing is removed (its files may be a
+        committed checkpoint's); it is remembered, to be settled by reading the
+        ledger back once it answers (:meth:`settle`)."""
+        self.unsettled.append(_Unsettled(step, shares, progress))
+        cause = exc.error if isinstance(exc, PhaseFailure) else exc
+        cause = getattr(cause, "original", None) or cause  # a DatabaseError's driver error
+        return CommitOutcomeUnknownError(
+            f"step {step}: the ledger stopped answering during its commit "
+            f"({one_line(cause)}), so whether it is published is not known yet; its files "
+            "are kept, and it is settled when the ledger answers again (the next "
+            "checkpoint, the close, or the next open's reconcile); training can go on",
+            phase="commit",
+            step=step,
+        )
+
+    def settle(self) -> None:
+        """Decide each boundary whose COMMIT's answer was lost, by reading its rows back:
+        committed, it stands (its evictions are cleaned up, its metrics are not
+        written again); still pending, it is rolled back now. Raises the ledger's
+        error while it cannot be read (the next call tries again)."""
+        ctx = self.ctx
+        while self.unsettled:
+            found = self.unsettled[0]
+            ids = [s.row_id for s in found.shares]
+            with ctx.ledger.transaction(read=True) as session:
+                states = boundary_rows.states_of(session, ids)
+            if all(states.get(i) == m.COMMITTED for i in ids):
+                ctx.metrics.drop(found.progress.flushed)
+                self.unsettled.pop(0)
+                log.warning("ckptdb: step %d was committed after all", found.step)
+                ctx.event("commit_settled", step=found.step, detail={"committed": True})
+                self.clean_up(found.step, found.progress.evicted)
+                continue
+            self.unsettled.pop(0)
+            lost = ConnectionError("the ledger stopped answering during the COMMIT")
+            try:
+                self._roll_back(found.step, found.shares, PhaseFailure("commit", lost))
+            except PublishError as report:  # the rollback's own report: said, not raised
+                log.warning("ckptdb: settled as not committed, rolled back: %s", report)
 
     def _write_here(self, coord: Coordinator, shares: list[Share]) -> BaseException | None:
         """Phase 3 on the chief; its error is returned for the ``write`` agreement.
@@ -583,6 +647,7 @@ class Publisher:
                 boundary_rows.point_latest(session, ctx.run_id, latest)
                 progress.evicted.extend(self.unpinned(session, progress.evicted))
                 flushed = ctx.metrics.insert_into(session, ctx.run_id, ctx.attempt_id, metric_limit)
+                progress.flushed = flushed
                 notify_commit(session, ctx.run_id)  # delivered to followers once COMMIT returns
 
                 def committed() -> None:
@@ -596,6 +661,7 @@ class Publisher:
                 # last statement before COMMIT: a failure here finds the work queued,
                 # and must leave it unrun (the rows are still pending, nothing evicted)
                 faults.point("in_commit")
+                progress.commit_sent = True  # from here on, a lost connection is no answer
         except CkptDBError:
             raise
         except Exception as exc:  # whatever it is, it failed the commit phase
