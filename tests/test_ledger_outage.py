@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from distlib import run_ranks
 from pgcluster import Cluster, available
 
 from ckptdb import CheckpointManager, Keep, RunReader, faults
@@ -306,4 +307,41 @@ def test_a_commit_whose_answer_is_lost_is_settled_by_reading_the_ledger_back(
         settled = [e for e in reader.events(limit=50) if e.kind == "commit_settled"]
     assert states[2] == ("committed" if outcome == "committed" else "aborted")
     assert len(settled) == (1 if outcome == "committed" else 0)
+    check_clean(root, server.url)
+
+
+def outage_on_two_ranks(rank: int, world: int, root: str, cluster: Cluster) -> dict[str, object]:
+    """Each rank: save 1; the ledger goes down (rank 0 stops it) for save 2; back for 3."""
+    import torch.distributed as dist
+
+    failed: list[str] = []
+    with CheckpointManager(
+        Path(root), streams={"model": Keep(last=None)}, db_url=cluster.url
+    ) as mgr:
+        mgr.save(1, model=state(1))
+        if rank == 0:
+            cluster.stop("fast")
+        dist.barrier()
+        try:
+            mgr.save(2, model=state(2))
+        except PublishError as exc:
+            failed.append(type(exc).__name__)
+        if rank == 0:
+            cluster.start()
+        dist.barrier()
+        mgr.save(3, model=state(3))
+        latest = mgr.latest("model")
+    return {"failed": failed, "latest": latest.step if latest is not None else None}
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_both_get_the_outage_error_and_both_save_after_it(
+    tmp_path: Path, server: Cluster
+) -> None:
+    root = tmp_path / "run"
+    ranks = run_ranks(outage_on_two_ranks, 2, tmp_path, str(root), server, timeout=90)
+    assert [o.error for o in ranks] == [None, None], [o.trace for o in ranks]
+    expected = {"failed": ["LedgerUnavailableError"], "latest": 3}
+    assert [o.value for o in ranks] == [expected, expected]
+    assert committed(root, server.url) == [1, 3]
     check_clean(root, server.url)
