@@ -56,6 +56,7 @@ from ckptdb.errors import (
     CkptDBError,
     CorruptCheckpointError,
     DatabaseError,
+    LedgerUnavailableError,
     PublishError,
 )
 from ckptdb.protocol.boundary import Publisher
@@ -523,6 +524,9 @@ def test_ledger_locked_for_a_whole_topk_save_is_a_typed_error(
         assert "database is locked" in str(err)
         assert isinstance(err, CkptDBError), f"bare {type(err).__module__}.{type(err).__name__}"
         assert isinstance(err, RuntimeError)
+        # locked past the busy timeout: the ledger is unavailable for now, training goes on
+        assert isinstance(err, LedgerUnavailableError) and "training can go on" in str(err)
+        assert "\n" not in str(err)
         assert (ledger_dump(root), disk(mgr.save_dir)) == (dump_before, disk_before)
 
     result = mgr.save(STEP, metrics={"val_loss": 0.5}, **boundary(3.0))
