@@ -178,10 +178,19 @@ class Preemption:
             ) from exc
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        """Record, and nothing else: never a save, a lock, a log call or an exception."""
+        """Record, and nothing else: never a save, a lock, a log call or an exception.
+
+        Another ledger's preemption handler that this one replaced (two managers in
+        one process) records the signal too. Any other handler of the signal does
+        not run while this one is installed: a framework's would save or raise
+        inside the handler, which is what this one exists to avoid.
+        """
         self.count += 1
         if self.received is None:
             self.received = Received(signal.Signals(signum), time.time())
+        replaced = self._previous.get(signal.Signals(signum))
+        if isinstance(getattr(replaced, "__self__", None), Preemption):
+            replaced(signum, frame)  # type: ignore[misc]
 
     def close(self) -> None:
         """Restore the handlers that were there before; wait for an agreement in flight.
@@ -192,7 +201,11 @@ class Preemption:
         """
         previous, self._previous = self._previous, {}
         for sig, handler in previous.items():
-            if signal.getsignal(sig) != self._handle:
+            current = signal.getsignal(sig)
+            if current != self._handle:
+                over = getattr(current, "__self__", None)
+                if isinstance(over, Preemption) and over._previous.get(sig) == self._handle:
+                    over._previous[sig] = handler  # another ledger's, over ours: it restores ours'
                 continue
             try:
                 signal.signal(sig, handler)
@@ -369,7 +382,9 @@ class _PipelinedFlag:
             self._work = None
         if any(agreed) or not launch:
             return agreed
-        buffer = torch.zeros(self.size, dtype=torch.uint8)
+        # on the CPU whatever the ambient device (DeePMD steps its optimizer inside
+        # `with torch.device(DEVICE)`): a gloo collective, never a device sync
+        buffer = torch.zeros(self.size, dtype=torch.uint8, device="cpu")
         buffer[self.rank] = mine
         self._buffer = buffer
         self._work = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.group, async_op=True)

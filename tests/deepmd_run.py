@@ -31,11 +31,18 @@ import sys
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ckptdb import faults
 from ckptdb.integrations.deepmd import train
 
 RANK = int(os.environ.get("RANK", "0"))
+
+
+def say(line: str) -> None:
+    """One line to stderr in one write: the ranks share torchrun's pipe, and a
+    print() in pieces could interleave with another rank's."""
+    os.write(2, (line + "\n").encode())
 
 
 def _nan_at(step: int, rank: int) -> None:
@@ -51,11 +58,7 @@ def _nan_at(step: int, rank: int) -> None:
             self.nonfinite_grad_guard.update(torch.tensor(float("nan")))
             observe(self, optimizer, args, kwargs)
             param.grad.copy_(true)
-            print(
-                f"TEST: NaN gradient at optimizer step {step} on rank {RANK}",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"TEST: NaN gradient at optimizer step {step} on rank {RANK}")
         else:
             observe(self, optimizer, args, kwargs)
         seen[0] += 1
@@ -70,7 +73,7 @@ def _kill_at(point: str, visit: int) -> None:
         if name == point:
             seen[0] += 1
             if seen[0] == visit:
-                print(f"TEST: SIGKILL at {point} #{visit}", file=sys.stderr, flush=True)
+                say(f"TEST: SIGKILL at {point} #{visit}")
                 os.kill(os.getpid(), signal.SIGKILL)
 
     faults.set_hook(hook)
@@ -86,7 +89,7 @@ def _fail_write(rank: int, visit: int) -> None:
         def maybe_fail(target: Any) -> None:
             seen[0] += 1
             if rank == RANK and seen[0] == visit:
-                print(f"TEST: write #{visit} fails on rank {RANK}", file=sys.stderr, flush=True)
+                say(f"TEST: write #{visit} fails on rank {RANK}")
                 raise OSError(errno.EIO, "injected write failure", str(target))
             write(target)
 
@@ -96,15 +99,23 @@ def _fail_write(rank: int, visit: int) -> None:
 
 
 def _signal_at(step: int, rank: int) -> None:
-    check = train.LedgerTrainer._check_preemption
+    """SIGTERM after the optimizer step of DeePMD's step ``step``, counted on its own
+    (a global optimizer hook from the attempt's start step), not by ckptdb's counter."""
+    run = train.LedgerTrainer.run
+    done = [0]
 
-    def signalled(self: Any, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._steps_done + 1 == step and rank == RANK:
-            print(f"TEST: SIGTERM at step {step} on rank {RANK}", file=sys.stderr, flush=True)
+    def counting_run(self: Any) -> None:
+        done[0] = int(self.start_step)
+        run(self)
+
+    def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        done[0] += 1
+        if done[0] == step and rank == RANK:
+            say(f"TEST: SIGTERM at step {step} on rank {RANK}")
             os.kill(os.getpid(), signal.SIGTERM)
-        check(self, optimizer, args, kwargs)
 
-    train.LedgerTrainer._check_preemption = signalled  # type: ignore[method-assign]
+    train.LedgerTrainer.run = counting_run  # type: ignore[method-assign]
+    register_optimizer_step_post_hook(after_step)
 
 
 if __name__ == "__main__":
@@ -125,5 +136,5 @@ if __name__ == "__main__":
     except BaseException as exc:
         if "LOCAL_RANK" in os.environ:
             shown = " ".join(str(exc).split())
-            print(f"TEST: rank {RANK} raised {type(exc).__name__}: {shown}", file=sys.stderr)
+            say(f"TEST: rank {RANK} raised {type(exc).__name__}: {shown}")
         raise

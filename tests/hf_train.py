@@ -28,6 +28,11 @@ from ckptdb import Preempted, faults
 from ckptdb.integrations.transformers import Trainer
 
 
+def say(line: str) -> None:
+    """One line in one write (the ranks share torchrun's pipe; see tests/preempt_loop.py)."""
+    os.write(1, (line + "\n").encode())
+
+
 class SignalAt(TrainerCallback):
     """SIGTERM to this process at the end of ``step``, on ``rank`` only (before the
     ckptdb callback's check, which the Trainer runs after the user's callbacks)."""
@@ -93,11 +98,11 @@ def main() -> None:
     except Preempted as stopped:
         saved = [c.path.name for c in stopped.saved]
         outcome = {"step": stopped.step, "error": "Preempted", "code": stopped.code, "saved": saved}
-        print("RESULT " + json.dumps({**outcome, "rank": rank}), flush=True)
+        say("RESULT " + json.dumps({**outcome, "rank": rank}))
         raise
     except Exception as exc:
         outcome = {"step": trainer.state.global_step, "error": type(exc).__name__}
-    print("RESULT " + json.dumps({**outcome, "rank": rank}), flush=True)
+    say("RESULT " + json.dumps({**outcome, "rank": rank}))
 
 
 if __name__ == "__main__":

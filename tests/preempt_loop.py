@@ -37,7 +37,9 @@ PREFIX = ""
 
 
 def say(text: str) -> None:
-    print(f"{PREFIX}{text}", flush=True)
+    """One line in one write: ranks share the pipe, and print() writes the text and
+    its newline separately (unbuffered), so two ranks' lines could interleave."""
+    os.write(1, f"{PREFIX}{text}\n".encode())
 
 
 def _faults_during_the_save() -> None:

@@ -253,6 +253,45 @@ def test_in_one_process_the_signal_is_seen_at_the_next_call(tmp_path: Path) -> N
     assert detail == {"signal": "SIGUSR1", "ranks": [0]}
 
 
+def test_two_ledgers_in_one_process_both_hear_the_signal_and_put_everything_back(
+    tmp_path: Path,
+) -> None:
+    """Two managers (two runs) handle SIGUSR1: the second's handler replaced the
+    first's and passes the signal on. Closed in either order, the original handler
+    is back."""
+    original = signal.getsignal(signal.SIGUSR1)
+    for first_closes_first in (True, False):
+        a = CheckpointManager(tmp_path / f"a{first_closes_first}", streams={"model": Keep(last=1)})
+        b = CheckpointManager(tmp_path / f"b{first_closes_first}", streams={"model": Keep(last=1)})
+        stop_a = a.preemption(signals=[signal.SIGUSR1])
+        stop_b = b.preemption(signals=[signal.SIGUSR1])
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop_a.requested(1) and stop_b.requested(1)
+        for mgr in (a, b) if first_closes_first else (b, a):
+            mgr.close()
+        assert signal.getsignal(signal.SIGUSR1) == original
+
+
+def _meta_device_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The agreement under an ambient device (DeePMD steps inside ``torch.device``)."""
+    with CheckpointManager(root, streams={"model": Keep(last=2)}) as mgr:
+        stop = mgr.preemption()
+        for step in range(50):
+            if rank == 1 and step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            with torch.device("meta"):  # a buffer made here would be unusable
+                agreed = stop.requested(step)
+            if agreed:
+                return {"step": step}
+    return {"step": None}
+
+
+def test_the_agreement_stays_on_the_cpu_whatever_the_ambient_device(tmp_path: Path) -> None:
+    ranks = run_ranks(_meta_device_ranks, 2, tmp_path, str(tmp_path / "run"), timeout=60)
+    assert [o.error for o in ranks] == [None, None], [o.trace for o in ranks]
+    assert [o.value for o in ranks] == [{"step": 4}, {"step": 4}]
+
+
 # ------------------------------------------------------------------- ranks
 
 

@@ -50,22 +50,24 @@ def test_a_sigterm_checkpoints_that_step_exits_143_and_restart_latest_resumes_fr
     tmp_path: Path,
 ) -> None:
     root = make_run_dir(tmp_path / "run", enable_ema=True)
+    # the signal comes after step 33's check (torch runs global optimizer hooks after an
+    # optimizer's own): it is seen at the next one, step 34
     proc = dp(root, "--pt", "train", "input.json", *PREEMPT, env={"CKPTDB_TEST_SIGNAL_AT": "33"})
     assert proc.returncode == 143, output(proc)
-    assert committed(root) == [20, 33] and committed(root, "model_ema") == [20, 33]
-    assert os.readlink(root / "model.ckpt.pt") == "model.ckpt-33.pt"  # DeePMD's own names
-    assert (root / "checkpoint").read_text() == "model.ckpt-33.pt"
-    assert events(root, "preempted") == [(33, {"signal": "SIGTERM", "ranks": [0]})]
-    assert events(root, "preemption_saved") == [(33, {"saved": True})]
+    assert committed(root) == [20, 34] and committed(root, "model_ema") == [20, 34]
+    assert os.readlink(root / "model.ckpt.pt") == "model.ckpt-34.pt"  # DeePMD's own names
+    assert (root / "checkpoint").read_text() == "model.ckpt-34.pt"
+    assert events(root, "preempted") == [(34, {"signal": "SIGTERM", "ranks": [0]})]
+    assert events(root, "preemption_saved") == [(34, {"saved": True})]
     assert attempts(root) == ["preempted"]
 
     again = dp(root, "--pt", "train", "input.json", "--restart", "latest")
     assert again.returncode == 0, output(again)
-    assert [s for s, _ in events(root, "resumed")] == [33]
+    assert [s for s, _ in events(root, "resumed")] == [34]
     assert committed(root)[-1] == 100
     with RunReader(root) as reader:
         (summary,) = reader.preemptions()
-    assert summary["resumed_from"] == 33 and summary["lost"] == 0
+    assert summary["resumed_from"] == 34 and summary["lost"] == 0
 
 
 def test_a_guard_trip_before_the_signal_refuses_the_preemption_checkpoint(
@@ -76,11 +78,22 @@ def test_a_guard_trip_before_the_signal_refuses_the_preemption_checkpoint(
     proc = dp(root, "--pt", "train", "input.json", *PREEMPT, env=env)
     assert proc.returncode == 143, output(proc)
     assert committed(root) == [20]  # the last good checkpoint stands
-    assert not (root / "model.ckpt-33.pt").exists()
+    assert not (root / "model.ckpt-34.pt").exists()
     assert os.readlink(root / "model.ckpt.pt") == "model.ckpt-20.pt"
     ((step, why),) = events(root, "preemption_saved")
-    assert step == 33 and why["saved"] is False and "guard" in why["why"]
+    assert step == 34 and why["saved"] is False and "guard" in why["why"]
     assert attempts(root) == ["preempted"]
+
+
+def test_a_signal_at_the_last_step_lets_the_finished_run_end_as_it_does(tmp_path: Path) -> None:
+    """Training is over at step 100: DeePMD saves it anyway and ends normally (exit 0),
+    with nothing preempted, rather than a 143 that would make the scheduler retry it."""
+    root = make_run_dir(tmp_path / "run")
+    proc = dp(root, "--pt", "train", "input.json", *PREEMPT, env={"CKPTDB_TEST_SIGNAL_AT": "100"})
+    assert proc.returncode == 0, output(proc)
+    assert "TEST: SIGTERM at step 100" in proc.stderr
+    assert committed(root)[-1] == 100
+    assert events(root, "preempted") == [] and attempts(root) == ["closed"]
 
 
 def test_two_ranks_a_signal_on_rank_1_only_checkpoints_one_agreed_step(tmp_path: Path) -> None:
@@ -89,13 +102,14 @@ def test_two_ranks_a_signal_on_rank_1_only_checkpoints_one_agreed_step(tmp_path:
     proc = torchrun(root, "--pt", "train", "input.json", *PREEMPT, env=env)
     assert proc.returncode != 0, output(proc)  # torchrun reports its ranks' exit 143
     ranks = dict(re.findall(r"TEST: rank (\d) raised (Preempted: .*)", proc.stderr))
-    # read one step after it was launched: both ranks stop at step 34, both saved it
+    # seen after step 33's check, launched at 34, read one step later:
+    # both ranks stop at step 35, and both saved it
     assert ranks == {
-        r: f"Preempted: preempted at step 34 (exit status 143); saved: {root / 'model.ckpt-34.pt'}"
+        r: f"Preempted: preempted at step 35 (exit status 143); saved: {root / 'model.ckpt-35.pt'}"
         for r in ("0", "1")
     }, output(proc)
-    assert committed(root) == [20, 34]
-    assert events(root, "preempted") == [(34, {"signal": "SIGTERM", "ranks": [1]})]
+    assert committed(root) == [20, 35]
+    assert events(root, "preempted") == [(35, {"signal": "SIGTERM", "ranks": [1]})]
     assert attempts(root) == ["preempted"]
 
 

@@ -121,6 +121,18 @@ def test_a_sigterm_checkpoints_that_step_ends_fit_143_and_last_resumes_from_it(
     ]
 
 
+def test_with_save_last_link_last_names_the_preemption_checkpoint(tmp_path: Path) -> None:
+    """``"link"`` makes last the newest top-k checkpoint; after a preemption it is the
+    preemption checkpoint, newer than any top-k one: a tool that opens last.ckpt
+    loses nothing either."""
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, save_last="link", preemption=True)
+    with pytest.raises(Preempted):
+        trainer(tmp_path, [SignalAt(5), cb]).fit(Tiny())
+    assert os.path.samefile(d / "last.ckpt", d / "epoch=1-step=5.ckpt")
+    assert cb.last_model_path == str(d / "last.ckpt")
+
+
 def test_a_signal_on_a_step_already_checkpointed_writes_no_second_checkpoint(
     tmp_path: Path,
 ) -> None:

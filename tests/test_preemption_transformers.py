@@ -21,7 +21,7 @@ from helpers import LedgerClient
 from hflib import Definite, NaNAt, dataset, tiny_model, torchrun, training_args
 
 from ckptdb import OnPreemption, Preempted, RunReader
-from ckptdb.errors import ArgumentTypeError
+from ckptdb.errors import ArgumentTypeError, InvalidArgumentError
 from ckptdb.integrations.transformers import STREAM, Trainer
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -140,6 +140,9 @@ def test_bad_preemption_argument_is_refused_before_anything_is_written(tmp_path:
     with pytest.raises(ArgumentTypeError, match="preemption must be"):
         Trainer(model=tiny_model(), args=training_args(out), train_dataset=dataset(), preemption=15)
     assert not out.exists() or not any(out.iterdir())
+    args = training_args(out, enable_jit_checkpoint=True)
+    with pytest.raises(InvalidArgumentError, match="turns it off"):
+        Trainer(model=tiny_model(), args=args, train_dataset=dataset(), preemption=False)
 
 
 @pytest.mark.timeout(300)

@@ -50,6 +50,7 @@ from ...errors import (
     InvalidArgumentError,
     NoCheckpointToResumeError,
     NonFiniteGradientError,
+    RunDirectoryError,
     UnsupportedVersionError,
     note_on,
 )
@@ -548,11 +549,18 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         stop = self._stop
         if stop is None or stop.agreed_step != agreed.step or STREAM not in agreed.names:
             return self._publish_plan(agreed, data)
-        saved = stop.publish(agreed.step, lambda: self._publish_plan(agreed, data))
-        raise stop.stop(agreed.step, list((saved or {}).values()))
+        saved = stop.publish(agreed.step, lambda: self._publish_plan(agreed, data, aliases=False))
+        preempted = stop.stop(agreed.step, list((saved or {}).values()))
+        if saved is not None and saved.keys() & {STREAM, EMA_STREAM}:
+            try:  # after the outcome is recorded: a refused alias is not a lost checkpoint
+                self._point_aliases()
+            except RunDirectoryError as exc:
+                log.error("ckptdb: %s (the next `ckptdb reconcile` re-points it)", exc)
+                note_on(preempted, f"ckptdb: {exc}")
+        raise preempted
 
     def _publish_plan(
-        self, plan: _Plan, data: Mapping[str, dict[str, Any]]
+        self, plan: _Plan, data: Mapping[str, dict[str, Any]], *, aliases: bool = True
     ) -> dict[str, Checkpoint] | None:
         """``manager.save`` of the plan's checkpoints, written from ``data`` (rank 0's;
         another rank writes nothing); None when the guard refused the step.
@@ -587,7 +595,7 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
             log=log,
             refused=refused,
         )
-        if saved is not None and saved.keys() & {STREAM, EMA_STREAM}:
+        if aliases and saved is not None and saved.keys() & {STREAM, EMA_STREAM}:
             self._point_aliases()
         return saved
 
@@ -652,13 +660,25 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         the checkpoint is written the way DeePMD always writes it, with the
         scheduler and EMA updates of the step in it, and its boundary raises
         :class:`~ckptdb.Preempted` (:meth:`_boundary`). The first step of an
-        attempt is never the agreed one: DeePMD never saves at it.
+        attempt is never the agreed one: DeePMD never saves at it; nor is the
+        last: a signal then lets the finished run end as it does (its final
+        checkpoint is saved anyway).
         """
         self._steps_done += 1
         step = self._steps_done  # DeePMD's display step: the checkpoint's number
         stop = self._stop
-        if stop is None or stop.agreed_step is not None or step == self.start_step + 1:
+        if stop is None:
             return
+        if stop.agreed_step is not None:  # agreed, and DeePMD went on without saving it
+            log.error(
+                "ckptdb: DeePMD did not save the preemption checkpoint of step %d; "
+                "stopping at step %d without it (the last committed checkpoint stands)",
+                stop.agreed_step,
+                step,
+            )
+            raise stop.stop(stop.agreed_step)
+        if step == self.start_step + 1 or step >= self.num_steps:
+            return  # DeePMD never saves at the first step; after the last one training is over
         if stop.requested(step):
             self.save_freq = step
 

@@ -392,7 +392,10 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         )
         if record is None:
             return []
-        self._save_last_checkpoint(trainer, candidates)
+        try:  # rank 0 writes the alias: its failure must not split the ranks' ending
+            self._save_last_checkpoint(trainer, candidates, target=record)
+        except OSError as exc:
+            log.error("ckptdb: last was not pointed at the preemption checkpoint: %s", exc)
         return [record]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -463,9 +466,13 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self._publish(trainer, self.last_stream, filepath, candidates, None)
 
     def _save_last_checkpoint(
-        self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
+        self,
+        trainer: pl.Trainer,
+        monitor_candidates: dict[str, Tensor],
+        target: Checkpoint | None = None,
     ) -> None:
-        """Point the ``last`` alias at the newest committed checkpoint, writing one if needed."""
+        """Point the ``last`` alias at the newest committed checkpoint, writing one if needed
+        (``target``: at that one, whatever ``save_last`` prefers: the preemption's)."""
         if not self.save_last:
             return
         session = self._session(trainer)
@@ -474,7 +481,8 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         alias = self._alias_path(monitor_candidates, trainer)
         previous, self.last_model_path = self.last_model_path, alias
         try:
-            target = self._last_target(session, trainer.global_step)
+            if target is None:
+                target = self._last_target(session, trainer.global_step)
             if target is None:
                 own = Path(alias)
                 backing = own.with_name(f"{own.stem}-step={trainer.global_step}{own.suffix}")

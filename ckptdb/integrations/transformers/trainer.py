@@ -101,6 +101,7 @@ class _Run:
     resumed: Checkpoint | None = None
     published: list[Checkpoint] = field(default_factory=list)
     preemption: Preemption | None = None
+    preempting: bool = False  # the preemption checkpoint is being written
 
 
 class _LedgerCallback(TrainerCallback):
@@ -162,8 +163,8 @@ def ledger_trainer(cls: T) -> T:
     checkpoints go through the ledger. Extra keyword arguments: ``ledger=``
     (the run root; default ``args.output_dir``), ``db_url=``, ``guard=`` and
     ``preemption=`` (``True`` or an :class:`~ckptdb.OnPreemption`; the
-    Trainer's ``enable_jit_checkpoint=True`` means ``True`` unless
-    ``preemption=False`` says otherwise)."""
+    Trainer's ``enable_jit_checkpoint=True`` means ``True``; with
+    ``preemption=False`` it is refused)."""
     if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
         raise ArgumentTypeError(
             f"ledger_trainer() takes transformers.Trainer or a subclass, got {cls!r}"
@@ -221,7 +222,14 @@ class _LedgerTrainerMixin:
         self.ckptdb_ledger = ledger
         self.ckptdb_db_url = db_url
         self.ckptdb_guard: common.GuardSetting = guard
-        if self._ckptdb_without_jit_checkpoint() and preemption is None:
+        jit = self._ckptdb_without_jit_checkpoint()
+        if jit and preemption is False:
+            raise InvalidArgumentError(
+                "enable_jit_checkpoint=True asks for a checkpoint on SIGTERM and "
+                "preemption=False turns it off: pass one of them (with the ckptdb Trainer, "
+                "enable_jit_checkpoint means preemption=True)"
+            )
+        if jit and settings is None:
             settings = OnPreemption()  # enable_jit_checkpoint: the same, through the ledger
         self.ckptdb_preemption = settings
         self._ckptdb_run: _Run | None = None
@@ -407,7 +415,8 @@ class _LedgerTrainerMixin:
         if record is not None:
             run.published.append(record)
         self._ckptdb_sync_best(run)
-        if self.args.push_to_hub and record is not None:
+        if self.args.push_to_hub and record is not None and not run.preempting:
+            # (not the preemption checkpoint: an upload does not fit in a grace period)
             self._push_from_checkpoint(str(record.path))  # type: ignore[attr-defined]
 
     def _ckptdb_preempted(self, run: _Run, step: int) -> None:
@@ -423,6 +432,7 @@ class _LedgerTrainerMixin:
 
         def boundary() -> list[Checkpoint] | None:
             before = len(run.published)
+            run.preempting = True
             self._save_checkpoint(self.model, None)
             return run.published[before:] or None
 
