@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from test_boundary_sql import STEADY_STATEMENTS
 
 from benchmarks import deepmd_case, s3_case, s3server
 from benchmarks.__main__ import PROFILES, main
@@ -71,7 +72,7 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
     floor = next(r for r in report["results"] if r["name"].startswith("3-stream boundary"))
     # intent, commit, clean-up; the statements are those test_boundary_sql.py pins
     assert floor["notes"]["transactions_per_boundary"] == 3
-    assert floor["notes"]["statements_per_boundary"] == 18
+    assert floor["notes"]["statements_per_boundary"] == STEADY_STATEMENTS["sqlite"]
     assert report["machine"]["torch"]
     preemption = next(r for r in report["results"] if r["name"].startswith("preemption check"))
     assert len(preemption["median_s"]) == 4  # no check, ckptdb, ckptdb every=10, blocking

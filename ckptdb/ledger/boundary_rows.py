@@ -185,12 +185,18 @@ def newest_attempt(session: Session, run_id: int, *, lock: bool) -> int | None:
     row lock to add its attempt (:func:`ckptdb.ledger.rows.start_attempt`), so an
     open and a commit never interleave: the commit either lands before the open
     (whose reconcile then sees it committed) or sees the newer attempt and stops.
-    One statement. SQLite needs no row lock: its writers are serialized by the
-    database file's own lock.
+    One statement. The lock is ``FOR NO KEY UPDATE``: it conflicts with another
+    such lock (an open adding its attempt), never with the key-share locks that
+    foreign keys take (a reader inserting a pin or an evaluation while holding a
+    checkpoint's row), which would deadlock with the commit's own updates.
+    SQLite needs no row lock: its writers are serialized by the database file's
+    own lock.
     """
     newest = "(SELECT MAX(a.id) FROM attempts a WHERE a.run_id = r.id)"
     locked = lock and connection_of(session).dialect.name == "postgresql"
-    sql = f"SELECT {newest} FROM runs r WHERE r.id = ?" + (" FOR UPDATE OF r" if locked else "")
+    sql = f"SELECT {newest} FROM runs r WHERE r.id = ?"
+    if locked:
+        sql += " FOR NO KEY UPDATE OF r"
     ((found,),) = fetch(session, sql, (run_id,))
     return int(found) if found is not None else None
 

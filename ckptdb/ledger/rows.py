@@ -149,7 +149,7 @@ def start_attempt(session: Session, run_id: int, kind: str = "train") -> m.Attem
     """
     # the run's row, locked until COMMIT: a commit of the previous writer that is
     # checking its fence (boundary_rows.newest_attempt) lands before this, or sees it
-    session.execute(select(m.Run.id).where(m.Run.id == run_id).with_for_update())
+    session.execute(select(m.Run.id).where(m.Run.id == run_id).with_for_update(key_share=True))
     now = m.utcnow()
     told = select(m.Event.attempt_id).where(m.Event.run_id == run_id, m.Event.kind == "preempted")
     session.execute(
