@@ -140,6 +140,20 @@ def test_a_restart_between_the_write_and_the_commit_fails_that_save_alone(
     check_clean(root, server.url)
 
 
+def restarted_under(root: Path, server: Cluster) -> CheckpointManager:
+    """A writer that committed step 1, then the server restarted under it (its lock
+    session is gone, and it has not noticed yet)."""
+    first = CheckpointManager(root, streams={"model": Keep(last=None)}, db_url=server.url)
+    try:
+        first.save(1, model=state(1))
+        server.stop("immediate")
+        server.start()
+    except BaseException:
+        first.close()
+        raise
+    return first
+
+
 def test_a_writer_fenced_off_by_one_that_opened_during_the_outage_never_commits_again(
     tmp_path: Path, server: Cluster
 ) -> None:
@@ -147,11 +161,8 @@ def test_a_writer_fenced_off_by_one_that_opened_during_the_outage_never_commits_
     (the first's lock session is gone, so the lock is free). While it is open the
     first cannot take the lock back; after it closed, the fence stops the first."""
     root = tmp_path / "run"
-    first = CheckpointManager(root, streams={"model": Keep(last=None)}, db_url=server.url)
+    first = restarted_under(root, server)
     try:
-        first.save(1, model=state(1))
-        server.stop("immediate")
-        server.start()
         with CheckpointManager(root, db_url=server.url) as second:
             second.save(2, model=state(2))
             with pytest.raises(WriterLockLostError, match="another writer holds it"):
@@ -167,11 +178,8 @@ def test_the_fence_stops_a_writer_whose_lock_came_back_after_another_writer_came
     tmp_path: Path, server: Cluster
 ) -> None:
     root = tmp_path / "run"
-    first = CheckpointManager(root, streams={"model": Keep(last=None)}, db_url=server.url)
+    first = restarted_under(root, server)
     try:
-        first.save(1, model=state(1))
-        server.stop("immediate")
-        server.start()
         with CheckpointManager(root, db_url=server.url) as second:  # opened and closed
             second.save(2, model=state(2))
         # the lock is free again and the first takes it back, but the run moved on
