@@ -146,8 +146,18 @@ def torchrun(out: Path, *args: str) -> list[dict[str, Any]]:
         timeout=150,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    results = [
-        json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")
-    ]
+    results = results_in(done.stdout)
     assert len(results) == 2, done.stdout[-2000:] + done.stderr[-4000:]
     return sorted(results, key=lambda r: r["rank"])
+
+
+def results_in(stdout: str) -> list[dict[str, Any]]:
+    """Every ``RESULT {json}`` in the ranks' shared output, wherever it starts: another
+    process's print() writes its text and its newline apart, so a RESULT may follow
+    that text on the same line."""
+    decoder, found, at = json.JSONDecoder(), [], stdout.find("RESULT {")
+    while at != -1:
+        value, end = decoder.raw_decode(stdout, at + len("RESULT "))
+        found.append(value)
+        at = stdout.find("RESULT {", end)
+    return found

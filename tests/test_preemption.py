@@ -392,11 +392,11 @@ def test_under_torchrun_a_sigterm_to_the_last_rank_alone_stops_every_rank_at_one
         assert proc.stdout is not None
         seen, pid = [], None
         try:
-            for line in proc.stdout:
+            for line in proc.stdout:  # a line may carry another process's text before ours
                 seen.append(line)
-                if line.startswith(f"RANK {last} PID "):
-                    pid = int(line.split()[-1])
-                if line.strip() == f"RANK {last} STEP 30":
+                if found := re.search(rf"RANK {last} PID (\d+)", line):
+                    pid = int(found[1])
+                if re.search(rf"RANK {last} STEP 30\b", line):
                     assert pid is not None
                     os.kill(pid, signal.SIGTERM)
                     break

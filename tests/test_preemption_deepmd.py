@@ -101,7 +101,10 @@ def test_two_ranks_a_signal_on_rank_1_only_checkpoints_one_agreed_step(tmp_path:
     env = {"CKPTDB_TEST_SIGNAL_AT": "33:1"}
     proc = torchrun(root, "--pt", "train", "input.json", *PREEMPT, env=env)
     assert proc.returncode != 0, output(proc)  # torchrun reports its ranks' exit 143
-    ranks = dict(re.findall(r"TEST: rank (\d) raised (Preempted: .*)", proc.stderr))
+    pattern = (
+        r"TEST: rank (\d) raised (Preempted: preempted at step \d+ \(exit status \d+\); saved: \S+)"
+    )
+    ranks = dict(re.findall(pattern, proc.stderr))
     # seen after step 33's check, launched at 34, read one step later:
     # both ranks stop at step 35, and both saved it
     assert ranks == {
