@@ -298,6 +298,7 @@ class CheckpointManager:
             db=db,
             lock=lock,
         )
+        db.fenced = lambda: lock.lost  # every later write asks the lock first
         self._assemble(ctx)
         self._closed = False
         if not maintenance:

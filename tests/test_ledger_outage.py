@@ -191,6 +191,12 @@ def test_the_fence_stops_a_writer_whose_lock_came_back_after_another_writer_came
         with CheckpointManager(root, db_url=server.url) as third:
             third.save(5, model=state(5))
         first.log_metrics(6, {"loss": 0.5})
+        # no other write either (metrics, retention); reading the run still works
+        with pytest.raises(WriterLockLostError):
+            first.flush()
+        with pytest.raises(WriterLockLostError):
+            first.gc()
+        assert first.latest("model") is not None
     finally:
         first.close()  # records nothing: not its end, not its buffered metrics
     assert committed(root, server.url) == [1, 2, 5]

@@ -48,7 +48,13 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from .. import faults, trace
-from ..errors import DatabaseError, LedgerError, SchemaVersionError, note_on
+from ..errors import (
+    DatabaseError,
+    LedgerError,
+    SchemaVersionError,
+    WriterLockLostError,
+    note_on,
+)
 from . import driver
 from .held import CONNECTION, WriterConnection
 
@@ -306,6 +312,9 @@ class Ledger:
         self._writer = (
             WriterConnection(engine, self._sessions) if engine.dialect.name == "sqlite" else None
         )
+        #: Why this process may no longer write to the run (another writer took it),
+        #: asked before every writing transaction; set by the manager from its lock.
+        self.fenced: Callable[[], str | None] = lambda: None
 
     @contextlib.contextmanager
     def transaction(self, *, durable: bool = True, read: bool = False) -> Iterator[Session]:
@@ -323,6 +332,9 @@ class Ledger:
         reconcile finishes the delete). The boundary's commit is always durable,
         and fsyncing the WAL also makes every earlier transaction durable.
         """
+        reason = None if read else self.fenced()
+        if reason is not None:  # a writer fenced off writes nothing more, anywhere
+            raise WriterLockLostError(reason)
         token, read_token = _DURABLE.set(durable), _READ_ONLY.set(read)
         queued: list[Callable[[], None]] = []
         try:
