@@ -1,33 +1,25 @@
-"""A recording seam: the durable operations of the storage and the ledger, for tests.
+"""A recording seam: the requests to an object store, for tests.
 
-A no-op hook, like :mod:`ckptdb.faults`: the file primitives
-(:mod:`ckptdb.storage.files`) and the ledger's transactions call
-:func:`record` after each operation that decides what survives a power
-loss, and it does nothing unless a test installed a hook. The power-loss
-explorer (``tests/powerloss/``) installs one that keeps the trace, then
-builds from it every state the disk may be left in by a power cut, which
-no process kill can produce.
+A no-op hook, like :mod:`ckptdb.faults`: the S3 client
+(:class:`ckptdb.storage.s3client.Calls`) calls :func:`record` on both sides
+of every request, and it does nothing unless a test installed a hook. The
+power-loss explorer (``tests/powerloss/``) installs one to know which
+requests a power cut of the client may leave sent and unanswered: what
+that leaves in the store depends on whether a request's response was
+received, which no system call shows.
 
-Operations and their fields (paths are absolute; each is recorded once it
-succeeded, so a failed call leaves nothing in the trace):
+The explorer learns everything else from the system calls the process
+really makes (it traces them), never from the library's account of its own
+file work: that would hide an fsync of the wrong descriptor, a rename gone
+elsewhere, or an fsync a refactor removed.
 
-- ``create`` (``path``): a new file, created exclusively;
-- ``write`` (``path``, ``offset``, ``data``): bytes written at an offset (a
-  buffer the hook must copy before returning);
-- ``fsync`` (``path``): a file's data and size made durable;
-- ``rename`` (``source``, ``target``): ``os.replace``/``os.rename``;
-- ``unlink`` (``path``), ``rmtree`` (``path``: a directory and all it held),
-  ``mkdir`` (``path``), ``rmdir`` (``path``);
-- ``fsync_dir`` (``path``): a directory's entries made durable;
-- ``commit`` (``database``, ``backend``, ``durable``): a ledger transaction
-  committed, with SQLite's ``synchronous=FULL`` (``durable``) or ``NORMAL``;
+Operations and their fields:
+
 - ``s3_request`` (``operation``, ``params``): a request about to be sent to
-  the object store (:class:`ckptdb.storage.s3client.Calls`: every request,
-  reads included), and ``s3_response`` (``operation``, ``params``,
-  ``answer``) once it succeeded. These two are recorded on both sides of the
-  request, not after it: what a power cut of the client leaves depends on
-  whether the response of a request was received. ``params`` is the same
-  object in both (its ``Body``, a buffer, must be copied before returning).
+  the object store (every request, reads included);
+- ``s3_response`` (``operation``, ``params``, ``answer``): the same request
+  once it succeeded. ``params`` is the same object in both (its ``Body``, a
+  buffer, must be copied before returning).
 """
 
 from __future__ import annotations

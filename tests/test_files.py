@@ -1,9 +1,9 @@
 """The file primitives of the local store (``ckptdb/storage/files.py``).
 
 The gathering writer: a file written through it has exactly ``torch.save``'s
-bytes and the hash of those bytes; what reaches the OS is what the trace
-records (offset and data of each real write) and ``mid_write`` is visited
-after each real write; a failure of a real write, wherever it comes, is a
+bytes and the hash of those bytes; what reaches the OS is what the kernel
+saw (each real write's offset and data, read back with strace) and
+``mid_write`` is visited after each real write; a failure of a real write, wherever it comes, is a
 ``write`` phase error. Confinement: a stream directory that is (or became)
 a link is never followed out of the save directory, and a plain stream file
 is confined without resolving whole paths.
@@ -21,14 +21,15 @@ from typing import Any
 import pytest
 import torch
 import xxhash
+from powerloss.syscalls import SyscallTracer, calls
 
-from ckptdb import faults, trace
+from ckptdb import faults
 from ckptdb.errors import InvalidArgumentError, PhaseError
 from ckptdb.storage import files
 from ckptdb.storage.files import SMALL_WRITE, WRITE_BUFFER, HashingWriter
 from ckptdb.storage.local import LocalStore
 
-Recorded = list[tuple[str, dict[str, Any]]]
+Recorded = list[tuple[str, dict[str, Any]]]  # see RealCalls
 
 
 def torch_bytes(obj: Any) -> bytes:
@@ -46,20 +47,71 @@ STATES: dict[str, Callable[[], Any]] = {
 }
 
 
+class RealCalls(list[tuple[str, dict[str, Any]]]):
+    """The file system calls this process makes under ``under`` while a test runs,
+    as the kernel saw them (strace, :mod:`powerloss.syscalls`): ``create``
+    (an open with ``O_CREAT``), ``write`` (each real write: ``offset``,
+    ``data``), ``fsync``, ``unlink`` and ``rmdir``, each with its ``path``.
+    Filled when the test first compares it (the tracer detaches then)."""
+
+    def __init__(self, under: Path, log: Path) -> None:
+        super().__init__()
+        self.under, self.log = under, log
+        self.tracer: SyscallTracer | None = SyscallTracer(log).__enter__()
+
+    def stop(self) -> RealCalls:
+        if self.tracer is not None:
+            self.tracer.__exit__(None, None, None)
+            self.tracer = None
+            self.extend(self._read())
+        return self
+
+    def _read(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        offsets: dict[int, int] = {}
+        for call in calls(self.log):
+            if call.name in ("openat", "unlinkat"):
+                path = Path(os.fsdecode(call.text(1)))
+                path = path if path.is_absolute() else Path(call.fd(0).path or "") / path
+            elif call.name in ("unlink", "rmdir"):
+                path = Path(os.fsdecode(call.text(0)))
+            elif call.name in ("write", "pwrite64", "fsync", "fdatasync"):
+                path = Path(call.fd(0).path or "")
+            else:
+                continue
+            if self.under not in path.parents:
+                continue
+            if call.name == "openat":
+                offsets[call.result] = 0
+                if "O_CREAT" in call.raw(2):
+                    yield "create", {"path": path}
+            elif call.name == "unlinkat":
+                yield ("rmdir" if "AT_REMOVEDIR" in call.raw(2) else "unlink"), {"path": path}
+            elif call.name in ("unlink", "rmdir"):
+                yield call.name, {"path": path}
+            elif call.name in ("fsync", "fdatasync"):
+                yield "fsync", {"path": path}
+            else:
+                data = call.text(1)[: call.result]
+                fd = call.fd(0).number or 0
+                offset = int(call.raw(3)) if call.name == "pwrite64" else offsets.get(fd, 0)
+                offsets[fd] = offset + len(data)
+                yield "write", {"path": path, "offset": offset, "data": data}
+
+    def __eq__(self, other: object) -> bool:
+        return list.__eq__(self.stop(), other)
+
+    def __iter__(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        return list.__iter__(self.stop())
+
+
 @pytest.fixture
-def recorded() -> Iterator[Recorded]:
-    """The trace of whatever runs in the test, each ``write``'s data copied."""
-    ops: Recorded = []
-
-    def hook(op: str, fields: Any) -> None:
-        kept = dict(fields)
-        if "data" in kept:
-            kept["data"] = bytes(kept["data"])
-        ops.append((op, kept))
-
-    previous = trace.set_hook(hook)
-    yield ops
-    trace.set_hook(previous)
+def recorded(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCalls]:
+    """The real calls of whatever runs in the test under ``tmp_path``."""
+    real = RealCalls(tmp_path, tmp_path_factory.mktemp("strace") / "calls.log")
+    try:
+        yield real
+    finally:
+        real.stop()
 
 
 @pytest.fixture
@@ -133,7 +185,7 @@ def test_the_file_is_torch_saves_bytes_and_hashed_as_written(
 
 
 @pytest.mark.parametrize("name", list(STATES))
-def test_the_trace_holds_every_real_write_at_its_offset(
+def test_the_kernel_sees_every_write_at_its_offset(
     tmp_path: Path, name: str, recorded: Recorded
 ) -> None:
     state = STATES[name]()
@@ -363,7 +415,9 @@ def test_remove_takes_a_real_directory_with_its_contents(
     (sharded / "link").symlink_to(outside / "kept")
     assert store.remove("model/step-000000004.dcp")
     assert not sharded.exists() and (outside / "kept").read_bytes() == b"kept"
-    assert recorded == [("rmtree", {"path": sharded})]
+    removed = [(op, f["path"]) for op, f in recorded if op in ("unlink", "rmdir")]
+    inside = [("unlink", sharded / ".metadata"), ("unlink", sharded / "link")]
+    assert sorted(removed[:2]) == inside and removed[2:] == [("rmdir", sharded)]
 
 
 def test_remove_of_what_is_absent_is_false(store: LocalStore, recorded: Recorded) -> None:

@@ -32,6 +32,8 @@ progress and no object of a rolled-back or deleted row may remain.
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,7 +61,7 @@ from powerloss.persistence import (
     PosixMinimal,
     crash_states,
 )
-from powerloss.recording import WORLD, Effect, Op, Trace
+from powerloss.recording import WORLD, Effect, Op, Recorder, Trace
 from powerloss.s3scenarios import S3_SCENARIOS
 from powerloss.scenarios import SCENARIOS, Recorded
 from powerloss.settings import DEEP, budget_for
@@ -221,7 +223,6 @@ def no_new_directory_fsync(mp: pytest.MonkeyPatch) -> None:
         missing = [p for p in (directory, *directory.parents) if not p.exists()]
         for path in reversed(missing):
             path.mkdir()
-            trace.record("mkdir", path=path)
 
     mp.setattr(files, "make_dir", make_dir)
 
@@ -384,8 +385,9 @@ def test_the_recording_seam_does_nothing_without_a_hook() -> None:
 def test_a_recorded_boundary_is_in_protocol_order(tmp_path: Path) -> None:
     """Each published file: created, written, fsynced whole, renamed, its directory
     fsynced, then the FULL commit, then the acknowledgement; evictions after it."""
-    ops = record(tmp_path, "history").trace.ops
-    full = next(op.index for op in ops if op.kind == "commit" and op.durable)
+    recorded = record(tmp_path, "history")
+    ops = recorded.trace.ops
+    full = ledger_sync(recorded.trace)
     ack = next(op.index for op in ops if op.mark is not None and "ack" in op.mark)
     renames = [op for op in ops if op.kind == "rename"]
     assert len(renames) == 3 and full < ack
@@ -415,7 +417,7 @@ def test_every_file_of_a_sharded_checkpoint_is_fsynced_whole_before_the_commit(
     ``.metadata`` reaches the disk before the row commits."""
     recorded = record(tmp_path, "sharded")
     ops, names = recorded.trace.ops, recorded.trace.names
-    full = next(op.index for op in ops if op.kind == "commit" and op.durable)
+    full = ledger_sync(recorded.trace)
     placed = {
         ino
         for ino, name in names.items()
@@ -434,6 +436,13 @@ def _first(ops: list[Op], wanted: Callable[[Op], bool]) -> int:
     return next(op.index for op in ops if wanted(op))
 
 
+def ledger_sync(t: Trace) -> int:
+    """The op of the boundary's commit: the first fsync of the ledger's WAL, by SQLite."""
+    return _first(
+        t.ops, lambda op: op.kind == "fsync" and t.names[op.ino or 0].endswith("ckptdb.sqlite-wal")
+    )
+
+
 # ------------------------------------------------------------------ the models
 
 
@@ -444,18 +453,17 @@ def toy(ops: list[Op], base_files: dict[int, bytes] | None = None) -> Trace:
         world=Path("/nonexistent/world"),
         root=Path("/nonexistent/world/run"),
         base={WORLD: {"d": 1}, 1: {}},
-        base_lengths={},
+        base_files=dict(base_files or {}),
         files=content,
         directories=frozenset({WORLD, 1}),
+        links={},
         ops=[dataclasses.replace(op, index=i) for i, op in enumerate(ops)],
-        snapshots=[b"0", b"1", b"2", b"3"],
-        base_snapshot=None,
         names={1: "d", 2: "d/f"},
     )
 
 
 CREATE = Op(0, "create", "create d/t", (Effect(1, "t", 2),), frozenset({1}))
-WRITE = Op(0, "write", "write d/t", ino=2, length=5000)
+WRITE = Op(0, "write", "write d/t", ino=2, length=5000, data=b"x" * 5000)
 FSYNC = Op(0, "fsync", "fsync d/t", ino=2, length=5000)
 RENAME = Op(
     0,
@@ -475,8 +483,10 @@ def test_posix_minimal_keeps_a_rename_only_once_its_directory_is_fsynced() -> No
     model = PosixMinimal()
     assert model.space(t, 4).floating == (0, 3) and not model.space(t, 4).pinned
     assert model.space(t, 5).pinned == {0, 3} and model.space(t, 5).floating == ()
-    # before the fsync: no byte, the first block, or all of it may be on disk
-    assert model.space(t, 2).partial == ((2, (0, 4096, 5000)),)
+    # before the fsync: none of its two pieces (one per block), the first, or both
+    space = model.space(t, 2)
+    assert space.partial == ((2, (0, 1, 2)),)
+    assert [(p.offset, len(p.data or b"")) for p in space.pieces[2]] == [(0, 4096), (4096, 904)]
     assert model.space(t, 3).partial == ()
 
 
@@ -488,16 +498,60 @@ def test_ext4_ordered_loses_metadata_only_as_a_suffix_of_its_journal() -> None:
     assert len(list(crash_states(space, Budget(exhaustive=100, samples=0)))) == 3 * 3
 
 
-def test_the_ledger_loses_only_normal_commits_after_the_last_full_one() -> None:
-    def commit(snapshot: int, durable: bool) -> Op:
-        return Op(0, "commit", "commit", snapshot=snapshot, durable=durable)
+def test_data_written_in_place_after_an_fsync_persists_in_issue_order() -> None:
+    """An overwrite and a truncation after the last fsync: none, the first, or both."""
+    overwrite = Op(0, "write", "write d/f", ino=2, length=5000, offset=10, data=b"yy")
+    cut = Op(0, "truncate", "truncate d/f", ino=2, length=100)
+    t = dataclasses.replace(
+        toy([overwrite, cut], base_files={2: b"x" * 5000}), base={WORLD: {"d": 1}, 1: {"f": 2}}
+    )
+    space = PosixMinimal().space(t, 2)
+    assert space.partial == ((2, (0, 1, 2)),)
+    trees = [persisted_tree(t, space, CrashState(2, frozenset(), ((2, n),))) for n in (0, 1, 2)]
+    assert [tree["d/f"] for tree in trees] == [
+        b"x" * 5000,
+        b"x" * 10 + b"yy" + b"x" * 4988,
+        b"x" * 10 + b"yy" + b"x" * 88,
+    ]
 
-    t = toy([commit(0, True), commit(1, False), commit(2, False), commit(3, True)])
-    model = PosixMinimal()
-    assert model.space(t, 0).ledger == (None,)
-    assert model.space(t, 1).ledger == (0,)
-    assert model.space(t, 3).ledger == (0, 1, 2)
-    assert model.space(t, 4).ledger == (3,)
+
+def _rows(tree: dict[str, Any], scratch: Path) -> int:
+    """The rows SQLite recovers from a crash state's database and WAL."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    for name in ("ckptdb.sqlite", "ckptdb.sqlite-wal"):
+        if isinstance(tree.get(name), bytes):
+            (scratch / name).write_bytes(tree[name])
+    connection = sqlite3.connect(scratch / "ckptdb.sqlite")
+    try:
+        return int(connection.execute("select count(*) from t").fetchone()[0])
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("synchronous", ["FULL", "NORMAL"])
+def test_the_ledger_keeps_what_sqlite_itself_synced(tmp_path: Path, synchronous: str) -> None:
+    """SQLite's own writes and fdatasyncs are in the trace: after three commits with
+    ``synchronous=FULL`` every crash state still holds all three rows; with ``NORMAL``
+    (no fsync of the WAL at commit) a power cut may take the last ones."""
+    world = tmp_path / "world"
+    world.mkdir()
+    connection = sqlite3.connect(world / "ckptdb.sqlite", isolation_level=None)
+    connection.execute("pragma journal_mode=wal")
+    connection.execute(f"pragma synchronous={synchronous}")
+    connection.execute("create table t(x)")
+    with Recorder(world, world) as rec:
+        for i in range(3):
+            connection.execute("insert into t values (?)", (i,))
+    connection.close()
+    t = rec.trace()
+    assert {op.kind for op in t.ops} >= {"write"}
+    space = PosixMinimal().space(t, len(t.ops))
+    rows = {
+        _rows(persisted_tree(t, space, state), tmp_path / "scratch")
+        for state in crash_states(space, Budget(exhaustive=4096, samples=0))
+    }
+    assert rows == ({3} if synchronous == "FULL" else {0, 1, 2, 3})
 
 
 def test_a_crash_state_holds_what_reached_the_disk() -> None:
@@ -505,16 +559,14 @@ def test_a_crash_state_holds_what_reached_the_disk() -> None:
     space = PosixMinimal().space(t, 4)  # renamed, directory not yet fsynced
 
     def tree(kept: set[int]) -> dict[str, bytes | None]:
-        return persisted_tree(t, space, CrashState(4, frozenset(kept), (), None))
+        return persisted_tree(t, space, CrashState(4, frozenset(kept), ()))
 
     assert tree(set()) == {"d": None}
-    created = persisted_tree(t, PosixMinimal().space(t, 1), CrashState(1, frozenset({0}), (), None))
+    created = persisted_tree(t, PosixMinimal().space(t, 1), CrashState(1, frozenset({0}), ()))
     assert created == {"d": None, "d/t": b""}  # cut before the first write
     assert tree({0}) == {"d": None, "d/t": b"x" * 5000}
     assert tree({0, 3}) == tree({3}) == {"d": None, "d/f": b"x" * 5000}
-    cut = persisted_tree(
-        t, PosixMinimal().space(t, 2), CrashState(2, frozenset({0}), ((2, 4096),), None)
-    )
+    cut = persisted_tree(t, PosixMinimal().space(t, 2), CrashState(2, frozenset({0}), ((2, 1),)))
     assert cut == {"d": None, "d/t": b"x" * 4096}
 
 
@@ -533,7 +585,7 @@ def test_the_object_store_keeps_answered_requests_and_either_outcome_of_the_rest
 
     def store(prefix: int, kept: set[int]) -> StoreState:
         space = model.space(t, prefix)
-        return persisted_store(t, space, CrashState(prefix, frozenset(kept), (), None))
+        return persisted_store(t, space, CrashState(prefix, frozenset(kept), ()))
 
     sent = model.space(t, 3)  # the completion sent, its answer not yet in
     assert sent.floating == (2,) and 0 in sent.pinned and 2 not in sent.pinned
@@ -577,8 +629,8 @@ def test_a_recorded_s3_boundary_completes_before_its_commit_and_deletes_after(
 ) -> None:
     """From the trace: every object of the boundary answered (Complete or Put) before
     its FULL commit, the evicted objects deleted after it, the acknowledgement last."""
-    ops = recorded_once(tmp_path_factory, "s3_history").trace.ops
-    full = next(op.index for op in ops if op.kind == "commit" and op.durable)
+    trace_ = recorded_once(tmp_path_factory, "s3_history").trace
+    ops, full = trace_.ops, ledger_sync(trace_)
     ack = next(op.index for op in ops if op.mark is not None and "ack" in op.mark)
     made = [op for op in ops if op.kind in ("s3_complete", "s3_put")]
     deletes = [op for op in ops if op.kind == "s3_delete"]

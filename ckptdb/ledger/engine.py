@@ -47,7 +47,7 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from .. import faults, trace
+from .. import faults
 from ..errors import (
     DatabaseError,
     LedgerError,
@@ -343,10 +343,7 @@ class Ledger:
         finally:
             _READ_ONLY.reset(read_token)
             _DURABLE.reset(token)
-        if not read:  # the power-loss explorer snapshots the ledger here (ckptdb.trace)
-            trace.record(
-                "commit", database=self.engine.url.database, backend=self.backend, durable=durable
-            )
+        if not read:
             faults.point("commit_answered")  # a test loses the answer of a COMMIT here
         _run_after_commit(queued)
 

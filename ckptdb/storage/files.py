@@ -23,7 +23,7 @@ from typing import Any
 
 import xxhash
 
-from .. import faults, trace
+from .. import faults
 from ..errors import ForeignEntryError, InvalidArgumentError, PhaseError
 
 READ_CHUNK = 8 << 20
@@ -49,13 +49,12 @@ class HashingWriter:
     :data:`WRITE_BUFFER`); a large one goes straight through once what was
     gathered before it is out, so the file's bytes are in the order they were
     given. Without that, each of the ~40 tiny writes of a small ``torch.save``
-    was a syscall of its own, with its hash update, trace record and fault
-    point (most of the write's CPU at a boundary of small payloads).
+    was a syscall of its own, with its hash update and fault point (most of
+    the write's CPU at a boundary of small payloads).
 
     What the OS receives is what counts: the hash is updated with exactly the
-    bytes handed to the file, in order; each real write is recorded in the
-    trace (:mod:`ckptdb.trace`; ``path`` names the file there) with its file
-    offset, and ``mid_write`` is visited after it. :meth:`flush` (torch calls
+    bytes handed to the file, in order, and ``mid_write`` is visited after
+    each real write (``path`` names the file in errors). :meth:`flush` (torch calls
     it at the end of a save; :func:`write_stream` once more) sends what is
     gathered; until then :attr:`size` counts bytes accepted, not yet written.
     """
@@ -65,7 +64,6 @@ class HashingWriter:
         self._path = path
         self._hash = xxhash.xxh3_128()
         self._pending = bytearray()
-        self._written = 0  # bytes the OS accepted: the offset of the next real write
         self.size = 0
 
     def write(self, data: Any) -> int:
@@ -103,7 +101,7 @@ class HashingWriter:
 
     def _send(self, view: memoryview) -> None:
         """Hash ``view`` and hand all of it to the OS: a short write is continued
-        (each part is one real write: traced, then ``mid_write``)."""
+        (each part is one real write, then ``mid_write``)."""
         if view.itemsize != 1 or view.ndim != 1:
             view = view.cast("B")  # a short write counts bytes: slice by bytes
         self._hash.update(view)
@@ -111,8 +109,6 @@ class HashingWriter:
             written: int | None = self._file.write(view)
             if not written:  # a regular file never accepts nothing; a loop must not spin
                 raise OSError(errno.EIO, "the file accepted no bytes", str(self._path))
-            trace.record("write", path=self._path, offset=self._written, data=view[:written])
-            self._written += written
             view = view[written:]
             faults.point("mid_write")
 
@@ -128,7 +124,6 @@ def write_stream(serialize: Callable[[Any], object], tmp: Path) -> FileInfo:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except OSError as exc:
         raise PhaseError("write", tmp, exc) from exc
-    trace.record("create", path=tmp)
     with os.fdopen(fd, "wb", buffering=0) as raw:
         writer = HashingWriter(raw, tmp)
         try:
@@ -154,7 +149,6 @@ def sync_data(fd: int, path: Path) -> None:
     after it was created or renamed.
     """
     os.fsync(fd)
-    trace.record("fsync", path=path)
 
 
 def _in_chain(exc: BaseException, wanted: Callable[[BaseException], bool]) -> BaseException | None:
@@ -176,7 +170,6 @@ def place(tmp: Path, final: Path) -> None:
         os.replace(tmp, final)
     except OSError as exc:
         raise PhaseError("replace", final, exc) from exc
-    trace.record("rename", source=tmp, target=final)
 
 
 def rename_durably(source: Path, target: Path) -> None:
@@ -187,7 +180,6 @@ def rename_durably(source: Path, target: Path) -> None:
         os.rename(source, target)
     except OSError as exc:
         raise PhaseError("move", source, exc) from exc
-    trace.record("rename", source=source, target=target)
     try:
         fsync_dir(target.parent)
         if source.parent != target.parent:
@@ -197,8 +189,6 @@ def rename_durably(source: Path, target: Path) -> None:
             os.rename(target, source)
         except OSError as undo:
             exc.cleanup_error = undo
-        else:
-            trace.record("rename", source=target, target=source)
         raise
 
 
@@ -221,7 +211,6 @@ def fsync_dir(directory: Path) -> None:
             os.close(fd)
     except OSError as exc:
         raise PhaseError("fsync_dir", directory, exc) from exc
-    trace.record("fsync_dir", path=directory)
 
 
 def make_dir(directory: Path) -> None:
@@ -236,7 +225,6 @@ def make_dir(directory: Path) -> None:
             path.mkdir(exist_ok=True)
         except OSError as exc:
             raise PhaseError("mkdir", path, exc) from exc
-        trace.record("mkdir", path=path)
         try:
             fsync_dir(path.parent)
         except PhaseError as exc:
@@ -251,8 +239,6 @@ def _remove_created(path: Path, failure: PhaseError) -> None:
         path.rmdir()
     except OSError as cleanup_exc:
         failure.cleanup_error = cleanup_exc
-    else:
-        trace.record("rmdir", path=path)
 
 
 def seal_directory(directory: Path) -> FileInfo:
@@ -418,7 +404,6 @@ def remove(path: Path) -> bool:
         return False
     except (IsADirectoryError, PermissionError) as exc:  # Linux: EISDIR; macOS: EPERM
         return _remove_dir(path, exc)
-    trace.record("unlink", path=path)
     return True
 
 
@@ -435,7 +420,6 @@ def _remove_dir(path: Path, refused: OSError) -> bool:
         shutil.rmtree(path)
     except FileNotFoundError:
         return False
-    trace.record("rmtree", path=path)
     return True
 
 
@@ -502,6 +486,5 @@ def move_aside(path: Path, quarantine: Path) -> Path:
         if exc.errno != errno.EXDEV:
             raise
         shutil.move(str(path), str(target))
-    trace.record("rename", source=path, target=target)
     fsync_dir(quarantine)
     return target

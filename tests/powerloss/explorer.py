@@ -21,7 +21,11 @@ row may remain.
 from __future__ import annotations
 
 import copy
+import functools
+import os
 import shutil
+import sqlite3
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -41,6 +45,7 @@ from .persistence import (
     CrashSpace,
     CrashState,
     PersistenceModel,
+    apply,
     crash_states,
 )
 from .recording import LEDGER_FILE, WORLD, Trace
@@ -194,7 +199,7 @@ class Explorer:
             result.generated += 1
             tree = persisted_tree(self.trace, space, state)
             store = persisted_store(self.trace, space, state)
-            key = (state_key(tree, state.ledger, store.digest_parts(self.trace)), marks)
+            key = (state_key(tree, store.digest_parts(self.trace)), marks)
             if key in self._seen:
                 continue
             self._seen.add(key)
@@ -206,10 +211,9 @@ class Explorer:
                     return
 
     def _check(
-        self, tree: dict[str, bytes | None], store: StoreState, state: CrashState, marks: int
+        self, tree: dict[str, Entry], store: StoreState, state: CrashState, marks: int
     ) -> list[str]:
-        snapshot = None if state.ledger is None else self.trace.snapshots[state.ledger]
-        materialize(self.trace, tree, snapshot)
+        materialize(self.trace, tree)
         save_dir = None
         if self.trace.store is not None:  # a fresh prefix for each state
             save_dir = materialize_store(self.trace, store, len(self._seen))
@@ -220,11 +224,21 @@ class Explorer:
 # ------------------------------------------------------------------ states
 
 
-def persisted_tree(trace: Trace, space: CrashSpace, state: CrashState) -> dict[str, bytes | None]:
-    """The files (their bytes) and directories (None) a crash state leaves, by name."""
+@dataclass(frozen=True)
+class Symlink:
+    """A symbolic link in a crash state's tree."""
+
+    target: str
+
+
+Entry = bytes | Symlink | None  # a file's bytes, a symbolic link, a directory
+
+
+def persisted_tree(trace: Trace, space: CrashSpace, state: CrashState) -> dict[str, Entry]:
+    """The files (their bytes), links and directories (None) a crash state leaves, by name."""
     entries = {d: dict(trace.base.get(d, {})) for d in trace.directories}
-    lengths = dict(space.lengths)
-    lengths.update(state.lengths)
+    counts = {ino: len(steps) for ino, steps in space.pieces.items()}
+    counts.update(state.counts)
     for op in trace.ops[: state.prefix]:
         if not op.effects or (op.index not in space.pinned and op.index not in state.kept):
             continue
@@ -235,8 +249,8 @@ def persisted_tree(trace: Trace, space: CrashSpace, state: CrashState) -> dict[s
                 entries[effect.directory][effect.name] = effect.ino
         if op.index in space.floors:
             ino, n = space.floors[op.index]
-            lengths[ino] = max(lengths.get(ino, 0), min(n, space.lengths.get(ino, n)))
-    tree: dict[str, bytes | None] = {}
+            counts[ino] = max(counts.get(ino, 0), n)
+    tree: dict[str, Entry] = {}
 
     def walk(directory: int, prefix: str, above: frozenset[int]) -> None:
         for name, ino in sorted(entries[directory].items()):
@@ -245,40 +259,86 @@ def persisted_tree(trace: Trace, space: CrashSpace, state: CrashState) -> dict[s
                 if ino not in above:  # a directory never holds itself, even half-renamed
                     tree[rel] = None
                     walk(ino, rel + "/", above | {ino})
-            else:
-                # a file no write of the prefix reached holds what it held at the start
-                tree[rel] = trace.files[ino][: lengths.get(ino, trace.base_lengths.get(ino, 0))]
+            elif ino in trace.links:
+                tree[rel] = Symlink(trace.links[ino])
+            else:  # what it held at the start, and the pieces of the prefix that persisted
+                steps = space.pieces.get(ino, ())
+                tree[rel] = apply(trace.base_files.get(ino, b""), steps[: counts.get(ino, 0)])
 
     walk(WORLD, "", frozenset({WORLD}))
     return tree
 
 
-def state_key(
-    tree: dict[str, bytes | None], snapshot: int | None, store: Iterable[bytes] = ()
-) -> str:
+def state_key(tree: dict[str, Entry], store: Iterable[bytes] = ()) -> str:
+    """What identifies a state: each entry's name and content, the ledger by what SQLite
+    recovers from its files (two WALs cut at different frames of one uncommitted
+    transaction are one state), and the object store's state."""
     digest = xxhash.xxh3_128()
+    ledgers = {rel for rel in tree if rel.endswith(LEDGER_SUFFIXES)}
     for rel, content in sorted(tree.items()):
+        if rel in ledgers:
+            continue
         digest.update(rel.encode() + b"\0")
-        digest.update(b"d" if content is None else xxhash.xxh3_128_digest(content))
-    digest.update(repr(snapshot).encode())
+        if content is None:
+            digest.update(b"d")
+        elif isinstance(content, Symlink):
+            digest.update(b"l" + content.target.encode())
+        else:
+            digest.update(xxhash.xxh3_128_digest(content))
+    for rel in sorted(rel for rel in ledgers if rel.endswith(LEDGER_FILE)):
+        database, wal, journal = (tree.get(f"{rel}{end}") for end in ("", "-wal", "-journal"))
+        if isinstance(database, bytes):
+            sidecars = tuple(f if isinstance(f, bytes) else None for f in (wal, journal))
+            digest.update(rel.encode() + b"\0" + recovered_ledger(database, *sidecars))
     for part in store:  # the object store's state (the blob's index names its bytes)
         digest.update(b"\0" + part)
     return digest.hexdigest()
 
 
-def materialize(trace: Trace, tree: dict[str, bytes | None], snapshot: bytes | None) -> None:
-    """Make the world directory hold exactly ``tree``, and the ledger ``snapshot``
-    (which lives in the run's root: no root, no ledger)."""
+LEDGER_SUFFIXES = (LEDGER_FILE, f"{LEDGER_FILE}-wal", f"{LEDGER_FILE}-journal")
+
+
+@functools.lru_cache(maxsize=4096)
+def recovered_ledger(database: bytes, wal: bytes | None, journal: bytes | None) -> bytes:
+    """The digest of what SQLite makes of a database file with its WAL and journal
+    (recovery run in a scratch directory), or of the raw bytes where it cannot open them."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / LEDGER_FILE
+        path.write_bytes(database)
+        for end, content in (("-wal", wal), ("-journal", journal)):
+            if content is not None:
+                Path(f"{path}{end}").write_bytes(content)
+        try:
+            recovered = snapshot_ledger(path)
+        except sqlite3.DatabaseError:
+            recovered = b"\0".join((b"unreadable", database, wal or b"", journal or b""))
+    return xxhash.xxh3_128_digest(recovered)
+
+
+def snapshot_ledger(database: Path) -> bytes:
+    """The committed content of a SQLite database, read through SQLite's backup API."""
+    source = sqlite3.connect(database)
+    target = sqlite3.connect(":memory:")
+    try:
+        source.backup(target)
+        return target.serialize()
+    finally:
+        source.close()
+        target.close()
+
+
+def materialize(trace: Trace, tree: dict[str, Entry]) -> None:
+    """Make the world directory hold exactly ``tree`` (the ledger's files included)."""
     shutil.rmtree(trace.world, ignore_errors=True)
     trace.world.mkdir(parents=True)
     for rel, content in sorted(tree.items()):
         path = trace.world / rel
         if content is None:
             path.mkdir(parents=True, exist_ok=True)
+        elif isinstance(content, Symlink):
+            os.symlink(content.target, path)
         else:
             path.write_bytes(content)
-    if snapshot is not None and trace.root.is_dir():
-        (trace.root / LEDGER_FILE).write_bytes(snapshot)
 
 
 def describe(trace: Trace, space: CrashSpace, state: CrashState, limit: int = 6) -> str:
@@ -301,21 +361,16 @@ def describe(trace: Trace, space: CrashSpace, state: CrashState, limit: int = 6)
         if texts:
             more = f", +{len(texts) - limit} more" if len(texts) > limit else ""
             parts.append(f"{what}: " + "; ".join(texts[:limit]) + more)
-    short = [
-        f"{trace.names.get(ino, ino)}: {n} of {space.lengths[ino]} bytes"
-        for ino, n in state.lengths
-        if n < space.lengths[ino]
-    ]
+    short = []
+    for ino, n in state.counts:
+        steps = space.pieces[ino]
+        if n < len(steps):
+            unsynced = {p.op for p in steps[n:]}
+            missing = sum(len(p.data or b"") for p in steps[n:])
+            short.append(
+                f"{trace.names.get(ino, ino)}: {missing} bytes of {len(unsynced)} write(s) "
+                f"after its last fsync lost"
+            )
     if short:
-        parts.append("data on disk: " + "; ".join(short))
-    parts.append("ledger: " + _ledger_text(trace, state.ledger))
+        parts.append("data not on disk: " + "; ".join(short))
     return "; ".join(parts)
-
-
-def _ledger_text(trace: Trace, snapshot: int | None) -> str:
-    if snapshot is None:
-        return "none (never committed)"
-    if snapshot == trace.base_snapshot:
-        return "as at the start of the recording"
-    first = next(op for op in trace.ops if op.snapshot == snapshot)
-    return f"as after op {first.index + 1} ({first.text})"

@@ -6,7 +6,8 @@ their responses came back (:class:`~powerloss.persistence.ObjectStore`):
 a request answered before the cut took effect, one sent and not answered
 may or may not have. :class:`ObjectRecorder` turns the requests that
 change the store (seen through :mod:`ckptdb.trace`'s ``s3_request`` and
-``s3_response``) into ops of the trace:
+``s3_response``, copied when made and replayed in their place among the
+system calls) into ops of the trace:
 
 - ``s3_create`` (CreateMultipartUpload): an upload in progress, no object;
 - ``s3_complete`` (CompleteMultipartUpload) and ``s3_put`` (PutObject):
@@ -57,6 +58,7 @@ NAMES = {
 REQUEST_KINDS = S3_REQUESTS
 assert frozenset(REQUESTS.values()) == REQUEST_KINDS
 IN_PROGRESS_PART = b"a part of an upload never completed"
+TOKEN = "_powerloss_request"  # a copied request's pairing with its response
 
 
 def client() -> Any:
@@ -121,7 +123,7 @@ class ObjectRecorder:
         self.bucket, self.prefix = split(url)
         self.blobs: list[bytes] = []
         self.parts: dict[str, dict[int, bytes]] = {}  # upload id -> part number -> bytes
-        self.pending: dict[int, tuple[int, Mapping[str, Any]]] = {}  # id(params) -> op, params
+        self.pending: dict[int, int] = {}  # a request's token -> its op
         s3 = client()
         keys, self.uploads = listing(s3, url)
         self.objects = {
@@ -139,6 +141,16 @@ class ObjectRecorder:
             "blobs": list(self.blobs),
         }
 
+    @staticmethod
+    def capture(params: Mapping[str, Any], token: int) -> dict[str, Any]:
+        """What the replay needs of a request, copied when it is made (its ``Body`` is a
+        buffer the writer reuses): ``token`` pairs the request with its response."""
+        copied = dict(params)
+        if "Body" in copied:
+            copied["Body"] = body_bytes(copied["Body"])
+        copied[TOKEN] = token
+        return copied
+
     def request(self, rec: Recorder, operation: str, params: Mapping[str, Any]) -> None:
         """A request about to be sent: an op if it changes the store under the prefix."""
         rel = self._rel(params)
@@ -153,7 +165,7 @@ class ObjectRecorder:
             blob = self._blob(self._assembled(params))
         text = f"{NAMES[operation]} {rel} (sent)"
         op = Op(0, REQUESTS[operation], text, key=rel, upload=params.get("UploadId"), blob=blob)
-        self.pending[id(params)] = (rec.append(op), params)
+        self.pending[params[TOKEN]] = rec.append(op)
 
     def response(
         self, rec: Recorder, operation: str, params: Mapping[str, Any], answer: Any
@@ -167,8 +179,8 @@ class ObjectRecorder:
             self.parts.setdefault(upload, {})[number] = body_bytes(params["Body"])
             rec.append(Op(0, "s3_part", f"UploadPart {number} of {rel}", key=rel, upload=upload))
             return
-        index, sent = self.pending.pop(id(params), (None, None))
-        if index is None or sent is not params:
+        index = self.pending.pop(params[TOKEN], None)
+        if index is None:
             return  # a read
         op = rec.ops[index]
         upload = str(answer["UploadId"]) if operation == "create_multipart_upload" else op.upload

@@ -8,11 +8,13 @@ explorer, so the guarantee can be checked against a weak model and compared
 with a stronger one:
 
 - :class:`PosixMinimal` (the guarantee): a metadata change (create, mkdir,
-  rename, unlink, rmdir) is durable once every directory it touched was
-  fsynced after it; until then it may be lost, in any combination with the
-  others (a rename is atomic: both of its halves or neither). A file's data
-  is durable up to the length its last fsync saw; beyond that, any prefix of
-  block-sized pieces may have reached the disk, or none of it.
+  symlink, link, rename, unlink, rmdir) is durable once every directory it
+  touched was fsynced after it; until then it may be lost, in any
+  combination with the others (a rename is atomic: both of its halves or
+  neither). A file's data written before its last ``fsync``/``fdatasync``
+  is durable. What was written (or truncated) after it reached the disk as
+  a prefix, in the order it was issued, cut at any 4 KiB block of the file:
+  every write (the pieces of a write, one per block it touches) is one step.
 - :class:`Ext4Ordered` (for comparison): metadata goes through one journal,
   so floating changes persist as a prefix, in order, and any fsync (of a
   file or a directory) commits the journal; data as above, except that a
@@ -27,10 +29,10 @@ with a stronger one:
   combination with the others (the server handles requests independently).
   The run's local files (its root) follow POSIX-minimal.
 
-The ledger (SQLite in WAL mode) is the same in all: a transaction committed
-with ``synchronous=FULL`` is durable, and with it every earlier one; the
-``NORMAL`` commits after the last FULL one may be lost, as a suffix. A state
-picks one of the snapshots taken after those commits.
+The ledger is no exception: SQLite's database file and WAL are files, their
+writes and fsyncs calls of the trace like any other, so which commits
+survive follows from what SQLite really synced, and WAL recovery runs for
+real when a crash state is reopened.
 """
 
 from __future__ import annotations
@@ -48,6 +50,16 @@ BLOCK = 4096
 
 
 @dataclass(frozen=True)
+class Piece:
+    """One step of a file's data: ``data`` written at ``offset`` (within one block), or
+    the file cut to ``offset`` bytes (``data`` None), by op ``op``."""
+
+    op: int
+    offset: int
+    data: bytes | None
+
+
+@dataclass(frozen=True)
 class CrashSpace:
     """Everything a cut after ``trace.ops[:prefix]`` may leave, under one model."""
 
@@ -55,34 +67,28 @@ class CrashSpace:
     pinned: frozenset[int]  # metadata ops that are durable
     floating: tuple[int, ...]  # metadata ops that may or may not be on disk, in order
     ordered: bool  # floating ops persist as a prefix (a journal), else as any subset
-    lengths: dict[int, int]  # each written file's length in the page cache at the cut
-    partial: tuple[tuple[int, tuple[int, ...]], ...]  # files not all durable: the
-    # lengths that may be on disk, the durable one first
-    ledger: tuple[int | None, ...]  # snapshots the ledger may be left at, durable first
+    pieces: dict[int, tuple[Piece, ...]]  # each written file's data steps, in order
+    partial: tuple[tuple[int, tuple[int, ...]], ...]  # files not all durable: how many
+    # of their pieces may be on disk, the durable count first
     floors: dict[int, tuple[int, int]] = field(default_factory=dict)  # a floating op that,
-    # if on disk, brings a file's data with it: op index -> (inode, length)
+    # if on disk, brings a file's data with it: op index -> (inode, pieces)
 
     def metadata_choices(self) -> int:
         n = len(self.floating)
         return n + 1 if self.ordered else 2**n
 
     def size(self) -> int:
-        return (
-            self.metadata_choices()
-            * math.prod(len(cuts) for _, cuts in self.partial)
-            * len(self.ledger)
-        )
+        return self.metadata_choices() * math.prod(len(cuts) for _, cuts in self.partial)
 
 
 @dataclass(frozen=True)
 class CrashState:
-    """One state in a space: which floating metadata ops reached the disk, how much of
-    each file's unsynced data, and which ledger snapshot."""
+    """One state in a space: which floating metadata ops reached the disk, and how many
+    pieces of each file's unsynced data."""
 
     prefix: int
     kept: frozenset[int]
-    lengths: tuple[tuple[int, int], ...]
-    ledger: int | None
+    counts: tuple[tuple[int, int], ...]
 
 
 class PersistenceModel(Protocol):
@@ -110,10 +116,8 @@ class PosixMinimal:
                 continue
             durable = all(any(i > op.index for i in synced.get(d, ())) for d in op.dirs)
             (pinned if durable else floating).append(op.index)
-        lengths, partial = file_data(trace, ops, self.block, {})
-        return CrashSpace(
-            prefix, frozenset(pinned), tuple(floating), False, lengths, partial, ledger(trace, ops)
-        )
+        pieces, partial = file_data(ops, self.block, {})
+        return CrashSpace(prefix, frozenset(pinned), tuple(floating), False, pieces, partial)
 
 
 @dataclass(frozen=True)
@@ -129,25 +133,18 @@ class Ext4Ordered:
         meta = [op for op in ops if op.effects]
         pinned = [op.index for op in meta if op.index < journal]
         floating = [op.index for op in meta if op.index > journal]
-        forced: dict[int, int] = {}
-        floors: dict[int, tuple[int, int]] = {}
-        for op in ops:
-            if op.ino is not None and _brings_data(op):
-                if op.index < journal:
-                    forced[op.ino] = op.length
-                else:
-                    floors[op.index] = (op.ino, op.length)
-        lengths, partial = file_data(trace, ops, self.block, forced)
-        return CrashSpace(
-            prefix,
-            frozenset(pinned),
-            tuple(floating),
-            True,
-            lengths,
-            partial,
-            ledger(trace, ops),
-            floors,
-        )
+        forced: dict[int, int] = {}  # inode -> the op before which its data is durable
+        bringing = [op for op in ops if op.ino is not None and _brings_data(op)]
+        for op in bringing:
+            if op.index < journal and op.ino is not None:
+                forced[op.ino] = max(forced.get(op.ino, 0), op.index)
+        pieces, partial = file_data(ops, self.block, forced)
+        floors = {
+            op.index: (op.ino, sum(1 for p in pieces.get(op.ino, ()) if p.op < op.index))
+            for op in bringing
+            if op.index > journal and op.ino is not None
+        }
+        return CrashSpace(prefix, frozenset(pinned), tuple(floating), True, pieces, partial, floors)
 
 
 def _brings_data(op: Op) -> bool:
@@ -184,43 +181,67 @@ STORE_MODELS: dict[str, PersistenceModel] = {m.name: m for m in (ObjectStore(),)
 
 
 def file_data(
-    trace: Trace, ops: list[Op], block: int, forced: dict[int, int]
-) -> tuple[dict[int, int], tuple[tuple[int, tuple[int, ...]], ...]]:
-    """Each file's length at the cut, and for each file whose data is not all durable
-    the lengths that may be on disk: the durable one, each block boundary past it, all."""
-    logical = dict(trace.base_lengths)
-    durable = dict(trace.base_lengths)
+    ops: list[Op], block: int, forced: dict[int, int]
+) -> tuple[dict[int, tuple[Piece, ...]], tuple[tuple[int, tuple[int, ...]], ...]]:
+    """Each written file's pieces in the prefix, and for each file whose data is not all
+    durable the counts of pieces that may be on disk: the durable count (the pieces
+    issued before its last fsync, or before ``forced[ino]``), then every count to all."""
+    pieces: dict[int, list[Piece]] = {}
+    synced: dict[int, int] = dict(forced)  # inode -> ops before this index are durable
     for op in ops:
         if op.ino is None:
             continue
         if op.kind == "write":
-            logical[op.ino] = op.length
+            pieces.setdefault(op.ino, []).extend(split_write(op, block))
+        elif op.kind == "truncate":
+            pieces.setdefault(op.ino, []).append(Piece(op.index, op.length, None))
         elif op.kind == "fsync":
-            durable[op.ino] = max(durable.get(op.ino, 0), op.length)
-    for ino, n in forced.items():
-        durable[ino] = max(durable.get(ino, 0), n)
+            synced[op.ino] = max(synced.get(op.ino, 0), op.index)
     partial = []
-    for ino, n in sorted(logical.items()):
-        done = min(durable.get(ino, 0), n)
-        if n > done:
-            first = (done // block + 1) * block
-            partial.append((ino, (done, *range(first, n, block), n)))
-    return logical, tuple(partial)
+    for ino, steps in sorted(pieces.items()):
+        done = sum(1 for p in steps if p.op < synced.get(ino, -1))
+        if done < len(steps):
+            partial.append((ino, tuple(range(done, len(steps) + 1))))
+    return {ino: tuple(steps) for ino, steps in pieces.items()}, tuple(partial)
 
 
-def ledger(trace: Trace, ops: list[Op]) -> tuple[int | None, ...]:
-    """The snapshots a cut may leave: the last FULL commit's (or the start's), then
-    each NORMAL commit after it (a suffix of those may be lost)."""
-    durable: int | None = trace.base_snapshot
-    later: list[int | None] = []
-    for op in ops:
-        if op.kind != "commit":
+def split_write(op: Op, block: int) -> list[Piece]:
+    """A write's pieces: one per block of the file it touches."""
+    out, offset, data = [], op.offset, op.data
+    while data:
+        n = min(len(data), block - offset % block)
+        out.append(Piece(op.index, offset, data[:n]))
+        offset, data = offset + n, data[n:]
+    return out
+
+
+def apply(content: bytes, pieces: tuple[Piece, ...]) -> bytes:
+    """A file's bytes after ``pieces``, from ``content``."""
+    out = bytearray(content)
+    for piece in pieces:
+        if piece.data is None:
+            del out[piece.offset :]
+            out += bytes(max(0, piece.offset - len(out)))
             continue
-        if op.durable:
-            durable, later = op.snapshot, []
-        else:
-            later.append(op.snapshot)
-    return tuple(dict.fromkeys([durable, *later]))
+        if len(out) < piece.offset:
+            out += bytes(piece.offset - len(out))
+        out[piece.offset : piece.offset + len(piece.data)] = piece.data
+    return bytes(out)
+
+
+def step_counts(space: CrashSpace, ino: int, cuts: tuple[int, ...]) -> tuple[int, ...]:
+    """The counts worth a structured state: each write whole (a count that ends at an
+    op's last piece) and each write torn after its first piece."""
+    steps = space.pieces[ino]
+
+    def starts_op(i: int) -> bool:
+        return i == 0 or steps[i - 1].op != steps[i].op
+
+    chosen = []
+    for n in cuts[:-1]:
+        if n == cuts[0] or starts_op(n) or starts_op(n - 1):
+            chosen.append(n)
+    return tuple(chosen)
 
 
 # ------------------------------------------------------------------ choosing states
@@ -254,10 +275,8 @@ def crash_states(space: CrashSpace, budget: Budget) -> Iterator[CrashState]:
 
 def _every_state(space: CrashSpace) -> Iterator[CrashState]:
     cuts = [[(ino, n) for n in options] for ino, options in space.partial]
-    for kept, lengths, snap in itertools.product(
-        _metadata_options(space), itertools.product(*cuts), space.ledger
-    ):
-        yield CrashState(space.prefix, kept, tuple(lengths), snap)
+    for kept, counts in itertools.product(_metadata_options(space), itertools.product(*cuts)):
+        yield CrashState(space.prefix, kept, tuple(counts))
 
 
 def _metadata_options(space: CrashSpace) -> Iterator[frozenset[int]]:
@@ -271,28 +290,25 @@ def _metadata_options(space: CrashSpace) -> Iterator[frozenset[int]]:
 
 
 def _structured(space: CrashSpace) -> Iterator[CrashState]:
-    """The extremes, then each floating op or file varied alone from them."""
+    """The extremes, then each floating op alone lost or kept, each file alone cut
+    after each of its unsynced writes (or torn inside one)."""
     everything = frozenset(space.floating)
     most = tuple((ino, cuts[-1]) for ino, cuts in space.partial)
     least = tuple((ino, cuts[0]) for ino, cuts in space.partial)
-    ledgers = dict.fromkeys((space.ledger[0], space.ledger[-1]))
-    for kept, lengths, snap in itertools.product((everything, frozenset()), (most, least), ledgers):
-        yield CrashState(space.prefix, kept, lengths, snap)
-    for snap in space.ledger:
-        yield CrashState(space.prefix, everything, most, snap)
+    for kept, counts in itertools.product((everything, frozenset()), (most, least)):
+        yield CrashState(space.prefix, kept, counts)
     singles: list[frozenset[int]] = []
     if space.ordered:
         singles = [frozenset(space.floating[:n]) for n in range(1, len(space.floating))]
     else:
         for i in space.floating:
             singles += [everything - {i}, frozenset({i})]
-    latest = space.ledger[-1]  # the most the ledger may claim, against one loss
     for kept in singles:
-        yield CrashState(space.prefix, kept, most, latest)
+        yield CrashState(space.prefix, kept, most)
     for k, (ino, cuts) in enumerate(space.partial):
-        for n in cuts[:-1]:
-            lengths = (*most[:k], (ino, n), *most[k + 1 :])
-            yield CrashState(space.prefix, everything, lengths, latest)
+        for n in step_counts(space, ino, cuts):
+            counts = (*most[:k], (ino, n), *most[k + 1 :])
+            yield CrashState(space.prefix, everything, counts)
 
 
 def _sampled(space: CrashSpace, budget: Budget) -> Iterator[CrashState]:
@@ -302,5 +318,5 @@ def _sampled(space: CrashSpace, budget: Budget) -> Iterator[CrashState]:
             kept = frozenset(space.floating[: rng.randint(0, len(space.floating))])
         else:
             kept = frozenset(i for i in space.floating if rng.random() < 0.5)
-        lengths = tuple((ino, rng.choice(cuts)) for ino, cuts in space.partial)
-        yield CrashState(space.prefix, kept, lengths, rng.choice(space.ledger))
+        counts = tuple((ino, rng.choice(cuts)) for ino, cuts in space.partial)
+        yield CrashState(space.prefix, kept, counts)

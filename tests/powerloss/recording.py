@@ -1,46 +1,53 @@
-"""Recording a scenario's durable operations as a trace that can be replayed.
+"""Recording a scenario's file system calls as a trace that can be replayed.
 
-The :class:`Recorder` keeps a logical model of the tree under a *world*
-directory (inodes, directory entries, file contents), updated by each
-operation the library reports through :mod:`ckptdb.trace`. Each operation
-becomes an :class:`Op` that says what it changed (entries set or removed in
-directory inodes, bytes appended to a file inode) or what it made durable
-(a file's data, a directory's entries, a ledger commit). Directories are
-inodes, not paths, so a renamed directory keeps its contents and an fsync of
-a directory covers exactly the entries changed in that directory.
+The :class:`Recorder` attaches ``strace`` to the process while its block runs
+(:mod:`.syscalls`) and then replays the calls the kernel saw into a logical
+model of the tree under a *world* directory: inodes, directory entries, file
+contents, symbolic links. Each call that changes the world becomes an
+:class:`Op` that says what it changed (entries set or removed in directory
+inodes, bytes written at an offset of a file inode, a file cut to a length)
+or what it made durable (an ``fsync``/``fdatasync`` of a file's data, of a
+directory's entries). Directories are inodes, not paths, so a renamed
+directory keeps its contents and an fsync of a directory covers exactly the
+entries changed in it. Paths come from the kernel: a descriptor's path is
+the one ``/proc`` holds for it, and a name relative to a directory
+descriptor is joined to that directory's path.
 
-A file that someone else wrote (a framework's writer, DCP) is adopted when
-the library first touches it (an fsync, the fsync of its directory): its
-creation and its bytes enter the trace then, as not yet durable, which is
-what they are. Consecutive appends to one file are one ``write`` op: a crash
-inside them is covered by the persistence model's partial data anyway.
+Nothing is taken from the library's own account of what it did, and nothing
+is left out because somebody else did it: torch's C++ writer, DCP, a
+framework's writer and SQLite's own reads and writes of the ledger (its
+database file, its WAL, the directory fsync after creating one) are calls
+like any other. Only SQLite's ``-shm`` file is left out: it is a memory map
+that SQLite rebuilds after a crash, never a durable file.
 
-The ledger is not modeled as files: after each commit the recorder takes a
-snapshot of the database with SQLite's backup API; the persistence model
-picks which snapshot a crash leaves. SQLite's own files (and the writer
-lock's) are left out of the tree.
-
-Requests to an object store (a run whose ``save_dir`` is ``s3://``) are
-followed by an :class:`~powerloss.objects.ObjectRecorder` given to the
-recorder: each request that changes the store becomes an op when it is sent,
-and learns the index of its answer when the response comes back.
+What the scenario does in Python (its marks: a boundary begun, a save
+acknowledged; the requests to an object store, seen through
+:mod:`ckptdb.trace`) is put in the same order: each is kept in memory and
+announced by a one-line write to a marker file outside the world, which the
+replay meets in its place among the calls. Requests to an object store (a
+run whose ``save_dir`` is ``s3://``) are followed by an
+:class:`~powerloss.objects.ObjectRecorder` given to the recorder.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
-import sqlite3
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ckptdb import trace as seam
 
+from .syscalls import Call, Fd, SyscallTracer, calls, iov_bases
+
 WORLD = 0  # the inode of the world directory
 LEDGER_FILE = "ckptdb.sqlite"
-IGNORED_PREFIXES = (LEDGER_FILE, "ckptdb.lock", "ckptdb.owner", ".ckptdb.owner")
+#: SQLite's wal-index: a shared memory map, rebuilt by the first connection after a crash.
+IGNORED_SUFFIXES = ("-shm",)
+_RECORDINGS = itertools.count()
 
 
 class TraceError(RuntimeError):
@@ -51,9 +58,14 @@ class TraceError(RuntimeError):
 @dataclass
 class Node:
     ino: int
-    is_dir: bool
+    kind: str  # "dir", "file" or "symlink"
     entries: dict[str, int] = field(default_factory=dict)
     content: bytearray = field(default_factory=bytearray)
+    target: str = ""  # a symlink's
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind == "dir"
 
 
 @dataclass(frozen=True)
@@ -67,20 +79,21 @@ class Effect:
 
 @dataclass(frozen=True)
 class Op:
-    """One recorded operation (see :mod:`ckptdb.trace` for the kinds).
+    """One recorded operation.
 
-    ``effects`` and ``dirs``: a metadata change and the directories whose
-    fsync makes it durable. ``ino``/``length``: the file a ``write`` grew (to
-    ``length`` bytes), a ``fsync`` made durable (its first ``length`` bytes),
-    the directory of a ``fsync_dir``, the inode a ``rename`` moved (``length``:
-    its size then; ``replaced``: the inode it replaced). ``snapshot`` and
-    ``durable``: the ledger a ``commit`` left, and whether it was FULL.
-    ``mark``: a scenario's own record (a boundary begun, a save acknowledged).
-    ``key``/``upload``/``blob``/``answered``: an object-store request (see
-    :mod:`.objects`): the object's name relative to the recorded prefix, its
-    multipart upload, the bytes it makes visible (an index into
-    ``Trace.blobs``) and the index of the op that recorded its response (None:
-    never answered).
+    Kinds: ``create``, ``mkdir``, ``symlink``, ``link`` (a new name for an
+    inode), ``rename``, ``unlink``, ``rmdir`` (metadata: ``effects`` and
+    ``dirs``, the directories whose fsync makes it durable); ``write``
+    (``data`` at ``offset`` of file ``ino``; consecutive appends to one file
+    are one op) and ``truncate`` (file ``ino`` cut or grown to ``length``);
+    ``fsync`` (file ``ino``'s data so far) and ``fsync_dir`` (directory
+    ``ino``'s entries); ``mark`` (a scenario's record); and the object-store
+    requests of :mod:`.objects`. ``length``: a file's size after the op (for
+    a ``rename``, the renamed file's; ``replaced``: the inode it replaced).
+    ``key``/``upload``/``blob``/``answered``: an object-store request: the
+    object's name relative to the recorded prefix, its multipart upload, the
+    bytes it makes visible (an index into ``Trace.blobs``) and the index of
+    the op that recorded its response (None: never answered).
     """
 
     index: int
@@ -91,8 +104,8 @@ class Op:
     ino: int | None = None
     length: int = 0
     replaced: int | None = None
-    snapshot: int | None = None
-    durable: bool = False
+    offset: int = 0
+    data: bytes = b""
     mark: Mapping[str, Any] | None = None
     key: str | None = None
     upload: str | None = None
@@ -102,17 +115,16 @@ class Op:
 
 @dataclass(frozen=True)
 class Trace:
-    """A recorded scenario: the durable start, the operations, the ledger snapshots."""
+    """A recorded scenario: the durable start and the operations."""
 
     world: Path
     root: Path
     base: dict[int, dict[str, int]]  # each directory's entries at the start (durable)
-    base_lengths: dict[int, int]  # each file's length at the start (durable)
-    files: dict[int, bytes]  # every file's content, as far as it was ever written
+    base_files: dict[int, bytes]  # each file's content at the start (durable)
+    files: dict[int, bytes]  # every file's content at the end of the recording
     directories: frozenset[int]
+    links: dict[int, str]  # each symbolic link's target
     ops: list[Op]
-    snapshots: list[bytes]
-    base_snapshot: int | None  # the ledger at the start (None: no ledger yet)
     names: dict[int, str]  # each inode's latest name (relative to the world), for messages
     store: str | None = None  # the object store's ``s3://bucket/prefix`` (None: local only)
     objects: dict[str, int] = field(default_factory=dict)  # its objects at the start: blobs
@@ -120,135 +132,388 @@ class Trace:
     blobs: list[bytes] = field(default_factory=list)  # every object's bytes
 
 
-def ignored(path: Path) -> bool:
-    """SQLite's and the writer lock's files: the ledger is modeled by snapshots."""
-    return path.name.startswith(IGNORED_PREFIXES)
+def ignored(path: Path | str) -> bool:
+    return str(path).endswith(IGNORED_SUFFIXES)
 
 
-def snapshot_ledger(database: Path) -> bytes:
-    """The committed content of a SQLite database, read through SQLite's backup API."""
-    source = sqlite3.connect(f"file:{database}?mode=ro", uri=True)
-    target = sqlite3.connect(":memory:")
-    try:
-        source.backup(target)
-        return target.serialize()
-    finally:
-        source.close()
-        target.close()
+@dataclass
+class _Open:
+    """What the recorder knows of an open descriptor (shared by its duplicates)."""
+
+    offset: int
+    append: bool
 
 
 class Recorder:
-    """Records what the library does under ``world`` while installed (a context manager)."""
+    """Records what the process does under ``world`` while installed (a context manager)."""
 
     def __init__(self, world: Path, root: Path, objects: Any = None) -> None:
         self.world = Path(os.path.realpath(world))
         self.objects = objects  # an ObjectRecorder (a run on object storage), or None
         self.root = Path(os.path.realpath(root))
-        self.nodes: dict[int, Node] = {WORLD: Node(WORLD, True)}
+        self.nodes: dict[int, Node] = {WORLD: Node(WORLD, "dir")}
         self.names: dict[int, str] = {WORLD: "."}
         self._scan(self.world, WORLD)
         self.base = {i: dict(n.entries) for i, n in self.nodes.items() if n.is_dir}
-        self.base_lengths = {i: len(n.content) for i, n in self.nodes.items() if not n.is_dir}
+        self.base_files = {i: bytes(n.content) for i, n in self.nodes.items() if n.kind == "file"}
         self.ops: list[Op] = []
-        self.snapshots: list[bytes] = []
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
+        self._events: list[Callable[[], None]] = []
+        self._requests: dict[int, int] = {}  # id(params) of a request in flight -> its token
+        self._tokens = itertools.count()
+        stem = self.world.parent / f".powerloss-{os.getpid()}-{next(_RECORDINGS)}"
+        self._marker, self._log = Path(f"{stem}.marks"), Path(f"{stem}.strace")
+        self._marker_fd = -1
+        self._fds: dict[int, _Open] = {}
+        self._cwd = os.getcwd()
         self._previous: seam.Hook | None = None
-        ledger = self.root / LEDGER_FILE
-        self.base_snapshot = self._snapshot() if ledger.exists() else None
+        self._tracer: SyscallTracer | None = None
 
     def __enter__(self) -> Recorder:
-        self._previous = seam.set_hook(self.on_op)
+        self._marker_fd = os.open(self._marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._previous = seam.set_hook(self.on_seam)
+        self._tracer = SyscallTracer(self._log).__enter__()
+        self._fds = _open_descriptors(self.world)
+        self._cwd = os.getcwd()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        seam.set_hook(self._previous)
+        try:
+            assert self._tracer is not None
+            self._tracer.__exit__(*exc)
+        finally:
+            seam.set_hook(self._previous)
+            os.close(self._marker_fd)
+        try:
+            if exc[0] is None:
+                self._replay()
+        finally:
+            self._log.unlink(missing_ok=True)
+            self._marker.unlink(missing_ok=True)
 
     def trace(self) -> Trace:
         return Trace(
             world=self.world,
             root=self.root,
             base=self.base,
-            base_lengths=self.base_lengths,
-            files={i: bytes(n.content) for i, n in self.nodes.items() if not n.is_dir},
+            base_files=self.base_files,
+            files={i: bytes(n.content) for i, n in self.nodes.items() if n.kind == "file"},
             directories=frozenset(i for i, n in self.nodes.items() if n.is_dir),
+            links={i: n.target for i, n in self.nodes.items() if n.kind == "symlink"},
             ops=list(self.ops),
-            snapshots=list(self.snapshots),
-            base_snapshot=self.base_snapshot,
             names=dict(self.names),
             **({} if self.objects is None else self.objects.trace_fields()),
         )
 
-    # ------------------------------------------------------------ the hook
-
-    def on_op(self, op: str, fields: Mapping[str, object]) -> None:
-        with self._lock:
-            handler = getattr(self, f"_on_{op}", None)
-            if handler is None:
-                raise TraceError(f"unknown operation {op!r} in the trace")
-            handler(**fields)
-
-    def observe(self, path: Path) -> None:
-        """Record what the kernel holds of a file that another writer is writing."""
-        with self._lock:
-            if self._inside(path):
-                self._adopt(path)
-                self.catch_up(path)
+    # ------------------------------------------------------------ in-process events
 
     def mark(self, record: Mapping[str, Any]) -> None:
         """A scenario's record (``{"begin": i}``, ``{"ack": i, "rows": {...}}``)."""
+        kept = dict(record)
+        self._event(lambda: self.append(Op(0, "mark", f"mark {kept}", mark=kept)))
+
+    def on_seam(self, op: str, fields: Mapping[str, object]) -> None:
+        """The library's object-store requests (:mod:`ckptdb.trace`), copied now (a
+        request's body is a buffer reused later) and replayed in their place."""
+        if op not in ("s3_request", "s3_response"):
+            raise TraceError(f"unknown operation {op!r} at the seam")
+        if self.objects is None:
+            return
+        params = fields["params"]
+        assert isinstance(params, Mapping)
         with self._lock:
-            self._append(Op(0, "mark", f"mark {dict(record)}", mark=dict(record)))
+            if op == "s3_request":
+                token = self._requests[id(params)] = next(self._tokens)
+            else:
+                token = self._requests.pop(id(params), -1)
+        copied = self.objects.capture(params, token)
+        operation = str(fields["operation"])
+        if op == "s3_request":
+            self._event(lambda: self.objects.request(self, operation, copied))
+        else:
+            answer = fields["answer"]
+            self._event(lambda: self.objects.response(self, operation, copied, answer))
+
+    def _event(self, run: Callable[[], None]) -> None:
+        with self._lock:
+            index = len(self._events)
+            self._events.append(run)
+        os.write(self._marker_fd, f"{index}\n".encode())
 
     def append(self, op: Op) -> int:
         """Append an op (its index set here); its index."""
-        self._append(op)
+        self.ops.append(replace(op, index=len(self.ops)))
         return len(self.ops) - 1
 
-    def _on_s3_request(self, operation: str, params: Mapping[str, Any]) -> None:
-        if self.objects is not None:
-            self.objects.request(self, operation, params)
+    # ------------------------------------------------------------ the replay
 
-    def _on_s3_response(self, operation: str, params: Mapping[str, Any], answer: Any) -> None:
-        if self.objects is not None:
-            self.objects.response(self, operation, params, answer)
+    def _replay(self) -> None:
+        for call in calls(self._log):
+            handler = getattr(self, f"_sys_{call.name}", None)
+            if handler is None:
+                raise TraceError(f"no replay for {call.name}")
+            try:
+                handler(call)
+            except TraceError:
+                raise
+            except (IndexError, KeyError, ValueError) as exc:
+                raise TraceError(f"cannot follow {call}: {exc!r}") from exc
 
-    def _on_create(self, path: Path) -> None:
-        if self._inside(path):
-            self._make(path, is_dir=False, how="create")
+    # descriptors
 
-    def _on_mkdir(self, path: Path) -> None:
-        if self._inside(path):
-            self._make(path, is_dir=True, how="mkdir")
+    def _sys_openat(self, call: Call) -> None:
+        self._opened(call, self._at(call.fd(0), call.text(1)), call.raw(2))
 
-    def _on_write(self, path: Path | None, offset: int, data: Any) -> None:
-        if path is None or not self._inside(path):
+    def _sys_open(self, call: Call) -> None:
+        self._opened(call, self._at(None, call.text(0)), call.raw(1))
+
+    def _sys_creat(self, call: Call) -> None:
+        self._opened(call, self._at(None, call.text(0)), "O_CREAT|O_WRONLY|O_TRUNC")
+
+    def _opened(self, call: Call, asked: Path, flags: str) -> None:
+        fd = call.result_fd
+        path = Path(fd.path) if fd is not None and fd.path else asked
+        self._fds[call.result] = _Open(0, "O_APPEND" in flags)
+        if "O_TMPFILE" in flags or (fd is not None and fd.deleted):
+            return  # a file with no name: nothing a crash can leave
+        if not self._inside(path) or ignored(path):
             return
-        node = self.nodes[self._known(path)]
-        if offset != len(node.content):
-            raise TraceError(f"{path}: a write at {offset}, not an append ({len(node.content)})")
-        node.content += bytes(data)
-        self._grew(node, path)
+        ino = self._lookup(path)
+        if ino is None:
+            if "O_CREAT" not in flags:
+                raise TraceError(f"{path} opened, but the model never saw it made")
+            ino = self._make(path, "file")
+        node = self.nodes[ino]
+        if "O_TRUNC" in flags and node.kind == "file" and node.content:
+            self._truncate(ino, 0)
 
-    def _on_fsync(self, path: Path) -> None:
+    def _sys_close(self, call: Call) -> None:
+        self._fds.pop(call.fd(0).number or -1, None)
+
+    def _dup(self, call: Call) -> None:
+        old = call.fd(0).number
+        if old in self._fds:
+            self._fds[call.result] = self._fds[old]  # one offset, shared
+
+    _sys_dup = _sys_dup2 = _sys_dup3 = _dup
+
+    def _sys_fcntl(self, call: Call) -> None:
+        if call.raw(1).startswith("F_DUPFD"):
+            self._dup(call)
+
+    def _sys_lseek(self, call: Call) -> None:
+        fd = call.fd(0).number
+        if fd in self._fds:
+            self._fds[fd].offset = call.result
+
+    def _sys_chdir(self, call: Call) -> None:
+        self._cwd = str(self._at(None, call.text(0)))
+
+    def _sys_fchdir(self, call: Call) -> None:
+        self._cwd = call.fd(0).path or self._cwd
+
+    def _sys_mmap(self, call: Call) -> None:
+        arg = call.args[4]
+        shared_write = "PROT_WRITE" in call.raw(2) and "MAP_SHARED" in call.raw(3)
+        if shared_write and isinstance(arg, Fd) and self._file_fd(arg) is not None:
+            raise TraceError(f"{arg.path} written through a shared memory map")
+
+    # data
+
+    def _sys_write(self, call: Call) -> None:
+        self._written(call.fd(0), None, call.text(1)[: call.result])
+
+    def _sys_pwrite64(self, call: Call) -> None:
+        self._written(call.fd(0), int(call.raw(3)), call.text(1)[: call.result])
+
+    def _sys_writev(self, call: Call) -> None:
+        self._written(call.fd(0), None, iov_bases(call.raw(1))[: call.result])
+
+    def _sys_pwritev(self, call: Call) -> None:
+        offset = int(call.raw(3))
+        self._written(call.fd(0), None if offset == -1 else offset, iov_bases(call.raw(1)))
+
+    _sys_pwritev2 = _sys_pwritev
+
+    def _written(self, fd: Fd, offset: int | None, data: bytes) -> None:
+        if fd.path == str(self._marker):
+            self._events[int(data)]()
+            return
+        state = self._fds.get(fd.number or -1)
+        if offset is None:  # at the descriptor's offset, which it advances
+            if state is None:
+                ino = self._file_fd(fd)
+                if ino is None:
+                    return
+                raise TraceError(f"a write to {fd.path} through a descriptor never seen opened")
+            ino = self._file_fd(fd)
+            at = len(self.nodes[ino].content) if ino is not None and state.append else state.offset
+            state.offset = at + len(data)
+            offset = at
+        ino = self._file_fd(fd)
+        if ino is not None and data:
+            self._write(ino, offset, data)
+
+    def _sys_ftruncate(self, call: Call) -> None:
+        ino = self._file_fd(call.fd(0))
+        if ino is not None:
+            self._truncate(ino, int(call.raw(1)))
+
+    def _sys_truncate(self, call: Call) -> None:
+        path = self._at(None, call.text(0))
+        if self._inside(path) and not ignored(path):
+            self._truncate(self._known(path), int(call.raw(1)))
+
+    def _unfollowed(self, fd: Fd, what: str) -> None:
+        if self._file_fd(fd) is not None:
+            raise TraceError(f"{fd.path} changed by {what}, which the explorer does not model")
+
+    def _sys_sendfile(self, call: Call) -> None:
+        self._unfollowed(call.fd(0), "sendfile")
+
+    def _sys_copy_file_range(self, call: Call) -> None:
+        self._unfollowed(call.fd(2), "copy_file_range")
+
+    def _sys_splice(self, call: Call) -> None:
+        self._unfollowed(call.fd(2), "splice")
+
+    def _sys_fallocate(self, call: Call) -> None:
+        self._unfollowed(call.fd(0), "fallocate")
+
+    def _sys_sync_file_range(self, call: Call) -> None:
+        self._unfollowed(call.fd(0), "sync_file_range (no durability guarantee)")
+
+    # durability
+
+    def _sys_fsync(self, call: Call) -> None:
+        fd = call.fd(0)
+        if fd.deleted or not fd.path or not self._inside(Path(fd.path)) or ignored(fd.path):
+            return
+        ino = self._known(Path(fd.path))
+        node = self.nodes[ino]
+        name = self.names[ino]
+        if node.is_dir:
+            self.append(Op(0, "fsync_dir", f"{call.name} {name}/", ino=ino))
+        else:
+            n = len(node.content)
+            self.append(Op(0, "fsync", f"{call.name} {name} ({n} bytes)", ino=ino, length=n))
+
+    _sys_fdatasync = _sys_fsync
+
+    # names
+
+    def _sys_rename(self, call: Call) -> None:
+        self._rename(self._at(None, call.text(0)), self._at(None, call.text(1)))
+
+    def _sys_renameat(self, call: Call) -> None:
+        source = self._at(call.fd(0), call.text(1))
+        self._rename(source, self._at(call.fd(2), call.text(3)))
+
+    def _sys_renameat2(self, call: Call) -> None:
+        if "RENAME_EXCHANGE" in call.raw(4):
+            raise TraceError("renameat2(RENAME_EXCHANGE) is not modeled")
+        self._sys_renameat(call)
+
+    def _sys_link(self, call: Call) -> None:
+        self._link(self._at(None, call.text(0)), self._at(None, call.text(1)))
+
+    def _sys_linkat(self, call: Call) -> None:
+        self._link(self._at(call.fd(0), call.text(1)), self._at(call.fd(2), call.text(3)))
+
+    def _sys_symlink(self, call: Call) -> None:
+        self._symlink(call.text(0), self._at(None, call.text(1)))
+
+    def _sys_symlinkat(self, call: Call) -> None:
+        self._symlink(call.text(0), self._at(call.fd(1), call.text(2)))
+
+    def _sys_unlink(self, call: Call) -> None:
+        self._removed(self._at(None, call.text(0)), "unlink")
+
+    def _sys_unlinkat(self, call: Call) -> None:
+        how = "rmdir" if "AT_REMOVEDIR" in call.raw(2) else "unlink"
+        self._removed(self._at(call.fd(0), call.text(1)), how)
+
+    def _sys_rmdir(self, call: Call) -> None:
+        self._removed(self._at(None, call.text(0)), "rmdir")
+
+    def _sys_mkdir(self, call: Call) -> None:
+        path = self._at(None, call.text(0))
+        if self._inside(path):
+            self._make(path, "dir")
+
+    def _sys_mkdirat(self, call: Call) -> None:
+        path = self._at(call.fd(0), call.text(1))
+        if self._inside(path):
+            self._make(path, "dir")
+
+    # ------------------------------------------------------------ the model
+
+    def _write(self, ino: int, offset: int, data: bytes) -> None:
+        node = self.nodes[ino]
+        if len(node.content) < offset:
+            node.content += bytes(offset - len(node.content))
+        node.content[offset : offset + len(data)] = data
+        n, name = len(node.content), self.names[ino]
+        last = self.ops[-1] if self.ops else None
+        if (
+            last is not None
+            and last.kind == "write"
+            and last.ino == ino
+            and last.offset + len(last.data) == offset
+        ):
+            merged = last.data + data
+            text = f"write {name} [{last.offset}, {last.offset + len(merged)}) (to {n} bytes)"
+            self.ops[-1] = replace(last, data=merged, length=n, text=text)
+            return
+        text = f"write {name} [{offset}, {offset + len(data)}) (to {n} bytes)"
+        self.append(Op(0, "write", text, ino=ino, length=n, offset=offset, data=data))
+
+    def _truncate(self, ino: int, length: int) -> None:
+        node = self.nodes[ino]
+        if length <= len(node.content):
+            del node.content[length:]
+        else:
+            node.content += bytes(length - len(node.content))
+        text = f"truncate {self.names[ino]} to {length} bytes"
+        self.append(Op(0, "truncate", text, ino=ino, length=length))
+
+    def _make(self, path: Path, kind: str, target: str = "") -> int:
+        parent, name = self._parent(path)
+        if name in self.nodes[parent].entries:
+            raise TraceError(f"{kind} {path}: it exists already in the model")
+        ino = len(self.nodes)
+        self.nodes[ino] = Node(ino, kind, target=target)
+        self.nodes[parent].entries[name] = ino
+        self.names[ino] = self._name(path)
+        how = {"dir": "mkdir", "file": "create", "symlink": "symlink"}[kind]
+        text = f"{how} {self._name(path)}" + (f" -> {target}" if target else "")
+        effect = Effect(parent, name, ino)
+        self.append(Op(0, how, text, (effect,), frozenset({parent})))
+        return ino
+
+    def _symlink(self, target: bytes, path: Path) -> None:
+        if self._inside(path) and not ignored(path):
+            self._make(path, "symlink", os.fsdecode(target))
+
+    def _link(self, source: Path, path: Path) -> None:
         if not self._inside(path):
             return
-        ino = self._adopt(path)
-        self.catch_up(path)
-        n = len(self.nodes[ino].content)
-        self._append(Op(0, "fsync", f"fsync {self._name(path)} ({n} bytes)", ino=ino, length=n))
+        if not self._inside(source):
+            raise TraceError(f"a hard link into the world from outside it: {source}")
+        ino = self._known(source)
+        parent, name = self._parent(path)
+        self.nodes[parent].entries[name] = ino
+        text = f"link {self._name(path)} = {self._name(source)}"
+        self.append(Op(0, "link", text, (Effect(parent, name, ino),), frozenset({parent})))
 
-    def _on_fsync_dir(self, path: Path) -> None:
-        if not self._inside(path):
+    def _rename(self, source: Path, target: Path) -> None:
+        inside = self._inside(source), self._inside(target)
+        if not any(inside):
             return
-        ino = self._adopt(path)
-        self._adopt_children(path, ino)
-        self._append(Op(0, "fsync_dir", f"fsync_dir {self._name(path)}", ino=ino))
-
-    def _on_rename(self, source: Path, target: Path) -> None:
-        if not (self._inside(source) and self._inside(target)):
+        if not all(inside):
             raise TraceError(f"a rename across the world's edge: {source} -> {target}")
-        if self._lookup(source) is None:  # another writer made it, nothing synced it yet
-            self._adopt(source, disk=target)
+        if ignored(source) or ignored(target):
+            return
         src_dir, src_name = self._parent(source)
         dst_dir, dst_name = self._parent(target)
         ino = self._known(source)
@@ -260,75 +525,16 @@ class Recorder:
         text = f"rename {self._name(source)} -> {self._name(target)}"
         effects = (Effect(src_dir, src_name, None), Effect(dst_dir, dst_name, ino))
         dirs = frozenset({src_dir, dst_dir})
-        self._append(Op(0, "rename", text, effects, dirs, ino, len(node.content), replaced))
+        self.append(Op(0, "rename", text, effects, dirs, ino, len(node.content), replaced))
 
-    def _on_unlink(self, path: Path) -> None:
-        if self._inside(path):
-            self._remove(path, "unlink")
-
-    def _on_rmdir(self, path: Path) -> None:
-        if self._inside(path):
-            self._remove(path, "rmdir")
-
-    def _on_rmtree(self, path: Path) -> None:
-        """The tree is gone from the disk already: its removal, entry by entry, in
-        the order ``shutil.rmtree`` takes (depth first, a directory after its entries)."""
-        if not self._inside(path):
+    def _removed(self, path: Path, how: str) -> None:
+        if not self._inside(path) or ignored(path):
             return
-        for child_path, is_dir in self._walk_down(path, self._known(path)):
-            self._remove(child_path, "rmdir" if is_dir else "unlink", via=f"rmtree {path.name}")
-        self._remove(path, "rmdir", via="rmtree")
-
-    def _on_commit(self, database: str | None, backend: str, durable: bool) -> None:
-        if backend != "sqlite" or database is None:
-            raise TraceError(f"the explorer models SQLite ledgers only, not {backend}")
-        if Path(os.path.realpath(database)) != self.root / LEDGER_FILE:
-            return
-        level = "FULL" if durable else "NORMAL"
-        snap = self._snapshot()
-        self._append(Op(0, "commit", f"commit ({level})", snapshot=snap, durable=durable))
-
-    # ------------------------------------------------------------ the model
-
-    def catch_up(self, path: Path, where: Path | None = None) -> None:
-        """What the kernel holds of a file now (another writer appended it): recorded.
-        ``where``: where the file is now, if not at ``path``."""
-        node = self.nodes[self._known(path)]
-        disk = (where or path).read_bytes()
-        if bytes(node.content) == disk:
-            return
-        if not disk.startswith(bytes(node.content)):
-            raise TraceError(f"{path} changed other than by appending")
-        node.content += disk[len(node.content) :]
-        self._grew(node, path)
-
-    def _grew(self, node: Node, path: Path) -> None:
-        last = self.ops[-1] if self.ops else None
-        n = len(node.content)
-        text = f"write {self._name(path)} (to {n} bytes)"
-        if last is not None and last.kind == "write" and last.ino == node.ino:
-            self.ops[-1] = replace(last, length=n, text=text)
-        else:
-            self._append(Op(0, "write", text, ino=node.ino, length=n))
-
-    def _make(self, path: Path, *, is_dir: bool, how: str) -> int:
-        parent, name = self._parent(path)
-        if name in self.nodes[parent].entries:
-            raise TraceError(f"{how} {path}: it exists already in the model")
-        ino = len(self.nodes)
-        self.nodes[ino] = Node(ino, is_dir)
-        self.nodes[parent].entries[name] = ino
-        self.names[ino] = self._name(path)
-        effect = Effect(parent, name, ino)
-        self._append(Op(0, how, f"{how} {self._name(path)}", (effect,), frozenset({parent})))
-        return ino
-
-    def _remove(self, path: Path, how: str, via: str = "") -> None:
         parent, name = self._parent(path)
         if self.nodes[parent].entries.pop(name, None) is None:
             raise TraceError(f"{how} {path}: not in the model")
-        text = f"{how} {self._name(path)}" + (f" ({via})" if via else "")
-        self._append(Op(0, how, text, (Effect(parent, name, None),), frozenset({parent})))
+        text = f"{how} {self._name(path)}"
+        self.append(Op(0, how, text, (Effect(parent, name, None),), frozenset({parent})))
 
     def _rename_names(self, ino: int, name: str) -> None:
         """Messages name a file by its latest name (a renamed directory's files too)."""
@@ -336,76 +542,53 @@ class Recorder:
         for child_name, child in self.nodes[ino].entries.items():
             self._rename_names(child, f"{name}/{child_name}")
 
-    def _walk_down(self, path: Path, ino: int) -> Iterator[tuple[Path, bool]]:
-        for name, child in sorted(self.nodes[ino].entries.items()):
-            if self.nodes[child].is_dir:
-                yield from self._walk_down(path / name, child)
-            yield path / name, self.nodes[child].is_dir
-
-    def _adopt(self, path: Path, disk: Path | None = None) -> int:
-        """The inode of ``path``, adopting it (and its parents) from the disk if another
-        writer made it: a directory with everything in it, a file with its bytes.
-        ``disk``: where it is now, if it was renamed since (the rename is recorded next)."""
-        found = self._lookup(path)
-        if found is not None:
-            return found
-        self._adopt(path.parent)  # which may adopt ``path`` with the rest of its directory
-        found = self._lookup(path)
-        if found is not None:
-            return found
-        disk = disk or path
-        if disk.is_dir() and not disk.is_symlink():
-            ino = self._make(path, is_dir=True, how="mkdir")
-            self._adopt_children(path, ino, disk)
-            return ino
-        if not disk.is_file():
-            raise TraceError(f"{path} is neither in the model nor a file on disk")
-        ino = self._make(path, is_dir=False, how="create")
-        self.catch_up(path, disk)
-        return ino
-
-    def _adopt_children(self, path: Path, ino: int, disk: Path | None = None) -> None:
-        disk = disk or path
-        for name in sorted(os.listdir(disk)):
-            if name not in self.nodes[ino].entries and not ignored(disk / name):
-                self._adopt(path / name, disk / name)
-
     def _scan(self, path: Path, ino: int) -> None:
-        if not path.is_dir():
-            return
         for name in sorted(os.listdir(path)):
             child = path / name
-            if ignored(child) or child.is_symlink():
+            if ignored(child):
                 continue
             new = len(self.nodes)
-            self.nodes[new] = Node(new, child.is_dir())
+            if child.is_symlink():
+                self.nodes[new] = Node(new, "symlink", target=os.readlink(child))
+            elif child.is_dir():
+                self.nodes[new] = Node(new, "dir")
+            else:
+                self.nodes[new] = Node(new, "file", content=bytearray(child.read_bytes()))
             self.nodes[ino].entries[name] = new
             self.names[new] = self._name(child)
-            if child.is_dir():
+            if self.nodes[new].is_dir:
                 self._scan(child, new)
-            else:
-                self.nodes[new].content += child.read_bytes()
-
-    def _snapshot(self) -> int:
-        data = snapshot_ledger(self.root / LEDGER_FILE)
-        for i, known in enumerate(self.snapshots):
-            if known == data:
-                return i
-        self.snapshots.append(data)
-        return len(self.snapshots) - 1
-
-    def _append(self, op: Op) -> None:
-        self.ops.append(replace(op, index=len(self.ops)))
 
     # ------------------------------------------------------------ paths
+
+    def _at(self, directory: Fd | None, name: bytes) -> Path:
+        """A path argument as the kernel resolves it: relative to the directory
+        descriptor's path, or to the working directory."""
+        text = os.fsdecode(name)
+        if os.path.isabs(text):
+            return Path(text)
+        base = directory.path if directory is not None and directory.path else self._cwd
+        return Path(base) / text
+
+    def _file_fd(self, fd: Fd) -> int | None:
+        """The model's file behind a descriptor (None: outside the world, ignored, gone)."""
+        if fd.deleted or not fd.path or not self._inside(Path(fd.path)) or ignored(fd.path):
+            return None
+        ino = self._known(Path(fd.path))
+        return ino if self.nodes[ino].kind == "file" else None
 
     def _inside(self, path: Path) -> bool:
         return self._parts(path) is not None
 
     def _parts(self, path: Path) -> tuple[str, ...] | None:
-        full = Path(os.path.realpath(Path(path).parent)) / Path(path).name
+        full = Path(os.path.normpath(path))
         try:
             return full.relative_to(self.world).parts
+        except ValueError:
+            pass
+        real = Path(os.path.realpath(full.parent)) / full.name
+        try:
+            return real.relative_to(self.world).parts
         except ValueError:
             return None
 
@@ -433,3 +616,20 @@ class Recorder:
 
     def _parent(self, path: Path) -> tuple[int, str]:
         return self._known(Path(path).parent), Path(path).name
+
+
+def _open_descriptors(world: Path) -> dict[int, _Open]:
+    """The descriptors open on files under ``world`` now, with their offsets."""
+    found: dict[int, _Open] = {}
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            path = os.readlink(f"/proc/self/fd/{entry}")
+            info = Path(f"/proc/self/fdinfo/{entry}").read_text()
+        except OSError:
+            continue
+        if not path.startswith(f"{world}/"):
+            continue
+        fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+        flags = int(fields.get("flags", "0").strip(), 8)
+        found[int(entry)] = _Open(int(fields["pos"].strip()), bool(flags & os.O_APPEND))
+    return found

@@ -37,7 +37,6 @@ from crashlib import (
 from ckptdb import CheckpointManager, External, Sharded
 
 from .explorer import Check, ReferenceCheck
-from .observe import observing_dcp
 from .recording import Recorder, Trace
 
 Payloads = Callable[[Boundary], dict[str, Any]]
@@ -123,19 +122,13 @@ def _paths(tmp: Path) -> tuple[Path, Path]:
     return world, world / "run"
 
 
-def _recorded(
-    name: str, tmp: Path, run: Run, *, blocking: bool = True, dcp: bool = False
-) -> Recorded:
+def _recorded(name: str, tmp: Path, run: Run, *, blocking: bool = True) -> Recorded:
     """History saved, then the recorded boundaries on the same open run."""
     world, root = _paths(tmp)
     with CheckpointManager(root, streams=policies()) as mgr:
         run.save_history(mgr)
         with Recorder(world, root) as rec:
-            if dcp:
-                with observing_dcp(rec):
-                    run.save_recorded(mgr, rec, blocking=blocking)
-            else:
-                run.save_recorded(mgr, rec, blocking=blocking)
+            run.save_recorded(mgr, rec, blocking=blocking)
     return Recorded(name, rec.trace(), ReferenceCheck(run.ref))
 
 
@@ -173,7 +166,7 @@ def sharded_run(tmp: Path, deep: bool) -> Recorded:
     """``model`` as a DCP directory (one process): temp directory, DCP's own files and
     fsyncs, the seal, the placement of a directory, an evicted directory removed."""
     spec = [(10, 0.5), (20, 0.3), (30, 0.7)] + ([(40, 0.2)] if deep else [])
-    return _recorded("sharded", tmp, Run(spec, history=2, make=sharded), dcp=True)
+    return _recorded("sharded", tmp, Run(spec, history=2, make=sharded))
 
 
 def async_run(tmp: Path, deep: bool) -> Recorded:
