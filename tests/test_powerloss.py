@@ -41,6 +41,7 @@ from typing import Any
 import pytest
 import s3lib
 from crashlib import Row
+from powerloss.catalog import SCENARIOS
 from powerloss.explorer import Exploration, Explorer, in_flight_records, persisted_tree
 from powerloss.objects import (
     StoreState,
@@ -63,7 +64,7 @@ from powerloss.persistence import (
 )
 from powerloss.recording import WORLD, Effect, Op, Recorder, Trace
 from powerloss.s3scenarios import S3_SCENARIOS
-from powerloss.scenarios import SCENARIOS, Recorded
+from powerloss.scenarios import Recorded
 from powerloss.settings import DEEP, budget_for
 
 from ckptdb import trace

@@ -17,6 +17,7 @@ Both implement :class:`RunLock`; :func:`writer_lock` picks one by ledger URL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -98,6 +99,14 @@ def _locked_error(root: Path, holder: dict[str, object], fallback: str) -> Ledge
     )
 
 
+def _remove_stale_records(root: Path) -> None:
+    """The owner records a crashed writer left half-made (``.ckptdb.owner.<pid>``,
+    written but never renamed): the lock is ours, so none of them is being written."""
+    for stale in root.glob(f".{OWNER_NAME}.*"):
+        with contextlib.suppress(FileNotFoundError):  # gone already
+            os.unlink(stale)
+
+
 class FileWriterLock:
     """``<root>/ckptdb.lock``, with the holder recorded in ``<root>/ckptdb.owner``."""
 
@@ -116,6 +125,7 @@ class FileWriterLock:
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
         tmp = self.root / f".{OWNER_NAME}.{os.getpid()}"
         try:
+            _remove_stale_records(self.root)
             tmp.write_text(json.dumps(owner))
             os.replace(tmp, self.root / OWNER_NAME)
         except OSError as exc:

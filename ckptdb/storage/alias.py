@@ -46,6 +46,9 @@ def point_alias(target: Path, alias: Path) -> None:
         if alias.is_dir() and not alias.is_symlink():
             os.replace(alias, old)  # a directory cannot be renamed over a non-empty one
             os.replace(tmp, alias)
+            # The swap durable before the old tree goes: else a power cut could keep
+            # the old tree at the alias's name with some of its files already removed.
+            fsync_dir(alias.parent)
             shutil.rmtree(old)
         else:
             os.replace(tmp, alias)

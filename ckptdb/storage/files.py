@@ -174,7 +174,8 @@ def place(tmp: Path, final: Path) -> None:
 
 def rename_durably(source: Path, target: Path) -> None:
     """Rename ``source`` to ``target`` (same filesystem; nothing is copied) and fsync
-    both directories; a rename that could not be made durable is renamed back.
+    both directories; a rename that could not be made durable is renamed back (and
+    that made durable).
     Raises :class:`PhaseError` naming ``move`` (or ``fsync_dir``)."""
     try:
         os.rename(source, target)
@@ -185,8 +186,11 @@ def rename_durably(source: Path, target: Path) -> None:
         if source.parent != target.parent:
             fsync_dir(source.parent)
     except PhaseError as exc:
-        try:
+        try:  # back where it was, durably: a power cut must not leave it moved after all
             os.rename(target, source)
+            fsync_dir(source.parent)
+            if source.parent != target.parent:
+                fsync_dir(target.parent)
         except OSError as undo:
             exc.cleanup_error = undo
         raise

@@ -15,9 +15,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from .catalog import SCENARIOS
 from .explorer import Explorer
 from .persistence import MODELS, STORE_MODELS, Budget, PersistenceModel
-from .scenarios import SCENARIOS, Scenario
+from .scenarios import Scenario
 from .settings import budget_for
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 import shutil
 import sqlite3
 import tempfile
@@ -182,6 +183,7 @@ class Explorer:
         if self.leftovers:
             state = "no power cut: the store as the recording left it (run closed, not reopened)"
             result.violations.append(Violation(state, self.leftovers))
+        self._explore_end(result)
         prefixes = range(len(self.trace.ops) + 1)
         for prefix in reversed(prefixes) if self.backward else prefixes:
             self._explore_cut(prefix, result)
@@ -189,6 +191,27 @@ class Explorer:
                 break
         result.seconds = time.monotonic() - started
         return result
+
+    def _explore_end(self, result: Exploration) -> None:
+        """No power cut: every op of the recording on disk. Besides the scenario's check,
+        the run must be clean as it stands: no temporary of the library left, and
+        nothing for the reopen to repair (a file quarantined, one put back or removed)."""
+        prefix = len(self.trace.ops)
+        space = self.model.space(self.trace, prefix)
+        state = CrashState(
+            prefix, frozenset(space.floating), tuple((i, c[-1]) for i, c in space.partial)
+        )
+        tree = persisted_tree(self.trace, space, state)
+        store = persisted_store(self.trace, space, state)
+        before = run_entries(self.trace.world)
+        problems = [f"a temporary of the library left: {rel}" for rel in temporaries(before)]
+        problems += self._check(tree, store, state, len(marks_of(self.trace)))
+        after = run_entries(self.trace.world)
+        problems += [f"the reopen removed or moved {rel}" for rel in sorted(before - after)]
+        problems += [f"the reopen made {rel}" for rel in sorted(after - before)]
+        if problems:
+            what = "no power cut: every op of the recording on disk, the run reopened"
+            result.violations.append(Violation(what, problems))
 
     def _explore_cut(self, prefix: int, result: Exploration) -> None:
         """Every chosen state of one cut not seen before: checked, violations kept."""
@@ -217,8 +240,35 @@ class Explorer:
         save_dir = None
         if self.trace.store is not None:  # a fresh prefix for each state
             save_dir = materialize_store(self.trace, store, len(self._seen))
-        records = [op.mark for op in self.trace.ops if op.mark is not None][:marks]
+        records = marks_of(self.trace)[:marks]
         return self.check(self.trace.root, records, save_dir)
+
+
+def marks_of(trace: Trace) -> list[Mapping[str, Any]]:
+    return [op.mark for op in trace.ops if op.mark is not None]
+
+
+#: The run's own bookkeeping files, which every open rewrites.
+BOOKKEEPING = ("ckptdb.sqlite", "ckptdb.lock", "ckptdb.owner")
+#: What the library names its temporaries (a stream's file or directory being written,
+#: an alias being swapped, the lock's owner record being replaced).
+TEMPORARY = re.compile(
+    r"(^|/)(\..*\.tmp-\d+|.*\.dcp\.tmp-.*|\..*\.ckptdb-(alias|old)|\.ckptdb\.owner\..*)$"
+)
+
+
+def run_entries(world: Path) -> set[str]:
+    """Every entry under the world, but the run's bookkeeping files."""
+    found = set()
+    for path in world.rglob("*"):
+        rel = path.relative_to(world).as_posix()
+        if not path.name.startswith(BOOKKEEPING):
+            found.add(rel)
+    return found
+
+
+def temporaries(entries: Iterable[str]) -> list[str]:
+    return sorted(rel for rel in entries if TEMPORARY.search(rel))
 
 
 # ------------------------------------------------------------------ states

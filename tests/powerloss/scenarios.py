@@ -186,8 +186,8 @@ def external_run(tmp: Path, deep: bool) -> Recorded:
 def reconcile_run(tmp: Path, deep: bool) -> Recorded:
     """Reconcile cut short by the power: a run left by two crashes (rows left
     'deleting' mid-cleanup, rows 'pending' with their files placed), a stray
-    temporary file and an unowned checkpoint; the recording is the reopen that
-    repairs it (and, deep, one more boundary)."""
+    temporary file, an unowned checkpoint and a writer's half-made owner record;
+    the recording is the reopen that repairs it (and, deep, one more boundary)."""
     spec = [(10, 0.5), (20, 0.3), (30, 0.7), (40, 0.2), (50, 0.6), (60, 0.1)]
     world, root = _paths(tmp)
     run = Run(spec, history=0)
@@ -196,6 +196,7 @@ def reconcile_run(tmp: Path, deep: bool) -> Recorded:
     _crash_child(tmp, "b", root, run, rest, crash_point="after_replace", maintenance=True)
     plant_stray_temp(root / "checkpoints", "ema")
     (root / "checkpoints" / "model" / "step-000999999.pt").write_bytes(b"no row owns me")
+    (root / ".ckptdb.owner.999999").write_text('{"pid": 999999}')  # never renamed in
     run.history = run.ref.next_index
     run.plan = run.plan[: run.history + (1 if deep else 0)]
     with Recorder(world, root) as rec, CheckpointManager(root, streams=policies()) as mgr:

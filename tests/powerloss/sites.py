@@ -1,0 +1,196 @@
+"""The library's durability sites, found by reading its source, and each one disabled.
+
+A *site* is one call in ``ckptdb/`` of a function that decides what a power
+cut leaves: ``os.fsync``/``os.fdatasync`` (data or entries made durable),
+``os.replace``/``os.rename`` (a name moved), ``os.unlink``/``os.remove`` and
+``shutil.rmtree`` (a name removed). :func:`find_sites` lists them from the
+syntax tree, so a site added later is found without anyone listing it, and
+:func:`hidden_calls` finds the spellings such a scan would miss (``from os
+import fsync``, ``Path.unlink()``, ``Path.rename()``), which the tests refuse.
+
+:func:`disabled` turns one site into a call that does nothing while a
+scenario is recorded, as if a refactor had deleted that line and kept
+everything else, including any log line next to it. It swaps the module's
+``os`` (or ``shutil``) for a stand-in whose function of that name looks at
+its caller: the call at the site's lines of the site's function does
+nothing (and says it was reached); every other call is the real one. The
+real library stays on disk and in every other module, so the run can be
+reopened by the real library afterwards (:func:`enabled_again`).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import sys
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: module -> the functions of it whose calls are sites.
+DURABILITY_CALLS = {
+    "os": ("fsync", "fdatasync", "replace", "rename", "unlink", "remove"),
+    "shutil": ("rmtree",),
+}
+#: Sites that change no run's state, each with the reason (shown by the tests).
+EXEMPT = {
+    ("ckptdb/cli/demo.py", "_clear", "shutil.rmtree"): (
+        "the demo empties its own scratch directory before it starts, after checking "
+        "that it is empty or a previous demo's run: no run is reopened from it"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Site:
+    path: str  # relative to the repository, e.g. ckptdb/storage/files.py
+    function: str  # the enclosing function, qualified by its class
+    call: str  # e.g. os.fsync
+    line: int
+    end_line: int
+    ordinal: int  # the how-manyth call of ``call`` in ``function`` (1, 2, ...)
+
+    @property
+    def name(self) -> str:
+        module = self.path.removeprefix("ckptdb/").removesuffix(".py").replace("/", ".")
+        nth = f" #{self.ordinal}" if self.ordinal > 1 else ""
+        return f"{module}.{self.function}: {self.call}{nth}"
+
+    @property
+    def module(self) -> str:
+        return self.path.removesuffix(".py").replace("/", ".")
+
+
+def find_sites(repo: Path) -> list[Site]:
+    """Every durability call in ``repo/ckptdb``, in file and line order."""
+    sites: list[Site] = []
+    for file in sorted((repo / "ckptdb").rglob("*.py")):
+        rel = file.relative_to(repo).as_posix()
+        tree = ast.parse(file.read_text(), rel)
+        counted: dict[tuple[str, str], int] = {}
+        for function, node in _calls(tree):
+            call = _durability_call(node)
+            if call is None or (rel, function, call) in EXEMPT:
+                continue
+            counted[function, call] = counted.get((function, call), 0) + 1
+            end = node.end_lineno or node.lineno
+            sites.append(Site(rel, function, call, node.lineno, end, counted[function, call]))
+    return sites
+
+
+def hidden_calls(repo: Path) -> list[str]:
+    """Durability calls :func:`find_sites` would not see: imported by name, or a
+    ``pathlib`` method (``unlink``, ``rename``) instead of ``os``."""
+    found = []
+    for file in sorted((repo / "ckptdb").rglob("*.py")):
+        rel = file.relative_to(repo).as_posix()
+        for node in ast.walk(ast.parse(file.read_text(), rel)):
+            if isinstance(node, ast.ImportFrom) and node.module in DURABILITY_CALLS:
+                names = {a.name for a in node.names} & set(DURABILITY_CALLS[node.module])
+                found += [f"{rel}:{node.lineno}: from {node.module} import {n}" for n in names]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                method, owner = node.func.attr, node.func.value
+                is_module = isinstance(owner, ast.Name) and owner.id in DURABILITY_CALLS
+                if method in ("unlink", "rename") and not is_module:
+                    found.append(f"{rel}:{node.lineno}: .{method}() of {ast.unparse(owner)}")
+    return found
+
+
+def _calls(tree: ast.AST) -> Iterator[tuple[str, ast.Call]]:
+    """Each call with the qualified name of the function it is in."""
+
+    def visit(node: ast.AST, scope: list[str]) -> Iterator[tuple[str, ast.Call]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                yield from visit(child, [*scope, child.name])
+                continue
+            if isinstance(child, ast.Call):
+                yield ".".join(scope) or "<module>", child
+            yield from visit(child, scope)
+
+    yield from visit(tree, [])
+
+
+def _durability_call(node: ast.Call) -> str | None:
+    func = node.func
+    named = isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+    if named and func.attr in DURABILITY_CALLS.get(func.value.id, ()):  # type: ignore[attr-defined]
+        return f"{func.value.id}.{func.attr}"  # type: ignore[attr-defined]
+    return None
+
+
+# ------------------------------------------------------------------ disabling one
+
+
+class _Switch:
+    """Whether the disabled site does nothing (while recording) or its real work."""
+
+    on = False
+    reached = 0
+
+
+class _StandIn(types.ModuleType):
+    """``os`` or ``shutil`` as the site's module sees it: the site's call does nothing."""
+
+    def __init__(self, real: types.ModuleType, site: Site, filename: str) -> None:
+        super().__init__(real.__name__)
+        self._real, self._site, self._filename = real, site, filename
+        self._name = site.call.split(".", 1)[1]
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._real, name)
+        if name != self._name:
+            return value
+        return self._wrapped(value)
+
+    def _wrapped(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        site, filename = self._site, self._filename
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1)
+            at_site = (
+                _Switch.on
+                and caller.f_code.co_filename == filename
+                and site.line <= caller.f_lineno <= site.end_line
+            )
+            if at_site:
+                _Switch.reached += 1
+                return None
+            return real(*args, **kwargs)
+
+        return call
+
+
+@contextlib.contextmanager
+def disabled(site: Site) -> Iterator[None]:
+    """While the block runs, ``site`` does nothing whenever :func:`enabled_again` is not
+    in force; the module is restored afterwards."""
+    module = importlib.import_module(site.module)
+    owner = site.call.split(".", 1)[0]
+    real = module.__dict__[owner]
+    assert module.__file__ is not None
+    module.__dict__[owner] = _StandIn(real, site, module.__file__)
+    _Switch.on, _Switch.reached = True, 0
+    try:
+        yield
+    finally:
+        module.__dict__[owner] = real
+        _Switch.on = False
+
+
+def reached() -> int:
+    """How many times the disabled site was called (and did nothing)."""
+    return _Switch.reached
+
+
+@contextlib.contextmanager
+def enabled_again() -> Iterator[None]:
+    """The disabled site does its real work (the run reopened by the real library)."""
+    before, _Switch.on = _Switch.on, False
+    try:
+        yield
+    finally:
+        _Switch.on = before
