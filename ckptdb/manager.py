@@ -37,6 +37,7 @@ from .errors import (
     CleanupWarning,
     InvalidArgumentError,
     LedgerError,
+    PhaseError,
     RankFailedError,
     RunDirectoryError,
 )
@@ -70,7 +71,7 @@ from .protocol.loading import Loader
 from .protocol.reconcile import Action, Reconciler, ReconcileReport
 from .record import Checkpoint, DerivedAlias
 from .storage.base import PayloadStore
-from .storage.files import make_dir
+from .storage.files import fsync_dir, make_dir
 from .storage.naming import run_token
 from .storage.opening import check_options, open_store
 
@@ -320,6 +321,26 @@ class CheckpointManager:
         make_dir(self.root)
         if not self.root.is_dir():
             raise RunDirectoryError(f"the run root {self.root} is not a directory")
+        self._root_entry_durable()
+
+    def _root_entry_durable(self) -> None:
+        """fsync the root's parent: a root someone else made (a framework's
+        ``os.makedirs``, the user's ``mkdir``) may have no durable entry yet, and a
+        power cut would then take the whole run, ledger and checkpoints, with it.
+        A parent this process may not open (no read permission) is said, not fatal."""
+        try:
+            fsync_dir(self.root.parent)
+        except PhaseError as exc:
+            if not isinstance(exc.error, PermissionError):
+                raise RunDirectoryError(
+                    f"cannot make the run root {self.root} durable in its directory: {exc.error}"
+                ) from exc
+            log.warning(
+                "cannot fsync %s (%s): the run root's entry there is as durable as whoever "
+                "made it left it",
+                self.root.parent,
+                exc.error,
+            )
 
     # ------------------------------------------------------------- run identity
 

@@ -1,9 +1,12 @@
-"""Every local scenario of the explorer: the boundaries' and the other renames'."""
+"""Every local scenario of the explorer: the boundaries', the other renames', and (deep
+only: a real Trainer's recording explores some 500 states) a framework's own writer's."""
 
 from __future__ import annotations
 
+from .frameworks import FRAMEWORK_SCENARIOS
 from .renames import RENAME_SCENARIOS
 from .scenarios import SCENARIOS as BOUNDARY_SCENARIOS
 from .scenarios import Scenario
 
 SCENARIOS: dict[str, Scenario] = {**BOUNDARY_SCENARIOS, **RENAME_SCENARIOS}
+DEEP_SCENARIOS: dict[str, Scenario] = {**SCENARIOS, **FRAMEWORK_SCENARIOS}

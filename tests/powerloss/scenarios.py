@@ -146,6 +146,19 @@ def new_run(tmp: Path, deep: bool) -> Recorded:
     return Recorded("new_run", rec.trace(), ReferenceCheck(run.ref))
 
 
+def made_root(tmp: Path, deep: bool) -> Recorded:
+    """A run whose root the user (or a framework: the Trainer's ``os.makedirs``) made
+    just before opening it, with nothing fsynced: the open must make its entry durable."""
+    spec = [(10, 0.5)] + ([(20, 0.3)] if deep else [])
+    run = Run(spec, history=0)
+    world, root = _paths(tmp)
+    with Recorder(world, root) as rec:
+        root.mkdir()
+        with CheckpointManager(root, streams=policies()) as mgr:
+            run.save_recorded(mgr, rec)
+    return Recorded("made_root", rec.trace(), ReferenceCheck(run.ref))
+
+
 def history(tmp: Path, deep: bool) -> Recorded:
     """A boundary that evicts from every stream: both keep-last windows move, the
     top-2 admits the new one and drops its worst (deep: more, one rejected)."""
@@ -224,6 +237,7 @@ SCENARIOS = {
     s.name: s
     for s in (
         Scenario("new_run", "model+ema+top-K on a new run (the open included)", new_run),
+        Scenario("made_root", "a root made by the user, unsynced, then opened", made_root),
         Scenario("history", "model+ema+top-K on a run with history: evictions", history),
         Scenario("resave", "a re-save of the same step", resave),
         Scenario("sharded", "a sharded (DCP directory) boundary in one process", sharded_run),
