@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .catalog import SCENARIOS
+from .catalog import DEEP_SCENARIOS, SCENARIOS
 from .explorer import Explorer
 from .persistence import MODELS, STORE_MODELS, Budget, PersistenceModel
 from .scenarios import Scenario
@@ -33,7 +33,7 @@ def main() -> int:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     failed = 0
     if not args.s3_only:
-        failed += _explore(SCENARIOS, MODELS, budget, args.deep)
+        failed += _explore(DEEP_SCENARIOS if args.deep else SCENARIOS, MODELS, budget, args.deep)
     with _s3_server() as started:
         if started:
             from .s3scenarios import S3_SCENARIOS
