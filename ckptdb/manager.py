@@ -19,6 +19,7 @@ under torch.distributed, where only the chief (rank 0) opens the ledger.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -78,6 +79,11 @@ from .storage.opening import check_options, open_store
 __all__ = ["CheckpointManager", "CleanupWarning"]
 
 log = logging.getLogger("ckptdb.manager")
+#: A directory above the root that cannot be fsynced, for a reason that is no fault of
+#: the run: not readable by this process, or a filesystem without directory fsync.
+_UNSYNCABLE_DIRECTORY = frozenset(
+    {errno.EACCES, errno.EPERM, errno.EINVAL, errno.EROFS, errno.ENOTSUP, errno.EOPNOTSUPP}
+)
 
 DEFAULT_STREAMS: dict[str, Policy] = {"model": Keep(last=5)}
 
@@ -324,23 +330,31 @@ class CheckpointManager:
         self._root_entry_durable()
 
     def _root_entry_durable(self) -> None:
-        """fsync the root's parent: a root someone else made (a framework's
-        ``os.makedirs``, the user's ``mkdir``) may have no durable entry yet, and a
-        power cut would then take the whole run, ledger and checkpoints, with it.
-        A parent this process may not open (no read permission) is said, not fatal."""
-        try:
-            fsync_dir(self.root.parent)
-        except PhaseError as exc:
-            if not isinstance(exc.error, PermissionError):
-                raise RunDirectoryError(
-                    f"cannot make the run root {self.root} durable in its directory: {exc.error}"
-                ) from exc
-            log.warning(
-                "cannot fsync %s (%s): the run root's entry there is as durable as whoever "
-                "made it left it",
-                self.root.parent,
-                exc.error,
-            )
+        """fsync the directories above the root, up to its filesystem's mount point: a
+        root someone else made (a framework's ``os.makedirs``, the user's ``mkdir -p``)
+        may have no durable entry yet, and a power cut would then take the whole run,
+        ledger and checkpoints, with it. A directory this process may not open, or a
+        filesystem that cannot fsync a directory, is logged, not fatal: the entries
+        there are as durable as whoever made them left them."""
+        device = os.stat(self.root).st_dev
+        for directory in self.root.parents:
+            try:
+                if os.stat(directory).st_dev != device:
+                    return  # the mount point was the last one
+                fsync_dir(directory)
+            except (OSError, PhaseError) as exc:
+                error = exc.error if isinstance(exc, PhaseError) else exc
+                if getattr(error, "errno", None) not in _UNSYNCABLE_DIRECTORY:
+                    raise RunDirectoryError(
+                        f"cannot make the run root {self.root} durable in {directory}: {error}"
+                    ) from exc
+                log.warning(
+                    "cannot fsync %s (%s): the run root's entries above it are as durable "
+                    "as whoever made them left them",
+                    directory,
+                    error,
+                )
+                return
 
     # ------------------------------------------------------------- run identity
 

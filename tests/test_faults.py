@@ -58,6 +58,7 @@ from ckptdb.errors import (
     DatabaseError,
     LedgerUnavailableError,
     PublishError,
+    RunDirectoryError,
 )
 from ckptdb.protocol.boundary import Publisher
 from ckptdb.storage import CHECKPOINT_NAME, TEMP_NAME
@@ -1116,3 +1117,59 @@ def test_read_error_during_load(
     assert rows(root, "SELECT DISTINCT state FROM checkpoints") == [("committed",)]
     assert mgr.reconcile(verify=True).actions == []
     assert mgr.check(load=True) == []
+
+
+# ------------------------------------------------------------------ the root's entry
+
+
+def _failing_fsync_above(monkeypatch: pytest.MonkeyPatch, root: Path, code: int) -> list[Path]:
+    """The fsync of the root's parent fails with ``code``; the calls are listed."""
+    from ckptdb import manager as manager_module
+    from ckptdb.errors import PhaseError
+    from ckptdb.storage import files as files_module
+
+    seen: list[Path] = []
+
+    def fsync_dir(directory: Path) -> None:
+        seen.append(Path(directory))
+        if Path(directory) == root.parent:
+            raise PhaseError("fsync_dir", directory, OSError(code, os.strerror(code)))
+        files_module.fsync_dir(directory)
+
+    monkeypatch.setattr(manager_module, "fsync_dir", fsync_dir)
+    return seen
+
+
+def test_the_directories_above_a_root_are_fsynced_up_to_its_filesystem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "made" / "by" / "someone" / "run"
+    os.makedirs(root)
+    seen = _failing_fsync_above(monkeypatch, tmp_path / "no-such" / "x", errno.EIO)
+    with CheckpointManager(root):
+        pass
+    device = os.stat(root).st_dev
+    same = [p for p in root.parents if os.stat(p).st_dev == device]
+    assert seen[:4] == [root.parent, root.parent.parent, tmp_path / "made", tmp_path]
+    assert seen == same[: len(seen)] and len(seen) >= 4
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EINVAL])
+def test_a_directory_above_the_root_that_cannot_be_fsynced_is_logged_not_fatal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int
+) -> None:
+    """Not readable by this process, or a filesystem without directory fsync."""
+    root = tmp_path / "run"
+    _failing_fsync_above(monkeypatch, root, code)
+    with caplog.at_level("WARNING", logger="ckptdb.manager"), CheckpointManager(root):
+        pass
+    assert f"cannot fsync {tmp_path}" in caplog.text
+
+
+def test_an_io_error_making_the_root_durable_refuses_the_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "run"
+    _failing_fsync_above(monkeypatch, root, errno.EIO)
+    with pytest.raises(RunDirectoryError, match=f"durable in {tmp_path}"):
+        CheckpointManager(root)

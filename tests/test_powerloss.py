@@ -32,8 +32,12 @@ progress and no object of a rolled-back or deleted row may remain.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import os
 import shutil
 import sqlite3
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,7 +66,7 @@ from powerloss.persistence import (
     PosixMinimal,
     crash_states,
 )
-from powerloss.recording import WORLD, Effect, Op, Recorder, Trace
+from powerloss.recording import WORLD, Effect, Op, Recorder, Trace, TraceError
 from powerloss.s3scenarios import S3_SCENARIOS
 from powerloss.scenarios import Recorded
 from powerloss.settings import DEEP, budget_for
@@ -381,6 +385,79 @@ def test_the_recording_seam_does_nothing_without_a_hook() -> None:
     finally:
         assert trace.set_hook(previous) is not None
     assert seen == [("fsync", {"path": Path("/nowhere")})]
+
+
+def _recorded_world(tmp_path: Path, act: Callable[[Path], None]) -> Trace:
+    world = tmp_path / "world"
+    world.mkdir()
+    with Recorder(world, world / "run") as rec:
+        act(world)
+    return rec.trace()
+
+
+def _named(t: Trace, name: str) -> int:
+    """The inode the trace gave ``name`` in the world directory."""
+    (ino,) = {e.ino for op in t.ops for e in op.effects if e.name == name and e.ino is not None}
+    assert ino is not None
+    return ino
+
+
+def test_the_recording_follows_descriptors_as_the_kernel_does(tmp_path: Path) -> None:
+    """Offsets moved by reads, ``O_APPEND`` set later, a write through a descriptor
+    whose name is gone but whose file lives on under another link, a forked child
+    with descriptors of its own: the model holds what the disk holds."""
+
+    def act(world: Path) -> None:
+        fd = os.open(world / "a", os.O_RDWR | os.O_CREAT, 0o644)
+        os.write(fd, b"0123456789")
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.read(fd, 5)
+        os.write(fd, b"AB")  # at offset 5, after the read
+        fcntl.fcntl(fd, fcntl.F_SETFL, os.O_APPEND)
+        os.pwrite(fd, b"yy", 0)  # Linux appends on O_APPEND, even for pwrite
+        os.link(world / "a", world / "b")
+        os.unlink(world / "a")
+        os.write(fd, b"!")  # to the file now named b only
+        os.fsync(fd)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import os; [os.open(os.devnull, os.O_RDONLY) for _ in range(9)]",
+            ],
+            check=True,
+        )
+        os.write(fd, b"?")  # the child's descriptors never were this process's
+        os.close(fd)
+
+    t = _recorded_world(tmp_path, act)
+    b = _named(t, "b")
+    assert t.files[b] == b"01234AB789yy!?" == (tmp_path / "world" / "b").read_bytes()
+    assert any(op.kind == "fsync" and op.ino == b for op in t.ops)
+
+
+def test_a_change_the_recording_did_not_see_fails_it(tmp_path: Path) -> None:
+    """A process strace does not follow (started before the recording) writes a file of
+    the world: the recording refuses to stand for a model that differs from the disk."""
+    world = tmp_path / "world"
+    world.mkdir()
+    (world / "f").write_bytes(b"before")
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.stdin.read(1); open({str(world / 'f')!r}, 'ab').write(b'+')",
+        ],
+        stdin=subprocess.PIPE,
+    )
+    assert writer.stdin is not None
+    with (
+        pytest.raises(TraceError, match="does not match the disk at: f"),
+        Recorder(world, world / "run"),
+    ):
+        writer.stdin.write(b"x")
+        writer.stdin.close()
+        assert writer.wait(30) == 0
 
 
 def test_a_recorded_boundary_is_in_protocol_order(tmp_path: Path) -> None:

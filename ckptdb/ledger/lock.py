@@ -17,7 +17,6 @@ Both implement :class:`RunLock`; :func:`writer_lock` picks one by ledger URL.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -103,8 +102,12 @@ def _remove_stale_records(root: Path) -> None:
     """The owner records a crashed writer left half-made (``.ckptdb.owner.<pid>``,
     written but never renamed): the lock is ours, so none of them is being written."""
     for stale in root.glob(f".{OWNER_NAME}.*"):
-        with contextlib.suppress(FileNotFoundError):  # gone already
+        try:
             os.unlink(stale)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:  # another user's, say: it costs a few bytes, not the run
+            log.warning("cannot remove %s, a crashed writer's leftover: %s", stale, exc)
 
 
 class FileWriterLock:

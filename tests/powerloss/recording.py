@@ -46,7 +46,7 @@ from .syscalls import Call, Fd, SyscallTracer, calls, iov_bases
 WORLD = 0  # the inode of the world directory
 LEDGER_FILE = "ckptdb.sqlite"
 #: SQLite's wal-index: a shared memory map, rebuilt by the first connection after a crash.
-IGNORED_SUFFIXES = ("-shm",)
+IGNORED_SUFFIXES = (f"{LEDGER_FILE}-shm",)
 _RECORDINGS = itertools.count()
 
 
@@ -138,10 +138,16 @@ def ignored(path: Path | str) -> bool:
 
 @dataclass
 class _Open:
-    """What the recorder knows of an open descriptor (shared by its duplicates)."""
+    """An open file description: its offset and ``O_APPEND``, and the model's inode of
+    the file it was opened on (None: not a file of the world). Shared by the
+    descriptor's duplicates, and by a forked child's copy of it, as in the kernel."""
 
     offset: int
     append: bool
+    ino: int | None = None
+
+
+Table = dict[int, "_Open"]  # a process's descriptors
 
 
 class Recorder:
@@ -164,7 +170,9 @@ class Recorder:
         stem = self.world.parent / f".powerloss-{os.getpid()}-{next(_RECORDINGS)}"
         self._marker, self._log = Path(f"{stem}.marks"), Path(f"{stem}.strace")
         self._marker_fd = -1
-        self._fds: dict[int, _Open] = {}
+        self._tables: dict[int, Table] = {}  # tid -> its process's descriptors
+        self._main: Table = {}
+        self._clones: dict[int, tuple[int, bool]] = {}  # child tid -> (parent, shares fds)
         self._cwd = os.getcwd()
         self._previous: seam.Hook | None = None
         self._tracer: SyscallTracer | None = None
@@ -173,7 +181,10 @@ class Recorder:
         self._marker_fd = os.open(self._marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._previous = seam.set_hook(self.on_seam)
         self._tracer = SyscallTracer(self._log).__enter__()
-        self._fds = _open_descriptors(self.world)
+        self._main = {
+            fd: _Open(pos, append, self._lookup(path))
+            for fd, (path, pos, append) in _open_descriptors(self.world).items()
+        }
         self._cwd = os.getcwd()
         return self
 
@@ -248,7 +259,12 @@ class Recorder:
     # ------------------------------------------------------------ the replay
 
     def _replay(self) -> None:
-        for call in calls(self._log):
+        recorded = calls(self._log)
+        for call in recorded:  # first: which process each thread belongs to
+            if call.name in ("clone", "clone3", "fork", "vfork"):
+                shares = "CLONE_FILES" in " ".join(call.raw(i) for i in range(len(call.args)))
+                self._clones[call.result] = (call.tid, shares)
+        for call in recorded:
             handler = getattr(self, f"_sys_{call.name}", None)
             if handler is None:
                 raise TraceError(f"no replay for {call.name}")
@@ -258,6 +274,57 @@ class Recorder:
                 raise
             except (IndexError, KeyError, ValueError) as exc:
                 raise TraceError(f"cannot follow {call}: {exc!r}") from exc
+        self._verify()
+
+    def _fds(self, tid: int) -> Table:
+        """The descriptors of ``tid``'s process: a thread shares its creator's, a forked
+        child starts with a copy of its parent's (the same open file descriptions)."""
+        table = self._tables.get(tid)
+        if table is None:
+            if tid in self._clones:
+                parent, shares = self._clones[tid]
+                table = self._fds(parent) if shares else dict(self._fds(parent))
+            else:  # a thread of this process when the recording began
+                table = self._main
+            self._tables[tid] = table
+        return table
+
+    def _sys_clone(self, call: Call) -> None:
+        self._fds(call.result)  # a forked child's copy is taken now, if not used before
+
+    _sys_clone3 = _sys_fork = _sys_vfork = _sys_clone
+
+    def _verify(self) -> None:
+        """The model must hold what the disk holds at the end: a call the recorder missed
+        or misplaced is an error of the recording, never a quiet gap in the trace."""
+        model: dict[str, Any] = {}
+
+        def walk(ino: int, prefix: str) -> None:
+            for name, child in self.nodes[ino].entries.items():
+                node, rel = self.nodes[child], f"{prefix}{name}"
+                model[rel] = (
+                    node.kind
+                    if node.kind == "dir"
+                    else (node.kind, node.target if node.kind == "symlink" else bytes(node.content))
+                )
+                if node.is_dir:
+                    walk(child, rel + "/")
+
+        walk(WORLD, "")
+        disk: dict[str, Any] = {}
+        for path in sorted(self.world.rglob("*")):
+            rel = path.relative_to(self.world).as_posix()
+            if ignored(path):
+                continue
+            if path.is_symlink():
+                disk[rel] = ("symlink", os.readlink(path))
+            elif path.is_dir():
+                disk[rel] = "dir"
+            else:
+                disk[rel] = ("file", path.read_bytes())
+        wrong = sorted(rel for rel in model.keys() | disk.keys() if model.get(rel) != disk.get(rel))
+        if wrong:
+            raise TraceError(f"the recording does not match the disk at: {', '.join(wrong[:8])}")
 
     # descriptors
 
@@ -273,10 +340,10 @@ class Recorder:
     def _opened(self, call: Call, asked: Path, flags: str) -> None:
         fd = call.result_fd
         path = Path(fd.path) if fd is not None and fd.path else asked
-        self._fds[call.result] = _Open(0, "O_APPEND" in flags)
+        state = self._fds(call.tid)[call.result] = _Open(0, "O_APPEND" in flags)
         if "O_TMPFILE" in flags or (fd is not None and fd.deleted):
             return  # a file with no name: nothing a crash can leave
-        if not self._inside(path) or ignored(path):
+        if not path.is_absolute() or not self._inside(path) or ignored(path):
             return
         ino = self._lookup(path)
         if ino is None:
@@ -284,27 +351,45 @@ class Recorder:
                 raise TraceError(f"{path} opened, but the model never saw it made")
             ino = self._make(path, "file")
         node = self.nodes[ino]
+        if node.kind == "file":
+            state.ino = ino
         if "O_TRUNC" in flags and node.kind == "file" and node.content:
             self._truncate(ino, 0)
 
     def _sys_close(self, call: Call) -> None:
-        self._fds.pop(call.fd(0).number or -1, None)
+        self._fds(call.tid).pop(_number(call.fd(0)), None)
 
     def _dup(self, call: Call) -> None:
-        old = call.fd(0).number
-        if old in self._fds:
-            self._fds[call.result] = self._fds[old]  # one offset, shared
+        table = self._fds(call.tid)
+        old = table.get(_number(call.fd(0)))
+        if old is not None:
+            table[call.result] = old  # one open file description, one offset
+        else:
+            table.pop(call.result, None)
 
     _sys_dup = _sys_dup2 = _sys_dup3 = _dup
 
     def _sys_fcntl(self, call: Call) -> None:
-        if call.raw(1).startswith("F_DUPFD"):
+        command = call.raw(1)
+        if command.startswith("F_DUPFD"):
             self._dup(call)
+        elif command == "F_SETFL":
+            state = self._fds(call.tid).get(_number(call.fd(0)))
+            if state is not None:
+                state.append = "O_APPEND" in call.raw(2)
 
     def _sys_lseek(self, call: Call) -> None:
-        fd = call.fd(0).number
-        if fd in self._fds:
-            self._fds[fd].offset = call.result
+        state = self._fds(call.tid).get(_number(call.fd(0)))
+        if state is not None:
+            state.offset = call.result
+
+    def _sys_read(self, call: Call) -> None:
+        """A read moves its descriptor's offset (printed raw: no buffer dumped)."""
+        state = self._fds(call.tid).get(int(call.raw(0), 0))
+        if state is not None:
+            state.offset += call.result
+
+    _sys_readv = _sys_read
 
     def _sys_chdir(self, call: Call) -> None:
         self._cwd = str(self._at(None, call.text(0)))
@@ -321,41 +406,47 @@ class Recorder:
     # data
 
     def _sys_write(self, call: Call) -> None:
-        self._written(call.fd(0), None, call.text(1)[: call.result])
+        self._written(call, None, call.text(1)[: call.result])
 
     def _sys_pwrite64(self, call: Call) -> None:
-        self._written(call.fd(0), int(call.raw(3)), call.text(1)[: call.result])
+        self._written(call, int(call.raw(3)), call.text(1)[: call.result])
 
     def _sys_writev(self, call: Call) -> None:
-        self._written(call.fd(0), None, iov_bases(call.raw(1))[: call.result])
+        self._written(call, None, iov_bases(call.raw(1))[: call.result])
 
     def _sys_pwritev(self, call: Call) -> None:
         offset = int(call.raw(3))
-        self._written(call.fd(0), None if offset == -1 else offset, iov_bases(call.raw(1)))
+        data = iov_bases(call.raw(1))[: call.result]
+        self._written(call, None if offset == -1 else offset, data)
 
     _sys_pwritev2 = _sys_pwritev
 
-    def _written(self, fd: Fd, offset: int | None, data: bytes) -> None:
+    def _written(self, call: Call, offset: int | None, data: bytes) -> None:
+        """Bytes written to the inode the descriptor was opened on (whatever its name
+        is now), at ``offset`` or the descriptor's own, which then advances; with
+        ``O_APPEND`` at the end of the file, as Linux does even for ``pwrite``."""
+        fd = call.fd(0)
         if fd.path == str(self._marker):
             self._events[int(data)]()
             return
-        state = self._fds.get(fd.number or -1)
-        if offset is None:  # at the descriptor's offset, which it advances
-            if state is None:
-                ino = self._file_fd(fd)
-                if ino is None:
-                    return
+        state = self._fds(call.tid).get(_number(fd))
+        if state is None:
+            if self._file_fd(fd) is not None:
                 raise TraceError(f"a write to {fd.path} through a descriptor never seen opened")
-            ino = self._file_fd(fd)
-            at = len(self.nodes[ino].content) if ino is not None and state.append else state.offset
-            state.offset = at + len(data)
-            offset = at
-        ino = self._file_fd(fd)
+            return
+        ino = state.ino
+        if state.append and ino is not None:
+            offset = len(self.nodes[ino].content)
+        elif offset is None:
+            offset = state.offset
+        if call.name in ("write", "writev") or (call.name == "pwritev2" and offset == -1):
+            state.offset = offset + len(data)
         if ino is not None and data:
             self._write(ino, offset, data)
 
     def _sys_ftruncate(self, call: Call) -> None:
-        ino = self._file_fd(call.fd(0))
+        state = self._fds(call.tid).get(_number(call.fd(0)))
+        ino = state.ino if state is not None else self._file_fd(call.fd(0))
         if ino is not None:
             self._truncate(ino, int(call.raw(1)))
 
@@ -370,6 +461,9 @@ class Recorder:
 
     def _sys_sendfile(self, call: Call) -> None:
         self._unfollowed(call.fd(0), "sendfile")
+        state = self._fds(call.tid).get(_number(call.fd(1)))
+        if state is not None and call.raw(2) == "NULL":  # the input's offset moves
+            state.offset += call.result
 
     def _sys_copy_file_range(self, call: Call) -> None:
         self._unfollowed(call.fd(2), "copy_file_range")
@@ -387,9 +481,13 @@ class Recorder:
 
     def _sys_fsync(self, call: Call) -> None:
         fd = call.fd(0)
-        if fd.deleted or not fd.path or not self._inside(Path(fd.path)) or ignored(fd.path):
+        state = self._fds(call.tid).get(_number(fd))
+        if state is not None and state.ino is not None:
+            ino = state.ino  # the file it was opened on, whatever its name now
+        elif fd.deleted or not fd.path or not self._inside(Path(fd.path)) or ignored(fd.path):
             return
-        ino = self._known(Path(fd.path))
+        else:
+            ino = self._known(Path(fd.path))
         node = self.nodes[ino]
         name = self.names[ino]
         if node.is_dir:
@@ -618,9 +716,13 @@ class Recorder:
         return self._known(Path(path).parent), Path(path).name
 
 
-def _open_descriptors(world: Path) -> dict[int, _Open]:
-    """The descriptors open on files under ``world`` now, with their offsets."""
-    found: dict[int, _Open] = {}
+def _number(fd: Fd) -> int:
+    return -1 if fd.number is None else fd.number
+
+
+def _open_descriptors(world: Path) -> dict[int, tuple[Path, int, bool]]:
+    """The descriptors open on files under ``world`` now: path, offset, ``O_APPEND``."""
+    found: dict[int, tuple[Path, int, bool]] = {}
     for entry in os.listdir("/proc/self/fd"):
         try:
             path = os.readlink(f"/proc/self/fd/{entry}")
@@ -631,5 +733,5 @@ def _open_descriptors(world: Path) -> dict[int, _Open]:
             continue
         fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
         flags = int(fields.get("flags", "0").strip(), 8)
-        found[int(entry)] = _Open(int(fields["pos"].strip()), bool(flags & os.O_APPEND))
+        found[int(entry)] = (Path(path), int(fields["pos"].strip()), bool(flags & os.O_APPEND))
     return found

@@ -14,6 +14,7 @@ asynchronous save, its handle's ``result()``).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,12 +149,14 @@ def new_run(tmp: Path, deep: bool) -> Recorded:
 
 def made_root(tmp: Path, deep: bool) -> Recorded:
     """A run whose root the user (or a framework: the Trainer's ``os.makedirs``) made
-    just before opening it, with nothing fsynced: the open must make its entry durable."""
+    just before opening it, two levels deep, with nothing fsynced: the open must make
+    every new entry above the root durable."""
     spec = [(10, 0.5)] + ([(20, 0.3)] if deep else [])
     run = Run(spec, history=0)
-    world, root = _paths(tmp)
+    world, _ = _paths(tmp)
+    root = world / "user" / "made" / "run"
     with Recorder(world, root) as rec:
-        root.mkdir()
+        os.makedirs(root)
         with CheckpointManager(root, streams=policies()) as mgr:
             run.save_recorded(mgr, rec)
     return Recorded("made_root", rec.trace(), ReferenceCheck(run.ref))

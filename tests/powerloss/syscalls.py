@@ -24,19 +24,51 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 #: The calls that change a file system, or that the recorder needs to follow a
 #: descriptor (its offset, its duplicates), or that it must refuse to miss.
 TRACED = (
-    "open,openat,creat,close,dup,dup2,dup3,fcntl,lseek,chdir,fchdir,"
+    "open,openat,creat,close,dup,dup2,dup3,fcntl,lseek,read,readv,chdir,fchdir,"
+    "clone,clone3,fork,vfork,"
     "write,pwrite64,writev,pwritev,pwritev2,ftruncate,truncate,"
     "fsync,fdatasync,sync_file_range,"
     "rename,renameat,renameat2,link,linkat,symlink,symlinkat,"
     "unlink,unlinkat,mkdir,mkdirat,rmdir,"
     "sendfile,copy_file_range,splice,mmap,fallocate"
+)
+#: The traced calls that change a file or a name (a read left blocked on a pipe when
+#: strace detaches is no loss; one of these would be).
+CHANGING = frozenset(
+    [
+        "creat",
+        "write",
+        "pwrite64",
+        "writev",
+        "pwritev",
+        "pwritev2",
+        "ftruncate",
+        "truncate",
+        "fsync",
+        "fdatasync",
+        "rename",
+        "renameat",
+        "renameat2",
+        "link",
+        "linkat",
+        "symlink",
+        "symlinkat",
+        "unlink",
+        "unlinkat",
+        "mkdir",
+        "mkdirat",
+        "rmdir",
+        "sendfile",
+        "copy_file_range",
+        "splice",
+        "fallocate",
+    ]
 )
 #: Longest string printed whole (a write's buffer): more is an error, not a gap.
 STRING_LIMIT = 1 << 25
@@ -70,7 +102,7 @@ class SyscallTracer:
         command = [
             strace_binary(),
             *("-f", "-qq", "-y", "-xx", "-s", str(STRING_LIMIT)),
-            *("-e", f"trace={TRACED}", "-e", "signal=none"),
+            *("-e", f"trace={TRACED}", "-e", "raw=read,readv", "-e", "signal=none"),
             *("-o", str(self.log), "-p", str(pid)),
         ]
         self._strace = subprocess.Popen(command, stderr=subprocess.PIPE)
@@ -163,29 +195,45 @@ _RESUMED = re.compile(r"^<\.\.\. (\w+) resumed>(.*)$")
 _FD = re.compile(r"^(-?\d+|AT_FDCWD)<(.*?)>(\(deleted\))?$", re.S)
 
 
-def calls(log: Path) -> Iterator[Call]:
-    """The successful calls in ``log``; an unfinished call is placed where it finished."""
-    unfinished: dict[int, str] = {}
+#: Calls placed where they started, not where they finished: an fsync covers what was
+#: written before it began; a write another thread finished meanwhile may not be covered.
+PLACED_AT_START = frozenset({"fsync", "fdatasync"})
+
+
+def calls(log: Path) -> list[Call]:
+    """The successful calls in ``log``, in the order they took effect: where they
+    finished, but for an fsync, which counts from where it started. A line that
+    cannot be read, or a call still unfinished when strace detached, is an error:
+    the recording would be missing it."""
+    unfinished: dict[int, tuple[int, str]] = {}  # tid -> (where it started, its text)
+    placed: list[tuple[int, Call]] = []
     with open(log, encoding="ascii", errors="strict") as lines:
-        for line in lines:
+        for number, line in enumerate(lines):
             found = _LINE.match(line.rstrip("\n"))
             if found is None:
-                continue
+                raise SyscallTraceError(f"cannot read line {number + 1} of the trace: {line!r}")
             tid, rest = int(found.group(1)), found.group(2)
-            if rest.endswith(" <unfinished ...>"):
-                unfinished[tid] = rest[: -len(" <unfinished ...>")]
-                continue
-            resumed = _RESUMED.match(rest)
-            if resumed is not None:
-                head = unfinished.pop(tid, None)
-                if head is None:
-                    raise SyscallTraceError(f"a resumed call with no start: {line!r}")
-                rest = head + resumed.group(2)
             if rest.startswith(("+++", "---")):
                 continue
+            if rest.endswith(" <unfinished ...>"):
+                unfinished[tid] = (number, rest[: -len(" <unfinished ...>")])
+                continue
+            start = number
+            resumed = _RESUMED.match(rest)
+            if resumed is not None:
+                if tid not in unfinished:
+                    raise SyscallTraceError(f"a resumed call with no start: {line!r}")
+                start, head = unfinished.pop(tid)
+                rest = head + resumed.group(2)
             call = _parse(tid, rest)
             if call is not None:
-                yield call
+                placed.append((start if call.name in PLACED_AT_START else number, call))
+    cut = [text for _, text in unfinished.values() if text.split("(", 1)[0] in CHANGING]
+    if cut:
+        left = "; ".join(text[:120] for text in cut)
+        raise SyscallTraceError(f"calls that change files never finished while traced: {left}")
+    placed.sort(key=lambda item: item[0])  # stable: calls of one line keep their order
+    return [call for _, call in placed]
 
 
 def _parse(tid: int, text: str) -> Call | None:
