@@ -43,17 +43,19 @@ from .explorer import Check, ReferenceCheck
 from .recording import Recorder
 from .scenarios import Recorded, Run, Scenario, _paths, sharded
 
-#: path (relative to the run root) -> (stream, kind); ``latest/model`` names a
+#: path (relative to the run root) -> (stream, kind); ``dir/model`` names a
 #: directory checkpoint (``model`` is sharded in this scenario).
+#: Each in a directory of its own, so that one alias's directory fsync never makes
+#: another's rename durable (a missing fsync would go unseen).
 ALIASES = {
-    "latest/model": ("model", "link"),
-    "latest/ema.pt": ("ema", "link"),
-    "latest/ema": ("ema", "symlink"),
-    "latest/best.txt": ("best", "pointer"),
+    "dir/model": ("model", "link"),
+    "link/ema.pt": ("ema", "link"),
+    "symlink/ema": ("ema", "symlink"),
+    "pointer/best.txt": ("best", "pointer"),
 }
-DIRECTORY_ALIAS = "latest/model"
+DIRECTORY_ALIAS = "dir/model"
 #: A crash's leftovers of two alias swaps: the next re-point removes them.
-LEFTOVERS = ("latest/.best.txt.ckptdb-alias", "latest/.model.ckptdb-alias/")
+LEFTOVERS = ("pointer/.best.txt.ckptdb-alias", "dir/.model.ckptdb-alias/")
 
 
 def aliases_run(tmp: Path, deep: bool) -> Recorded:
@@ -63,7 +65,8 @@ def aliases_run(tmp: Path, deep: bool) -> Recorded:
     world, root = _paths(tmp)
     with CheckpointManager(root, streams=policies()) as mgr:
         run.save_history(mgr)
-        (root / "latest").mkdir()
+        for rel in ALIASES:
+            (root / rel).parent.mkdir()
         mgr.derive_aliases(ALIASES)
         for rel in LEFTOVERS:
             if rel.endswith("/"):
@@ -170,8 +173,9 @@ def adopt_run(tmp: Path, deep: bool) -> Recorded:
                 contents[source] = Path(source).read_bytes()
                 failing = step == 200
                 rec.mark({"adopting": source})
-                with _failing_fsync_dir(mgr.save_dir, armed=failing):
-                    (outcome,) = mgr.adopt([Candidate(Path(source), "model", step)], move=True)
+                candidate = Candidate(Path(source), "model", step)
+                with _failing_fsync_dir(mgr.save_dir) if failing else contextlib.nullcontext():
+                    (outcome,) = mgr.adopt([candidate], move=True)
                 want = SKIPPED if failing else ADOPTED
                 if outcome.status != want:
                     raise AssertionError(f"adopt of {source}: {outcome.status}, {outcome.detail}")
@@ -184,10 +188,10 @@ def adopt_run(tmp: Path, deep: bool) -> Recorded:
 
 
 @contextlib.contextmanager
-def _failing_fsync_dir(save_dir: Path, *, armed: bool) -> Iterator[None]:
+def _failing_fsync_dir(save_dir: Path) -> Iterator[None]:
     """The first fsync of the save directory fails (EIO) while the block runs."""
     real = files.fsync_dir
-    state = {"armed": armed}
+    state = {"armed": True}
 
     def fsync_dir(directory: Path) -> None:
         if state["armed"] and Path(directory) == Path(save_dir):
