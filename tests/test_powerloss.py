@@ -2,24 +2,26 @@
 
 A killed process loses nothing the kernel accepted, so the crash tests
 (``tests/test_crash.py``) cannot see a missing fsync. These tests record
-what a boundary does at the storage seam (``ckptdb.trace``; DCP's own file
-work through ``tests/powerloss/observe.py``), generate every state the disk
-may be in after a power cut at each point of the trace under a persistence
-model (POSIX-minimal; ext4 ``data=ordered`` for comparison; SQLite's WAL with
-FULL and NORMAL commits), and reopen the run in each one: ``check`` must
-pass and every acknowledged save must still be committed and load, unless a
-later acknowledged commit evicted it (``tests/powerloss/``).
+the system calls a scenario really makes (strace: ckptdb's, torch's, DCP's,
+a framework's and SQLite's alike; ``tests/powerloss/``), generate every
+state the disk may be in after a power cut at each point of the trace under
+a persistence model (POSIX-minimal; ext4 ``data=ordered`` for comparison),
+and reopen the run in each one: ``check`` must pass and every acknowledged
+save must still be committed and load, unless a later acknowledged commit
+evicted it; with every op on disk, nothing may be left to repair.
 
 Then the protocol is broken on purpose, one durability step at a time (the
 file fsync, the directory fsync, the durable commit, the order of commit and
 placement, ...): each mutation must be caught, and its first violation names
-the crash state that exposed it.
+the crash state that exposed it. (``tests/test_powerloss_sites.py`` does it
+for every durability call of the library, found by reading its source.)
 
 The default suite explores each cut's structured states (see
 ``tests/powerloss/settings.py``); ``CKPTDB_POWERLOSS=deep`` explores longer
-scenarios, exhaustively where a cut has up to 4096 states and with 64 more
-random ones elsewhere, under both models (``CKPTDB_POWERLOSS_SEED`` changes
-the draw). ``PYTHONPATH=.:tests python -m powerloss`` prints the figures.
+scenarios (a real ``transformers.Trainer`` among them), exhaustively where a
+cut has up to 4096 states and with 64 more random ones elsewhere, under both
+models (``CKPTDB_POWERLOSS_SEED`` changes the draw).
+``PYTHONPATH=.:tests python -m powerloss`` prints the figures.
 
 A run on object storage (``save_dir`` on the real SeaweedFS of the tests)
 is explored under the object-store model: the requests to the store are
@@ -378,13 +380,13 @@ def test_the_explorer_catches_a_broken_step_on_s3(
 
 def test_the_recording_seam_does_nothing_without_a_hook() -> None:
     seen: list[tuple[str, dict[str, object]]] = []
-    trace.record("fsync", path=Path("/nowhere"))  # no hook: nothing happens
+    trace.record("s3_request", operation="put_object", params={})  # no hook: nothing
     previous = trace.set_hook(lambda op, fields: seen.append((op, dict(fields))))
     try:
-        trace.record("fsync", path=Path("/nowhere"))
+        trace.record("s3_request", operation="put_object", params={})
     finally:
         assert trace.set_hook(previous) is not None
-    assert seen == [("fsync", {"path": Path("/nowhere")})]
+    assert seen == [("s3_request", {"operation": "put_object", "params": {}})]
 
 
 def _recorded_world(tmp_path: Path, act: Callable[[Path], None]) -> Trace:
