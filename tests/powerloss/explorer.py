@@ -203,7 +203,7 @@ class Explorer:
         )
         tree = persisted_tree(self.trace, space, state)
         store = persisted_store(self.trace, space, state)
-        before = run_entries(self.trace.world)
+        before = {rel for rel in tree if not Path(rel).name.startswith(BOOKKEEPING)}
         problems = [f"a temporary of the library left: {rel}" for rel in temporaries(before)]
         problems += self._check(tree, store, state, len(marks_of(self.trace)))
         after = run_entries(self.trace.world)
@@ -320,16 +320,19 @@ def persisted_tree(trace: Trace, space: CrashSpace, state: CrashState) -> dict[s
 
 
 def state_key(tree: dict[str, Entry], store: Iterable[bytes] = ()) -> str:
-    """What identifies a state: each entry's name and content, the ledger by what SQLite
-    recovers from its files (two WALs cut at different frames of one uncommitted
-    transaction are one state), and the object store's state."""
+    """What identifies a state: each entry's name and content (of :data:`OPAQUE` files,
+    the name only), the ledger by what SQLite recovers from its files (two WALs cut
+    at different frames of one uncommitted transaction are one state), and the object
+    store's state."""
     digest = xxhash.xxh3_128()
     ledgers = {rel for rel in tree if rel.endswith(LEDGER_SUFFIXES)}
     for rel, content in sorted(tree.items()):
         if rel in ledgers:
             continue
         digest.update(rel.encode() + b"\0")
-        if content is None:
+        if rel.endswith(OPAQUE):  # only its being there can matter
+            digest.update(b"o")
+        elif content is None:
             digest.update(b"d")
         elif isinstance(content, Symlink):
             digest.update(b"l" + content.target.encode())
@@ -346,6 +349,10 @@ def state_key(tree: dict[str, Entry], store: Iterable[bytes] = ()) -> str:
 
 
 LEDGER_SUFFIXES = (LEDGER_FILE, f"{LEDGER_FILE}-wal", f"{LEDGER_FILE}-journal")
+#: Files whose content nothing decides by: the lock file (empty, locked with flock) and
+#: the writer's owner record (shown in the "locked by" message, read leniently). States
+#: that differ only in how much of them reached the disk are one state.
+OPAQUE = ("ckptdb.lock", "ckptdb.owner")
 
 
 @functools.lru_cache(maxsize=4096)

@@ -226,6 +226,62 @@ def disabled(site: Site) -> Iterator[None]:
         _Switch.on = False
 
 
+class _Counting(types.ModuleType):
+    """``os``/``shutil``/``files`` as a module sees it while every site is counted: each
+    call at a site's lines counts for that site, and does its real work."""
+
+    def __init__(self, real: types.ModuleType, sites: list[Site], filename: str) -> None:
+        super().__init__(real.__name__)
+        self._real, self._sites, self._filename = real, sites, filename
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._real, name)
+        mine = [site for site in self._sites if site.call.rsplit(".", 1)[-1] == name]
+        return _counted(value, mine, self._filename) if mine else value
+
+
+def _counted(real: Callable[..., Any], sites: list[Site], filename: str) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        for frame in _callers(sys._getframe(1), CALLER_DEPTH):
+            if frame.f_code.co_filename == filename:
+                for site in sites:
+                    if site.line <= frame.f_lineno <= site.end_line:
+                        _Counts.seen.add(site.name)
+        return real(*args, **kwargs)
+
+    return call
+
+
+class _Counts:
+    seen: set[str] = set()
+
+
+@contextlib.contextmanager
+def counting(sites: list[Site]) -> Iterator[set[str]]:
+    """While the block runs, every site reached is added to the set yielded; nothing is
+    disabled. (Which scenario reaches a site does not depend on the site doing nothing:
+    the first call to it comes before it could have changed anything.)"""
+    groups: dict[tuple[str, str], list[Site]] = {}
+    for site in sites:
+        groups.setdefault((site.module, site.call.split(".", 1)[0]), []).append(site)
+    restore = []
+    for (name, owner), members in groups.items():
+        module = importlib.import_module(name)
+        real = module.__dict__[owner]
+        assert module.__file__ is not None
+        restore.append((module, owner, real))
+        if "." in members[0].call:
+            module.__dict__[owner] = _Counting(real, members, module.__file__)
+        else:
+            module.__dict__[owner] = _counted(real, members, module.__file__)
+    _Counts.seen = set()
+    try:
+        yield _Counts.seen
+    finally:
+        for module, owner, real in reversed(restore):
+            module.__dict__[owner] = real
+
+
 def reached() -> int:
     """How many times the disabled site was called (and did nothing)."""
     return _Switch.reached
