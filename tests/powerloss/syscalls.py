@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -259,35 +260,34 @@ def _parse(tid: int, text: str) -> Call | None:
     return Call(tid, name, tuple(_arg(a) for a in _split(args_text)), code, result_fd)
 
 
+def _scan(text: str, opening: str, closing: str) -> Iterator[tuple[int, str, int]]:
+    """Each character outside quoted strings (``-xx`` escapes every quote inside one),
+    with the nesting depth before it."""
+    depth, quoted = 0, False
+    for i, ch in enumerate(text):
+        if quoted or ch == '"':
+            quoted = not quoted if ch == '"' else quoted
+            continue
+        yield i, ch, depth
+        if ch in opening:
+            depth += 1
+        elif ch in closing:
+            depth -= 1
+
+
 def _closing(body: str) -> int:
     """The index of the parenthesis that closes the argument list."""
-    depth, quoted = 0, False
-    for i, ch in enumerate(body):
-        if quoted:
-            quoted = ch != '"'
-        elif ch == '"':
-            quoted = True
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            if depth == 0:
-                return i
-            depth -= 1
+    for i, ch, depth in _scan(body, "([{", ")]}"):
+        if ch in ")]}" and depth == 0:
+            return i
     raise SyscallTraceError(f"an argument list that never closes: {body[:200]!r}")
 
 
 def _split(args: str) -> list[str]:
-    out, depth, quoted, start = [], 0, False, 0
-    for i, ch in enumerate(args):
-        if quoted:
-            quoted = ch != '"'
-        elif ch == '"':
-            quoted = True
-        elif ch in "([{<":
-            depth += 1
-        elif ch in ")]}>":
-            depth -= 1
-        elif ch == "," and depth == 0:
+    """The top-level arguments (``<path>`` annotations and structures kept whole)."""
+    out, start = [], 0
+    for i, ch, depth in _scan(args, "([{<", ")]}>"):
+        if ch == "," and depth == 0:
             out.append(args[start:i].strip())
             start = i + 1
     if args.strip():
