@@ -302,11 +302,12 @@ class Recorder:
         def walk(ino: int, prefix: str) -> None:
             for name, child in self.nodes[ino].entries.items():
                 node, rel = self.nodes[child], f"{prefix}{name}"
-                model[rel] = (
-                    node.kind
-                    if node.kind == "dir"
-                    else (node.kind, node.target if node.kind == "symlink" else bytes(node.content))
-                )
+                if node.kind == "dir":
+                    model[rel] = "dir"
+                elif node.kind == "symlink":
+                    model[rel] = ("symlink", node.target)
+                else:
+                    model[rel] = ("file", bytes(node.content))
                 if node.is_dir:
                     walk(child, rel + "/")
 

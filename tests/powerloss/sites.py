@@ -158,6 +158,23 @@ class _Switch:
     reached = 0
 
 
+def _disabling(real: Callable[..., Any], site: Site, filename: str) -> Callable[..., Any]:
+    """``real``, except that a call from ``site``'s lines of ``filename`` does nothing
+    while the switch is on."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        at_site = _Switch.on and any(
+            frame.f_code.co_filename == filename and site.line <= frame.f_lineno <= site.end_line
+            for frame in _callers(sys._getframe(1), CALLER_DEPTH)
+        )
+        if at_site:
+            _Switch.reached += 1
+            return None
+        return real(*args, **kwargs)
+
+    return call
+
+
 class _StandIn(types.ModuleType):
     """``os`` or ``shutil`` as the site's module sees it: the site's call does nothing."""
 
@@ -170,23 +187,7 @@ class _StandIn(types.ModuleType):
         value = getattr(self._real, name)
         if name != self._name:
             return value
-        return self._wrapped(value)
-
-    def _wrapped(self, real: Callable[..., Any]) -> Callable[..., Any]:
-        site, filename = self._site, self._filename
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            at_site = _Switch.on and any(
-                frame.f_code.co_filename == filename
-                and site.line <= frame.f_lineno <= site.end_line
-                for frame in _callers(sys._getframe(1), CALLER_DEPTH)
-            )
-            if at_site:
-                _Switch.reached += 1
-                return None
-            return real(*args, **kwargs)
-
-        return call
+        return _disabling(value, self._site, self._filename)
 
 
 #: How many frames up the site's line is looked for: the caller itself, or the caller
@@ -215,9 +216,7 @@ def disabled(site: Site) -> Iterator[None]:
     if "." in site.call:
         module.__dict__[owner] = _StandIn(real, site, module.__file__)
     else:  # a helper imported by name: the name itself stands in
-        module.__dict__[owner] = _StandIn(sys.modules[__name__], site, module.__file__)._wrapped(
-            real
-        )
+        module.__dict__[owner] = _disabling(real, site, module.__file__)
     _Switch.on, _Switch.reached = True, 0
     try:
         yield
