@@ -1173,3 +1173,32 @@ def test_an_io_error_making_the_root_durable_refuses_the_open(
     _failing_fsync_above(monkeypatch, root, errno.EIO)
     with pytest.raises(RunDirectoryError, match=f"durable in {tmp_path}"):
         CheckpointManager(root)
+
+
+def test_a_crashed_writers_owner_record_is_removed_and_one_that_cannot_be_is_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``.ckptdb.owner.<pid>`` written but never renamed in (a crash between): the next
+    writer removes it; one it may not remove costs bytes, not the open, and is said."""
+    from ckptdb.ledger import lock as lock_module
+
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / ".ckptdb.owner.111").write_text("{}")
+    with CheckpointManager(root):
+        pass
+    assert not (root / ".ckptdb.owner.111").exists()
+
+    stuck = root / ".ckptdb.owner.222"
+    stuck.write_text("{}")
+    real_unlink = os.unlink
+
+    def unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(path) == stuck:
+            raise PermissionError(errno.EPERM, "not yours", str(path))
+        real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(lock_module.os, "unlink", unlink)
+    with caplog.at_level("WARNING", logger="ckptdb.lock"), CheckpointManager(root):
+        pass
+    assert stuck.exists() and f"cannot remove {stuck}" in caplog.text
