@@ -66,6 +66,13 @@ class InvalidMetricError(InvalidArgumentError):
     """A metric a top-K stream ranks by is missing or not a finite real number."""
 
 
+class LayoutMismatchError(InvalidArgumentError):
+    """What a sharded load asks for does not match the checkpoint: a key it lacks (a
+    per-rank entry of a rank the saving job did not have) or a tensor of another
+    global shape, a tensor where it saved something else. Raised on every rank
+    before anything loads (see ckptdb.storage.topology)."""
+
+
 class UnknownStreamError(InvalidArgumentError):
     """A payload or query names a stream that is not configured for the run."""
 
@@ -461,6 +468,7 @@ __all__ = [
     "ForeignEntryError",
     "InvalidArgumentError",
     "InvalidMetricError",
+    "LayoutMismatchError",
     "LedgerError",
     "LedgerLockedError",
     "MissingExtraError",

@@ -241,6 +241,7 @@ class CheckpointManager:
                     info.policies,
                     store,
                     is_writer=False,
+                    world_size=self._coord.size,
                 )
             )
             self._closed = False
@@ -280,6 +281,7 @@ class CheckpointManager:
                 adopt_single=db_url is None,
                 kind="maintenance" if maintenance else "train",
                 default_streams=DEFAULT_STREAMS,
+                world_size=self._coord.size,
             )
         except BaseException:
             db.dispose()
@@ -304,6 +306,7 @@ class CheckpointManager:
             is_writer=True,
             db=db,
             lock=lock,
+            world_size=self._coord.size,
         )
         db.fenced = lambda: lock.lost  # every later write asks the lock first
         self._assemble(ctx)
@@ -542,6 +545,7 @@ class CheckpointManager:
         map_location: Any = "cpu",
         weights_only: bool = True,
         into: dict[str, Any] | None = None,
+        missing_keys: Literal["error", "keep"] = "error",
     ) -> Any:
         """Load a committed checkpoint after verifying its size and hash.
 
@@ -556,9 +560,17 @@ class CheckpointManager:
         and sharding to fill), which is returned. Under torch.distributed
         ``load`` is collective: the chief resolves and verifies, every rank
         loads that checkpoint.
+
+        A sharded checkpoint saved on another number of ranks reshards through
+        DCP. Before anything loads, every rank checks the keys and global
+        shapes it asks for against the checkpoint: a key it lacks (the
+        per-rank entry of a rank the saving job did not have) raises
+        :class:`~ckptdb.errors.LayoutMismatchError` on every rank, unless
+        ``missing_keys="keep"``, which leaves those values as they are in
+        ``into``; another shape always raises (see docs/distributed.md).
         """
         self._check_open()
-        return self._loader.load(which, stream, map_location, weights_only, into)
+        return self._loader.load(which, stream, map_location, weights_only, into, missing_keys)
 
     def verify(
         self,

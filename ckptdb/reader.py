@@ -44,6 +44,7 @@ from .pinning import Pin
 from .policies import Policy
 from .preemption import preemption_summary
 from .record import Checkpoint
+from .storage import topology
 from .storage.base import LOST
 from .storage.kinds import kind_of_path
 from .storage.opening import open_store
@@ -176,6 +177,7 @@ class RunReader:
         map_location: Any = "cpu",
         weights_only: bool = True,
         into: dict[str, Any] | None = None,
+        missing_keys: Literal["error", "keep"] = "error",
     ) -> Any:
         """Load a committed checkpoint after verifying its size and hash, as the manager does.
 
@@ -187,7 +189,10 @@ class RunReader:
         or ``reconcile(verify=True)`` (``ckptdb reconcile --verify``), and
         ``ckptdb check`` reports it meanwhile. A :class:`~ckptdb.pinning.Pin`
         loads the checkpoint it holds, even after retention evicted it.
+        ``missing_keys`` is the manager's (a sharded checkpoint saved on several
+        ranks, loaded here in one process).
         """
+        topology.check_policy(missing_keys)
         if isinstance(which, Pin):
             if which.released:
                 raise InvalidArgumentError(f"{which!r} is released: its file may be gone")
@@ -201,6 +206,7 @@ class RunReader:
             weights_only=weights_only,
             into=into,
             storage_options=self._storage_options,
+            missing_keys=missing_keys,
         )
 
     def follow(
@@ -487,6 +493,7 @@ def load_verified(
     weights_only: bool,
     into: dict[str, Any] | None,
     storage_options: Mapping[str, object] | None = None,
+    missing_keys: str = topology.ERROR,
 ) -> Any:
     """Read a committed checkpoint after checking it against its row, through its run's
     store (confined to the save directory, links refused); never writes the ledger."""
@@ -524,7 +531,18 @@ def load_verified(
     kind.check_into(str(target.path), into)
     try:
         return kind.load(
-            store, rel, map_location=map_location, weights_only=weights_only, into=into, group=None
+            store,
+            rel,
+            map_location=map_location,
+            weights_only=weights_only,
+            into=into,
+            group=None,
+            planner=topology.LayoutCheckingPlanner(
+                missing_keys,
+                where=str(target.path),
+                saved_world_size=target.world_size,
+                world_size=1,
+            ),
         )
     except FileNotFoundError as exc:  # evicted between the check and the read
         raise CheckpointLostError(f"{target.path} was removed while it was being loaded") from exc

@@ -45,6 +45,8 @@ class Checkpoint:
     id: int = field(compare=False)
     attempt_id: int = field(compare=False)
     metrics: dict[str, float] = field(default_factory=dict, compare=False)
+    #: The number of ranks that saved it (None: unknown, saved before ckptdb recorded it).
+    world_size: int | None = field(default=None, compare=False)
 
 
 # Kinds of a derived alias (the ``aliases.kind`` column's values, see docs/ledger.md).

@@ -438,7 +438,7 @@ def test_a_ledger_at_0003_upgrades_and_then_keeps_aliases(
     upgraded = cli(runner, db_url, "db", "upgrade", root)
     assert upgraded.exit_code == 0, upgraded.output
     tables, _, version = ledger_objects(url)
-    assert version == newest_revision() == "0004" and "aliases" in tables
+    assert version == newest_revision() and "aliases" in tables
     assert schema_diff(url) == []
     assert db.rows("SELECT id, stream, step, state, path FROM checkpoints ORDER BY id") == (
         rows_before

@@ -180,6 +180,7 @@ SEAM = {
     "ckptdb.storage.naming",
     "ckptdb.storage.external",  # the External payload and its names
     "ckptdb.storage.derived",  # derived aliases: local names under the run root, not payloads
+    "ckptdb.storage.topology",  # a payload's mesh description; a sharded load's layout check
 }
 SEAM_EXTRAS = {"ckptdb.storage.dcp"}  # resolving a sharded load target's Stateful values
 

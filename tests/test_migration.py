@@ -32,18 +32,24 @@ ADDED = {"pins", "evaluations"}
 
 
 def snapshot(url: str) -> dict[str, list[tuple[Any, ...]]]:
-    """Every row of 0001's tables, ordered, with values as the database returns them."""
+    """Every row of 0001's tables, ordered, with values as the database returns them:
+    0001's columns only (later revisions add columns, whose new values are theirs)."""
     engine = create_engine(url, poolclass=NullPool)
     try:
         with engine.connect() as conn:
             found = {}
             for table in TABLES_0001:
-                columns = sorted(c["name"] for c in inspect(conn).get_columns(table))
+                present = {c["name"] for c in inspect(conn).get_columns(table)}
+                columns = sorted(present - COLUMNS_AFTER_0001.get(table, set()))
                 rows = conn.execute(text(f"SELECT {', '.join(columns)} FROM {table}"))
                 found[table] = sorted((tuple(map(_plain, r)) for r in rows), key=repr)
             return found
     finally:
         engine.dispose()
+
+
+#: The columns revisions after 0001 added to 0001's tables.
+COLUMNS_AFTER_0001 = {"attempts": {"world_size"}, "checkpoints": {"world_size", "topology"}}
 
 
 def _plain(value: Any) -> Any:

@@ -66,7 +66,16 @@ def to_csv(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return buffer.getvalue().rstrip("\n")
 
 
-CHECKPOINT_COLUMNS = ("stream", "step", "state", "metric", "size", "committed_at", "path")
+CHECKPOINT_COLUMNS = (
+    "stream",
+    "step",
+    "state",
+    "metric",
+    "size",
+    "ranks",
+    "committed_at",
+    "path",
+)
 
 
 def checkpoint_row(ckpt: Checkpoint) -> list[Any]:
@@ -76,6 +85,7 @@ def checkpoint_row(ckpt: Checkpoint) -> list[Any]:
         ckpt.state,
         ckpt.metric,
         ckpt.size,
+        ckpt.world_size,
         ckpt.committed_at,
         str(ckpt.path),
     ]
@@ -92,4 +102,5 @@ def checkpoint_dict(ckpt: Checkpoint) -> dict[str, Any]:
         "metric": ckpt.metric,
         "committed_at": jsonable(ckpt.committed_at),
         "metrics": ckpt.metrics,
+        "world_size": ckpt.world_size,
     }

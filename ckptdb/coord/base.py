@@ -60,6 +60,7 @@ class Coordinator(Protocol):
     """What the protocol asks of the ranks, point by point (see the module docstring)."""
 
     rank: int
+    size: int  # the number of ranks (the world size the ledger records)
     is_chief: bool
     group: Any  # the process group DCP runs in (None: a single process)
 
@@ -106,6 +107,7 @@ class LocalCoordinator:
     """A single process: every agreement is the local outcome itself."""
 
     rank = 0
+    size = 1
     is_chief = True
     group: Any = None
 

@@ -231,6 +231,7 @@ class DistCoordinator:
     def __init__(self, ranks: RankGroup) -> None:
         self.ranks = ranks
         self.rank = ranks.rank
+        self.size = ranks.size
         self.is_chief = ranks.is_chief
         self.group = ranks.group
         self._background: DistCoordinator | None = None

@@ -124,9 +124,9 @@ def stamp(session: Session, when: dt.datetime) -> Any:
 
 _INSERT = (
     "INSERT INTO checkpoints (run_id, stream, step, attempt_id, path, state, metric, metrics,"
-    " created_at)"
+    " created_at, world_size, topology)"
 )
-_INSERT_ROW = "(?, ?, ?, ?, '', ?, ?, ?, ?)"
+_INSERT_ROW = "(?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?)"
 
 
 def add_pending(
@@ -136,22 +136,36 @@ def add_pending(
     step: int,
     metrics: dict[str, float],
     metric_of: dict[str, float | None],
+    world_size: int,
+    topology_of: dict[str, str | None],
 ) -> dict[str, int]:
     """Insert one ``pending`` row per stream of ``metric_of`` (its ranking value) in one
     statement (one per :data:`MAX_BOUND` values: a boundary of very many streams); their
-    ids by stream (a boundary has each stream at most once)."""
+    ids by stream (a boundary has each stream at most once). Each row records the
+    ``world_size`` that saves it and its stream's ``topology_of`` (JSON, or None)."""
     if not metric_of:
         return {}
     encoded = json.dumps(metrics) if metrics else None
     now = stamp(session, m.utcnow())
     rows = [
-        (run_id, stream, step, attempt_id, m.PENDING, metric, encoded, now)
+        (
+            run_id,
+            stream,
+            step,
+            attempt_id,
+            m.PENDING,
+            metric,
+            encoded,
+            now,
+            world_size,
+            topology_of.get(stream),
+        )
         for stream, metric in metric_of.items()
     ]
     if not connection_of(session).dialect.insert_returning:
         return _add_one_by_one(session, rows)
     ids: dict[str, int] = {}
-    for part in batches(rows, MAX_BOUND // 8):
+    for part in batches(rows, MAX_BOUND // len(rows[0])):
         found = fetch(
             session,
             f"{_INSERT} VALUES {', '.join([_INSERT_ROW] * len(part))} RETURNING id, stream",

@@ -40,6 +40,7 @@ _COLUMNS = (
     "committed_at",
     "attempt_id",
     "metrics",
+    "world_size",
 )
 _SELECT = "SELECT " + ", ".join(f"c.{name}" for name in _COLUMNS) + " FROM checkpoints c"
 _NEWEST = " ORDER BY c.id DESC LIMIT 1"
@@ -113,4 +114,5 @@ def _record(values: dict[str, Any], save_dir: Path) -> Checkpoint:
         id=values["id"],
         attempt_id=values["attempt_id"],
         metrics=json.loads(values["metrics"]) if values["metrics"] else {},
+        world_size=values["world_size"],
     )

@@ -115,6 +115,8 @@ class Attempt(Base):
     end_state: Mapped[str] = mapped_column(String(16), default="running")
     # train (a training process) | maintenance (the ckptdb command: gc, reconcile)
     kind: Mapped[str] = mapped_column(String(16), default="train")
+    # The number of ranks the attempt ran on (NULL: opened before revision 0005).
+    world_size: Mapped[int | None] = mapped_column(Integer)
 
 
 class Stream(Base):
@@ -157,6 +159,11 @@ class Checkpoint(Base):
     committed_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     deleted_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     error: Mapped[str | None] = mapped_column(Text)
+    # The number of ranks that saved it (NULL: unknown, a row before revision 0005 or an
+    # adopted file); for a sharded payload ``topology`` is JSON: the device meshes of its
+    # DTensors, as the chief saw them (see docs/distributed.md).
+    world_size: Mapped[int | None] = mapped_column(Integer)
+    topology: Mapped[str | None] = mapped_column(Text)
 
 
 class Pointer(Base):

@@ -140,7 +140,9 @@ def _rerank(session: Session, run_id: int, stream: str, metric: str, required: b
         row.metric = float(value)
 
 
-def start_attempt(session: Session, run_id: int, kind: str = "train") -> m.Attempt:
+def start_attempt(
+    session: Session, run_id: int, kind: str = "train", world_size: int = 1
+) -> m.Attempt:
     """Close attempts a crash left running, then open this process's attempt.
 
     One that had been told it was preempted (a ``preempted`` event) and died
@@ -173,6 +175,7 @@ def start_attempt(session: Session, run_id: int, kind: str = "train") -> m.Attem
         pid=os.getpid(),
         end_state="running",
         kind=kind,
+        world_size=world_size,
     )
     session.add(attempt)
     session.flush()
@@ -447,6 +450,7 @@ def to_record(row: m.Checkpoint, save_dir: Path) -> Checkpoint:
         id=row.id,
         attempt_id=row.attempt_id,
         metrics=json.loads(row.metrics) if row.metrics else {},
+        world_size=row.world_size,
     )
 
 

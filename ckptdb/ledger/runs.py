@@ -63,6 +63,7 @@ def open_as_writer(
     adopt_single: bool,
     kind: str,
     default_streams: dict[str, Policy],
+    world_size: int = 1,
 ) -> OpenedRun:
     """Migrate, then find or create the run and start an attempt, in one transaction."""
     with translated(f"cannot use the ledger of {root}"):
@@ -70,7 +71,7 @@ def open_as_writer(
         with db.transaction() as session:
             run = rows.open_run(session, root, save_dir, adopt_single=adopt_single)
             policies = rows.sync_streams(session, run.id, requested, default_streams)
-            attempt = rows.start_attempt(session, run.id, kind)
+            attempt = rows.start_attempt(session, run.id, kind, world_size)
             rows.add_event(session, run.id, attempt.id, "attempt_started")
             return OpenedRun(
                 run.id,

@@ -75,6 +75,7 @@ from ..ledger.engine import driver_message, is_unreachable, one_line, unreachabl
 from ..ledger.follow import notify_commit
 from ..policies import Entry
 from ..record import Checkpoint
+from ..storage import topology
 from ..storage.external import External, temp_for
 from ..storage.kinds import PayloadKind, kind_named, kind_of
 from ..storage.naming import checkpoint_name, object_name, temp_name
@@ -320,8 +321,16 @@ class Publisher:
         ctx, store = self.ctx, self.ctx.store
         kinds = {stream: self._kind(stream, payload) for stream, payload in admitted.items()}
         metric_of = {stream: self._ranking_value(stream, values) for stream in admitted}
+        topology_of = {stream: topology.describe(payload) for stream, payload in admitted.items()}
         ids = boundary_rows.add_pending(
-            session, ctx.run_id, ctx.attempt_id, step, values, metric_of
+            session,
+            ctx.run_id,
+            ctx.attempt_id,
+            step,
+            values,
+            metric_of,
+            ctx.world_size,
+            topology_of,
         )
         own = [s for s, p in admitted.items() if not isinstance(p, External)]
         taken = boundary_rows.live_paths(session, ctx.run_id, step, own) if store.renames else set()
@@ -754,6 +763,7 @@ class Publisher:
             id=s.row_id,
             attempt_id=self.ctx.attempt_id,
             metrics=dict(values),
+            world_size=self.ctx.world_size,
         )
 
     # ------------------------------------------------------------ rollback, clean-up

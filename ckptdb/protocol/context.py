@@ -140,6 +140,8 @@ class RunContext:
     #: Whether an evicted row may still be waiting for its pins to go (then each commit
     #: looks for the released ones); unknown at open, so it starts True.
     pins_waiting: bool = True
+    #: The number of ranks this attempt runs on (recorded with every checkpoint).
+    world_size: int = 1
 
     @property
     def ledger(self) -> Ledger:

@@ -13,6 +13,7 @@ single process each is the local outcome itself.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -24,12 +25,15 @@ from ..errors import (
 )
 from ..ledger import rows as ledger_rows
 from ..record import Checkpoint
+from ..storage import topology
 from ..storage.base import LOST
 from ..storage.dcp import resolve_stateful
 from ..storage.kinds import TORCH_FILE, PayloadKind, kind_of_path
 from ..storage.naming import is_sharded
 from .asyncsave import InFlight
 from .context import RunContext
+
+log = logging.getLogger(__name__)
 
 
 class Loader:
@@ -46,11 +50,12 @@ class Loader:
         map_location: Any,
         weights_only: bool,
         into: dict[str, Any] | None,
+        missing_keys: str = topology.ERROR,
     ) -> Any:
         if self.inflight.writes(self._stream_of(which, stream)):
             self.inflight.wait()
         try:
-            return self._load(which, stream, map_location, weights_only, into)
+            return self._load(which, stream, map_location, weights_only, into, missing_keys)
         finally:  # a load refused after its verify leaves nothing held
             self.ctx.store.forget_verified()
 
@@ -61,6 +66,7 @@ class Loader:
         map_location: Any,
         weights_only: bool,
         into: dict[str, Any] | None,
+        missing_keys: str,
     ) -> Any:
         target = self.coord.shared("resolve", lambda: self.verified(which, stream, keep=True))
         kind = kind_of_path(target.path)
@@ -68,6 +74,7 @@ class Loader:
         problem: BaseException | None = None
         verifies_here = not self.coord.is_chief and self._reads_verified_bytes(kind)
         try:  # everything that could fail on one rank only, before the collective read
+            topology.check_policy(missing_keys)
             kind.check_into(str(target.path), into)
             if not self.coord.is_chief and not verifies_here:
                 # the name is confined (not re-resolved where a verify just did: the
@@ -89,13 +96,36 @@ class Loader:
                 weights_only=weights_only,
                 into=into,
                 group=self.coord.group,
+                planner=topology.LayoutCheckingPlanner(
+                    missing_keys,
+                    where=str(target.path),
+                    saved_world_size=target.world_size,
+                    world_size=self.coord.size,
+                ),
             )
             if self.ctx.is_writer:
                 self.note_resume(target)
-        except (Exception, CheckpointException) as exc:
+                self._note_world_size(target)
+        except CheckpointException as exc:  # DCP's agreed failure, the same on every rank
+            problem = topology.agreed_mismatch(exc) or exc
+        except Exception as exc:
             problem = exc
         self.coord.agree("loaded", problem, fallback="RankFailedError")
         return state
+
+    def _note_world_size(self, target: Checkpoint) -> None:
+        """A load of a checkpoint saved on another number of ranks, said and recorded
+        (a ``world_size_changed`` event), so history shows where a job was resized."""
+        saved, now = target.world_size, self.coord.size
+        if saved is None or saved == now:
+            return
+        log.info("%s was saved on %d ranks; loaded on %d", target.path, saved, now)
+        self.ctx.event(
+            "world_size_changed",
+            checkpoint_id=target.id,
+            step=target.step,
+            detail={"path": self.ctx.rel(target.path), "saved": saved, "now": now},
+        )
 
     @staticmethod
     def _stream_of(which: object, stream: str | None) -> str | None:

@@ -103,15 +103,22 @@ def write_sharded(state_dict: dict[str, Any], writer: Any, group: Any) -> None:
         raise PhaseError("write", directory, _only_failure(exc)) from exc
 
 
-def load_sharded(into: dict[str, Any], reader: Any, group: Any) -> None:
-    """Every rank loads its part of the checkpoint behind ``reader`` into ``into``, in place.
+def load_sharded(into: dict[str, Any], reader: Any, group: Any, planner: Any = None) -> None:
+    """Every rank loads its part of the checkpoint behind ``reader`` into ``into``, in place
+    (``planner``: DCP's load planner, None for its default).
 
     In a single process DCP's wrapper is removed: the caller gets the error
     itself (a shape mismatch, say), as ``torch.load`` would raise it.
     """
     try:
         with _single_process_is_intended(group):
-            dcp_load(into, storage_reader=reader, process_group=group, no_dist=group is None)
+            dcp_load(
+                into,
+                storage_reader=reader,
+                process_group=group,
+                no_dist=group is None,
+                planner=planner,
+            )
     except CheckpointException as exc:
         if group is not None:
             raise

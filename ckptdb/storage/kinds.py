@@ -66,8 +66,9 @@ class PayloadKind(Protocol):
         weights_only: bool,
         into: dict[str, Any] | None,
         group: Any,
+        planner: Any = None,
     ) -> Any:
-        """Read a verified checkpoint back."""
+        """Read a verified checkpoint back (``planner``: DCP's, for a sharded load)."""
 
     def check_loadable(self, store: PayloadStore, rel: str) -> None:
         """Raise if the checkpoint cannot be read back (``check(load=True)``)."""
@@ -115,6 +116,7 @@ class TorchFile:
         weights_only: bool,
         into: dict[str, Any] | None,
         group: Any,
+        planner: Any = None,
     ) -> Any:
         verified = store.open_verified(rel)  # the bytes just hashed, never the file again
         if isinstance(verified, HeldFile):
@@ -177,9 +179,10 @@ class ShardedDirectory:
         weights_only: bool,
         into: dict[str, Any] | None,
         group: Any,
+        planner: Any = None,
     ) -> Any:
         assert into is not None
-        dcp.load_sharded(into, store.dcp_reader(rel), group)
+        dcp.load_sharded(into, store.dcp_reader(rel), group, planner)
         return into
 
     def check_loadable(self, store: PayloadStore, rel: str) -> None:
