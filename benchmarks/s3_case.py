@@ -76,7 +76,11 @@ def run(work: Path, megabytes: float, reps: int) -> list[Comparison]:
     work.mkdir(parents=True, exist_ok=True)
     try:
         with running(work / "weed") as server:
-            return [save(server, work, megabytes, reps), load(server, work, megabytes, reps)]
+            return [
+                save(server, work, megabytes, reps),
+                load(server, work, megabytes, reps),
+                replication(server, work, megabytes, reps),
+            ]
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -174,6 +178,41 @@ def load(server: S3Server, work: Path, megabytes: float, reps: int) -> Compariso
         mgr.close()
     result.notes["target"] = "ckptdb load <= 1.10x get_object + torch.load"
     result.notes["payload_mib"] = round(saved.size / MiB, 1)
+    return result
+
+
+def replication(server: S3Server, work: Path, megabytes: float, reps: int) -> Comparison:
+    """How long the training loop is blocked by a save: on a local disk alone, on a
+    local disk while a replicator thread copies each checkpoint to S3, and straight to
+    S3. The replicator runs in the same process (the GIL and the CPU are shared)."""
+    from ckptdb import CheckpointManager, Keep, Replicator, RunReader
+
+    sd = state_dict(megabytes)
+    steps = itertools.count()
+    streams = {"model": Keep(last=1)}
+    local = CheckpointManager(work / "local-run", streams=streams)
+    replicated = CheckpointManager(work / "replicated-run", streams=streams)
+    direct = _manager(server, work / "direct-run", "ckptdb-direct")
+    replicator = Replicator(
+        work / "replicated-run", f"s3://{BUCKET}/replicas", storage_options=_options(server)
+    ).start(poll=0.01)
+    contenders: dict[str, Callable[[], Any]] = {
+        "local save": lambda: local.save(next(steps), model=sd),
+        "local save, replicator running": lambda: replicated.save(next(steps), model=sd),
+        "S3 save": lambda: direct.save(next(steps), model=sd),
+    }
+    try:
+        result = compare(
+            f"S3 replication {megabytes:g} MB", contenders, baseline="local save", reps=reps
+        )
+    finally:
+        replicator.close()
+        for mgr in (local, replicated, direct):
+            mgr.close()
+    with RunReader(work / "replicated-run") as reader:
+        copies = [r.state for r in reader.replicas()]
+    result.notes["copies"] = {s: copies.count(s) for s in sorted(set(copies))}
+    result.notes["target"] = "local save, replicator running <= 1.05x local save"
     return result
 
 

@@ -16,7 +16,8 @@ from .preemption import OnPreemption, Preempted, Preemption
 from .protocol.asyncsave import SaveHandle
 from .protocol.reconcile import Action, ReconcileReport
 from .reader import RunReader, resolve
-from .record import Checkpoint, DerivedAlias
+from .record import Checkpoint, DerivedAlias, Replica
+from .replication import Replicator
 from .storage.dcp import Sharded
 from .storage.external import External
 
@@ -35,6 +36,8 @@ __all__ = [
     "Preempted",
     "Preemption",
     "ReconcileReport",
+    "Replica",
+    "Replicator",
     "RunReader",
     "SaveHandle",
     "Sharded",

@@ -54,6 +54,7 @@ from .ledger.runs import open_as_writer
 from .location import ObjectPath, is_object_url, looks_like_object_url, object_path
 from .policies import Keep, Policy, validate_policies
 from .preemption import DEFAULT_SIGNALS, Preemption
+from .protocol import restore as restoring
 from .protocol.adopt import Adopter, Candidate
 from .protocol.adopt import Outcome as AdoptOutcome
 from .protocol.aliases import AliasKeeper, requested
@@ -75,6 +76,7 @@ from .storage.base import PayloadStore
 from .storage.files import fsync_dir, make_dir
 from .storage.naming import run_token
 from .storage.opening import check_options, open_store
+from .storage.remote import REMOTE, remote_store
 
 __all__ = ["CheckpointManager", "CleanupWarning"]
 
@@ -891,6 +893,30 @@ class CheckpointManager:
         self._inflight.wait()  # its pending rows are not a crash
         reconciler = Reconciler(ctx.ledger, ctx.run_id, ctx.attempt_id, ctx.root, ctx.store)
         return reconciler.run(verify=verify, dry_run=dry_run, progress=progress)
+
+    def restore(
+        self,
+        source: str,
+        *,
+        every: bool = False,
+        storage_options: Mapping[str, object] | None = None,
+    ) -> list[Checkpoint]:
+        """Bring checkpoints back from their copies at ``source`` (``s3://...``, where a
+        :class:`~ckptdb.replication.Replicator` copied them); the checkpoints restored.
+
+        The newest checkpoint of each stream that has a whole copy (``every``:
+        each one that has) is downloaded, verified against its row and put in
+        place if its local copy is missing or does not match its row; its row
+        is committed again (it may have been marked lost or corrupt) and
+        ``latest`` re-pointed. For a new machine whose local disk is empty, open
+        the run with ``maintenance=True`` (no reconcile, which would first mark
+        every missing checkpoint lost; those are restored too) and restore
+        before training opens it. Chief only. See docs/replication.md.
+        """
+        ctx = self._require_chief("restore()")
+        self._inflight.wait()
+        remote = remote_store(source, storage_options)
+        return restoring.restore(ctx, remote, REMOTE, every=every)
 
     def check(self, *, load: bool = False) -> list[str]:
         """Violations of the run's consistency invariants, one line each.

@@ -32,7 +32,7 @@ from .errors import (
     LedgerError,
     note_on,
 )
-from .ledger import Ledger, RunQueries, evaluations, open_ledger, pins, rows
+from .ledger import Ledger, RunQueries, evaluations, open_ledger, pins, replicas, rows
 from .ledger import models as m
 from .ledger.engine import LEDGER_FILE
 from .ledger.follow import Follower
@@ -43,7 +43,7 @@ from .location import ObjectPath, is_object_url, relative_within
 from .pinning import Pin
 from .policies import Policy
 from .preemption import preemption_summary
-from .record import Checkpoint
+from .record import Checkpoint, Replica
 from .storage import topology
 from .storage.base import LOST
 from .storage.kinds import kind_of_path
@@ -79,6 +79,7 @@ class RunReader:
             self.close()
             raise
         self.run_id, self.run_name, self.save_dir = run.run_id, run.name, run.save_dir
+        self.run_created_at = run.created_at
         self.policies: dict[str, Policy] = run.policies
         self._queries = RunQueries(self._db, self.run_id, self.save_dir, self.policies)
 
@@ -265,6 +266,14 @@ class RunReader:
             check_ledger_location(url)
             self._side = open_ledger(url)
         return self._side
+
+    def replicas(self, tier: str | None = None) -> list[Replica]:
+        """Every copy of the run's checkpoints on other tiers (of ``tier``), oldest first:
+        what :class:`~ckptdb.replication.Replicator` recorded."""
+        self._open()
+        with self._db.transaction(read=True) as session:
+            found = replicas.of_run(session, self.run_id, tier)
+            return [replicas.to_record(session, row) for row in found]
 
     def pin(
         self,

@@ -66,3 +66,22 @@ class DerivedAlias:
     path: str
     stream: str
     kind: str
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One copy of a checkpoint on another tier (a row of ``replicas``, see
+    ckptdb.replication): ``location`` is the copy's URL (a prefix holding one object
+    per file of the checkpoint), ``state`` ``uploading``, ``replicated`` or
+    ``failed`` (``error`` says why)."""
+
+    checkpoint_id: int
+    stream: str
+    step: int
+    tier: str
+    location: str
+    state: str
+    size: int | None
+    hash: str | None
+    error: str | None
+    id: int = field(compare=False)

@@ -58,6 +58,7 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
         "Lightning fit",
         "S3 save",
         "S3 load",
+        "S3 replication",
         "DeePMD-kit dp --pt train",
         "preemption check per step",
     ):
@@ -65,7 +66,7 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
     for result in report["results"]:
         assert result["ratio_to_baseline"][result["baseline"]] == pytest.approx(1.0)
         assert all(v > 0 for v in result["median_s"].values())
-    for s3 in (r for r in report["results"] if r["name"].startswith("S3 ")):
+    for s3 in (r for r in report["results"] if r["name"].startswith(("S3 save", "S3 load"))):
         assert_reports_memory(s3)
     overhead = next(r for r in report["results"] if r["name"].startswith("ledger overhead"))
     assert 2 <= overhead["notes"]["transactions_per_boundary"] <= 3
@@ -108,11 +109,15 @@ def test_the_s3_case_alone_reports_ratios_and_stops_its_server(
     out = tmp_path / "s3.json"
     assert s3_case.main(["--quick", "--out", str(out), "--work", str(tmp_path)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert [r["name"].rsplit(" ", 2)[0] for r in results] == ["S3 save", "S3 load"]
+    names = ["S3 save", "S3 load", "S3 replication"]
+    assert [r["name"].rsplit(" ", 2)[0] for r in results] == names
     for result in results:
         assert result["ratio_to_baseline"][result["baseline"]] == pytest.approx(1.0)
         assert all(v > 0 for v in result["median_s"].values())
+    for result in results[:2]:
         assert_reports_memory(result)
+    copies = results[2]["notes"]["copies"]  # the replicator copied what the loop saved
+    assert set(copies) == {"replicated"} and copies["replicated"] >= 1
     assert "| S3 save 12 MB | ckptdb save |" in capsys.readouterr().out
     assert_stopped_and_cleaned(started, tmp_path)
 

@@ -235,6 +235,7 @@ WRITE_COMMANDS = [
     ["gc"],
     ["db", "upgrade"],
     ["check"],  # opens the run for maintenance, under the writer lock
+    ["restore", "--from", "s3://ckpt/nowhere"],  # the lock is taken before the store is reached
 ]
 # Commands deliberately left out of the parametrized tests of READ_COMMANDS and
 # WRITE_COMMANDS (a directory that is not a run, a trainer holding the lock), and why.
@@ -245,6 +246,8 @@ NOT_RUN_ON_A_RUN = {
     "tests/test_adopt.py covers it, bad input and a trainer holding the lock included",
     ("follow",): "runs a command per checkpoint and records evaluations (a reader's own rows): "
     "tests/test_evaluations.py covers it end to end, with a trainer running and Ctrl-C",
+    ("replicate",): "copies to object storage beside a trainer (a reader's own rows): "
+    "tests/test_replication.py covers it against SeaweedFS, bad input included",
 }
 
 

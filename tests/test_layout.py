@@ -56,6 +56,8 @@ ALLOWED = {
         "preemption",
     },
     "pinning": {"record"},
+    # a replicator: a reader of the run that also writes its copies' rows
+    "replication": {"errors", "location", "record", "ledger", "storage", "reader"},
     "maintenance": {"errors", "ledger"},
     "reader": {
         "errors",

@@ -113,6 +113,10 @@ def status(root: Path, db_url: str | None, as_json: bool) -> None:
     click.echo(f"\ncheckpoints by state: {counts}")
     ends = ", ".join(f"{a['id']}:{a['end_state']}" for a in data["attempts"])
     click.echo(f"attempts: {len(data['attempts'])} ({ends})")
+    for tier, copies in data["replicas"].items():
+        states = ", ".join(f"{n} {s}" for s, n in sorted(copies["states"].items()))
+        newest = ", ".join(f"{s} {step}" for s, step in sorted(copies["newest"].items()))
+        click.echo(f"copies on {tier}: {states}; newest whole copy by stream: {newest or '-'}")
     if data["preemptions"]:
         click.echo("\npreemptions:")
         click.echo(
@@ -129,6 +133,17 @@ def status(root: Path, db_url: str | None, as_json: bool) -> None:
                 [[e["time"], e["kind"], e["step"], e["detail"]] for e in data["events"]],
             )
         )
+
+
+def _replica_summary(reader: RunReader) -> dict[str, Any]:
+    """Per tier: copies by state, and the newest step of each stream with a whole copy."""
+    summary: dict[str, Any] = {}
+    for r in reader.replicas():
+        tier = summary.setdefault(r.tier, {"states": {}, "newest": {}})
+        tier["states"][r.state] = tier["states"].get(r.state, 0) + 1
+        if r.state == "replicated":
+            tier["newest"][r.stream] = max(tier["newest"].get(r.stream, r.step), r.step)
+    return summary
 
 
 def _preemption_row(p: dict[str, Any]) -> list[Any]:
@@ -170,6 +185,7 @@ def _status_data(reader: RunReader) -> dict[str, Any]:
             for a in reader.attempts()
         ],
         "preemptions": reader.preemptions(),
+        "replicas": _replica_summary(reader),
         "events": [
             {"time": clifmt.cell(e.time), "kind": e.kind, "step": e.step, "detail": e.detail}
             for e in reader.events(8)
@@ -207,16 +223,31 @@ def list_(
 @main.command()
 @ROOT
 @click.option("--stream", default="model", show_default=True, help="Stream to look in.")
+@click.option(
+    "--tier",
+    type=click.Choice(["local", "remote"]),
+    default="local",
+    show_default=True,
+    help="remote: the copy (ckptdb replicate) of the newest checkpoint that has one.",
+)
 @DB_URL
-def latest(root: Path, stream: str, db_url: str | None) -> None:
+def latest(root: Path, stream: str, tier: str, db_url: str | None) -> None:
     """Print the path of the latest committed checkpoint (for shell scripts).
 
     \b
     Example:
       python train.py --resume "$(ckptdb latest runs/exp1)"
     """
+    from .tiers import newest_copy
+
     with RunReader(root, db_url=db_url) as reader:
         found = reader.latest(stream)
+        copy = newest_copy(reader.replicas("remote"), stream) if tier == "remote" else None
+    if tier == "remote":
+        if copy is None:
+            raise click.ClickException(f"stream {stream!r} of {root} has no whole copy yet")
+        click.echo(copy.location)
+        return
     if found is None:
         raise click.ClickException(f"stream {stream!r} of {root} has no checkpoint yet")
     click.echo(str(found.path))
@@ -757,3 +788,9 @@ def demo(directory: Path, steps: int, fresh: bool) -> None:
         headers, rows = reader.sql(BEST_SQL)
     click.echo(clifmt.table(headers, rows))
     click.echo(f"\nnext: ckptdb history {directory} --metric loss --plot loss.png")
+
+
+# registers replicate and restore on main (it uses the options above)
+from . import tiers  # noqa: E402
+
+__all__ = ["main", "tiers"]

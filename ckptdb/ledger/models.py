@@ -262,6 +262,32 @@ class Alias(Base):
     kind: Mapped[str] = mapped_column(String(16))  # symlink | pointer | link
 
 
+class Replica(Base):
+    """One copy of a checkpoint on another tier (object storage): where it is and
+    whether it is whole. ``replicated`` only once every object of the copy is
+    complete and hashes to the checkpoint row's size and hash (see
+    ckptdb.replication)."""
+
+    __tablename__ = "replicas"
+    __table_args__ = (
+        Index("ix_replicas_run_tier_state", "run_id", "tier", "state"),
+        Index("ix_replicas_checkpoint_id", "checkpoint_id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    tier: Mapped[str] = mapped_column(String(16))  # remote
+    location: Mapped[str] = mapped_column(Text)  # the copy's URL: a prefix, one object per file
+    state: Mapped[str] = mapped_column(String(16))  # uploading | replicated | failed
+    size: Mapped[int | None] = mapped_column(INT64)
+    hash: Mapped[str | None] = mapped_column(String(64))
+    manifest: Mapped[str | None] = mapped_column(Text)  # JSON: [[name, size, hash], ...]
+    started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    error: Mapped[str | None] = mapped_column(Text)
+
+
 # Views created by the migrations (see migrations/versions): the latest
 # checkpoint of every stream, the ranked members of every top-K stream,
 # restarts per run, per training attempt how far it got and how many steps a

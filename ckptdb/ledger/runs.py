@@ -103,7 +103,9 @@ def open_as_reader(db: Ledger, root: Path, *, adopt_single: bool) -> OpenedRun:
             raise LedgerError(f"the ledger has no run rooted at {root}")
         found = session.scalars(select(m.Stream).where(m.Stream.run_id == run.id))
         policies = {r.name: rows.policy_from_row(r) for r in found}
-        return OpenedRun(run.id, run.name, rows.rebased_save_dir(run, root), policies)
+        return OpenedRun(
+            run.id, run.name, rows.rebased_save_dir(run, root), policies, None, run.created_at
+        )
 
 
 def run_exists(root: Path, db_url: str, *, adopt_single: bool = False) -> bool:

@@ -21,6 +21,7 @@ from ..ledger import Ledger, RunQueries
 from ..ledger import rows as ledger_rows
 from ..ledger.lock import RunLock
 from ..policies import Policy
+from ..record import Checkpoint
 from ..storage.base import PayloadStore
 
 METRIC_FLUSH_THRESHOLD = 100_000  # points, not calls
@@ -157,6 +158,31 @@ class RunContext:
         """Record one event of this attempt in a transaction of its own."""
         with self.ledger.transaction() as session:
             ledger_rows.add_event(session, self.run_id, self.attempt_id, kind, **fields)
+
+    def change_state(
+        self,
+        target: Checkpoint,
+        state: str,
+        *,
+        event: str,
+        detail: dict[str, Any],
+        error: str | None,
+    ) -> None:
+        """One checkpoint's row set to ``state`` (``error`` recorded), its stream's latest
+        re-pointed and ``event`` recorded, in one transaction: what a load that finds a
+        bad payload and a restore that brings one back both do."""
+        with self.ledger.transaction() as session:
+            ledger_rows.set_state(session, [target.id], state, error=error)
+            ledger_rows.repoint_latest(session, self.run_id, target.stream)
+            ledger_rows.add_event(
+                session,
+                self.run_id,
+                self.attempt_id,
+                event,
+                checkpoint_id=target.id,
+                step=target.step,
+                detail=detail,
+            )
 
     def rel(self, path: Path) -> str:
         """A path inside the save directory, as the ledger stores it."""

@@ -193,19 +193,13 @@ class Loader:
 
     def _mark_bad(self, target: Checkpoint, state: str, problem: str) -> None:
         """Record a lost/corrupt payload found at load time, as reconcile would."""
-        ctx = self.ctx
-        with ctx.ledger.transaction() as session:
-            ledger_rows.set_state(session, [target.id], state, error=problem)
-            ledger_rows.repoint_latest(session, ctx.run_id, target.stream)
-            ledger_rows.add_event(
-                session,
-                ctx.run_id,
-                ctx.attempt_id,
-                state,
-                checkpoint_id=target.id,
-                step=target.step,
-                detail={"path": str(target.path), "detail": problem},
-            )
+        self.ctx.change_state(
+            target,
+            state,
+            event=state,
+            detail={"path": str(target.path), "detail": problem},
+            error=problem,
+        )
 
     def note_resume(self, target: Checkpoint) -> None:
         """Record the checkpoint this attempt resumed from (the first one only)."""

@@ -269,7 +269,13 @@ class S3Store:
             raise store_error("HeadObject", self.url(key), exc) from exc
         return FileInfo(int(head["ContentLength"]), "")
 
-    def _fetch(self, key: str, expected: int | None, keep: bool) -> tuple[FileInfo, bytes | None]:
+    def _fetch(
+        self,
+        key: str,
+        expected: int | None,
+        keep: bool,
+        sink: Callable[[bytes], object] | None = None,
+    ) -> tuple[FileInfo, bytes | None]:
         """One GET of the whole object, hashed; with ``keep`` its bytes too.
 
         With ``keep`` (a load) at most the recorded size plus one byte is read
@@ -279,7 +285,8 @@ class S3Store:
         time, whatever the payload's size). Reading stops at the response's
         Content-Length, never one read further: botocore checks the CRC64NVME
         of a stream at its end, and a corrupt object must be found corrupt by
-        its size and hash here, not be an unreadable error there.
+        its size and hash here, not be an unreadable error there. ``sink`` gets each
+        chunk as it is hashed (a download); its own failure propagates as itself.
         """
         digest, data, size = xxhash.xxh3_128(), None, 0
         try:
@@ -295,10 +302,42 @@ class S3Store:
                     raise ObjectStoreError(f"the body ended at {size} of {length} bytes")
                 digest.update(chunk)
                 size += len(chunk)
+                if sink is not None:
+                    _Sinking.call(sink, chunk)
                 del chunk  # before the next read: one chunk in memory, not two
+        except _Sinking as failed:
+            raise failed.error from failed.error.__cause__
         except Exception as exc:
             raise store_error("GetObject", self.url(key), exc) from exc
         return FileInfo(size, digest.hexdigest()), data
+
+    # ------------------------------------------------------------------ a second tier
+
+    def download(self, rel: str, sink: Callable[[bytes], object]) -> FileInfo:
+        """The object at ``rel``, chunk by chunk into ``sink`` (one GET); the size and
+        hash of what was read. A failure of ``sink`` (the local disk) is raised as itself."""
+        return self._fetch(self.key(rel), None, False, sink)[0]
+
+    def remove_tree(self, rel: str) -> bool:
+        """Every object and upload in progress under ``rel/`` (a copy of a checkpoint
+        made by the replicator); idempotent."""
+        return self._remove_prefix(f"{self.key(rel)}/")
+
+    def url_of(self, rel: str) -> str:
+        """The URL of ``rel`` inside this store."""
+        return self.url(self.key(rel))
+
+    def rel_of(self, url: str) -> str | None:
+        """``url`` relative to this store (None: not inside it)."""
+        head = self.url(f"{self.prefix}/") if self.prefix else self.url("")
+        if not url.startswith(head) or url == head:
+            return None
+        rel = url[len(head) :]
+        try:
+            self.key(rel)
+        except InvalidArgumentError:
+            return None
+        return rel
 
     @property
     def _verified(self) -> tuple[str, bytes] | None:
@@ -486,6 +525,21 @@ class S3Store:
 
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
+
+
+class _Sinking(Exception):
+    """Carries a failure of a download's sink through the read loop (it is not the store's)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+    @classmethod
+    def call(cls, sink: Callable[[bytes], object], chunk: bytes) -> None:
+        try:
+            sink(chunk)
+        except Exception as exc:
+            raise cls(exc) from exc
 
 
 def _marker(page: dict[str, Any], name: str, where: str) -> str:

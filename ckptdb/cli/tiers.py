@@ -1,0 +1,150 @@
+"""``ckptdb replicate`` and ``ckptdb restore``: a run's second tier on object storage.
+
+Registered on the ``ckptdb`` group when the package loads (see ``__init__``);
+the work is :class:`~ckptdb.replication.Replicator`'s and
+:meth:`~ckptdb.CheckpointManager.restore`'s.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..record import Checkpoint, Replica
+from ..replication import Replicator
+from . import DB_URL, JSON, ROOT, _writer, main
+from . import fmt as clifmt
+
+FAILED = "failed"
+
+
+@main.command()
+@ROOT
+@click.option(
+    "--to", "to", required=True, metavar="URL", help="Where the copies go: s3://bucket/prefix."
+)
+@click.option(
+    "--stream", "streams", multiple=True, help="Only this stream (repeatable; default: all)."
+)
+@click.option("--follow", is_flag=True, help="Keep copying new checkpoints until interrupted.")
+@click.option(
+    "--poll", type=float, default=1.0, show_default=True, help="Seconds between passes (--follow)."
+)
+@DB_URL
+@JSON
+def replicate(
+    root: Path,
+    to: str,
+    streams: tuple[str, ...],
+    follow: bool,
+    poll: float,
+    db_url: str | None,
+    as_json: bool,
+) -> None:
+    """Copy each committed checkpoint to object storage, once (a second tier).
+
+    Beside a running trainer; one replicator per run at a time. Exits 1 if a
+    copy failed (it is retried by the next pass, at most 3 times in all).
+
+    \b
+    Example:
+      ckptdb replicate runs/exp1 --to s3://bucket/replicas --follow
+    """
+    stop = threading.Event()
+    failed = False
+    with Replicator(root, to, db_url=db_url, streams=streams or None) as replicator:
+        _show([*replicator.swept], as_json)
+        previous = {s: signal.signal(s, lambda *_: stop.set()) for s in _SIGNALS} if follow else {}
+        try:
+            while True:
+                done = replicator.replicate()
+                failed = failed or any(r.state == FAILED for r in done)
+                _show(done, as_json)
+                if not follow or stop.wait(poll):
+                    break
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+    if failed:
+        sys.exit(1)
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _show(done: list[Replica], as_json: bool) -> None:
+    if not done:
+        return
+    if as_json:
+        for r in done:
+            click.echo(clifmt.to_json(_replica_dict(r)))
+        return
+    click.echo(clifmt.table(["stream", "step", "state", "copy"], [_replica_row(r) for r in done]))
+
+
+def _replica_row(r: Replica) -> list[Any]:
+    return [r.stream, r.step, r.state, r.error if r.state == FAILED else r.location]
+
+
+def _replica_dict(r: Replica) -> dict[str, Any]:
+    return {
+        "stream": r.stream,
+        "step": r.step,
+        "tier": r.tier,
+        "state": r.state,
+        "location": r.location,
+        "size": r.size,
+        "hash": r.hash,
+        "error": r.error,
+    }
+
+
+@main.command()
+@ROOT
+@click.option(
+    "--from",
+    "source",
+    required=True,
+    metavar="URL",
+    help="Where the copies are: the URL given to ckptdb replicate --to.",
+)
+@click.option(
+    "--all", "every", is_flag=True, help="Every checkpoint with a copy, not only the newest."
+)
+@DB_URL
+@JSON
+def restore(root: Path, source: str, every: bool, db_url: str | None, as_json: bool) -> None:
+    """Bring checkpoints back from their copies (a new machine, a corrupt local copy).
+
+    The newest checkpoint of each stream with a whole copy is downloaded,
+    verified and put in place if its local copy is missing or damaged; run it
+    before training opens the run on a machine whose disk is empty.
+
+    \b
+    Example:
+      ckptdb restore runs/exp1 --from s3://bucket/replicas --db-url postgresql+psycopg://db/ckpt
+    """
+    with _writer(root, db_url) as mgr:
+        restored = mgr.restore(source, every=every)
+    if as_json:
+        click.echo(clifmt.to_json([clifmt.checkpoint_dict(c) for c in restored]))
+        return
+    if not restored:
+        click.echo("nothing to restore: every newest copy's checkpoint is whole here")
+        return
+    click.echo(clifmt.table(["stream", "step", "path"], [_restored_row(c) for c in restored]))
+
+
+def _restored_row(c: Checkpoint) -> list[Any]:
+    return [c.stream, c.step, str(c.path)]
+
+
+def newest_copy(replicas: list[Replica], stream: str) -> Replica | None:
+    """The copy of the newest checkpoint of ``stream`` that has a whole one."""
+    whole = [r for r in replicas if r.stream == stream and r.state == "replicated"]
+    return max(whole, key=lambda r: r.checkpoint_id, default=None)

@@ -1,0 +1,176 @@
+"""The ``replicas`` table: each copy of a checkpoint on another tier, and its state.
+
+A replica row is the marker of a copy, as a checkpoint row is of a checkpoint:
+the replicator records ``uploading`` (with the copy's location) before the
+first byte leaves, and ``replicated`` only after every object of the copy is
+complete and its size and hash are the checkpoint row's. A copy whose
+replicator died mid-way stays ``uploading`` until the next replicator removes
+its objects and marks it ``failed``; so a copy is never counted twice, and
+never counted before it is whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sqlalchemy import and_, exists, func, select, update
+from sqlalchemy.orm import Session
+
+from ..record import Replica
+from . import models as m
+
+UPLOADING = "uploading"
+REPLICATED = "replicated"
+FAILED = "failed"
+REPLICA_STATES = (UPLOADING, REPLICATED, FAILED)
+
+
+def add(
+    session: Session, run_id: int, checkpoint_id: int, tier: str, place: Callable[[int], str]
+) -> int:
+    """The intent: an ``uploading`` row naming where the copy goes (``place(id)``: its
+    location is named by the row's own id), in the caller's transaction; its id."""
+    row = m.Replica(
+        run_id=run_id,
+        checkpoint_id=checkpoint_id,
+        tier=tier,
+        location="",
+        state=UPLOADING,
+        started_at=m.utcnow(),
+    )
+    session.add(row)
+    session.flush()
+    row.location = place(row.id)
+    session.flush()
+    return row.id
+
+
+def finish(
+    session: Session, replica_id: int, size: int, digest: str, manifest: dict[str, Any]
+) -> None:
+    """Mark a whole, verified copy ``replicated``."""
+    session.execute(
+        update(m.Replica)
+        .where(m.Replica.id == replica_id, m.Replica.state == UPLOADING)
+        .values(
+            state=REPLICATED,
+            size=size,
+            hash=digest,
+            manifest=json.dumps(manifest),
+            finished_at=m.utcnow(),
+        )
+    )
+
+
+def fail(session: Session, replica_id: int, error: str) -> None:
+    session.execute(
+        update(m.Replica)
+        .where(m.Replica.id == replica_id, m.Replica.state == UPLOADING)
+        .values(state=FAILED, error=error, finished_at=m.utcnow())
+    )
+
+
+def unfinished(session: Session, run_id: int, tier: str) -> list[m.Replica]:
+    """Copies left ``uploading`` (by a replicator that stopped mid-way)."""
+    return list(
+        session.scalars(
+            select(m.Replica)
+            .where(m.Replica.run_id == run_id, m.Replica.tier == tier)
+            .where(m.Replica.state == UPLOADING)
+            .order_by(m.Replica.id)
+        )
+    )
+
+
+def to_copy(
+    session: Session, run_id: int, tier: str, streams: Sequence[str] | None, max_failures: int
+) -> list[m.Checkpoint]:
+    """Committed checkpoints with no ``replicated`` or ``uploading`` copy on ``tier``,
+    failed fewer than ``max_failures`` times, oldest first."""
+    live = exists().where(
+        m.Replica.checkpoint_id == m.Checkpoint.id,
+        m.Replica.tier == tier,
+        m.Replica.state.in_((UPLOADING, REPLICATED)),
+    )
+    failures = (
+        select(func.count(m.Replica.id))
+        .where(
+            and_(
+                m.Replica.checkpoint_id == m.Checkpoint.id,
+                m.Replica.tier == tier,
+                m.Replica.state == FAILED,
+            )
+        )
+        .scalar_subquery()
+    )
+    query = (
+        select(m.Checkpoint)
+        .where(m.Checkpoint.run_id == run_id, m.Checkpoint.state == m.COMMITTED)
+        .where(~live, failures < max_failures)
+        .order_by(m.Checkpoint.id)
+    )
+    if streams is not None:
+        query = query.where(m.Checkpoint.stream.in_(list(streams)))
+    return list(session.scalars(query))
+
+
+def of_run(session: Session, run_id: int, tier: str | None = None) -> list[m.Replica]:
+    """Every replica row of the run (of ``tier``), oldest first."""
+    query = select(m.Replica).where(m.Replica.run_id == run_id)
+    if tier is not None:
+        query = query.where(m.Replica.tier == tier)
+    return list(session.scalars(query.order_by(m.Replica.id)))
+
+
+def replicated(session: Session, checkpoint_id: int, tier: str) -> m.Replica | None:
+    """The checkpoint's whole copy on ``tier``, if any."""
+    return session.scalars(
+        select(m.Replica)
+        .where(m.Replica.checkpoint_id == checkpoint_id, m.Replica.tier == tier)
+        .where(m.Replica.state == REPLICATED)
+        .order_by(m.Replica.id.desc())
+        .limit(1)
+    ).first()
+
+
+def restorable(
+    session: Session, run_id: int, tier: str, *, newest_only: bool
+) -> list[tuple[m.Checkpoint, m.Replica]]:
+    """Checkpoints that may need bringing back (committed, lost or corrupt) with their
+    whole copy on ``tier``, newest first in each stream; ``newest_only``: one per stream."""
+    found = session.execute(
+        select(m.Checkpoint, m.Replica)
+        .join(m.Replica, m.Replica.checkpoint_id == m.Checkpoint.id)
+        .where(m.Checkpoint.run_id == run_id)
+        .where(m.Checkpoint.state.in_((m.COMMITTED, m.LOST, m.CORRUPT)))
+        .where(m.Replica.tier == tier, m.Replica.state == REPLICATED)
+        .order_by(m.Checkpoint.stream, m.Checkpoint.id.desc(), m.Replica.id.desc())
+    ).all()
+    chosen: list[tuple[m.Checkpoint, m.Replica]] = []
+    seen: set[Any] = set()
+    for row, replica in found:
+        key = row.stream if newest_only else row.id
+        if key not in seen:
+            seen.add(key)
+            chosen.append((row, replica))
+    return chosen
+
+
+def to_record(session: Session, row: m.Replica) -> Replica:
+    """The public view of a replica row (with its checkpoint's stream and step)."""
+    checkpoint = session.get(m.Checkpoint, row.checkpoint_id)
+    assert checkpoint is not None
+    return Replica(
+        checkpoint_id=row.checkpoint_id,
+        stream=checkpoint.stream,
+        step=checkpoint.step,
+        tier=row.tier,
+        location=row.location,
+        state=row.state,
+        size=row.size,
+        hash=row.hash,
+        error=row.error,
+        id=row.id,
+    )

@@ -1,0 +1,154 @@
+"""Restore: checkpoints brought back from their copies on a remote tier.
+
+For a new machine (the local disk went with the old one) and for a local copy
+that no longer matches its row. The writer's work: each checkpoint that has a
+``replicated`` copy (see :mod:`ckptdb.replication`) and whose local copy is
+missing or does not match its row is downloaded under a temporary name of
+ours (each file hashed as it arrives and checked against the copy's manifest,
+the whole against the checkpoint row), fsynced, put in place (a bad local
+copy moved into the quarantine first, never deleted) and its row committed
+again, with ``latest`` re-pointed and a ``restored_from_replica`` event. Until
+a whole, verified copy is on disk nothing is replaced; a failure removes the
+temporary and leaves the row as it was. A crash in between leaves a
+temporary that the next reconcile removes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpointError, InvalidArgumentError, note_on
+from ..ledger import replicas as ledger_replicas
+from ..ledger import rows as ledger_rows
+from ..ledger.models import COMMITTED
+from ..record import Checkpoint
+from ..storage.base import FileInfo
+from ..storage.naming import temp_name
+from .context import RunContext
+from .reconcile import QUARANTINE_NAME
+
+log = logging.getLogger(__name__)
+
+
+def restore(ctx: RunContext, remote: Any, tier: str, *, every: bool) -> list[Checkpoint]:
+    """Bring back what needs it: the newest checkpoint of each stream that has a whole
+    copy (``every``: each one that has); the checkpoints restored."""
+    with ctx.ledger.transaction() as session:
+        found = ledger_replicas.restorable(session, ctx.run_id, tier, newest_only=not every)
+        wanted = [
+            (ledger_rows.to_record(row, ctx.save_dir), replica.location, replica.manifest)
+            for row, replica in found
+        ]
+    restored = []
+    for checkpoint, location, manifest in wanted:
+        rel = ctx.rel(checkpoint.path)
+        if checkpoint.state == COMMITTED and _whole_here(ctx, checkpoint, rel):
+            continue
+        source = remote.rel_of(location)
+        if source is None:
+            raise InvalidArgumentError(
+                f"the copy of {checkpoint.path} is at {location}, outside {remote.location}"
+            )
+        _bring_back(ctx, remote, checkpoint, rel, source, *_files(manifest))
+        restored.append(_recommit(ctx, checkpoint, location))
+    return restored
+
+
+def _whole_here(ctx: RunContext, checkpoint: Checkpoint, rel: str) -> bool:
+    return ctx.store.verify(rel, checkpoint.size, checkpoint.hash, full=True) is None
+
+
+def _files(manifest: str | None) -> tuple[bool, list[tuple[str, FileInfo]]]:
+    """(whether the copy is of a directory, each file's name, size and hash)."""
+    found = json.loads(manifest) if manifest else {}
+    files = [(str(n), FileInfo(int(s), str(h))) for n, s, h in found.get("files", [])]
+    return found.get("kind") == "directory", files
+
+
+def _bring_back(
+    ctx: RunContext,
+    remote: Any,
+    checkpoint: Checkpoint,
+    rel: str,
+    source: str,
+    directory: bool,
+    files: list[tuple[str, FileInfo]],
+) -> None:
+    """Download the copy next to ``rel``, verify it, then put it in place."""
+    store = ctx.store
+    store.prepare_stream(checkpoint.stream)
+    tmp = str(Path(rel).parent / temp_name(checkpoint.path.name, checkpoint.id))
+    store.remove(tmp)  # a crashed restore's leftover (reconcile removes it too)
+    if directory:
+        store.make_temp_dir(tmp)
+    try:
+        got = _download(store, remote, tmp, source, files, directory)
+        whole = store.seal(tmp) if directory else got[0][1]
+        if (whole.size, whole.hash) != (checkpoint.size, checkpoint.hash):
+            raise CorruptCheckpointError(
+                f"the copy at {remote.url_of(source)} does not match the row of {checkpoint.path}"
+            )
+        if store.exists(rel):  # a bad local copy: kept aside, never deleted
+            store.quarantine(rel, ctx.root / QUARANTINE_NAME / checkpoint.stream)
+        store.place(tmp, rel)
+        store.sync_placed([rel])
+    except BaseException as exc:
+        _remove_temp(store, tmp, exc)
+        raise
+
+
+def _download(
+    store: Any,
+    remote: Any,
+    tmp: str,
+    source: str,
+    files: list[tuple[str, FileInfo]],
+    directory: bool,
+) -> list[tuple[str, FileInfo]]:
+    """Each file of the copy into ``tmp`` (a file, or files inside a directory), checked
+    against the manifest as it arrives."""
+    got = []
+    for name, expected in files:
+        target = f"{tmp}/{name}" if directory else tmp
+        if directory and "/" in name:
+            for parent in reversed(Path(name).parents[:-1]):
+                store.make_temp_dir(f"{tmp}/{parent.as_posix()}")
+        info = store.write_object(target, _copier(remote, f"{source}/{name}"))
+        if info != expected:
+            raise CorruptCheckpointError(
+                f"{remote.url_of(f'{source}/{name}')} is not the file its copy recorded"
+            )
+        got.append((name, info))
+    return got
+
+
+def _copier(remote: Any, rel: str) -> Callable[[Any], object]:
+    def copy(writer: Any) -> None:
+        remote.download(rel, writer.write)
+
+    return copy
+
+
+def _remove_temp(store: Any, tmp: str, failure: BaseException) -> None:
+    try:
+        store.remove(tmp)
+    except Exception as cleanup:  # the restore's own failure stays the one raised
+        note_on(failure, f"removing the temporary {tmp} failed too: {cleanup}")
+
+
+def _recommit(ctx: RunContext, checkpoint: Checkpoint, location: str) -> Checkpoint:
+    """The row committed again (it may have been marked lost or corrupt meanwhile)."""
+    ctx.change_state(
+        checkpoint,
+        COMMITTED,
+        event="restored_from_replica",
+        detail={"path": ctx.rel(checkpoint.path), "from": location},
+        error=None,
+    )
+    log.info("restored %s from %s", checkpoint.path, location)
+    return dataclasses.replace(checkpoint, state=COMMITTED)

@@ -1,0 +1,306 @@
+"""Replication: a second copy of every committed checkpoint, on object storage.
+
+A run saves on its fast local tier exactly as it always does; a
+:class:`Replicator` (in the trainer's process, on a thread, or as
+``ckptdb replicate ROOT --to s3://...`` beside it) copies each committed
+checkpoint to a remote tier, and the ledger's ``replicas`` table says, per
+copy, ``uploading``, ``replicated`` or ``failed``. The training loop never waits
+for an upload.
+
+A copy has the guarantees of a direct save to object storage: every object
+goes under a key no other copy uses (``<stream>/step-<step>.<run token>.r<replica
+id>/<file>``), is completed with ``If-None-Match: *`` and HEAD-checked, and
+the copy counts only once its replica row says ``replicated``, which it does
+only after the bytes sent hash to the checkpoint row's size and hash (a local
+copy that no longer matches its row is never replicated). The file being
+copied is pinned, so local retention cannot remove it mid-upload. A
+replicator that dies mid-copy leaves its row ``uploading``; the next one (one
+per run at a time: a lock file in the run's root) aborts the upload, removes
+its objects and marks the row ``failed``, then copies the checkpoint again
+under a new key. So a copy is resumed by redoing it, never duplicated, and
+never recorded as replicated unless it is.
+
+Restoring (a new machine, a corrupt local copy) is the writer's:
+:meth:`ckptdb.CheckpointManager.restore`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+from .errors import (
+    CkptDBError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    LedgerLockedError,
+    note_on,
+)
+from .ledger import Ledger, open_ledger
+from .ledger import models as m
+from .ledger import replicas as ledger_replicas
+from .ledger.netfs import check_ledger_location
+from .ledger.rows import to_record
+from .ledger.runs import ledger_url
+from .location import ObjectPath, is_object_url
+from .reader import RunReader
+from .record import Checkpoint, Replica
+from .storage.files import FileInfo, combine, tree_files
+from .storage.naming import run_token
+from .storage.remote import REMOTE, remote_store
+
+log = logging.getLogger(__name__)
+
+#: Copies of one checkpoint that may fail before the replicator stops trying.
+MAX_FAILURES = 3
+#: The lock file (in the run's root) that keeps a run to one replicator at a time.
+LOCK_NAME = ".ckptdb.replicator.lock"
+#: Bytes read from a local file per write into the upload.
+CHUNK = 8 << 20
+
+
+class Replicator:
+    """Copies each committed checkpoint of the run at ``root`` to ``to`` (``s3://...``).
+
+    ``streams``: only these streams (default: all). ``storage_options`` as for
+    a save directory on object storage (see docs/s3.md). Opening takes the
+    run's replicator lock and cleans up after a replicator that died mid-copy.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        to: str,
+        *,
+        db_url: str | None = None,
+        storage_options: Mapping[str, object] | None = None,
+        streams: Iterable[str] | None = None,
+    ) -> None:
+        if not isinstance(to, str) or not is_object_url(to):
+            raise InvalidArgumentError("to must be an object-storage URL (s3://bucket/prefix)")
+        self._reader = RunReader(root, db_url=db_url, storage_options=storage_options)
+        self.root = self._reader.root
+        if isinstance(self._reader.save_dir, ObjectPath):
+            self._reader.close()
+            raise InvalidArgumentError(
+                f"the checkpoints of {self.root} are on object storage already "
+                f"({self._reader.save_dir}); a replicator copies a run saved on a local disk"
+            )
+        self.streams = None if streams is None else sorted(set(streams))
+        self._lock = FileLock(str(self.root / LOCK_NAME), timeout=0)
+        self._ledger: Ledger | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.error: BaseException | None = None  # what stopped the background thread
+        try:
+            self._lock.acquire()
+        except Timeout:
+            self._reader.close()
+            raise LedgerLockedError(
+                f"another replicator holds {self.root / LOCK_NAME}: one per run at a time"
+            ) from None
+        try:
+            self._remote = remote_store(to, storage_options)
+            self.location = str(self._remote.location)
+            url = ledger_url(self.root, db_url, readonly=False)
+            check_ledger_location(url)
+            self._ledger = open_ledger(url)
+            created = self._reader.run_created_at
+            assert created is not None
+            self._token = run_token(self._reader.run_name, self._reader.run_id, created)
+            self.swept = self._sweep_interrupted()
+        except BaseException:
+            self._release()
+            raise
+
+    # ------------------------------------------------------------------ passes
+
+    def replicate(self) -> list[Replica]:
+        """One pass: copy every committed checkpoint that has no whole copy yet, oldest
+        first; each copy's outcome (a failed one is retried by a later pass, at most
+        :data:`MAX_FAILURES` times in all)."""
+        with self._writable().transaction() as session:
+            todo = ledger_replicas.to_copy(
+                session, self._reader.run_id, REMOTE, self.streams, MAX_FAILURES
+            )
+            checkpoints = [to_record(row, self._reader.save_dir) for row in todo]
+        done = []
+        for checkpoint in checkpoints:
+            if self._stop.is_set():
+                break
+            copied = self._copy(checkpoint)
+            if copied is not None:
+                done.append(copied)
+        return done
+
+    def follow(self, *, poll: float = 1.0, stop: threading.Event | None = None) -> None:
+        """Pass after pass, ``poll`` seconds apart, until ``stop`` (or :meth:`close`)."""
+        stopping = stop or self._stop
+        while not stopping.is_set() and not self._stop.is_set():
+            self.replicate()
+            stopping.wait(poll)
+
+    def start(self, *, poll: float = 1.0) -> Replicator:
+        """Follow on a background thread (in the trainer's process); :meth:`close` stops
+        it after the copy in progress. A pass that raises stops the thread; its error
+        is :attr:`error`, and :meth:`close` raises it."""
+
+        def run() -> None:
+            try:
+                self.follow(poll=poll)
+            except BaseException as exc:  # kept for close(): a thread's error has no caller
+                self.error = exc
+                log.error("ckptdb replicator of %s stopped: %s", self.root, exc)
+
+        self._thread = threading.Thread(target=run, name="ckptdb-replicator", daemon=True)
+        self._thread.start()
+        return self
+
+    def replicas(self) -> list[Replica]:
+        """Every copy of the run's checkpoints, oldest first."""
+        with self._writable().transaction() as session:
+            found = ledger_replicas.of_run(session, self._reader.run_id)
+            return [ledger_replicas.to_record(session, row) for row in found]
+
+    # ------------------------------------------------------------------ one copy
+
+    def _copy(self, checkpoint: Checkpoint) -> Replica | None:
+        """Copy one checkpoint (None: evicted before it could be pinned)."""
+        try:
+            pin = self._reader.pin(checkpoint, holder="replicator")
+        except CkptDBError as exc:  # evicted or marked bad since the query: nothing to copy
+            log.info("not replicating %s: %s", checkpoint.path, exc)
+            return None
+        with pin:
+            base = f"{checkpoint.stream}/{checkpoint.path.name}.{self._token}"
+            with self._writable().transaction() as session:
+                replica_id = ledger_replicas.add(
+                    session,
+                    self._reader.run_id,
+                    checkpoint.id,
+                    REMOTE,
+                    lambda ident: str(self._remote.url_of(f"{base}.r{ident}")),
+                )
+            prefix = f"{base}.r{replica_id}"
+            try:
+                total, files = self._upload(checkpoint, prefix)
+            except Exception as exc:
+                self._abandon(replica_id, prefix, exc)
+                return self._one(replica_id)
+            with self._writable().transaction() as session:
+                manifest = {
+                    "kind": "directory" if checkpoint.path.is_dir() else "file",
+                    "files": [[name, info.size, info.hash] for name, info in files],
+                }
+                ledger_replicas.finish(session, replica_id, total.size, total.hash, manifest)
+        return self._one(replica_id)
+
+    def _upload(
+        self, checkpoint: Checkpoint, prefix: str
+    ) -> tuple[FileInfo, list[tuple[str, FileInfo]]]:
+        """Every file of the checkpoint, each one object under ``prefix``; refused unless
+        what was sent is what the checkpoint row records. The whole and each file."""
+        source = checkpoint.path
+        directory = source.is_dir() and not source.is_symlink()
+        local = tree_files(source) if directory else [(source.name, source)]
+        sent = [(name, self._upload_file(path, f"{prefix}/{name}")) for name, path in local]
+        total = combine(sent) if directory else sent[0][1]
+        if (total.size, total.hash) != (checkpoint.size, checkpoint.hash):
+            raise CorruptCheckpointError(
+                f"{checkpoint.path} does not match its ledger row (read {total.size} bytes "
+                f"hashing to {total.hash}; recorded {checkpoint.size} bytes, {checkpoint.hash}); "
+                "not replicated"
+            )
+        return total, sent
+
+    def _upload_file(self, path: Path, rel: str) -> FileInfo:
+        def copy(writer: Any) -> None:
+            with open(path, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    writer.write(chunk)
+
+        info: FileInfo = self._remote.write_object(rel, copy)
+        return info
+
+    def _abandon(self, replica_id: int, prefix: str, exc: Exception) -> None:
+        """A copy that failed: its objects removed, its row ``failed`` with the reason."""
+        try:
+            self._remote.remove_tree(prefix)
+        except Exception as cleanup:  # the reason stays the copy's failure
+            note_on(exc, f"removing the partial copy failed too: {cleanup}")
+        shown = f"{type(exc).__name__}: {exc}"
+        log.warning("replicating to %s failed: %s", self.location, shown)
+        with self._writable().transaction() as session:
+            ledger_replicas.fail(session, replica_id, shown)
+
+    def _sweep_interrupted(self) -> list[Replica]:
+        """Copies a replicator left ``uploading`` when it died: their uploads aborted and
+        objects removed, their rows ``failed`` (the next pass copies them again)."""
+        with self._writable().transaction() as session:
+            left = ledger_replicas.unfinished(session, self._reader.run_id, REMOTE)
+            found = [(row.id, row.location) for row in left]
+        for replica_id, location in found:
+            prefix = self._remote.rel_of(location) if location else None
+            if prefix is not None:
+                self._remote.remove_tree(prefix)
+            with self._writable().transaction() as session:
+                ledger_replicas.fail(
+                    session, replica_id, "interrupted: its replicator stopped mid-copy"
+                )
+        return [self._one(replica_id) for replica_id, _ in found]
+
+    # ------------------------------------------------------------------ records
+
+    def _one(self, replica_id: int) -> Replica:
+        with self._writable().transaction() as session:
+            row = session.get(m.Replica, replica_id)
+            assert row is not None
+            return ledger_replicas.to_record(session, row)
+
+    def _writable(self) -> Ledger:
+        if self._ledger is None:
+            raise CkptDBError(f"the replicator of {self.root} is closed")
+        return self._ledger
+
+    # ------------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        """Stop following (after the copy in progress) and release the run's lock;
+        raises what stopped the background thread, if anything did."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._release()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def _release(self) -> None:
+        if self._ledger is not None:
+            self._ledger.dispose()
+            self._ledger = None
+        self._reader.close()
+        if self._lock.is_locked:
+            self._lock.release()
+
+    def __enter__(self) -> Replicator:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+__all__ = ["MAX_FAILURES", "Replica", "Replicator"]

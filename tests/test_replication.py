@@ -1,0 +1,448 @@
+"""Replication to a second tier (SeaweedFS, a real S3 server) and restoring from it.
+
+A :class:`ckptdb.Replicator` copies each committed checkpoint of a run whose
+payloads are local; the ledger's ``replicas`` rows are checked against what
+is really in the bucket (every key, every byte), a replicator is SIGKILLed in
+the middle of a multipart upload and a new one cleans up and copies again,
+and a run whose machine is gone (the whole local directory deleted, the
+ledger on PostgreSQL) resumes bit-identical from the newest copy.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import s3lib
+import torch
+from click.testing import CliRunner
+from helpers import LedgerClient, flip_byte
+
+import ckptdb.replication
+from ckptdb import CheckpointManager, Keep, Replicator, RunReader, Sharded
+from ckptdb.cli import main
+from ckptdb.errors import CorruptCheckpointError, InvalidArgumentError, LedgerLockedError
+
+pytestmark = pytest.mark.timeout(120)
+
+STREAMS = {"model": Keep(last=3), "sh": Keep(last=2)}
+
+
+@pytest.fixture
+def db_url(backend: str | None) -> str | None:
+    return backend
+
+
+@pytest.fixture
+def client(s3_env: s3lib.S3Server) -> Any:
+    return s3_env.client()
+
+
+def state(step: int, megabytes: float = 0.01) -> dict[str, Any]:
+    """A state dict whose bytes depend on ``step`` (``megabytes`` of float32)."""
+    n = max(1, int(megabytes * (1 << 20) / 4))
+    generator = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(n, generator=generator), "step": step}
+
+
+def sharded(step: int) -> dict[str, Any]:
+    return {"a": torch.full((3, 2), float(step)), "b": torch.arange(4) * step, "n": step}
+
+
+def zeroed_sharded() -> dict[str, Any]:
+    """A load target of :func:`sharded`'s structure, every value zeroed."""
+    return {
+        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sharded(1).items()
+    }
+
+
+def object_bytes(client: Any, url: str) -> bytes:
+    bucket, key = url.removeprefix("s3://").split("/", 1)
+    return bytes(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+
+
+def save_three(mgr: CheckpointManager) -> dict[int, dict[str, Any]]:
+    saved = {}
+    for step in (10, 20, 30):
+        saved[step] = state(step)
+        mgr.save(step, model=saved[step], sh=Sharded(sharded(step)))
+    return saved
+
+
+# ---------------------------------------------------------------------- copying
+
+
+def test_a_pass_copies_each_committed_checkpoint_once_and_whole(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+    client: Any,
+) -> None:
+    mgr = open_manager(streams=STREAMS)
+    save_three(mgr)
+    committed = {c.id: c for c in mgr.checkpoints()}
+
+    with Replicator(root, s3_url, db_url=db_url) as replicator:
+        done = replicator.replicate()
+        assert replicator.replicate() == []  # nothing left: never copied twice
+        listed = replicator.replicas()
+
+    assert sorted(r.checkpoint_id for r in done) == sorted(committed)
+    assert [r.state for r in done] == ["replicated"] * len(committed) and listed == done
+    keys = s3lib.keys_under(client, s3_url)
+    for r in done:
+        checkpoint = committed[r.checkpoint_id]
+        assert (r.size, r.hash) == (checkpoint.size, checkpoint.hash)
+        under = [k for k in keys if f"s3://{s3lib.BUCKET}/{k}".startswith(r.location + "/")]
+        if checkpoint.path.is_dir():  # one object per file of the DCP directory
+            local = sorted(p.name for p in checkpoint.path.iterdir())
+            assert sorted(k.rsplit("/", 1)[1] for k in under) == local
+            for name in local:
+                got = object_bytes(client, f"{r.location}/{name}")
+                assert got == (checkpoint.path / name).read_bytes()
+        else:
+            assert len(under) == 1
+            assert object_bytes(client, f"{r.location}/{checkpoint.path.name}") == (
+                checkpoint.path.read_bytes()
+            )
+    assert len(keys) == sum(
+        len(list(c.path.iterdir())) if c.path.is_dir() else 1 for c in committed.values()
+    )
+    assert s3lib.uploads_under(client, s3_url) == []
+    rows = db.rows("SELECT state, COUNT(*) FROM replicas GROUP BY state")
+    assert rows == [("replicated", len(committed))]
+
+
+def test_one_replicator_per_run_and_the_remote_must_be_object_storage(
+    open_manager: Callable[..., CheckpointManager],
+    db_url: str | None,
+    root: Path,
+    tmp_path: Path,
+    s3_url: str,
+) -> None:
+    open_manager(streams=STREAMS).save(1, model=state(1))
+    with (
+        Replicator(root, s3_url, db_url=db_url),
+        pytest.raises(LedgerLockedError, match="another replicator"),
+    ):
+        Replicator(root, s3_url, db_url=db_url)
+    for bad, said in (
+        (str(tmp_path / "elsewhere"), "object-storage URL"),
+        (42, "object-storage URL"),
+        ("s3://", "not a valid bucket name"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=said):
+            Replicator(root, bad, db_url=db_url)  # type: ignore[arg-type]
+    with Replicator(root, s3_url, db_url=db_url) as again:  # the lock was released
+        assert [r.state for r in again.replicate()] == ["replicated"]
+    on_s3 = open_manager(tmp_path / "on-s3", save_dir=s3_url + "-run", streams=STREAMS)
+    on_s3.save(1, model=state(1))
+    with pytest.raises(InvalidArgumentError, match="on object storage already"):
+        Replicator(tmp_path / "on-s3", s3_url, db_url=db_url)
+
+
+def test_a_local_copy_that_no_longer_matches_its_row_is_never_replicated(
+    open_manager: Callable[..., CheckpointManager],
+    db_url: str | None,
+    root: Path,
+    s3_url: str,
+    client: Any,
+) -> None:
+    mgr = open_manager(streams=STREAMS)
+    bad = mgr.save(1, model=state(1))["model"]
+    good = mgr.save(2, model=state(2))["model"]
+    flip_byte(bad.path)
+
+    with Replicator(root, s3_url, db_url=db_url) as replicator:
+        first = replicator.replicate()
+        for _ in range(ckptdb.replication.MAX_FAILURES + 1):
+            replicator.replicate()  # retried, at most MAX_FAILURES times in all
+        copies = replicator.replicas()
+
+    assert [(r.step, r.state) for r in first] == [(1, "failed"), (2, "replicated")]
+    assert "does not match its ledger row" in (first[0].error or "")
+    failed = [r for r in copies if r.step == 1]
+    assert [r.state for r in failed] == ["failed"] * ckptdb.replication.MAX_FAILURES
+    keys = s3lib.keys_under(client, s3_url)
+    assert all(good.path.name in k for k in keys) and len(keys) == 1  # nothing of step 1 left
+    assert s3lib.uploads_under(client, s3_url) == []
+
+
+# ------------------------------------------------------------- killed mid-upload
+
+BIG_MB = 12  # three 5 MiB parts: a multipart upload
+
+
+def _replicate_until_killed(root: str, url: str, db_url: str, marker: str) -> None:
+    """A replicator whose upload stops after its first part (for the parent to kill it)."""
+    original = ckptdb.replication.Replicator._upload_file
+
+    def slow(self: Replicator, path: Path, rel: str) -> Any:
+        def copy(writer: Any) -> None:
+            with open(path, "rb") as f:
+                writer.write(f.read(6 << 20))
+                writer.flush()
+                while not writer.upload_id or not writer._parts[0].done():
+                    time.sleep(0.01)
+                Path(marker).write_text(rel)
+                time.sleep(60)
+
+        return self._remote.write_object(rel, copy)
+
+    ckptdb.replication.Replicator._upload_file = slow  # type: ignore[method-assign]
+    try:
+        options = {"part_size": 5 << 20}
+        with Replicator(root, url, db_url=db_url, storage_options=options) as replicator:
+            replicator.replicate()
+    finally:
+        ckptdb.replication.Replicator._upload_file = original  # type: ignore[method-assign]
+
+
+@pytest.mark.postgres
+def test_a_replicator_killed_mid_upload_is_redone_never_duplicated(
+    tmp_path: Path, pg_url: str, s3_url: str, client: Any
+) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root, db_url=pg_url, streams=STREAMS) as mgr:
+        saved = mgr.save(1, model=state(1, BIG_MB))["model"]
+    marker = tmp_path / "uploading"
+    child = multiprocessing.get_context("fork").Process(
+        target=_replicate_until_killed, args=(str(root), s3_url, pg_url, str(marker))
+    )
+    child.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert child.is_alive() and time.monotonic() < deadline, "the copy never started"
+            time.sleep(0.05)
+        assert s3lib.uploads_under(client, s3_url) != []  # a part is up, nothing completed
+        os.kill(child.pid or 0, signal.SIGKILL)
+    finally:
+        child.join(10)
+    ledger = LedgerClient(root, pg_url)
+    try:
+        assert ledger.rows("SELECT state FROM replicas") == [("uploading",)]  # never "replicated"
+        assert s3lib.keys_under(client, s3_url) == []
+
+        with Replicator(root, s3_url, db_url=pg_url) as replicator:
+            assert [(r.state, r.error) for r in replicator.swept] == [
+                ("failed", "interrupted: its replicator stopped mid-copy")
+            ]
+            assert s3lib.uploads_under(client, s3_url) == []  # the dead upload aborted
+            again = replicator.replicate()
+        assert [(r.checkpoint_id, r.state) for r in again] == [(saved.id, "replicated")]
+        assert ledger.rows("SELECT state FROM replicas ORDER BY id") == [
+            ("failed",),
+            ("replicated",),
+        ]
+        keys = s3lib.keys_under(client, s3_url)
+        assert len(keys) == 1 and f"{s3lib.BUCKET}/{keys[0]}".startswith(
+            again[0].location.removeprefix("s3://")
+        )
+        assert object_bytes(client, f"s3://{s3lib.BUCKET}/{keys[0]}") == saved.path.read_bytes()
+    finally:
+        ledger.close()
+
+
+# ------------------------------------------------------------------- restoring
+
+
+@pytest.mark.postgres
+def test_a_lost_machine_resumes_from_the_newest_copy_bit_identical(
+    tmp_path: Path, pg_url: str, s3_url: str
+) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root, db_url=pg_url, streams=STREAMS) as mgr:
+        saved = save_three(mgr)
+    with Replicator(root, s3_url, db_url=pg_url) as replicator:
+        assert len(replicator.replicate()) == 5  # model 10, 20, 30; sh 20, 30
+    with CheckpointManager(root, db_url=pg_url, streams=STREAMS) as mgr:
+        mgr.save(40, model=state(40))  # never copied: lost with the machine
+
+    shutil.rmtree(root)  # the machine is gone; the ledger (PostgreSQL) and the copies stay
+
+    with CheckpointManager(root, db_url=pg_url, maintenance=True) as mgr:
+        restored = mgr.restore(s3_url)
+    assert sorted((c.stream, c.step) for c in restored) == [("model", 30), ("sh", 30)]
+    with CheckpointManager(root, db_url=pg_url, streams=STREAMS) as mgr:
+        lost = sorted(a.path for a in mgr.last_reconcile.actions if a.kind == "lost")
+        # reconcile: what was not restored is lost here (its copies stay)
+        assert lost == [
+            "model/step-000000020.pt",
+            "model/step-000000040.pt",
+            "sh/step-000000020.dcp",
+        ]
+        latest = mgr.latest("model")
+        assert latest is not None and latest.step == 30
+        got = mgr.load("latest")
+        assert torch.equal(got["w"], saved[30]["w"]) and got["step"] == 30
+        into = {
+            k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0
+            for k, v in sharded(1).items()
+        }
+        mgr.load("latest", stream="sh", into=into)
+        assert torch.equal(into["a"], sharded(30)["a"]) and into["n"] == 30
+        assert mgr.check(load=True) == []
+        # the lost ones that have a copy come back on request; step 40 never had one
+        again = mgr.restore(s3_url, every=True)
+        assert sorted((c.stream, c.step) for c in again) == [("model", 20), ("sh", 20)]
+        assert sorted(c.step for c in mgr.checkpoints("model")) == [20, 30]
+        assert torch.equal(mgr.load(20)["w"], saved[20]["w"])
+    ledger = LedgerClient(root, pg_url)
+    try:
+        events = ledger.rows(
+            "SELECT step, detail FROM events WHERE kind = 'restored_from_replica' ORDER BY step"
+        )
+        assert [s for s, _ in events] == [20, 20, 30, 30]
+        assert all(json.loads(d)["from"].startswith(s3_url) for _, d in events)
+    finally:
+        ledger.close()
+
+
+def test_a_corrupt_local_copy_is_brought_back_from_its_copy(
+    open_manager: Callable[..., CheckpointManager],
+    db_url: str | None,
+    root: Path,
+    s3_url: str,
+    db: LedgerClient,
+) -> None:
+    mgr = open_manager(streams=STREAMS)
+    saved = save_three(mgr)
+    with Replicator(root, s3_url, db_url=db_url) as replicator:
+        replicator.replicate()
+    newest = mgr.latest("model")
+    assert newest is not None
+    flip_byte(newest.path)
+    with pytest.raises(CorruptCheckpointError):
+        mgr.load("latest")  # marked corrupt; latest falls back to step 20
+    shard = next(p for p in mgr.latest("sh").path.iterdir() if p.suffix == ".distcp")
+    shard.unlink()  # and a shard file of the newest sharded checkpoint is gone
+
+    restored = mgr.restore(s3_url)
+
+    assert sorted((c.stream, c.step) for c in restored) == [("model", 30), ("sh", 30)]
+    assert mgr.latest("model").step == 30
+    assert torch.equal(mgr.load("latest")["w"], saved[30]["w"])
+    into = {
+        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sharded(1).items()
+    }
+    mgr.load("latest", stream="sh", into=into)
+    assert torch.equal(into["b"], sharded(30)["b"])
+    quarantined = list((root / "ckptdb.quarantine" / "model").iterdir())
+    assert [p.name for p in quarantined] == [newest.path.name]  # kept aside, never deleted
+    assert mgr.restore(s3_url) == []  # whole now: nothing to do
+    assert mgr.check(load=True) == [] and not list(root.rglob(".*.tmp-*"))
+
+
+def test_a_copy_that_does_not_match_is_refused_and_nothing_changes(
+    open_manager: Callable[..., CheckpointManager],
+    db_url: str | None,
+    root: Path,
+    s3_url: str,
+    client: Any,
+    db: LedgerClient,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=3)})
+    saved = mgr.save(1, model=state(1))["model"]
+    with Replicator(root, s3_url, db_url=db_url) as replicator:
+        (copy,) = replicator.replicate()
+    bucket, key = f"{copy.location}/{saved.path.name}".removeprefix("s3://").split("/", 1)
+    client.put_object(Bucket=bucket, Key=key, Body=b"not the checkpoint")
+    saved.path.unlink()
+    before = db.rows("SELECT id, state FROM checkpoints")
+
+    with pytest.raises(CorruptCheckpointError, match="is not the file its copy recorded"):
+        mgr.restore(s3_url)
+
+    assert db.rows("SELECT id, state FROM checkpoints") == before
+    assert not saved.path.exists() and not list(root.rglob(".*.tmp-*"))
+
+
+# ------------------------------------------------------------ in-process, CLI
+
+
+def test_a_replicator_thread_beside_the_training_loop(
+    open_manager: Callable[..., CheckpointManager], db_url: str | None, root: Path, s3_url: str
+) -> None:
+    """In the trainer's process: saves never wait for it; retention may evict a checkpoint
+    before its turn (never while it is copied: the copy pins it)."""
+    mgr = open_manager(streams={"model": Keep(last=2)})
+    with Replicator(root, s3_url, db_url=db_url).start(poll=0.05) as replicator:
+        for step in range(1, 6):
+            mgr.save(step, model=state(step))
+        deadline = time.monotonic() + 30
+        while 5 not in {r.step for r in replicator.replicas() if r.state == "replicated"}:
+            assert time.monotonic() < deadline, replicator.replicas()
+            time.sleep(0.05)
+    with RunReader(root, db_url=db_url) as reader:
+        copies = reader.replicas()
+    assert {r.state for r in copies} == {"replicated"}  # nothing failed, nothing half-done
+    assert len({r.checkpoint_id for r in copies}) == len(copies)  # one copy each
+
+
+def test_a_failing_thread_raises_its_error_at_close(
+    open_manager: Callable[..., CheckpointManager],
+    db_url: str | None,
+    root: Path,
+    s3_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    open_manager(streams={"model": Keep(last=2)}).save(1, model=state(1))
+
+    def broken(self: Replicator) -> None:
+        raise RuntimeError("the ledger went away")
+
+    monkeypatch.setattr(Replicator, "replicate", broken)
+    replicator = Replicator(root, s3_url, db_url=db_url).start(poll=0.01)
+    assert replicator._thread is not None
+    replicator._thread.join(10)
+    with pytest.raises(RuntimeError, match="the ledger went away"):
+        replicator.close()
+
+
+def test_the_commands_replicate_restore_status_and_latest_remote(
+    open_manager: Callable[..., CheckpointManager], db_url: str | None, root: Path, s3_url: str
+) -> None:
+    mgr = open_manager(streams=STREAMS)
+    save_three(mgr)
+    mgr.close()
+    runner = CliRunner()
+    url = ["--db-url", db_url] if db_url else []
+
+    replicated = runner.invoke(main, ["replicate", str(root), "--to", s3_url, *url])
+    assert replicated.exit_code == 0, replicated.output
+    lines = [line.split() for line in replicated.output.splitlines()[1:]]
+    assert sorted((s, int(step), st) for s, step, st, _ in lines) == [
+        ("model", 10, "replicated"),
+        ("model", 20, "replicated"),
+        ("model", 30, "replicated"),
+        ("sh", 20, "replicated"),
+        ("sh", 30, "replicated"),
+    ]
+    remote = runner.invoke(main, ["latest", str(root), "--tier", "remote", *url])
+    assert remote.exit_code == 0 and remote.output.strip().startswith(s3_url + "/model/")
+    assert "step-000000030" in remote.output
+    status = runner.invoke(main, ["status", str(root), "--json", *url])
+    assert json.loads(status.output)["replicas"] == {
+        "remote": {"states": {"replicated": 5}, "newest": {"model": 30, "sh": 30}}
+    }
+    assert (
+        "copies on remote: 5 replicated" in runner.invoke(main, ["status", str(root), *url]).output
+    )
+
+    (root / "checkpoints" / "model" / "step-000000030.pt").unlink()
+    restored = runner.invoke(main, ["restore", str(root), "--from", s3_url, "--json", *url])
+    assert restored.exit_code == 0, restored.output
+    assert [(c["stream"], c["step"]) for c in json.loads(restored.output)] == [("model", 30)]
+    bad = runner.invoke(main, ["replicate", str(root), "--to", str(root / "x"), *url])
+    assert bad.exit_code == 1 and "object-storage URL" in bad.output
