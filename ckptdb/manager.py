@@ -915,7 +915,7 @@ class CheckpointManager:
         """
         ctx = self._require_chief("restore()")
         self._inflight.wait()
-        remote = remote_store(source, storage_options)
+        remote = remote_store(source, storage_options, probe=False)  # it only reads
         return restoring.restore(ctx, remote, REMOTE, every=every)
 
     def check(self, *, load: bool = False) -> list[str]:

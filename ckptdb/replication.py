@@ -98,6 +98,7 @@ class Replicator:
         self._ledger: Ledger | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._external: threading.Event | None = None  # follow()'s own stop
         self.error: BaseException | None = None  # what stopped the background thread
         try:
             self._lock.acquire()
@@ -133,7 +134,7 @@ class Replicator:
             checkpoints = [to_record(row, self._reader.save_dir) for row in todo]
         done = []
         for checkpoint in checkpoints:
-            if self._stop.is_set():
+            if self._stopping():
                 break
             copied = self._copy(checkpoint)
             if copied is not None:
@@ -141,13 +142,26 @@ class Replicator:
         return done
 
     def follow(self, *, poll: float = 1.0, stop: threading.Event | None = None) -> None:
-        """Pass after pass, ``poll`` seconds apart, until ``stop`` (or :meth:`close`)."""
-        stopping = stop or self._stop
-        while not stopping.is_set() and not self._stop.is_set():
-            self.replicate()
-            stopping.wait(poll)
+        """Pass after pass, ``poll`` seconds apart, until ``stop`` is set (or :meth:`stop`
+        or :meth:`close` is called): then after the copy in progress."""
+        _check_poll(poll)
+        self._external = stop
+        try:
+            while not self._stopping():
+                self.replicate()
+                (stop or self._stop).wait(poll)
+        finally:
+            self._external = None
+
+    def stop(self) -> None:
+        """Stop following after the copy in progress (from a signal handler too)."""
+        self._stop.set()
+
+    def _stopping(self) -> bool:
+        return self._stop.is_set() or (self._external is not None and self._external.is_set())
 
     def start(self, *, poll: float = 1.0) -> Replicator:
+        _check_poll(poll)
         """Follow on a background thread (in the trainer's process); :meth:`close` stops
         it after the copy in progress. A pass that raises stops the thread; its error
         is :attr:`error`, and :meth:`close` raises it."""
@@ -190,13 +204,19 @@ class Replicator:
                 )
             prefix = f"{base}.r{replica_id}"
             try:
-                total, files = self._upload(checkpoint, prefix)
+                directory, total, files = self._upload(checkpoint, prefix)
             except Exception as exc:
                 self._abandon(replica_id, prefix, exc)
                 return self._one(replica_id)
+            except BaseException as exc:  # Ctrl-C: the copy is not left "uploading" here
+                try:
+                    self._abandon(replica_id, prefix, exc)
+                except Exception as cleanup:  # noted on the interrupt, which stays raised
+                    note_on(exc, f"recording the interrupted copy as failed failed too: {cleanup}")
+                raise
             with self._writable().transaction() as session:
                 manifest = {
-                    "kind": "directory" if checkpoint.path.is_dir() else "file",
+                    "kind": "directory" if directory else "file",
                     "files": [[name, info.size, info.hash] for name, info in files],
                 }
                 ledger_replicas.finish(session, replica_id, total.size, total.hash, manifest)
@@ -204,9 +224,10 @@ class Replicator:
 
     def _upload(
         self, checkpoint: Checkpoint, prefix: str
-    ) -> tuple[FileInfo, list[tuple[str, FileInfo]]]:
+    ) -> tuple[bool, FileInfo, list[tuple[str, FileInfo]]]:
         """Every file of the checkpoint, each one object under ``prefix``; refused unless
-        what was sent is what the checkpoint row records. The whole and each file."""
+        what was sent is what the checkpoint row records. Whether it is a directory,
+        the whole and each file."""
         source = checkpoint.path
         directory = source.is_dir() and not source.is_symlink()
         local = tree_files(source) if directory else [(source.name, source)]
@@ -218,7 +239,7 @@ class Replicator:
                 f"hashing to {total.hash}; recorded {checkpoint.size} bytes, {checkpoint.hash}); "
                 "not replicated"
             )
-        return total, sent
+        return directory, total, sent
 
     def _upload_file(self, path: Path, rel: str) -> FileInfo:
         def copy(writer: Any) -> None:
@@ -229,7 +250,7 @@ class Replicator:
         info: FileInfo = self._remote.write_object(rel, copy)
         return info
 
-    def _abandon(self, replica_id: int, prefix: str, exc: Exception) -> None:
+    def _abandon(self, replica_id: int, prefix: str, exc: BaseException) -> None:
         """A copy that failed: its objects removed, its row ``failed`` with the reason."""
         try:
             self._remote.remove_tree(prefix)
@@ -251,9 +272,7 @@ class Replicator:
             if prefix is not None:
                 self._remote.remove_tree(prefix)
             with self._writable().transaction() as session:
-                ledger_replicas.fail(
-                    session, replica_id, "interrupted: its replicator stopped mid-copy"
-                )
+                ledger_replicas.fail(session, replica_id, ledger_replicas.INTERRUPTED)
         return [self._one(replica_id) for replica_id, _ in found]
 
     # ------------------------------------------------------------------ records
@@ -300,7 +319,18 @@ class Replicator:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+            return
+        try:  # the block's own error stays the one raised; the thread's is noted on it
+            self.close()
+        except Exception as failed:
+            note_on(exc, f"the replicator's thread had stopped: {type(failed).__name__}: {failed}")
+
+
+def _check_poll(poll: object) -> None:
+    if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not poll > 0:
+        raise InvalidArgumentError(f"poll must be a positive number of seconds, got {poll!r}")
 
 
 __all__ = ["MAX_FAILURES", "Replica", "Replicator"]

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,9 +28,24 @@ from click.testing import CliRunner
 from helpers import LedgerClient, flip_byte
 
 import ckptdb.replication
-from ckptdb import CheckpointManager, Keep, Replicator, RunReader, Sharded
+from ckptdb import (
+    Checkpoint,
+    CheckpointManager,
+    External,
+    Keep,
+    Replica,
+    Replicator,
+    RunReader,
+    Sharded,
+)
 from ckptdb.cli import main
-from ckptdb.errors import CorruptCheckpointError, InvalidArgumentError, LedgerLockedError
+from ckptdb.errors import (
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    LedgerLockedError,
+    ObjectStoreError,
+)
+from ckptdb.ledger import replicas as ledger_replicas
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,6 +83,22 @@ def zeroed_sharded() -> dict[str, Any]:
 def object_bytes(client: Any, url: str) -> bytes:
     bucket, key = url.removeprefix("s3://").split("/", 1)
     return bytes(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+
+
+def saved_and_copied(
+    open_manager: Callable[..., CheckpointManager], root: Path, url: str, db_url: str | None
+) -> tuple[CheckpointManager, Checkpoint, Replica]:
+    """A run with one checkpoint (step 1), copied to ``url``."""
+    mgr = open_manager(streams={"model": Keep(last=3)})
+    saved = mgr.save(1, model=state(1))["model"]
+    with Replicator(root, url, db_url=db_url) as replicator:
+        (copy,) = replicator.replicate()
+    return mgr, saved, copy
+
+
+def delete_every_object(client: Any, url: str) -> None:
+    for key in s3lib.keys_under(client, url):
+        client.delete_object(Bucket=s3lib.BUCKET, Key=key)
 
 
 def save_three(mgr: CheckpointManager) -> dict[int, dict[str, Any]]:
@@ -236,7 +268,7 @@ def test_a_replicator_killed_mid_upload_is_redone_never_duplicated(
 
         with Replicator(root, s3_url, db_url=pg_url) as replicator:
             assert [(r.state, r.error) for r in replicator.swept] == [
-                ("failed", "interrupted: its replicator stopped mid-copy")
+                ("failed", ledger_replicas.INTERRUPTED)
             ]
             assert s3lib.uploads_under(client, s3_url) == []  # the dead upload aborted
             again = replicator.replicate()
@@ -352,10 +384,7 @@ def test_a_copy_that_does_not_match_is_refused_and_nothing_changes(
     client: Any,
     db: LedgerClient,
 ) -> None:
-    mgr = open_manager(streams={"model": Keep(last=3)})
-    saved = mgr.save(1, model=state(1))["model"]
-    with Replicator(root, s3_url, db_url=db_url) as replicator:
-        (copy,) = replicator.replicate()
+    mgr, saved, copy = saved_and_copied(open_manager, root, s3_url, db_url)
     bucket, key = f"{copy.location}/{saved.path.name}".removeprefix("s3://").split("/", 1)
     client.put_object(Bucket=bucket, Key=key, Body=b"not the checkpoint")
     saved.path.unlink()
@@ -390,13 +419,15 @@ def test_a_replicator_thread_beside_the_training_loop(
     assert len({r.checkpoint_id for r in copies}) == len(copies)  # one copy each
 
 
-def test_a_failing_thread_raises_its_error_at_close(
+@pytest.fixture
+def stopped_thread(
     open_manager: Callable[..., CheckpointManager],
     db_url: str | None,
     root: Path,
     s3_url: str,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> Replicator:
+    """A started replicator whose thread has already stopped on a pass's error."""
     open_manager(streams={"model": Keep(last=2)}).save(1, model=state(1))
 
     def broken(self: Replicator) -> None:
@@ -406,6 +437,11 @@ def test_a_failing_thread_raises_its_error_at_close(
     replicator = Replicator(root, s3_url, db_url=db_url).start(poll=0.01)
     assert replicator._thread is not None
     replicator._thread.join(10)
+    return replicator
+
+
+def test_a_failing_thread_raises_its_error_at_close(stopped_thread: Replicator) -> None:
+    replicator = stopped_thread
     with pytest.raises(RuntimeError, match="the ledger went away"):
         replicator.close()
 
@@ -446,3 +482,92 @@ def test_the_commands_replicate_restore_status_and_latest_remote(
     assert [(c["stream"], c["step"]) for c in json.loads(restored.output)] == [("model", 30)]
     bad = runner.invoke(main, ["replicate", str(root), "--to", str(root / "x"), *url])
     assert bad.exit_code == 1 and "object-storage URL" in bad.output
+
+
+# ------------------------------------------------- review: edges of copy and restore
+
+
+def test_a_framework_named_checkpoint_is_restored_into_its_own_directories(
+    open_manager: Callable[..., CheckpointManager], db_url: str | None, root: Path, s3_url: str
+) -> None:
+    """An External name with directories of its own (the disk of a new machine has none)."""
+    mgr = open_manager(streams={"model": Keep(last=3)})
+    want = state(7)
+    saved = mgr.save(7, model=External(lambda p: torch.save(want, p), name="out/deep/ck-7.ckpt"))
+    path = saved["model"].path
+    with Replicator(root, s3_url, db_url=db_url) as replicator:
+        assert [r.state for r in replicator.replicate()] == ["replicated"]
+    shutil.rmtree(root / "checkpoints" / "out")
+
+    assert [c.step for c in mgr.restore(s3_url)] == [7]
+
+    assert torch.equal(torch.load(path, weights_only=True)["w"], want["w"])
+    assert mgr.check(load=True) == [] and mgr.reconcile(dry_run=True).actions == []
+
+
+def test_a_whole_local_copy_of_a_lost_row_is_committed_again_without_a_download(
+    open_manager: Callable[..., CheckpointManager],
+    db_url: str | None,
+    root: Path,
+    s3_url: str,
+    client: Any,
+    db: LedgerClient,
+) -> None:
+    """A crash after restore put the file in place, before its row was committed again."""
+    mgr, saved, _ = saved_and_copied(open_manager, root, s3_url, db_url)
+    db.execute("UPDATE checkpoints SET state = 'lost' WHERE id = ?", saved.id)
+    delete_every_object(client, s3_url)  # a download would fail now
+
+    assert [c.step for c in mgr.restore(s3_url)] == [1]
+
+    assert db.rows("SELECT state FROM checkpoints WHERE id = ?", saved.id) == [("committed",)]
+    assert not (root / "ckptdb.quarantine").exists()
+
+
+def test_a_copy_that_cannot_be_read_is_the_stores_error_not_the_disks(
+    open_manager: Callable[..., CheckpointManager],
+    db_url: str | None,
+    root: Path,
+    s3_url: str,
+    client: Any,
+) -> None:
+    mgr, saved, _ = saved_and_copied(open_manager, root, s3_url, db_url)
+    delete_every_object(client, s3_url)
+    saved.path.unlink()
+
+    with pytest.raises(ObjectStoreError, match="GetObject"):
+        mgr.restore(s3_url)
+    assert not saved.path.exists() and not list(root.rglob(".*.tmp-*"))
+
+
+def test_follow_stops_after_the_copy_in_progress(
+    open_manager: Callable[..., CheckpointManager],
+    db_url: str | None,
+    root: Path,
+    s3_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=5)})
+    for step in range(1, 4):
+        mgr.save(step, model=state(step))
+    stop = threading.Event()
+    real = Replicator._upload_file
+
+    def then_stop(self: Replicator, path: Path, rel: str) -> Any:
+        stop.set()  # asked to stop while the first copy runs
+        return real(self, path, rel)
+
+    monkeypatch.setattr(Replicator, "_upload_file", then_stop)
+    with Replicator(root, s3_url, db_url=db_url) as replicator:
+        replicator.follow(poll=0.01, stop=stop)
+        copies = replicator.replicas()
+        with pytest.raises(InvalidArgumentError, match="poll must be a positive number"):
+            replicator.follow(poll=0)
+    assert [(r.step, r.state) for r in copies] == [(1, "replicated")]  # finished, then stopped
+
+
+def test_leaving_the_block_by_an_error_raises_that_error(stopped_thread: Replicator) -> None:
+    with pytest.raises(ValueError, match="the training step failed") as caught, stopped_thread:
+        raise ValueError("the training step failed")
+    notes = getattr(caught.value, "__notes__", [])
+    assert notes == ["the replicator's thread had stopped: RuntimeError: the ledger went away"]

@@ -33,7 +33,11 @@ FAILED = "failed"
 )
 @click.option("--follow", is_flag=True, help="Keep copying new checkpoints until interrupted.")
 @click.option(
-    "--poll", type=float, default=1.0, show_default=True, help="Seconds between passes (--follow)."
+    "--poll",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Seconds between passes (--follow).",
 )
 @DB_URL
 @JSON
@@ -59,7 +63,12 @@ def replicate(
     failed = False
     with Replicator(root, to, db_url=db_url, streams=streams or None) as replicator:
         _show([*replicator.swept], as_json)
-        previous = {s: signal.signal(s, lambda *_: stop.set()) for s in _SIGNALS} if follow else {}
+
+        def stopping(*_: object) -> None:  # after the copy in progress
+            stop.set()
+            replicator.stop()
+
+        previous = {s: signal.signal(s, stopping) for s in _SIGNALS} if follow else {}
         try:
             while True:
                 done = replicator.replicate()
@@ -135,7 +144,7 @@ def restore(root: Path, source: str, every: bool, db_url: str | None, as_json: b
         click.echo(clifmt.to_json([clifmt.checkpoint_dict(c) for c in restored]))
         return
     if not restored:
-        click.echo("nothing to restore: every newest copy's checkpoint is whole here")
+        click.echo("nothing restored: no copy, or each newest copy's checkpoint is whole here")
         return
     click.echo(clifmt.table(["stream", "step", "path"], [_restored_row(c) for c in restored]))
 

@@ -25,6 +25,9 @@ UPLOADING = "uploading"
 REPLICATED = "replicated"
 FAILED = "failed"
 REPLICA_STATES = (UPLOADING, REPLICATED, FAILED)
+#: The error of a copy whose replicator stopped mid-way (not the copy's fault: it does
+#: not count towards the failures after which a checkpoint is no longer tried).
+INTERRUPTED = "interrupted: its replicator stopped mid-copy"
 
 
 def add(
@@ -101,6 +104,7 @@ def to_copy(
                 m.Replica.checkpoint_id == m.Checkpoint.id,
                 m.Replica.tier == tier,
                 m.Replica.state == FAILED,
+                m.Replica.error != INTERRUPTED,
             )
         )
         .scalar_subquery()

@@ -22,13 +22,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError, InvalidArgumentError, note_on
+from ..errors import (
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    ObjectStoreError,
+    PhaseError,
+    note_on,
+)
 from ..ledger import replicas as ledger_replicas
 from ..ledger import rows as ledger_rows
 from ..ledger.models import COMMITTED
 from ..record import Checkpoint
 from ..storage.base import FileInfo
-from ..storage.naming import temp_name
+from ..storage.external import temp_for
+from ..storage.naming import is_own_name, temp_name
 from .context import RunContext
 from .reconcile import QUARANTINE_NAME
 
@@ -47,7 +54,9 @@ def restore(ctx: RunContext, remote: Any, tier: str, *, every: bool) -> list[Che
     restored = []
     for checkpoint, location, manifest in wanted:
         rel = ctx.rel(checkpoint.path)
-        if checkpoint.state == COMMITTED and _whole_here(ctx, checkpoint, rel):
+        if _whole_here(ctx, checkpoint, rel):  # e.g. a crash after the place, before the row
+            if checkpoint.state != COMMITTED:
+                restored.append(_recommit(ctx, checkpoint, location))
             continue
         source = remote.rel_of(location)
         if source is None:
@@ -81,8 +90,7 @@ def _bring_back(
 ) -> None:
     """Download the copy next to ``rel``, verify it, then put it in place."""
     store = ctx.store
-    store.prepare_stream(checkpoint.stream)
-    tmp = str(Path(rel).parent / temp_name(checkpoint.path.name, checkpoint.id))
+    tmp = _prepared_temp(store, checkpoint, rel)
     store.remove(tmp)  # a crashed restore's leftover (reconcile removes it too)
     if directory:
         store.make_temp_dir(tmp)
@@ -102,6 +110,19 @@ def _bring_back(
         raise
 
 
+def _prepared_temp(store: Any, checkpoint: Checkpoint, rel: str) -> str:
+    """The temporary name next to ``rel`` (the one a save of it would use, so that
+    reconcile knows it), its directory made first (durably, parents included: a new
+    machine's disk is empty)."""
+    parent = Path(rel).parent
+    if is_own_name(rel):
+        store.prepare_stream(checkpoint.stream)
+        return str(parent / temp_name(checkpoint.path.name, checkpoint.id))
+    if parent != Path("."):
+        store.make_temp_dir(parent.as_posix())
+    return temp_for(rel, checkpoint.id)
+
+
 def _download(
     store: Any,
     remote: Any,
@@ -118,7 +139,14 @@ def _download(
         if directory and "/" in name:
             for parent in reversed(Path(name).parents[:-1]):
                 store.make_temp_dir(f"{tmp}/{parent.as_posix()}")
-        info = store.write_object(target, _copier(remote, f"{source}/{name}"))
+        try:
+            info = store.write_object(target, _copier(remote, f"{source}/{name}"))
+        except PhaseError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ObjectStoreError):  # the store's read failed, not the disk
+                exc.__cause__ = None  # the store's error is the one raised: no loop
+                raise cause from cause.__cause__
+            raise
         if info != expected:
             raise CorruptCheckpointError(
                 f"{remote.url_of(f'{source}/{name}')} is not the file its copy recorded"

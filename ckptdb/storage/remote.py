@@ -20,13 +20,17 @@ from .opening import open_store
 REMOTE = "remote"
 
 
-def remote_store(to: object, storage_options: Mapping[str, object] | None) -> Any:
-    """The object store of a remote tier at ``to`` (probed for conditional writes)."""
+def remote_store(
+    to: object, storage_options: Mapping[str, object] | None, *, probe: bool = True
+) -> Any:
+    """The object store of a remote tier at ``to``; ``probe``: checked for conditional
+    writes first (a replicator writes; a restore only reads, with a credential that may
+    be read-only)."""
     if not isinstance(to, str) or not is_object_url(to):
         raise InvalidArgumentError(
             "a remote tier must be an object-storage URL (s3://bucket/prefix)"
         )
-    return open_store(to, storage_options, probe=True)
+    return open_store(to, storage_options, probe=probe)
 
 
 __all__ = ["REMOTE", "remote_store"]
