@@ -571,3 +571,32 @@ def test_leaving_the_block_by_an_error_raises_that_error(stopped_thread: Replica
         raise ValueError("the training step failed")
     notes = getattr(caught.value, "__notes__", [])
     assert notes == ["the replicator's thread had stopped: RuntimeError: the ledger went away"]
+
+
+def test_retention_never_removes_a_file_while_it_is_copied(
+    open_manager: Callable[..., CheckpointManager],
+    db_url: str | None,
+    root: Path,
+    s3_url: str,
+    client: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The copy pins its checkpoint: a save that evicts it mid-copy leaves the file (row
+    ``deleting``) until the copy is done; the copy is whole, and the file goes after."""
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    first = mgr.save(1, model=state(1))["model"]
+    first_bytes = first.path.read_bytes()
+    real = Replicator._upload_file
+
+    def evicted_meanwhile(self: Replicator, path: Path, rel: str) -> Any:
+        mgr.save(2, model=state(2))  # Keep(last=1): step 1 is evicted now, mid-copy
+        assert path.exists()  # pinned: its file stays
+        return real(self, path, rel)
+
+    monkeypatch.setattr(Replicator, "_upload_file", evicted_meanwhile)
+    with Replicator(root, s3_url, db_url=db_url, streams=["model"]) as replicator:
+        (copy,) = replicator.replicate()
+    assert (copy.step, copy.state) == (1, "replicated")
+    assert object_bytes(client, f"{copy.location}/{first.path.name}") == first_bytes
+    mgr.gc()  # the pin is released: the evicted file goes now
+    assert not first.path.exists()
