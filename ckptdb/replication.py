@@ -251,12 +251,18 @@ class Replicator:
         return info
 
     def _abandon(self, replica_id: int, prefix: str, exc: BaseException) -> None:
-        """A copy that failed: its objects removed, its row ``failed`` with the reason."""
+        """A copy that failed: its objects removed, its row ``failed`` with the reason (and,
+        if removing them failed too, that failure with the copy's location: recorded in
+        the row and logged, never dropped)."""
+        shown = f"{type(exc).__name__}: {exc}"
         try:
             self._remote.remove_tree(prefix)
         except Exception as cleanup:  # the reason stays the copy's failure
-            note_on(exc, f"removing the partial copy failed too: {cleanup}")
-        shown = f"{type(exc).__name__}: {exc}"
+            left = (
+                f"removing the partial copy at {self._remote.url_of(prefix)} failed too: {cleanup}"
+            )
+            note_on(exc, left)
+            shown = f"{shown}; {left}"
         log.warning("replicating to %s failed: %s", self.location, shown)
         with self._writable().transaction() as session:
             ledger_replicas.fail(session, replica_id, shown)

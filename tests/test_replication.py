@@ -600,3 +600,43 @@ def test_retention_never_removes_a_file_while_it_is_copied(
     assert object_bytes(client, f"{copy.location}/{first.path.name}") == first_bytes
     mgr.gc()  # the pin is released: the evicted file goes now
     assert not first.path.exists()
+
+
+def test_a_copy_whose_objects_cannot_be_removed_says_where_they_are(
+    open_manager: Callable[..., CheckpointManager],
+    db_url: str | None,
+    root: Path,
+    s3_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=3)})
+    flip_byte(mgr.save(1, model=state(1))["model"].path)
+
+    def refused(self: Any, rel: str) -> bool:
+        raise ObjectStoreError("DeleteObjects refused: AccessDenied")
+
+    with Replicator(root, s3_url, db_url=db_url) as replicator:
+        monkeypatch.setattr(type(replicator._remote), "remove_tree", refused)
+        (copy,) = replicator.replicate()
+    assert copy.state == "failed" and copy.error is not None
+    assert "does not match its ledger row" in copy.error  # the copy's own failure first
+    assert f"removing the partial copy at {copy.location} failed too" in copy.error
+    assert "AccessDenied" in copy.error
+
+
+def test_only_the_streams_asked_for_are_copied_and_the_command_fails_on_a_failed_copy(
+    open_manager: Callable[..., CheckpointManager], db_url: str | None, root: Path, s3_url: str
+) -> None:
+    mgr = open_manager(streams=STREAMS)
+    mgr.save(1, model=state(1), sh=Sharded(sharded(1)))
+    with Replicator(root, s3_url, db_url=db_url, streams=["sh"]) as replicator:
+        assert [(r.stream, r.state) for r in replicator.replicate()] == [("sh", "replicated")]
+    flip_byte(mgr.latest("model").path)
+    url = ["--db-url", db_url] if db_url else []
+
+    failed = CliRunner().invoke(main, ["replicate", str(root), "--to", s3_url, *url])
+
+    assert failed.exit_code == 1, failed.output
+    assert [line.split()[:3] for line in failed.output.splitlines()[1:]] == [
+        ["model", "1", "failed"]
+    ]

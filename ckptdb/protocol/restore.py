@@ -10,7 +10,9 @@ copy moved into the quarantine first, never deleted) and its row committed
 again, with ``latest`` re-pointed and a ``restored_from_replica`` event. Until
 a whole, verified copy is on disk nothing is replaced; a failure removes the
 temporary and leaves the row as it was. A crash in between leaves a
-temporary that the next reconcile removes.
+temporary: in ckptdb's own naming the next reconcile removes it; under a
+framework's name (``.<name>.ckptdb-tmp-<id>``, which reconcile only removes
+for a save's pending row) the next restore of that checkpoint does.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def _bring_back(
     """Download the copy next to ``rel``, verify it, then put it in place."""
     store = ctx.store
     tmp = _prepared_temp(store, checkpoint, rel)
-    store.remove(tmp)  # a crashed restore's leftover (reconcile removes it too)
+    store.remove(tmp)  # a crashed restore's leftover
     if directory:
         store.make_temp_dir(tmp)
     try:
