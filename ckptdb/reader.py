@@ -32,7 +32,7 @@ from .errors import (
     LedgerError,
     note_on,
 )
-from .ledger import Ledger, RunQueries, evaluations, open_ledger, pins, replicas, rows
+from .ledger import Ledger, RunQueries, evaluations, open_ledger, pins, replicas, rows, tiers
 from .ledger import models as m
 from .ledger.engine import LEDGER_FILE
 from .ledger.follow import Follower
@@ -274,6 +274,21 @@ class RunReader:
         with self._db.transaction(read=True) as session:
             found = replicas.of_run(session, self.run_id, tier)
             return [replicas.to_record(session, row) for row in found]
+
+    def tiers(self) -> list[tiers.Registration]:
+        """The run's registered tiers: where copies go, which streams, and each stream's
+        retention there (what the newest :class:`~ckptdb.replication.Replicator` said)."""
+        self._open()
+        with self._db.transaction(read=True) as session:
+            return tiers.registrations(session, self.run_id)
+
+    def waiting_for_copy(self) -> list[tuple[Checkpoint, str]]:
+        """Evicted checkpoints whose local files stay until their copy is whole, with the
+        tier each waits for."""
+        queries = self._open()
+        with self._db.transaction(read=True) as session:
+            found = tiers.waiting(session, self.run_id)
+            return [(rows.to_record(row, queries.save_dir), tier) for row, tier in found]
 
     def pin(
         self,

@@ -26,6 +26,8 @@ Restoring (a new machine, a corrupt local copy) is the writer's:
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import threading
@@ -37,19 +39,23 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from .errors import (
+    ArgumentTypeError,
     CkptDBError,
     CorruptCheckpointError,
     InvalidArgumentError,
     LedgerLockedError,
+    UnknownStreamError,
     note_on,
 )
 from .ledger import Ledger, open_ledger
 from .ledger import models as m
 from .ledger import replicas as ledger_replicas
+from .ledger import tiers as ledger_tiers
 from .ledger.netfs import check_ledger_location
 from .ledger.rows import to_record
 from .ledger.runs import ledger_url
 from .location import ObjectPath, is_object_url
+from .policies import POLICY_KINDS, Entry, Policy
 from .reader import RunReader
 from .record import Checkpoint, Replica
 from .storage.files import FileInfo, combine, tree_files
@@ -82,6 +88,7 @@ class Replicator:
         db_url: str | None = None,
         storage_options: Mapping[str, object] | None = None,
         streams: Iterable[str] | None = None,
+        keep: Mapping[str, Policy] | None = None,
     ) -> None:
         if not isinstance(to, str) or not is_object_url(to):
             raise InvalidArgumentError("to must be an object-storage URL (s3://bucket/prefix)")
@@ -94,12 +101,18 @@ class Replicator:
                 f"({self._reader.save_dir}); a replicator copies a run saved on a local disk"
             )
         self.streams = None if streams is None else sorted(set(streams))
+        try:
+            self.keep = _remote_policies(keep, self.streams, self._reader.policies)
+        except BaseException:
+            self._reader.close()
+            raise
         self._lock = FileLock(str(self.root / LOCK_NAME), timeout=0)
         self._ledger: Ledger | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._external: threading.Event | None = None  # follow()'s own stop
         self.error: BaseException | None = None  # what stopped the background thread
+        self.expired: list[Replica] = []  # the copies the last pass removed (keep=)
         try:
             self._lock.acquire()
         except Timeout:
@@ -117,19 +130,29 @@ class Replicator:
             assert created is not None
             self._token = run_token(self._reader.run_name, self._reader.run_id, created)
             self.swept = self._sweep_interrupted()
+            self._register()
         except BaseException:
             self._release()
             raise
 
     # ------------------------------------------------------------------ passes
 
-    def replicate(self) -> list[Replica]:
-        """One pass: copy every committed checkpoint that has no whole copy yet, oldest
-        first; each copy's outcome (a failed one is retried by a later pass, at most
-        :data:`MAX_FAILURES` times in all)."""
+    def replicate(self, *, retry_failed: bool = False) -> list[Replica]:
+        """One pass: copy every committed checkpoint that has no whole copy yet (and every
+        evicted one whose local file waits for its copy), oldest first, then remove the
+        copies the tier's retention (``keep``) no longer keeps; each copy's outcome.
+
+        A failed copy is retried by a later pass, at most :data:`MAX_FAILURES` times in
+        all; ``retry_failed``: this pass tries those that used their tries once more."""
+        limit = None if retry_failed else MAX_FAILURES
         with self._writable().transaction() as session:
             todo = ledger_replicas.to_copy(
-                session, self._reader.run_id, REMOTE, self.streams, MAX_FAILURES
+                session,
+                self._reader.run_id,
+                REMOTE,
+                self.streams,
+                limit,
+                ledger_tiers.holder(REMOTE),
             )
             checkpoints = [to_record(row, self._reader.save_dir) for row in todo]
         done = []
@@ -139,6 +162,8 @@ class Replicator:
             copied = self._copy(checkpoint)
             if copied is not None:
                 done.append(copied)
+        if not self._stopping():
+            self.expired = self._expire()
         return done
 
     def follow(self, *, poll: float = 1.0, stop: threading.Event | None = None) -> None:
@@ -187,11 +212,13 @@ class Replicator:
 
     def _copy(self, checkpoint: Checkpoint) -> Replica | None:
         """Copy one checkpoint (None: evicted before it could be pinned)."""
-        try:
-            pin = self._reader.pin(checkpoint, holder="replicator")
-        except CkptDBError as exc:  # evicted or marked bad since the query: nothing to copy
-            log.info("not replicating %s: %s", checkpoint.path, exc)
-            return None
+        pin: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if checkpoint.state == m.COMMITTED:  # an evicted one is held for this copy already
+            try:
+                pin = self._reader.pin(checkpoint, holder="replicator")
+            except CkptDBError as exc:  # evicted or marked bad since the query
+                log.info("not replicating %s now: %s", checkpoint.path, exc)
+                return None
         with pin:
             base = f"{checkpoint.stream}/{checkpoint.path.name}.{self._token}"
             with self._writable().transaction() as session:
@@ -219,7 +246,11 @@ class Replicator:
                     "kind": "directory" if directory else "file",
                     "files": [[name, info.size, info.hash] for name, info in files],
                 }
-                ledger_replicas.finish(session, replica_id, total.size, total.hash, manifest)
+                ledger_replicas.finish(
+                    session, replica_id, checkpoint.id, total.size, total.hash, manifest
+                )
+                # its local file, if retention evicted it meanwhile, may go now
+                ledger_tiers.release(session, [checkpoint.id], REMOTE)
         return self._one(replica_id)
 
     def _upload(
@@ -269,7 +300,8 @@ class Replicator:
 
     def _sweep_interrupted(self) -> list[Replica]:
         """Copies a replicator left ``uploading`` when it died: their uploads aborted and
-        objects removed, their rows ``failed`` (the next pass copies them again)."""
+        objects removed, their rows ``failed`` (the next pass copies them again).
+        Copies it left ``deleting`` are removed by the next :meth:`_expire`."""
         with self._writable().transaction() as session:
             left = ledger_replicas.unfinished(session, self._reader.run_id, REMOTE)
             found = [(row.id, row.location) for row in left]
@@ -280,6 +312,51 @@ class Replicator:
             with self._writable().transaction() as session:
                 ledger_replicas.fail(session, replica_id, ledger_replicas.INTERRUPTED)
         return [self._one(replica_id) for replica_id, _ in found]
+
+    # ------------------------------------------------------------------ the tier's retention
+
+    def _register(self) -> None:
+        """Record this tier for the run: from now on local retention keeps an evicted
+        checkpoint of a copied stream until its copy is whole (see ledger.tiers)."""
+        records = {stream: policy.to_record() for stream, policy in self.keep.items()}
+        with self._writable().transaction() as session:
+            ledger_tiers.register(
+                session, self._reader.run_id, REMOTE, self.location, self.streams, records
+            )
+
+    def _expire(self) -> list[Replica]:
+        """Remove the copies ``keep`` no longer keeps (and those a replicator left half
+        removed): each row ``deleting`` first, then its objects, then ``deleted``. A
+        removal that fails is logged and recorded on the row, and retried next pass."""
+        run_id = self._reader.run_id
+        with self._writable().transaction() as session:
+            for stream, policy in self.keep.items():
+                copies = ledger_replicas.whole_copies(session, run_id, REMOTE, stream)
+                entries = [_entry(row, replica, policy) for row, replica in copies]
+                doomed = [e.id for e in policy.window_evictions(entries)]
+                ledger_replicas.mark_deleting(session, doomed)
+            found = [
+                (row.id, row.location)
+                for row in ledger_replicas.in_state(
+                    session, run_id, REMOTE, ledger_replicas.DELETING
+                )
+            ]
+        removed = []
+        for replica_id, location in found:
+            prefix = self._remote.rel_of(location)
+            try:
+                if prefix is None:
+                    raise InvalidArgumentError(f"{location} is not under {self.location}")
+                self._remote.remove_tree(prefix)
+            except Exception as exc:  # recorded on the row and logged; the next pass retries
+                log.warning("removing the expired copy %s failed: %s", location, exc)
+                with self._writable().transaction() as session:
+                    ledger_replicas.note_error(session, replica_id, f"removing it failed: {exc}")
+                continue
+            with self._writable().transaction() as session:
+                ledger_replicas.mark_deleted(session, replica_id)
+            removed.append(replica_id)
+        return [self._one(replica_id) for replica_id in removed]
 
     # ------------------------------------------------------------------ records
 
@@ -334,9 +411,59 @@ class Replicator:
             note_on(exc, f"the replicator's thread had stopped: {type(failed).__name__}: {failed}")
 
 
+def detach(root: str | os.PathLike[str], *, db_url: str | None = None) -> int:
+    """Stop treating the run at ``root`` as replicated: its tier's registration is
+    removed, and local retention stops waiting for copies. The local files that
+    waited are removed by the writer's next commit, ``gc`` or reconcile; copies
+    already made, and their rows, stay. The number of files that waited."""
+    with RunReader(root, db_url=db_url) as reader:
+        url = ledger_url(reader.root, db_url, readonly=False)
+        check_ledger_location(url)
+        ledger = open_ledger(url)
+        try:
+            with ledger.transaction() as session:
+                return ledger_tiers.detach(session, reader.run_id, REMOTE)
+        finally:
+            ledger.dispose()
+
+
+def _remote_policies(
+    keep: Mapping[str, Policy] | None, streams: list[str] | None, run: Mapping[str, Policy]
+) -> dict[str, Policy]:
+    """``keep`` checked: a Keep or TopK per stream of the run that is copied."""
+    if keep is None:
+        return {}
+    if not isinstance(keep, Mapping):
+        raise ArgumentTypeError(f"keep must be a dict stream -> Keep or TopK, got {keep!r}")
+    for stream, policy in keep.items():
+        if stream not in run:
+            raise UnknownStreamError(
+                f"keep names stream {stream!r}, which the run does not have "
+                f"(streams: {', '.join(run)})"
+            )
+        if streams is not None and stream not in streams:
+            raise InvalidArgumentError(
+                f"keep names stream {stream!r}, which this replicator does not copy"
+            )
+        if isinstance(policy, type) or getattr(policy, "kind", None) not in POLICY_KINDS:
+            raise ArgumentTypeError(
+                f"the remote policy of stream {stream!r} must be Keep or TopK, got {policy!r}"
+            )
+    return dict(keep)
+
+
+def _entry(row: m.Checkpoint, replica: m.Replica, policy: Policy) -> Entry:
+    """A copy as the tier's policy sees it: its checkpoint's step and, for a ranked
+    policy, the checkpoint's value of its metric (whatever the local stream ranks by)."""
+    metric = policy.ranking_metric
+    values = json.loads(row.metrics) if row.metrics else {}
+    value = values.get(metric) if metric is not None else None
+    return Entry(id=replica.id, step=row.step, metric=None if value is None else float(value))
+
+
 def _check_poll(poll: object) -> None:
     if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not poll > 0:
         raise InvalidArgumentError(f"poll must be a positive number of seconds, got {poll!r}")
 
 
-__all__ = ["MAX_FAILURES", "Replica", "Replicator"]
+__all__ = ["MAX_FAILURES", "Replica", "Replicator", "detach"]

@@ -57,7 +57,7 @@ ALLOWED = {
     },
     "pinning": {"record"},
     # a replicator: a reader of the run that also writes its copies' rows
-    "replication": {"errors", "location", "record", "ledger", "storage", "reader"},
+    "replication": {"errors", "location", "policies", "record", "ledger", "storage", "reader"},
     "maintenance": {"errors", "ledger"},
     "reader": {
         "errors",

@@ -17,6 +17,7 @@ import click
 
 from ..errors import CkptDBError, InvalidArgumentError
 from ..integrations.layouts import help_table, layout_names
+from ..policies import policy_from_record
 from ..reader import RunReader
 from . import fmt as clifmt
 
@@ -113,6 +114,13 @@ def status(root: Path, db_url: str | None, as_json: bool) -> None:
     click.echo(f"\ncheckpoints by state: {counts}")
     ends = ", ".join(f"{a['id']}:{a['end_state']}" for a in data["attempts"])
     click.echo(f"attempts: {len(data['attempts'])} ({ends})")
+    for tier in data["tiers"]:
+        copied = ", ".join(tier["streams"]) if tier["streams"] is not None else "every stream"
+        kept = "; ".join(f"{s}: {p}" for s, p in tier["keep"].items()) or "every copy"
+        click.echo(f"tier {tier['tier']}: {tier['location']} ({copied}; keeps {kept})")
+        if tier["waiting"]:
+            size = clifmt.human_size(tier["waiting_bytes"])
+            click.echo(f"  {tier['waiting']} evicted local file(s), {size}, wait for their copy")
     for tier, copies in data["replicas"].items():
         states = ", ".join(f"{n} {s}" for s, n in sorted(copies["states"].items()))
         newest = ", ".join(f"{s} {step}" for s, step in sorted(copies["newest"].items()))
@@ -143,6 +151,27 @@ def _replica_summary(reader: RunReader) -> dict[str, Any]:
         tier["states"][r.state] = tier["states"].get(r.state, 0) + 1
         if r.state == "replicated":
             tier["newest"][r.stream] = max(tier["newest"].get(r.stream, r.step), r.step)
+    return summary
+
+
+def _tier_summary(reader: RunReader) -> list[dict[str, Any]]:
+    """Per registered tier: where, which streams, each stream's retention there, and
+    the evicted local files still waiting for their copy."""
+    waiting = reader.waiting_for_copy()
+    summary = []
+    for t in reader.tiers():
+        mine = [c for c, tier in waiting if tier == t.tier]
+        keep = {s: policy_from_record(r).describe() for s, r in sorted(t.policies.items())}
+        summary.append(
+            {
+                "tier": t.tier,
+                "location": t.location,
+                "streams": None if t.streams is None else list(t.streams),
+                "keep": keep,
+                "waiting": len(mine),
+                "waiting_bytes": sum(c.size or 0 for c in mine),
+            }
+        )
     return summary
 
 
@@ -185,6 +214,7 @@ def _status_data(reader: RunReader) -> dict[str, Any]:
             for a in reader.attempts()
         ],
         "preemptions": reader.preemptions(),
+        "tiers": _tier_summary(reader),
         "replicas": _replica_summary(reader),
         "events": [
             {"time": clifmt.cell(e.time), "kind": e.kind, "step": e.step, "detail": e.detail}

@@ -23,6 +23,18 @@ def cell(value: Any) -> str:
     return str(value)
 
 
+def human_size(size: int) -> str:
+    """``size`` bytes for people: 512 B, 3.1 MiB, 12.4 GiB."""
+    if size < 1024:
+        return f"{size} B"
+    value = size / 1024
+    for unit in ("KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Columns padded to their widest cell; numbers right-aligned."""
     text_rows = [[cell(v) for v in row] for row in rows]

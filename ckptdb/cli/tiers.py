@@ -11,12 +11,15 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import click
 
+from ..errors import InvalidArgumentError
+from ..policies import Keep, Policy, TopK
 from ..record import Checkpoint, Replica
 from ..replication import Replicator
+from ..replication import detach as detach_tier
 from . import DB_URL, JSON, ROOT, _writer, main
 from . import fmt as clifmt
 
@@ -25,11 +28,17 @@ FAILED = "failed"
 
 @main.command()
 @ROOT
-@click.option(
-    "--to", "to", required=True, metavar="URL", help="Where the copies go: s3://bucket/prefix."
-)
+@click.option("--to", "to", metavar="URL", help="Where the copies go: s3://bucket/prefix.")
 @click.option(
     "--stream", "streams", multiple=True, help="Only this stream (repeatable; default: all)."
+)
+@click.option(
+    "--keep",
+    "keep",
+    multiple=True,
+    metavar="STREAM:RULES",
+    help="How long a stream's copies stay on the remote tier (repeatable; default: every "
+    "copy), e.g. model:last=10 or best:best=3,metric=loss,last=10 (see docs/replication.md).",
 )
 @click.option("--follow", is_flag=True, help="Keep copying new checkpoints until interrupted.")
 @click.option(
@@ -39,29 +48,51 @@ FAILED = "failed"
     show_default=True,
     help="Seconds between passes (--follow).",
 )
+@click.option(
+    "--retry-failed",
+    is_flag=True,
+    help="The first pass also tries again the checkpoints whose copies failed 3 times.",
+)
+@click.option(
+    "--detach",
+    is_flag=True,
+    help="Stop replicating the run instead: local retention stops waiting for copies.",
+)
 @DB_URL
 @JSON
 def replicate(
     root: Path,
-    to: str,
+    to: str | None,
     streams: tuple[str, ...],
+    keep: tuple[str, ...],
     follow: bool,
     poll: float,
+    retry_failed: bool,
+    detach: bool,
     db_url: str | None,
     as_json: bool,
 ) -> None:
     """Copy each committed checkpoint to object storage, once (a second tier).
 
-    Beside a running trainer; one replicator per run at a time. Exits 1 if a
-    copy failed (it is retried by the next pass, at most 3 times in all).
+    Beside a running trainer; one replicator per run at a time. From the first
+    run on, local retention keeps an evicted checkpoint of a copied stream until
+    its copy is whole (--detach ends that). Exits 1 if a copy failed (it is
+    retried by the next pass, at most 3 times in all).
 
     \b
     Example:
-      ckptdb replicate runs/exp1 --to s3://bucket/replicas --follow
+      ckptdb replicate runs/exp1 --to s3://bucket/replicas --keep model:last=10 --follow
     """
+    if detach:
+        released = detach_tier(root, db_url=db_url)
+        click.echo(f"detached: {released} local file(s) no longer wait for their copy")
+        return
+    if to is None:
+        raise click.UsageError("--to is required (or --detach)")
+    policies = dict(parse_keep(spec) for spec in keep)
     stop = threading.Event()
     failed = False
-    with Replicator(root, to, db_url=db_url, streams=streams or None) as replicator:
+    with Replicator(root, to, db_url=db_url, streams=streams or None, keep=policies) as replicator:
         _show([*replicator.swept], as_json)
 
         def stopping(*_: object) -> None:  # after the copy in progress
@@ -70,10 +101,12 @@ def replicate(
 
         previous = {s: signal.signal(s, stopping) for s in _SIGNALS} if follow else {}
         try:
+            retry = retry_failed
             while True:
-                done = replicator.replicate()
+                done = replicator.replicate(retry_failed=retry)
+                retry = False
                 failed = failed or any(r.state == FAILED for r in done)
-                _show(done, as_json)
+                _show(done + replicator.expired, as_json)
                 if not follow or stop.wait(poll):
                     break
         finally:
@@ -81,6 +114,42 @@ def replicate(
                 signal.signal(number, handler)
     if failed:
         sys.exit(1)
+
+
+def parse_keep(spec: str) -> tuple[str, Policy]:
+    """``STREAM:RULES`` as a remote policy: ``last=N``, ``every=N`` (a Keep), or
+    ``best=K,metric=NAME[,mode=max][,last=N]`` (a TopK)."""
+    stream, sep, rules = spec.partition(":")
+    pairs = [part.partition("=") for part in rules.split(",")] if rules else []
+    if not sep or not stream or not pairs or any(not k or not eq or not v for k, eq, v in pairs):
+        raise InvalidArgumentError(
+            f"--keep {spec!r}: expected STREAM:RULE=VALUE[,...], e.g. model:last=10"
+        )
+    values = {k.strip(): v.strip() for k, _, v in pairs}
+    unknown = sorted(set(values) - {"last", "every", "best", "metric", "mode"})
+    if unknown:
+        raise InvalidArgumentError(
+            f"--keep {spec!r}: unknown rule {unknown[0]!r} (last, every, best, metric, mode)"
+        )
+    numbers = {}
+    for key in ("last", "every", "best"):
+        if key in values:
+            if not values[key].isdigit():
+                raise InvalidArgumentError(f"--keep {spec!r}: {key} must be a positive int")
+            numbers[key] = int(values[key])
+    if "best" in values or "metric" in values:
+        if "metric" not in values or "best" not in values or "every" in values:
+            raise InvalidArgumentError(
+                f"--keep {spec!r}: best=K needs metric=NAME (and takes last=N, not every)"
+            )
+        if values.get("mode", "min") not in ("min", "max"):
+            raise InvalidArgumentError(f"--keep {spec!r}: mode must be min or max")
+        mode: Literal["min", "max"] = "max" if values.get("mode") == "max" else "min"
+        best = TopK(numbers["best"], values["metric"], mode, last=numbers.get("last"))
+        return stream, best
+    if "mode" in values:
+        raise InvalidArgumentError(f"--keep {spec!r}: mode goes with best=K,metric=NAME")
+    return stream, Keep(last=numbers.get("last"), every=numbers.get("every"))
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)

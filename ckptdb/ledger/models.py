@@ -279,13 +279,35 @@ class Replica(Base):
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
     tier: Mapped[str] = mapped_column(String(16))  # remote
     location: Mapped[str] = mapped_column(Text)  # the copy's URL: a prefix, one object per file
-    state: Mapped[str] = mapped_column(String(16))  # uploading | replicated | failed
+    state: Mapped[str] = mapped_column(
+        String(16)
+    )  # uploading | replicated | failed | deleting | deleted
     size: Mapped[int | None] = mapped_column(INT64)
     hash: Mapped[str | None] = mapped_column(String(64))
     manifest: Mapped[str | None] = mapped_column(Text)  # JSON: [[name, size, hash], ...]
     started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
     finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     error: Mapped[str | None] = mapped_column(Text)
+
+
+class Tier(Base):
+    """A second tier a replicator registered for a run: where its copies go, which
+    streams it copies (``streams``, JSON; NULL: every stream) and how long each
+    stream's copies are kept there (``policies``, JSON: stream -> policy record; a
+    stream not named keeps every copy). While it exists, local retention keeps an
+    evicted checkpoint of a copied stream until its copy is whole (see
+    ckptdb.ledger.tiers)."""
+
+    __tablename__ = "tiers"
+    __table_args__ = (Index("ux_tiers_run_tier", "run_id", "tier", unique=True),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    tier: Mapped[str] = mapped_column(String(16))  # remote
+    location: Mapped[str] = mapped_column(Text)  # the URL the copies go under
+    streams: Mapped[str | None] = mapped_column(Text)
+    policies: Mapped[str | None] = mapped_column(Text)
+    registered_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
 
 
 # Views created by the migrations (see migrations/versions): the latest

@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy import and_, exists, func, select, update
+from sqlalchemy import and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from ..record import Replica
@@ -24,7 +24,11 @@ from . import models as m
 UPLOADING = "uploading"
 REPLICATED = "replicated"
 FAILED = "failed"
-REPLICA_STATES = (UPLOADING, REPLICATED, FAILED)
+#: A copy the tier's retention removes: ``deleting`` before its objects go, ``deleted``
+#: after (a removal cut short is finished by the next pass).
+DELETING = "deleting"
+DELETED = "deleted"
+REPLICA_STATES = (UPLOADING, REPLICATED, FAILED, DELETING, DELETED)
 #: The error of a copy whose replicator stopped mid-way (not the copy's fault: it does
 #: not count towards the failures after which a checkpoint is no longer tried).
 INTERRUPTED = "interrupted: its replicator stopped mid-copy"
@@ -51,9 +55,22 @@ def add(
 
 
 def finish(
-    session: Session, replica_id: int, size: int, digest: str, manifest: dict[str, Any]
+    session: Session,
+    replica_id: int,
+    checkpoint_id: int,
+    size: int,
+    digest: str,
+    manifest: dict[str, Any],
 ) -> None:
-    """Mark a whole, verified copy ``replicated``."""
+    """Mark a whole, verified copy ``replicated``.
+
+    The checkpoint's row is locked first (PostgreSQL; SQLite runs one writing
+    transaction at a time), as a commit that evicts it locks it: either that commit
+    sees this copy and holds nothing back, or its hold is committed before the
+    caller releases the checkpoint's holds (see ledger.tiers)."""
+    session.scalars(
+        select(m.Checkpoint.id).where(m.Checkpoint.id == checkpoint_id).with_for_update()
+    ).first()
     session.execute(
         update(m.Replica)
         .where(m.Replica.id == replica_id, m.Replica.state == UPLOADING)
@@ -88,14 +105,25 @@ def unfinished(session: Session, run_id: int, tier: str) -> list[m.Replica]:
 
 
 def to_copy(
-    session: Session, run_id: int, tier: str, streams: Sequence[str] | None, max_failures: int
+    session: Session,
+    run_id: int,
+    tier: str,
+    streams: Sequence[str] | None,
+    max_failures: int | None,
+    holder: str,
 ) -> list[m.Checkpoint]:
-    """Committed checkpoints with no ``replicated`` or ``uploading`` copy on ``tier``,
-    failed fewer than ``max_failures`` times, oldest first."""
+    """Checkpoints to copy to ``tier``, oldest first: committed ones, and evicted ones
+    whose file the tier holds (``holder``'s live pin), with no copy made or under
+    way there, failed fewer than ``max_failures`` times (None: whatever the count)."""
     live = exists().where(
         m.Replica.checkpoint_id == m.Checkpoint.id,
         m.Replica.tier == tier,
-        m.Replica.state.in_((UPLOADING, REPLICATED)),
+        m.Replica.state.in_((UPLOADING, REPLICATED, DELETING, DELETED)),
+    )
+    held = exists().where(
+        m.Pin.checkpoint_id == m.Checkpoint.id,
+        m.Pin.holder == holder,
+        m.Pin.released_at.is_(None),
     )
     failures = (
         select(func.count(m.Replica.id))
@@ -111,13 +139,64 @@ def to_copy(
     )
     query = (
         select(m.Checkpoint)
-        .where(m.Checkpoint.run_id == run_id, m.Checkpoint.state == m.COMMITTED)
-        .where(~live, failures < max_failures)
+        .where(m.Checkpoint.run_id == run_id)
+        .where(or_(m.Checkpoint.state == m.COMMITTED, and_(m.Checkpoint.state == m.DELETING, held)))
+        .where(~live)
         .order_by(m.Checkpoint.id)
     )
+    if max_failures is not None:
+        query = query.where(failures < max_failures)
     if streams is not None:
         query = query.where(m.Checkpoint.stream.in_(list(streams)))
     return list(session.scalars(query))
+
+
+def whole_copies(
+    session: Session, run_id: int, tier: str, stream: str
+) -> list[tuple[m.Checkpoint, m.Replica]]:
+    """The ``replicated`` copies on ``tier`` of ``stream``'s checkpoints, whatever the
+    checkpoints' local state (a copy outlives its local file)."""
+    found = session.execute(
+        select(m.Checkpoint, m.Replica)
+        .join(m.Replica, m.Replica.checkpoint_id == m.Checkpoint.id)
+        .where(m.Checkpoint.run_id == run_id, m.Checkpoint.stream == stream)
+        .where(m.Replica.tier == tier, m.Replica.state == REPLICATED)
+        .order_by(m.Replica.id)
+    ).all()
+    return [(row, replica) for row, replica in found]
+
+
+def in_state(session: Session, run_id: int, tier: str, state: str) -> list[m.Replica]:
+    """The run's copies on ``tier`` in ``state``, oldest first."""
+    return list(
+        session.scalars(
+            select(m.Replica)
+            .where(m.Replica.run_id == run_id, m.Replica.tier == tier, m.Replica.state == state)
+            .order_by(m.Replica.id)
+        )
+    )
+
+
+def mark_deleting(session: Session, replica_ids: Sequence[int]) -> None:
+    """Copies the tier's retention removes: recorded before any object goes."""
+    if replica_ids:
+        session.execute(
+            update(m.Replica)
+            .where(m.Replica.id.in_(list(replica_ids)), m.Replica.state == REPLICATED)
+            .values(state=DELETING)
+        )
+
+
+def mark_deleted(session: Session, replica_id: int) -> None:
+    session.execute(
+        update(m.Replica)
+        .where(m.Replica.id == replica_id, m.Replica.state == DELETING)
+        .values(state=DELETED, error=None)
+    )
+
+
+def note_error(session: Session, replica_id: int, error: str) -> None:
+    session.execute(update(m.Replica).where(m.Replica.id == replica_id).values(error=error))
 
 
 def of_run(session: Session, run_id: int, tier: str | None = None) -> list[m.Replica]:

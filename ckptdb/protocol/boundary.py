@@ -68,7 +68,7 @@ from ..errors import (
     WriterLockLostError,
 )
 from ..guard import NonFiniteGradGuard
-from ..ledger import after_commit, boundary_rows, pins
+from ..ledger import after_commit, boundary_rows, pins, tiers
 from ..ledger import models as m
 from ..ledger import rows as ledger_rows
 from ..ledger.engine import driver_message, is_unreachable, one_line, unreachable
@@ -726,7 +726,10 @@ class Publisher:
         boundary_rows.mark_evicted(session, [r.id for r in evicted], now)
         # a pinned row stays 'deleting' with its file until its last pin goes (read after
         # the update above: a reader's pin either committed before it or is refused)
-        held = boundary_rows.pinned_ids(session, self.ctx.run_id, [r.id for r in evicted], now)
+        ids = [r.id for r in evicted]
+        held = boundary_rows.pinned_ids(session, self.ctx.run_id, ids, now)
+        # a replicated stream's file also stays until its copy is whole (ledger.tiers)
+        held |= tiers.hold_for_copy(session, self.ctx.run_id, ids, now)
         if held:
             self.ctx.pins_waiting = True
         return [r for r in evicted if r.id not in held]

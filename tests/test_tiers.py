@@ -1,0 +1,445 @@
+"""Retention per tier: local files wait for their copy, and the remote tier keeps its own window.
+
+Against SeaweedFS (a real S3 server) and both ledgers. A run with a
+registered replicator keeps an evicted checkpoint's local file until its copy
+is whole (through a commit, a reopen's reconcile, ``gc``, a failed copy), a
+stream the replicator does not copy is local-only, and ``keep=`` removes the
+remote copies its window drops (the best one stays after it left the local
+window), each removal recorded before its objects go.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import s3lib
+import torch
+from click.testing import CliRunner
+from helpers import LedgerClient, flip_byte
+
+import ckptdb.replication
+from ckptdb import CheckpointManager, Keep, Replicator, RunReader, TopK
+from ckptdb.cli import main
+from ckptdb.cli.tiers import parse_keep
+from ckptdb.errors import ArgumentTypeError, InvalidArgumentError, UnknownStreamError
+
+pytestmark = pytest.mark.timeout(120)
+
+HOLDER = "ckptdb.replication:remote"
+
+
+@pytest.fixture
+def db_url(backend: str | None) -> str | None:
+    return backend
+
+
+@pytest.fixture
+def client(s3_env: s3lib.S3Server) -> Any:
+    return s3_env.client()
+
+
+def state(step: int) -> dict[str, Any]:
+    return {"w": torch.randn(512, generator=torch.Generator().manual_seed(step)), "step": step}
+
+
+def on_disk(mgr: CheckpointManager, stream: str = "model") -> list[int]:
+    """The steps whose files are in the stream's directory."""
+    names = sorted(p.name for p in (mgr.save_dir / stream).glob("step-*.pt"))
+    return [int(name.split("-")[1].split(".")[0]) for name in names]
+
+
+def states(db: LedgerClient, stream: str = "model") -> dict[int, str]:
+    found = db.rows("SELECT step, state FROM checkpoints WHERE stream = ? ORDER BY step", stream)
+    return {int(step): str(s) for step, s in found}
+
+
+def live_holds(db: LedgerClient) -> list[int]:
+    """Steps whose checkpoints the replication holds (live pins of its holder)."""
+    found = db.rows(
+        "SELECT c.step FROM pins p JOIN checkpoints c ON c.id = p.checkpoint_id"
+        " WHERE p.holder = ? AND p.released_at IS NULL ORDER BY c.step",
+        HOLDER,
+    )
+    return [int(step) for (step,) in found]
+
+
+def copy_bytes(client: Any, url: str, replica_id: int) -> bytes:
+    """The bytes of a one-file copy (the object under its replica's prefix)."""
+    (key,) = [k for k in s3lib.keys_under(client, url) if f".r{replica_id}/" in k]
+    return bytes(client.get_object(Bucket=s3lib.BUCKET, Key=key)["Body"].read())
+
+
+def json_objects(text: str) -> list[Any]:
+    """The JSON documents printed one after another (``--json`` prints one per copy)."""
+    decoder, found, at = json.JSONDecoder(), [], 0
+    text = text.strip()
+    while at < len(text):
+        value, at = decoder.raw_decode(text, at)
+        found.append(value)
+        while at < len(text) and text[at].isspace():
+            at += 1
+    return found
+
+
+def cli(*args: str, db_url: str | None) -> Any:
+    url = ["--db-url", db_url] if db_url else []
+    return CliRunner().invoke(main, [*args, *url])
+
+
+# ------------------------------------------------------------- local waits for remote
+
+
+def test_an_evicted_checkpoint_keeps_its_file_until_its_copy_is_whole(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+    client: Any,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=2)})
+    mgr.save(1, model=state(1))
+    with Replicator(root, s3_url, db_url=db_url) as replicator:  # registered; copies nothing yet
+        for step in (2, 3, 4, 5):
+            mgr.save(step, model=state(step))
+
+        # retention decided: the stream holds 4 and 5; the files of 1-3 wait for their copy
+        assert [c.step for c in mgr.checkpoints("model")] == [4, 5]
+        assert on_disk(mgr) == [1, 2, 3, 4, 5]
+        assert states(db) == {
+            1: "deleting",
+            2: "deleting",
+            3: "deleting",
+            4: "committed",
+            5: "committed",
+        }
+        assert live_holds(db) == [1, 2, 3]
+        held = {s: (mgr.save_dir / "model" / f"step-{s:09d}.pt").read_bytes() for s in (1, 2, 3)}
+
+        done = replicator.replicate()
+
+    assert sorted((r.step, r.state) for r in done) == [(s, "replicated") for s in (1, 2, 3, 4, 5)]
+    for r in done:
+        if r.step in held:  # the copy of an evicted checkpoint is of its bytes
+            assert copy_bytes(client, s3_url, r.id) == held[r.step]
+    assert live_holds(db) == []
+    assert on_disk(mgr) == [1, 2, 3, 4, 5]  # released: the writer removes them at its next commit
+    mgr.save(6, model=state(6))
+    assert on_disk(mgr) == [5, 6]  # step 4 was copied before its eviction: no wait at all
+    assert states(db) == {
+        1: "deleted",
+        2: "deleted",
+        3: "deleted",
+        4: "deleted",
+        5: "committed",
+        6: "committed",
+    }
+
+
+def test_a_stream_the_replicator_does_not_copy_is_local_only(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=1), "ema": Keep(last=1)})
+    with Replicator(root, s3_url, db_url=db_url, streams=["model"]):
+        for step in (1, 2, 3):
+            mgr.save(step, model=state(step), ema=state(step))
+    assert on_disk(mgr, "ema") == [3]  # evicted and removed at once, as without a replicator
+    assert on_disk(mgr, "model") == [1, 2, 3] and live_holds(db) == [1, 2]
+
+    # registering again without "model" lets its files go: it is local-only from now on
+    with Replicator(root, s3_url, db_url=db_url, streams=["ema"]):
+        assert live_holds(db) == []
+    mgr.save(4, model=state(4), ema=state(4))
+    assert on_disk(mgr, "model") == [4]
+
+
+def test_a_held_file_survives_reopen_and_gc_until_its_copy_is_made(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    with Replicator(root, s3_url, db_url=db_url):
+        mgr.save(1, model=state(1))
+        mgr.save(2, model=state(2))
+    mgr.close()
+    reopened = open_manager(streams={"model": Keep(last=1)})  # its reconcile keeps the file
+    assert on_disk(reopened) == [1, 2] and states(db)[1] == "deleting"
+    reopened.close()
+    gc = cli("gc", str(root), db_url=db_url)
+    assert gc.exit_code == 0, gc.output
+    assert on_disk(reopened) == [1, 2]
+    waiting = cli("status", str(root), "--json", db_url=db_url)
+    (tier,) = json.loads(waiting.output)["tiers"]
+    assert (tier["tier"], tier["location"], tier["waiting"]) == ("remote", s3_url, 1)
+    assert (
+        tier["waiting_bytes"] == (reopened.save_dir / "model" / "step-000000001.pt").stat().st_size
+    )
+    assert "1 evicted local file(s)" in cli("status", str(root), db_url=db_url).output
+
+    with Replicator(root, s3_url, db_url=db_url) as replicator:
+        replicator.replicate()
+    gc = cli("gc", str(root), db_url=db_url)  # the writer that removes what no longer waits
+    assert gc.exit_code == 0, gc.output
+    assert on_disk(reopened) == [2] and states(db)[1] == "deleted"
+
+
+def test_a_checkpoint_whose_copies_fail_keeps_its_file_and_retry_failed_tries_again(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    with Replicator(root, s3_url, db_url=db_url) as replicator:
+        first = mgr.save(1, model=state(1))["model"]
+        mgr.save(2, model=state(2))
+        flip_byte(first.path)  # its copy can never match its row
+        for _ in range(ckptdb.replication.MAX_FAILURES + 1):
+            replicator.replicate()
+        mgr.save(3, model=state(3))
+        assert on_disk(mgr) == [1, 3]  # 2 was copied and went; 1 still waits
+        assert live_holds(db) == [1]
+        tries = db.rows("SELECT COUNT(*) FROM replicas WHERE state = 'failed'")
+        assert tries == [(ckptdb.replication.MAX_FAILURES,)]
+        assert [r.step for r in replicator.replicate()] == [3]  # 1's tries are used up
+
+        flip_byte(first.path)  # repaired: the bytes are the committed ones again
+        (again,) = replicator.replicate(retry_failed=True)
+    assert (again.step, again.state) == (1, "replicated")
+    mgr.save(4, model=state(4))
+    assert on_disk(mgr) == [4]
+
+
+def test_detach_releases_every_hold(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    with Replicator(root, s3_url, db_url=db_url):
+        for step in (1, 2, 3):
+            mgr.save(step, model=state(step))
+    assert on_disk(mgr) == [1, 2, 3]
+    detached = cli("replicate", str(root), "--detach", db_url=db_url)
+    assert detached.exit_code == 0, detached.output
+    assert "detached: 2 local file(s)" in detached.output
+    assert db.rows("SELECT COUNT(*) FROM tiers") == [(0,)] and live_holds(db) == []
+    mgr.save(4, model=state(4))
+    assert on_disk(mgr) == [4]
+    for step in (5, 6):  # nothing registered: evictions remove at once again
+        mgr.save(step, model=state(step))
+    assert on_disk(mgr) == [6]
+
+
+# ------------------------------------------------------------- the remote tier's window
+
+
+def test_the_remote_window_keeps_the_best_after_it_left_the_local_one(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+    client: Any,
+) -> None:
+    losses = {1: 0.9, 2: 0.1, 3: 0.8, 4: 0.7, 5: 0.6, 6: 0.5, 7: 0.4, 8: 0.3}
+    mgr = open_manager(streams={"model": Keep(last=2)})
+    keep = {"model": TopK(1, "loss", last=3)}  # the best, and the newest: 3 in all
+    saved = {}
+    with Replicator(root, s3_url, db_url=db_url, keep=keep) as replicator:
+        for step, loss in losses.items():
+            saved[step] = mgr.save(step, metrics={"loss": loss}, model=state(step))["model"]
+            data = saved[step].path.read_bytes()
+            replicator.replicate()
+            if step == 2:
+                best = data
+        copies = replicator.replicas()
+
+    assert on_disk(mgr) == [7, 8]  # the local window: the best is gone from the disk
+    whole = sorted(r.step for r in copies if r.state == "replicated")
+    assert whole == [2, 7, 8]
+    assert sorted(r.step for r in copies if r.state == "deleted") == [1, 3, 4, 5, 6]
+    keys = s3lib.keys_under(client, s3_url)
+    assert len(keys) == 3 and all(
+        any(f".r{r.id}/" in k for k in keys) for r in copies if r.step in whole
+    )
+    (kept,) = [r for r in copies if r.step == 2]
+    assert copy_bytes(client, s3_url, kept.id) == best and kept.hash == saved[2].hash
+    remote = cli("latest", str(root), "--tier", "remote", db_url=db_url)
+    assert remote.output.strip().startswith(s3_url) and "step-000000008" in remote.output
+
+
+def test_a_copy_removal_cut_short_is_finished_by_the_next_pass(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+    client: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=3)})
+    with Replicator(root, s3_url, db_url=db_url, keep={"model": Keep(last=1)}) as replicator:
+        mgr.save(1, model=state(1))
+        replicator.replicate()
+        mgr.save(2, model=state(2))
+        remove = replicator._remote.remove_tree
+
+        def refused(prefix: str) -> None:
+            raise ckptdb.errors.ObjectStoreError(f"DeleteObjects refused under {prefix}")
+
+        monkeypatch.setattr(replicator._remote, "remove_tree", refused)
+        (copied,) = replicator.replicate()
+        assert copied.step == 2 and replicator.expired == []
+        (doomed,) = [r for r in replicator.replicas() if r.step == 1]
+        assert doomed.state == "deleting" and "DeleteObjects refused" in (doomed.error or "")
+        assert len(s3lib.keys_under(client, s3_url)) == 2  # recorded first, objects still there
+
+        # a copy on its way out is never restored from
+        (mgr.save_dir / "model" / "step-000000001.pt").unlink()
+        assert mgr.restore(s3_url, every=True) == []
+        assert mgr.latest("model") is not None and mgr.latest("model").step == 2
+
+        monkeypatch.setattr(replicator._remote, "remove_tree", remove)
+        assert replicator.replicate() == []
+        assert [r.step for r in replicator.expired] == [1]
+    assert len(s3lib.keys_under(client, s3_url)) == 1
+    rows = db.rows("SELECT state, error FROM replicas ORDER BY id")
+    assert rows == [("deleted", None), ("replicated", None)]
+
+
+def test_a_replicator_that_died_mid_removal_is_finished_by_the_next_one(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+    client: Any,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=3)})
+    with Replicator(root, s3_url, db_url=db_url) as replicator:
+        for step in (1, 2):
+            mgr.save(step, model=state(step))
+        replicator.replicate()
+    # what a replicator leaves if it dies between recording a removal and making it
+    db.execute("UPDATE replicas SET state = 'deleting' WHERE id = (SELECT MIN(id) FROM replicas)")
+    with Replicator(root, s3_url, db_url=db_url) as replicator:  # keeps every copy itself
+        assert replicator.replicate() == []
+        assert [r.step for r in replicator.expired] == [1]
+    assert len(s3lib.keys_under(client, s3_url)) == 1
+    assert db.rows("SELECT state FROM replicas ORDER BY id") == [("deleted",), ("replicated",)]
+
+
+# ------------------------------------------------------------- bad input
+
+
+def test_keep_must_be_a_policy_of_a_copied_stream_of_the_run(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+) -> None:
+    open_manager(streams={"model": Keep(last=3), "ema": Keep(last=1)})
+    with pytest.raises(UnknownStreamError, match="'nope', which the run does not have"):
+        Replicator(root, s3_url, db_url=db_url, keep={"nope": Keep(last=1)})
+    with pytest.raises(InvalidArgumentError, match="'ema', which this replicator does not copy"):
+        Replicator(root, s3_url, db_url=db_url, streams=["model"], keep={"ema": Keep(last=1)})
+    with pytest.raises(ArgumentTypeError, match="must be Keep or TopK"):
+        Replicator(root, s3_url, db_url=db_url, keep={"model": 3})  # type: ignore[dict-item]
+    with pytest.raises(ArgumentTypeError, match="keep must be a dict"):
+        Replicator(root, s3_url, db_url=db_url, keep=[Keep(last=1)])  # type: ignore[arg-type]
+    assert db.rows("SELECT COUNT(*) FROM tiers") == [(0,)]  # nothing registered
+    with Replicator(root, s3_url, db_url=db_url):  # and the lock was released each time
+        pass
+
+
+@pytest.mark.parametrize(
+    ("spec", "policy"),
+    [
+        ("model:last=10", Keep(last=10)),
+        ("model:last=2,every=100", Keep(last=2, every=100)),
+        ("best:best=3,metric=val_loss", TopK(3, "val_loss")),
+        ("best:best=1,metric=acc,mode=max,last=5", TopK(1, "acc", "max", last=5)),
+    ],
+)
+def test_keep_specs_read_as_policies(spec: str, policy: Any) -> None:
+    assert parse_keep(spec) == (spec.split(":")[0], policy)
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("model", "expected STREAM:RULE=VALUE"),
+        ("model:", "expected STREAM:RULE=VALUE"),
+        ("model:last", "expected STREAM:RULE=VALUE"),
+        ("model:size=3", "unknown rule 'size'"),
+        ("model:last=ten", "last must be a positive int"),
+        ("model:last=0", "must be >= 1"),
+        ("model:best=3", "best=K needs metric=NAME"),
+        ("model:best=3,metric=loss,every=2", "best=K needs metric=NAME"),
+        ("model:best=3,metric=loss,mode=up", "mode must be min or max"),
+        ("model:last=3,mode=max", "mode goes with best=K"),
+    ],
+)
+def test_a_bad_keep_spec_is_one_line_and_registers_nothing(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+    spec: str,
+    says: str,
+) -> None:
+    open_manager(streams={"model": Keep(last=3)}).close()
+    result = cli("replicate", str(root), "--to", s3_url, "--keep", spec, db_url=db_url)
+    assert result.exit_code == 1 and says in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert db.rows("SELECT COUNT(*) FROM tiers") == [(0,)]
+
+
+def test_the_command_applies_keep_and_shows_it(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    s3_url: str,
+    client: Any,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=3)})
+    for step in (1, 2, 3):
+        mgr.save(step, model=state(step))
+    mgr.close()
+    done = cli(
+        "replicate", str(root), "--to", s3_url, "--keep", "model:last=1", "--json", db_url=db_url
+    )
+    assert done.exit_code == 0, done.output
+    shown = json_objects(done.output)
+    assert [(r["step"], r["state"]) for r in shown] == [
+        (1, "replicated"),
+        (2, "replicated"),
+        (3, "replicated"),
+        (1, "deleted"),
+        (2, "deleted"),
+    ]
+    assert len(s3lib.keys_under(client, s3_url)) == 1
+    status = cli("status", str(root), db_url=db_url).output
+    assert f"tier remote: {s3_url} (every stream; keeps model: keep last 1)" in status
+    with RunReader(root, db_url=db_url) as reader:
+        (tier,) = reader.tiers()
+    assert tier.policies["model"] == Keep(last=1).to_record() and tier.streams is None
+    missing = cli("replicate", str(root), db_url=db_url)
+    assert missing.exit_code == 2 and "--to is required" in missing.output
