@@ -19,13 +19,14 @@ import pytest
 import s3lib
 import torch
 from click.testing import CliRunner
-from helpers import LedgerClient, flip_byte
+from helpers import LedgerClient, flip_byte, migrate_to
 
 import ckptdb.replication
 from ckptdb import CheckpointManager, Keep, Replicator, RunReader, TopK
 from ckptdb.cli import main
 from ckptdb.cli.tiers import parse_keep
 from ckptdb.errors import ArgumentTypeError, InvalidArgumentError, UnknownStreamError
+from ckptdb.ledger.engine import default_sqlite_url
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -443,3 +444,29 @@ def test_the_command_applies_keep_and_shows_it(
     assert tier.policies["model"] == Keep(last=1).to_record() and tier.streams is None
     missing = cli("replicate", str(root), db_url=db_url)
     assert missing.exit_code == 2 and "--to is required" in missing.output
+
+
+def test_downgrading_drops_the_registration_and_releases_its_holds(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    with Replicator(root, s3_url, db_url=db_url, keep={"model": Keep(last=5)}):
+        for step in (1, 2, 3):
+            mgr.save(step, model=state(step))
+    mgr.close()
+    assert live_holds(db) == [1, 2]
+    url = db_url or default_sqlite_url(root)
+
+    migrate_to(url, "0006", down=True)
+    assert db.rows("SELECT COUNT(*) FROM pins WHERE released_at IS NULL") == [(0,)]
+    with pytest.raises(Exception, match="tiers"):
+        db.rows("SELECT COUNT(*) FROM tiers")
+    later = open_manager(streams={"model": Keep(last=1)})  # upgrades to the head again
+    assert on_disk(later) == [3]  # its reconcile removed what no longer waits
+    with Replicator(root, s3_url, db_url=db_url):
+        later.save(4, model=state(4))
+    assert live_holds(db) == [3]

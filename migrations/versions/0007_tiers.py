@@ -10,12 +10,13 @@ stream) and each stream's retention on that tier (JSON; a stream not named
 keeps every copy). While a row exists, a local checkpoint of a copied stream
 that retention evicts keeps its file until its copy is whole (a pin held by
 the replication). Only an addition: upgrading keeps every row; downgrading
-drops the table (and with it the holds: the held files go at the next commit,
-``gc`` or reconcile).
+drops the table and releases the holds (their pins): the held files go at the
+next commit, ``gc`` or reconcile.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Sequence
 
 import sqlalchemy as sa
@@ -44,5 +45,15 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # the holds go with the registration: released, their files go at the next commit
+    pins = sa.table(
+        "pins", sa.column("holder", sa.String()), sa.column("released_at", sa.DateTime())
+    )
+    now = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)  # naive UTC, as ckptdb's
+    op.execute(
+        pins.update()
+        .where(pins.c.holder.like("ckptdb.replication:%"), pins.c.released_at.is_(None))
+        .values(released_at=now)
+    )
     op.drop_index("ux_tiers_run_tier", table_name="tiers")
     op.drop_table("tiers")
