@@ -11,6 +11,7 @@ window), each removal recorded before its objects go.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from click.testing import CliRunner
 from helpers import LedgerClient, flip_byte, migrate_to
 
+import ckptdb.ledger.tiers
 import ckptdb.replication
 from ckptdb import CheckpointManager, Keep, Replicator, RunReader, TopK
 from ckptdb.cli import main
@@ -470,3 +472,40 @@ def test_downgrading_drops_the_registration_and_releases_its_holds(
     with Replicator(root, s3_url, db_url=db_url):
         later.save(4, model=state(4))
     assert live_holds(db) == [3]
+
+
+@pytest.mark.postgres
+def test_a_copy_finished_while_a_commit_evicts_it_leaves_no_hold_behind(
+    tmp_path: Path, pg_url: str, s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interleaving READ COMMITTED allows without the row lock: the copy's
+    transaction releases the holds (seeing none), the commit, not seeing the copy,
+    adds one, and commits first; the hold would then wait forever."""
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root, db_url=pg_url, streams={"model": Keep(last=1)})
+    db = LedgerClient(root, pg_url)
+    try:
+        mgr.save(1, model=state(1))
+        released, saved = threading.Event(), threading.Event()
+        release = ckptdb.ledger.tiers.release
+
+        def release_then_wait(session: Any, ids: Any, tier: str) -> None:
+            release(session, ids, tier)
+            released.set()
+            saved.wait(5)  # the copy's transaction stays open while the commit runs
+
+        with Replicator(root, s3_url, db_url=pg_url) as replicator:
+            monkeypatch.setattr(ckptdb.ledger.tiers, "release", release_then_wait)
+            copying = threading.Thread(target=replicator.replicate)
+            copying.start()
+            assert released.wait(30), "the copy never finished"
+            mgr.save(2, model=state(2))  # evicts step 1 (waits for the copy's row lock)
+            saved.set()
+            copying.join(30)
+            assert not copying.is_alive()
+        mgr.save(3, model=state(3))
+        assert live_holds(db) == [2]  # step 2 waits for its copy; step 1's is made
+        assert on_disk(mgr) == [2, 3]
+    finally:
+        mgr.close()
+        db.close()
