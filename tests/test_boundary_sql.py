@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from ckptdb import CheckpointManager, Keep, TopK
 from ckptdb.errors import DatabaseError, LedgerError
-from ckptdb.ledger import boundary_rows, driver, pins
+from ckptdb.ledger import boundary_rows, driver, pins, tiers
 from ckptdb.ledger import models as m
 from ckptdb.ledger import rows as ledger_rows
 from ckptdb.ledger.boundary_rows import _rendered
@@ -329,10 +329,18 @@ def test_a_large_eviction_checks_its_pins_within_the_parameter_limit(
         pins.add(session, ctx.run_id, pinned.id, "test", 600.0)
     ids = [free.id, *range(10**7, 10**7 + MANY), pinned.id]
     with ctx.ledger.transaction() as session:
-        held = boundary_rows.pinned_ids(session, ctx.run_id, ids, m.utcnow())
-    assert held == {pinned.id}
+        held, tiered = boundary_rows.pinned_ids(session, ctx.run_id, ids, m.utcnow())
+    assert held == {pinned.id} and not tiered
     with ctx.ledger.transaction() as session:  # the ORM's check (gc, reconcile) too
         assert pins.pinned_ids(session, ctx.run_id, ids, m.utcnow()) == {pinned.id}
+    with ctx.ledger.transaction() as session:  # a replicated run holds them for their copy
+        tiers.register(session, ctx.run_id, "remote", "s3://b/p", None, {})
+        assert boundary_rows.pinned_ids(session, ctx.run_id, ids, m.utcnow()) == (
+            {pinned.id},
+            True,
+        )
+        held = tiers.hold_for_copy(session, ctx.run_id, ids, m.utcnow())
+        assert held == {free.id, pinned.id}
     with ctx.ledger.transaction() as session:
         pins.drop(session, ids)
     with ctx.ledger.transaction() as session:

@@ -298,24 +298,35 @@ def point_latest(session: Session, run_id: int, latest: Sequence[tuple[str, int]
         )
 
 
-def pinned_ids(session: Session, run_id: int, ids: Sequence[int], now: dt.datetime) -> set[int]:
+def pinned_ids(
+    session: Session, run_id: int, ids: Sequence[int], now: dt.datetime
+) -> tuple[set[int], bool]:
     """Which of ``ids`` have a live pin (unreleased, not expired): what
     :func:`ckptdb.ledger.pins.pinned_ids` answers, in one driver statement (one per
-    :data:`MAX_BOUND` ids: a large eviction)."""
+    :data:`MAX_BOUND` ids: a large eviction); and whether the run has a registered
+    tier (:mod:`~ckptdb.ledger.tiers`: its evictions may wait for copies), asked in
+    the same statement, so a run without one pays nothing for the feature."""
     held: set[int] = set()
+    tiered = False
     if not ids:
-        return held
+        return held, tiered
     at = stamp(session, now)
-    for part in batches(ids, MAX_BOUND - 2):
-        found = fetch(
-            session,
+    for number, part in enumerate(batches(ids, MAX_BOUND - 3)):
+        sql = (
             "SELECT checkpoint_id FROM pins WHERE run_id = ?"
             f" AND checkpoint_id IN ({_marks(len(part))})"
-            " AND released_at IS NULL AND expires_at > ?",
-            (run_id, *part, at),
+            " AND released_at IS NULL AND expires_at > ?"
         )
-        held.update(int(i) for (i,) in found)
-    return held
+        params: Params = (run_id, *part, at)
+        if number == 0:  # a checkpoint id is positive: -1 says "a tier is registered"
+            sql += " UNION ALL SELECT -1 FROM tiers WHERE run_id = ?"
+            params = (*params, run_id)
+        for (i,) in fetch(session, sql, params):
+            if int(i) < 0:
+                tiered = True
+            else:
+                held.add(int(i))
+    return held, tiered
 
 
 # ------------------------------------------------------------------- members

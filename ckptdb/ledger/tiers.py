@@ -151,8 +151,8 @@ def hold_for_copy(
     """Pin each of the just-evicted checkpoints ``evicted`` that a registered tier copies
     and that has no copy there yet, in the evicting transaction; their ids.
 
-    Driver-level statements (the boundary's hot path): one query when no tier is
-    registered, the common case."""
+    Driver-level statements, run only when the boundary's pin check found a tier
+    registered (see :func:`~ckptdb.ledger.boundary_rows.pinned_ids`)."""
     if not evicted:
         return set()
     tiers = fetch(session, "SELECT tier, streams FROM tiers WHERE run_id = ?", (run_id,))

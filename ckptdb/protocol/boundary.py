@@ -727,9 +727,9 @@ class Publisher:
         # a pinned row stays 'deleting' with its file until its last pin goes (read after
         # the update above: a reader's pin either committed before it or is refused)
         ids = [r.id for r in evicted]
-        held = boundary_rows.pinned_ids(session, self.ctx.run_id, ids, now)
-        # a replicated stream's file also stays until its copy is whole (ledger.tiers)
-        held |= tiers.hold_for_copy(session, self.ctx.run_id, ids, now)
+        held, tiered = boundary_rows.pinned_ids(session, self.ctx.run_id, ids, now)
+        if tiered:  # a replicated stream's file also stays until its copy is whole
+            held |= tiers.hold_for_copy(session, self.ctx.run_id, ids, now)
         if held:
             self.ctx.pins_waiting = True
         return [r for r in evicted if r.id not in held]
