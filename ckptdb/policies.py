@@ -424,6 +424,21 @@ class TopK:
         return cls(k=record.k, metric=record.metric, mode=mode, last=record.keep_last)
 
 
+def replayed_evictions(policy: Policy, entries: Sequence[Entry]) -> list[Entry]:
+    """The entries ``policy`` evicts when they commit one after another in this order,
+    each judged against those still kept: a window applied after the fact to a
+    stream's history (a remote tier's copies), timeline rule and all, as the
+    stream's own commits applied it."""
+    kept: list[Entry] = []
+    evicted: list[Entry] = []
+    for new in entries:
+        pool = [*kept, new]
+        doomed = {e.id for e in policy.evictions(kept, new)}
+        evicted += [e for e in pool if e.id in doomed]
+        kept = [e for e in pool if e.id not in doomed]
+    return evicted
+
+
 POLICY_KINDS: dict[str, Any] = {Keep.kind: Keep.from_record, TopK.kind: TopK.from_record}
 
 

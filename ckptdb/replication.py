@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import threading
 from collections.abc import Iterable, Mapping
@@ -55,7 +56,7 @@ from .ledger.netfs import check_ledger_location
 from .ledger.rows import to_record
 from .ledger.runs import ledger_url
 from .location import ObjectPath, is_object_url
-from .policies import POLICY_KINDS, Entry, Policy
+from .policies import POLICY_KINDS, Entry, Policy, replayed_evictions
 from .reader import RunReader
 from .record import Checkpoint, Replica
 from .storage.files import FileInfo, combine, tree_files
@@ -113,6 +114,7 @@ class Replicator:
         self._external: threading.Event | None = None  # follow()'s own stop
         self.error: BaseException | None = None  # what stopped the background thread
         self.expired: list[Replica] = []  # the copies the last pass removed (keep=)
+        self._unranked_said: set[str] = set()  # streams whose unranked copies were logged
         try:
             self._lock.acquire()
         except Timeout:
@@ -145,6 +147,7 @@ class Replicator:
         A failed copy is retried by a later pass, at most :data:`MAX_FAILURES` times in
         all; ``retry_failed``: this pass tries those that used their tries once more."""
         limit = None if retry_failed else MAX_FAILURES
+        self.expired = []
         with self._writable().transaction() as session:
             todo = ledger_replicas.to_copy(
                 session,
@@ -186,10 +189,10 @@ class Replicator:
         return self._stop.is_set() or (self._external is not None and self._external.is_set())
 
     def start(self, *, poll: float = 1.0) -> Replicator:
-        _check_poll(poll)
         """Follow on a background thread (in the trainer's process); :meth:`close` stops
         it after the copy in progress. A pass that raises stops the thread; its error
         is :attr:`error`, and :meth:`close` raises it."""
+        _check_poll(poll)
 
         def run() -> None:
             try:
@@ -246,11 +249,10 @@ class Replicator:
                     "kind": "directory" if directory else "file",
                     "files": [[name, info.size, info.hash] for name, info in files],
                 }
-                ledger_replicas.finish(
+                if ledger_replicas.finish(
                     session, replica_id, checkpoint.id, total.size, total.hash, manifest
-                )
-                # its local file, if retention evicted it meanwhile, may go now
-                ledger_tiers.release(session, [checkpoint.id], REMOTE)
+                ):  # its local file, if retention evicted it meanwhile, may go now
+                    ledger_tiers.release(session, [checkpoint.id], REMOTE)
         return self._one(replica_id)
 
     def _upload(
@@ -327,29 +329,33 @@ class Replicator:
     def _expire(self) -> list[Replica]:
         """Remove the copies ``keep`` no longer keeps (and those a replicator left half
         removed): each row ``deleting`` first, then its objects, then ``deleted``. A
-        removal that fails is logged and recorded on the row, and retried next pass."""
+        removal that fails is logged and recorded on the row, and retried next pass.
+        Only copies under this replicator's destination are judged or removed."""
         run_id = self._reader.run_id
         with self._writable().transaction() as session:
             for stream, policy in self.keep.items():
-                copies = ledger_replicas.whole_copies(session, run_id, REMOTE, stream)
-                entries = [_entry(row, replica, policy) for row, replica in copies]
-                doomed = [e.id for e in policy.window_evictions(entries)]
-                ledger_replicas.mark_deleting(session, doomed)
+                copies = [
+                    (row, replica)
+                    for row, replica in ledger_replicas.whole_copies(
+                        session, run_id, REMOTE, stream
+                    )
+                    if self._remote.rel_of(replica.location) is not None
+                ]
+                ledger_replicas.mark_deleting(session, self._dropped(stream, policy, copies))
             found = [
-                (row.id, row.location)
+                (row.id, prefix)
                 for row in ledger_replicas.in_state(
                     session, run_id, REMOTE, ledger_replicas.DELETING
                 )
+                if (prefix := self._remote.rel_of(row.location)) is not None
             ]
         removed = []
-        for replica_id, location in found:
-            prefix = self._remote.rel_of(location)
+        for replica_id, prefix in found:
             try:
-                if prefix is None:
-                    raise InvalidArgumentError(f"{location} is not under {self.location}")
                 self._remote.remove_tree(prefix)
             except Exception as exc:  # recorded on the row and logged; the next pass retries
-                log.warning("removing the expired copy %s failed: %s", location, exc)
+                where = self._remote.url_of(prefix)
+                log.warning("removing the expired copy %s failed: %s", where, exc)
                 with self._writable().transaction() as session:
                     ledger_replicas.note_error(session, replica_id, f"removing it failed: {exc}")
                 continue
@@ -357,6 +363,30 @@ class Replicator:
                 ledger_replicas.mark_deleted(session, replica_id)
             removed.append(replica_id)
         return [self._one(replica_id) for replica_id in removed]
+
+    def _dropped(
+        self, stream: str, policy: Policy, copies: list[tuple[m.Checkpoint, m.Replica]]
+    ) -> list[int]:
+        """The ids of the copies ``policy`` drops: replayed in the order their checkpoints
+        committed. A ranked policy that needs its metric never judges a copy saved
+        without it (said once): a misnamed metric must not empty the tier."""
+        entries = [
+            _entry(row, replica, policy) for row, replica in sorted(copies, key=lambda c: c[0].id)
+        ]
+        if policy.requires_metric:
+            unranked = [e for e in entries if e.metric is None]
+            entries = [e for e in entries if e.metric is not None]
+            if unranked and stream not in self._unranked_said:
+                self._unranked_said.add(stream)
+                log.warning(
+                    "%d copies of stream %r were saved without %r: the remote policy %s "
+                    "keeps them (it ranks only copies saved with it)",
+                    len(unranked),
+                    stream,
+                    policy.ranking_metric,
+                    policy.describe(),
+                )
+        return [e.id for e in replayed_evictions(policy, entries)]
 
     # ------------------------------------------------------------------ records
 
@@ -415,16 +445,30 @@ def detach(root: str | os.PathLike[str], *, db_url: str | None = None) -> int:
     """Stop treating the run at ``root`` as replicated: its tier's registration is
     removed, and local retention stops waiting for copies. The local files that
     waited are removed by the writer's next commit, ``gc`` or reconcile; copies
-    already made, and their rows, stay. The number of files that waited."""
+    already made, and their rows, stay. The number of files that waited.
+
+    Refused (``LedgerLockedError``) while a replicator of the run runs: it would go
+    on copying while evictions no longer wait, and its copy of a file that waited
+    could be cut short by the file's removal."""
     with RunReader(root, db_url=db_url) as reader:
-        url = ledger_url(reader.root, db_url, readonly=False)
-        check_ledger_location(url)
-        ledger = open_ledger(url)
+        lock = FileLock(str(reader.root / LOCK_NAME), timeout=0)
         try:
-            with ledger.transaction() as session:
-                return ledger_tiers.detach(session, reader.run_id, REMOTE)
+            lock.acquire()
+        except Timeout:
+            raise LedgerLockedError(
+                f"a replicator holds {reader.root / LOCK_NAME}: stop it before detaching"
+            ) from None
+        try:
+            url = ledger_url(reader.root, db_url, readonly=False)
+            check_ledger_location(url)
+            ledger = open_ledger(url)
+            try:
+                with ledger.transaction() as session:
+                    return ledger_tiers.detach(session, reader.run_id, REMOTE)
+            finally:
+                ledger.dispose()
         finally:
-            ledger.dispose()
+            lock.release()
 
 
 def _remote_policies(
@@ -458,7 +502,9 @@ def _entry(row: m.Checkpoint, replica: m.Replica, policy: Policy) -> Entry:
     metric = policy.ranking_metric
     values = json.loads(row.metrics) if row.metrics else {}
     value = values.get(metric) if metric is not None else None
-    return Entry(id=replica.id, step=row.step, metric=None if value is None else float(value))
+    if value is None or not math.isfinite(float(value)):  # NaN: not ranked, as unsaved
+        return Entry(id=replica.id, step=row.step)
+    return Entry(id=replica.id, step=row.step, metric=float(value))
 
 
 def _check_poll(poll: object) -> None:

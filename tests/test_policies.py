@@ -23,7 +23,13 @@ from ckptdb.errors import (
     InvalidArgumentError,
     InvalidMetricError,
 )
-from ckptdb.policies import Entry, Reads, validate_policies, validate_stream_name
+from ckptdb.policies import (
+    Entry,
+    Reads,
+    replayed_evictions,
+    validate_policies,
+    validate_stream_name,
+)
 
 NEW_ID = 999
 
@@ -874,3 +880,32 @@ def test_a_keep_every_stream_reads_only_what_it_can_evict(tmp_path: Path) -> Non
         assert sorted(e.step for e in read) == [99, 100]
         mgr.save(101, model=state(101.0))
         assert [c.step for c in mgr.checkpoints("model")] == [*kept[:-2], 100, 101]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    steps=st.lists(st.integers(0, 8), min_size=1, max_size=10),
+    last=st.integers(1, 3),
+    every=st.none() | st.integers(2, 3),
+    ranked=st.booleans(),
+)
+def test_a_replayed_window_keeps_what_the_stream_keeps(
+    tmp_path_factory: pytest.TempPathFactory,
+    steps: list[int],
+    last: int,
+    every: int | None,
+    ranked: bool,
+) -> None:
+    """:func:`replayed_evictions` (how a remote tier applies a policy to its copies
+    afterwards) keeps exactly what the stream's commits kept, resumes included."""
+    policy = TopK(1, "loss", last=last) if ranked else Keep(last=last, every=every)
+    root = tmp_path_factory.mktemp("replay")
+    entries = []
+    with CheckpointManager(root, streams={"model": policy}) as mgr:
+        for i, step in enumerate(steps):
+            loss = float((i * 7) % 5)
+            saved = mgr.save(step, metrics={"loss": loss}, model=state(step))["model"]
+            entries.append(Entry(id=saved.id, step=step, metric=loss))
+        kept = {c.id for c in mgr.checkpoints("model")}
+    evicted = {e.id for e in replayed_evictions(policy, entries)}
+    assert {e.id for e in entries} - evicted == kept

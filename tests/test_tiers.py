@@ -24,10 +24,16 @@ from helpers import LedgerClient, flip_byte, migrate_to
 
 import ckptdb.ledger.tiers
 import ckptdb.replication
+import ckptdb.storage.s3
 from ckptdb import CheckpointManager, Keep, Replicator, RunReader, TopK
 from ckptdb.cli import main
 from ckptdb.cli.tiers import parse_keep
-from ckptdb.errors import ArgumentTypeError, InvalidArgumentError, UnknownStreamError
+from ckptdb.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    LedgerLockedError,
+    UnknownStreamError,
+)
 from ckptdb.ledger.engine import default_sqlite_url
 
 pytestmark = pytest.mark.timeout(120)
@@ -397,6 +403,9 @@ def test_keep_specs_read_as_policies(spec: str, policy: Any) -> None:
         ("model:best=3,metric=loss,every=2", "best=K needs metric=NAME"),
         ("model:best=3,metric=loss,mode=up", "mode must be min or max"),
         ("model:last=3,mode=max", "mode goes with best=K"),
+        ("model:every=100", "every=N goes with last=N"),
+        ("model:last=3,last=1", "a rule is given twice"),
+        ("model:last=\u00b2", "last must be a positive int"),
     ],
 )
 def test_a_bad_keep_spec_is_one_line_and_registers_nothing(
@@ -506,6 +515,173 @@ def test_a_copy_finished_while_a_commit_evicts_it_leaves_no_hold_behind(
         mgr.save(3, model=state(3))
         assert live_holds(db) == [2]  # step 2 waits for its copy; step 1's is made
         assert on_disk(mgr) == [2, 3]
+    finally:
+        mgr.close()
+        db.close()
+
+
+# ------------------------------------------------------------- review: edges of the windows
+
+
+def test_the_remote_window_follows_the_timeline_after_a_resume(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+    client: Any,
+) -> None:
+    """Resumed from step 3: the copies of the abandoned steps 4 and 5 go, and the new
+    step 3 (the one ``latest`` names) stays, restorable, as the stream's own window does."""
+    mgr = open_manager(streams={"model": Keep(last=3)})
+    with Replicator(root, s3_url, db_url=db_url, keep={"model": Keep(last=4)}) as replicator:
+        for step in (1, 2, 3, 4, 5):
+            mgr.save(step, model=state(step))
+        replicator.replicate()
+        resumed = mgr.save(3, model=state(33))["model"]
+        replicator.replicate()
+        copies = replicator.replicas()
+    whole = sorted((r.step, r.checkpoint_id) for r in copies if r.state == "replicated")
+    assert whole == [
+        (2, db.rows("SELECT id FROM checkpoints WHERE step = 2")[0][0]),
+        (3, resumed.id),
+    ]
+    assert len(s3lib.keys_under(client, s3_url)) == 2
+    resumed.path.unlink()
+    (back,) = mgr.restore(s3_url)
+    assert back.id == resumed.id and back.path.read_bytes() == copy_bytes(
+        client, s3_url, next(r.id for r in copies if r.checkpoint_id == resumed.id)
+    )
+
+
+def test_a_ranked_remote_window_never_judges_copies_saved_without_its_metric(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    s3_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=3)})
+    keep = {"model": TopK(1, "loss")}  # the saves below log "val_loss", not "loss"
+    with Replicator(root, s3_url, db_url=db_url, keep=keep) as replicator:
+        for step in (1, 2, 3):
+            mgr.save(step, metrics={"val_loss": 1.0 / step}, model=state(step))
+            replicator.replicate()
+        copies = replicator.replicas()
+    assert [r.state for r in copies] == ["replicated"] * 3  # none removed
+    said = [r.message for r in caplog.records if "saved without 'loss'" in r.message]
+    assert len(said) == 1  # said once, not at every pass
+
+
+def test_copies_under_another_destination_are_neither_judged_nor_removed(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+    client: Any,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=3)})
+    with Replicator(root, s3_url, db_url=db_url) as replicator:
+        for step in (1, 2):
+            mgr.save(step, model=state(step))
+        replicator.replicate()
+    elsewhere = s3lib.unique_prefix()
+    with Replicator(root, elsewhere, db_url=db_url, keep={"model": Keep(last=1)}) as replicator:
+        mgr.save(3, model=state(3))
+        (copied,) = replicator.replicate()
+        assert copied.step == 3 and copied.location.startswith(elsewhere)
+        assert replicator.expired == []
+    assert db.rows("SELECT state FROM replicas ORDER BY id") == [("replicated",)] * 3
+    assert len(s3lib.keys_under(client, s3_url)) == 2
+
+
+def test_a_copy_the_window_removes_during_a_restore_is_skipped(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mgr = open_manager(streams={"model": Keep(last=3)})
+    saved = {}
+    with Replicator(root, s3_url, db_url=db_url) as replicator:
+        for step in (1, 2):
+            saved[step] = mgr.save(step, model=state(step))["model"]
+        replicator.replicate()
+    for checkpoint in saved.values():
+        checkpoint.path.unlink()
+    download = ckptdb.storage.s3.S3Store.download
+
+    def removed_meanwhile(store: Any, rel: str, sink: Any) -> Any:
+        if "step-000000002" not in rel:
+            return download(store, rel, sink)
+        # what a replicator's window does between restore's query and this GET
+        db.execute("UPDATE replicas SET state = 'deleted' WHERE checkpoint_id = ?", saved[2].id)
+        raise ckptdb.errors.ObjectStoreError(f"GetObject {rel}: NoSuchKey")
+
+    monkeypatch.setattr(ckptdb.storage.s3.S3Store, "download", removed_meanwhile)
+    restored = mgr.restore(s3_url, every=True)
+    assert [c.step for c in restored] == [1]  # step 2 skipped, step 1 restored all the same
+    assert saved[1].path.exists() and not saved[2].path.exists()
+    assert not list(root.rglob(".*.tmp-*"))
+
+
+def test_detach_is_refused_while_a_replicator_runs(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+) -> None:
+    open_manager(streams={"model": Keep(last=1)}).close()
+    with Replicator(root, s3_url, db_url=db_url):
+        with pytest.raises(LedgerLockedError, match="stop it before detaching"):
+            ckptdb.replication.detach(root, db_url=db_url)
+        refused = cli("replicate", str(root), "--detach", db_url=db_url)
+        assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1
+    assert db.rows("SELECT COUNT(*) FROM tiers") == [(1,)]
+    mixed = cli("replicate", str(root), "--detach", "--to", s3_url, db_url=db_url)
+    assert mixed.exit_code == 2 and "--detach takes none of --to" in mixed.output
+    assert db.rows("SELECT COUNT(*) FROM tiers") == [(1,)]
+
+
+@pytest.mark.postgres
+def test_a_detach_while_a_commit_evicts_leaves_no_hold_behind(
+    tmp_path: Path, pg_url: str, s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the tier row's locks: the commit reads the registration, the detach
+    releases the holds it sees and commits, then the commit adds a hold nobody releases."""
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root, db_url=pg_url, streams={"model": Keep(last=1)})
+    db = LedgerClient(root, pg_url)
+    try:
+        with Replicator(root, s3_url, db_url=pg_url):
+            mgr.save(1, model=state(1))
+            mgr.save(2, model=state(2))
+        assert live_holds(db) == [1]
+        released, saved = threading.Event(), threading.Event()
+        release = ckptdb.ledger.tiers.release
+
+        def release_then_wait(session: Any, ids: Any, tier: str) -> None:
+            release(session, ids, tier)
+            released.set()
+            saved.wait(5)  # the detach's transaction stays open while the commit runs
+
+        monkeypatch.setattr(ckptdb.ledger.tiers, "release", release_then_wait)
+        detaching = threading.Thread(
+            target=ckptdb.replication.detach, args=(root,), kwargs={"db_url": pg_url}
+        )
+        detaching.start()
+        assert released.wait(30), "the detach never ran"
+        mgr.save(3, model=state(3))  # evicts step 2 (waits for the detach's row lock)
+        saved.set()
+        detaching.join(30)
+        assert not detaching.is_alive()
+        assert live_holds(db) == []
+        mgr.save(4, model=state(4))
+        assert on_disk(mgr) == [4]
     finally:
         mgr.close()
         db.close()

@@ -7,6 +7,7 @@ the work is :class:`~ckptdb.replication.Replicator`'s and
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import threading
@@ -84,12 +85,26 @@ def replicate(
       ckptdb replicate runs/exp1 --to s3://bucket/replicas --keep model:last=10 --follow
     """
     if detach:
+        options: dict[str, object] = {
+            "--to": to,
+            "--stream": streams,
+            "--keep": keep,
+            "--follow": follow,
+            "--retry-failed": retry_failed,
+        }
+        given = [name for name, value in options.items() if value]
+        if given:
+            raise click.UsageError(f"--detach takes none of {', '.join(given)}")
         released = detach_tier(root, db_url=db_url)
         click.echo(f"detached: {released} local file(s) no longer wait for their copy")
         return
     if to is None:
         raise click.UsageError("--to is required (or --detach)")
-    policies = dict(parse_keep(spec) for spec in keep)
+    policies = {}
+    for stream, policy in map(parse_keep, keep):
+        if stream in policies:
+            raise InvalidArgumentError(f"--keep names stream {stream!r} twice")
+        policies[stream] = policy
     stop = threading.Event()
     failed = False
     with Replicator(root, to, db_url=db_url, streams=streams or None, keep=policies) as replicator:
@@ -126,6 +141,8 @@ def parse_keep(spec: str) -> tuple[str, Policy]:
             f"--keep {spec!r}: expected STREAM:RULE=VALUE[,...], e.g. model:last=10"
         )
     values = {k.strip(): v.strip() for k, _, v in pairs}
+    if len(values) != len(pairs):
+        raise InvalidArgumentError(f"--keep {spec!r}: a rule is given twice")
     unknown = sorted(set(values) - {"last", "every", "best", "metric", "mode"})
     if unknown:
         raise InvalidArgumentError(
@@ -134,7 +151,7 @@ def parse_keep(spec: str) -> tuple[str, Policy]:
     numbers = {}
     for key in ("last", "every", "best"):
         if key in values:
-            if not values[key].isdigit():
+            if not re.fullmatch(r"[0-9]+", values[key]):
                 raise InvalidArgumentError(f"--keep {spec!r}: {key} must be a positive int")
             numbers[key] = int(values[key])
     if "best" in values or "metric" in values:
@@ -149,6 +166,8 @@ def parse_keep(spec: str) -> tuple[str, Policy]:
         return stream, best
     if "mode" in values:
         raise InvalidArgumentError(f"--keep {spec!r}: mode goes with best=K,metric=NAME")
+    if "last" not in numbers:  # every=N alone would keep every copy: not what it says
+        raise InvalidArgumentError(f"--keep {spec!r}: every=N goes with last=N")
     return stream, Keep(last=numbers.get("last"), every=numbers.get("every"))
 
 

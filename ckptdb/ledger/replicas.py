@@ -61,17 +61,19 @@ def finish(
     size: int,
     digest: str,
     manifest: dict[str, Any],
-) -> None:
-    """Mark a whole, verified copy ``replicated``.
+) -> bool:
+    """Mark a whole, verified copy ``replicated``; whether it was (still ``uploading``).
 
     The checkpoint's row is locked first (PostgreSQL; SQLite runs one writing
     transaction at a time), as a commit that evicts it locks it: either that commit
     sees this copy and holds nothing back, or its hold is committed before the
     caller releases the checkpoint's holds (see ledger.tiers)."""
-    session.scalars(
-        select(m.Checkpoint.id).where(m.Checkpoint.id == checkpoint_id).with_for_update()
+    session.scalars(  # FOR NO KEY UPDATE: as the commit's UPDATE of the row, not a pin's
+        select(m.Checkpoint.id)
+        .where(m.Checkpoint.id == checkpoint_id)
+        .with_for_update(key_share=True)
     ).first()
-    session.execute(
+    done = session.execute(
         update(m.Replica)
         .where(m.Replica.id == replica_id, m.Replica.state == UPLOADING)
         .values(
@@ -82,6 +84,7 @@ def finish(
             finished_at=m.utcnow(),
         )
     )
+    return getattr(done, "rowcount", 0) == 1
 
 
 def fail(session: Session, replica_id: int, error: str) -> None:
@@ -193,6 +196,11 @@ def mark_deleted(session: Session, replica_id: int) -> None:
         .where(m.Replica.id == replica_id, m.Replica.state == DELETING)
         .values(state=DELETED, error=None)
     )
+
+
+def state_of(session: Session, replica_id: int) -> str | None:
+    row = session.get(m.Replica, replica_id)
+    return None if row is None else row.state
 
 
 def note_error(session: Session, replica_id: int, error: str) -> None:

@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 from ..policies import PolicyRecord
 from . import models as m
 from .boundary_rows import MAX_BOUND, batches, fetch, run, stamp
+from .held import connection_of
 
 #: A hold's pin lasts until its copy is made (or the tier is detached), not a lease.
 FOREVER = dt.datetime(9999, 1, 1, tzinfo=dt.timezone.utc)
@@ -94,6 +95,9 @@ def registrations(session: Session, run_id: int) -> list[Registration]:
 def detach(session: Session, run_id: int, tier: str) -> int:
     """Forget the run's ``tier``: local retention stops waiting for its copies. Every
     hold it had is released; their number."""
+    session.scalars(  # a commit adding a hold holds the row FOR SHARE: it is waited for
+        select(m.Tier.id).where(m.Tier.run_id == run_id, m.Tier.tier == tier).with_for_update()
+    ).first()
     held = [i for i, _ in _held(session, run_id, tier)]
     release(session, held, tier)
     session.execute(delete(m.Tier).where(m.Tier.run_id == run_id, m.Tier.tier == tier))
@@ -155,7 +159,11 @@ def hold_for_copy(
     registered (see :func:`~ckptdb.ledger.boundary_rows.pinned_ids`)."""
     if not evicted:
         return set()
-    tiers = fetch(session, "SELECT tier, streams FROM tiers WHERE run_id = ?", (run_id,))
+    # FOR SHARE: a registration changed or removed meanwhile (register, detach lock the
+    # row FOR UPDATE) is waited for, then read as it is: no hold added after a detach
+    # released the tier's holds, or for a stream it no longer copies
+    lock = " FOR SHARE" if connection_of(session).dialect.name == "postgresql" else ""
+    tiers = fetch(session, f"SELECT tier, streams FROM tiers WHERE run_id = ?{lock}", (run_id,))
     if not tiers:
         return set()
     streams: dict[int, str] = {}

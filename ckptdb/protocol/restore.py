@@ -50,11 +50,16 @@ def restore(ctx: RunContext, remote: Any, tier: str, *, every: bool) -> list[Che
     with ctx.ledger.transaction() as session:
         found = ledger_replicas.restorable(session, ctx.run_id, tier, newest_only=not every)
         wanted = [
-            (ledger_rows.to_record(row, ctx.save_dir), replica.location, replica.manifest)
+            (
+                ledger_rows.to_record(row, ctx.save_dir),
+                replica.id,
+                replica.location,
+                replica.manifest,
+            )
             for row, replica in found
         ]
     restored = []
-    for checkpoint, location, manifest in wanted:
+    for checkpoint, replica_id, location, manifest in wanted:
         rel = ctx.rel(checkpoint.path)
         if _whole_here(ctx, checkpoint, rel):  # e.g. a crash after the place, before the row
             if checkpoint.state != COMMITTED:
@@ -65,9 +70,26 @@ def restore(ctx: RunContext, remote: Any, tier: str, *, every: bool) -> list[Che
             raise InvalidArgumentError(
                 f"the copy of {checkpoint.path} is at {location}, outside {remote.location}"
             )
-        _bring_back(ctx, remote, checkpoint, rel, source, *_files(manifest))
+        try:
+            _bring_back(ctx, remote, checkpoint, rel, source, *_files(manifest))
+        except ObjectStoreError:
+            if _still_whole(ctx, replica_id):
+                raise
+            log.warning(  # nothing was replaced; the rest are restored all the same
+                "ckptdb: the copy of %s at %s was removed by the remote tier's retention "
+                "while it was restored; skipped",
+                checkpoint.path,
+                location,
+            )
+            continue
         restored.append(_recommit(ctx, checkpoint, location))
     return restored
+
+
+def _still_whole(ctx: RunContext, replica_id: int) -> bool:
+    """Whether the copy is still ``replicated`` (not dropped by the remote window since)."""
+    with ctx.ledger.transaction(read=True) as session:
+        return ledger_replicas.state_of(session, replica_id) == ledger_replicas.REPLICATED
 
 
 def _whole_here(ctx: RunContext, checkpoint: Checkpoint, rel: str) -> bool:
