@@ -36,8 +36,10 @@ from .errors import (
     ArgumentTypeError,
     ChiefOnlyError,
     CleanupWarning,
+    CorruptCheckpointError,
     InvalidArgumentError,
     LedgerError,
+    ObjectStoreError,
     PhaseError,
     RankFailedError,
     RunDirectoryError,
@@ -203,7 +205,16 @@ class CheckpointManager:
         allow_network_sqlite: bool = False,
         process_group: Any = None,
         storage_options: Mapping[str, object] | None = None,
+        remote: str | None = None,
+        remote_options: Mapping[str, object] | None = None,
     ) -> None:
+        if remote is not None and (not isinstance(remote, str) or not is_object_url(remote)):
+            raise InvalidArgumentError(
+                f"remote must be an object-storage URL (s3://bucket/prefix), got {remote!r}"
+            )
+        self._remote = (remote, remote_options)
+        #: What the open brought back from the remote tier (``remote=``), if anything.
+        self.restored_at_open: list[Checkpoint] = []
         if guard is not None and not isinstance(guard, NonFiniteGradGuard):
             raise ArgumentTypeError(f"guard must be a NonFiniteGradGuard, got {guard!r}")
         refuse_object_root(root, "root")
@@ -313,12 +324,58 @@ class CheckpointManager:
         db.fenced = lambda: lock.lost  # every later write asks the lock first
         self._assemble(ctx)
         self._closed = False
-        if not maintenance:
-            try:
+        try:
+            ctx.remote = self._remote_tier(run.save_dir)
+            if not maintenance:
+                if ctx.remote is not None:
+                    self._restore_at_open()
                 self.last_reconcile = self.reconcile()
-            except BaseException:
-                self._close("failed")
-                raise
+        except BaseException:
+            self._close("failed")
+            raise
+
+    def _remote_tier(self, save_dir: Path | ObjectPath) -> Any:
+        """The store of ``remote=`` (the tier a replicator copies to), read only: a load
+        that finds its local copy missing or corrupt falls back to its copy there."""
+        url, options = self._remote
+        if url is None:
+            return None
+        if isinstance(save_dir, ObjectPath):
+            raise InvalidArgumentError(
+                f"remote= is the tier a local run is replicated to; {self.root} saves on "
+                f"object storage already ({save_dir})"
+            )
+        return remote_store(url, options, probe=False)
+
+    def _restore_at_open(self) -> None:
+        """A new machine (the save directory gone) or a newest checkpoint missing here:
+        the newest whole copy of each stream is brought back before reconcile, which then
+        marks the rest lost instead of refusing an absent directory. A copy that cannot be
+        had leaves the run as it is (said, and recorded as ``restore_failed``): training
+        resumes from the newest checkpoint it can reach."""
+        ctx = self._ctx
+        url = str(ctx.remote.location)
+        if ctx.store.absent():
+            log.warning(
+                "ckptdb: the save directory %s is gone (a new machine?): restoring the newest "
+                "copies from %s; the checkpoints without one will be marked lost",
+                ctx.save_dir,
+                url,
+            )
+            for stream in ctx.policies:
+                ctx.store.prepare_stream(stream)
+            ctx.event("save_dir_recreated", detail={"path": str(ctx.save_dir), "remote": url})
+        try:
+            self.restored_at_open = restoring.restore(
+                ctx, ctx.remote, REMOTE, every=False, full=False
+            )
+        except (ObjectStoreError, CorruptCheckpointError) as exc:
+            log.warning(
+                "ckptdb: restoring from %s failed, resuming from what is here: %s", url, exc
+            )
+            ctx.event(
+                "restore_failed", detail={"remote": url, "error": f"{type(exc).__name__}: {exc}"}
+            )
 
     def _assemble(self, ctx: RunContext) -> None:
         """Compose the parts around one run context."""

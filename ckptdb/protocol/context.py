@@ -143,6 +143,9 @@ class RunContext:
     pins_waiting: bool = True
     #: The number of ranks this attempt runs on (recorded with every checkpoint).
     world_size: int = 1
+    #: The remote tier's store (``remote=``, the chief's only): where a load whose local
+    #: copy is missing or corrupt finds the checkpoint's copy.
+    remote: Any = None
 
     @property
     def ledger(self) -> Ledger:

@@ -21,7 +21,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..coord.base import Coordinator
 from ..errors import (
     CheckpointLostError,
+    CkptDBError,
     CorruptCheckpointError,
+    note_on,
 )
 from ..ledger import rows as ledger_rows
 from ..record import Checkpoint
@@ -30,6 +32,8 @@ from ..storage.base import LOST
 from ..storage.dcp import resolve_stateful
 from ..storage.kinds import TORCH_FILE, PayloadKind, kind_of_path
 from ..storage.naming import is_sharded
+from ..storage.remote import REMOTE
+from . import restore as restoring
 from .asyncsave import InFlight
 from .context import RunContext
 
@@ -172,21 +176,42 @@ class Loader:
 
         ``keep``: a load follows, so the store may hold the verified bytes for it."""
         target = self.resolve(which, stream)
-        finding = self.ctx.store.verify(
-            self.ctx.rel(target.path), target.size, target.hash, full=True, keep=keep
-        )
+        finding = self._verify(target, keep)
         if finding is None:
             return target
-        if finding.state == LOST:
-            if not finding.missing:
-                assert finding.error is not None
-                raise finding.error  # unreadable now is not proof that it is gone
-            self._mark_bad(target, LOST, finding.detail)
-            raise CheckpointLostError(
-                f"{target.path} is gone; marked lost, latest falls back to the previous one"
-            ) from finding.error
+        if finding.state == LOST and not finding.missing:
+            assert finding.error is not None
+            raise finding.error  # unreadable now is not proof that it is gone
         self._mark_bad(target, finding.state, finding.detail)
-        raise CorruptCheckpointError(f"{target.path}: {finding.detail}; refusing to load it")
+        error: CkptDBError
+        if finding.state == LOST:
+            error = CheckpointLostError(
+                f"{target.path} is gone; marked lost, latest falls back to the previous one"
+            )
+            error.__cause__ = finding.error
+        else:
+            error = CorruptCheckpointError(f"{target.path}: {finding.detail}; refusing to load it")
+        if self._restored(target, error) and self._verify(target, keep) is None:
+            return target
+        raise error
+
+    def _verify(self, target: Checkpoint, keep: bool) -> Any:
+        rel = self.ctx.rel(target.path)
+        return self.ctx.store.verify(rel, target.size, target.hash, full=True, keep=keep)
+
+    def _restored(self, target: Checkpoint, error: BaseException) -> bool:
+        """Whether ``target``, just marked lost or corrupt, was brought back from its copy
+        on the remote tier (``remote=``); a failure to is noted on ``error``."""
+        if self.ctx.remote is None:
+            return False
+        try:
+            done = restoring.restore_one(self.ctx, self.ctx.remote, REMOTE, target)
+        except Exception as exc:  # the load's own error stays the one raised
+            note_on(error, f"restoring it from its copy failed too: {type(exc).__name__}: {exc}")
+            return False
+        if not done:
+            note_on(error, "it has no whole copy on the remote tier")
+        return done
 
     def resolve(self, which: object, stream: str | None) -> Checkpoint:
         return self.ctx.queries().resolve(which, stream, self.ctx.root)

@@ -44,9 +44,13 @@ from .reconcile import QUARANTINE_NAME
 log = logging.getLogger(__name__)
 
 
-def restore(ctx: RunContext, remote: Any, tier: str, *, every: bool) -> list[Checkpoint]:
+def restore(
+    ctx: RunContext, remote: Any, tier: str, *, every: bool, full: bool = True
+) -> list[Checkpoint]:
     """Bring back what needs it: the newest checkpoint of each stream that has a whole
-    copy (``every``: each one that has); the checkpoints restored."""
+    copy (``every``: each one that has); the checkpoints restored. ``full``: a local
+    copy is hashed whole to decide; else only its presence and size are (an open's
+    quick look: a load hashes what it loads, and falls back to the copy then)."""
     with ctx.ledger.transaction() as session:
         found = ledger_replicas.restorable(session, ctx.run_id, tier, newest_only=not every)
         wanted = [
@@ -61,17 +65,12 @@ def restore(ctx: RunContext, remote: Any, tier: str, *, every: bool) -> list[Che
     restored = []
     for checkpoint, replica_id, location, manifest in wanted:
         rel = ctx.rel(checkpoint.path)
-        if _whole_here(ctx, checkpoint, rel):  # e.g. a crash after the place, before the row
+        if _whole_here(ctx, checkpoint, rel, full):  # e.g. a crash after the place
             if checkpoint.state != COMMITTED:
                 restored.append(_recommit(ctx, checkpoint, location))
             continue
-        source = remote.rel_of(location)
-        if source is None:
-            raise InvalidArgumentError(
-                f"the copy of {checkpoint.path} is at {location}, outside {remote.location}"
-            )
         try:
-            _bring_back(ctx, remote, checkpoint, rel, source, *_files(manifest))
+            _bring_back(ctx, remote, checkpoint, rel, location, manifest)
         except ObjectStoreError:
             if _still_whole(ctx, replica_id):
                 raise
@@ -86,14 +85,28 @@ def restore(ctx: RunContext, remote: Any, tier: str, *, every: bool) -> list[Che
     return restored
 
 
+def restore_one(ctx: RunContext, remote: Any, tier: str, checkpoint: Checkpoint) -> bool:
+    """Bring ``checkpoint`` back from its whole copy on ``tier``, if it has one (a load
+    that found its local copy missing or corrupt); whether it did."""
+    with ctx.ledger.transaction() as session:
+        replica = ledger_replicas.replicated(session, checkpoint.id, tier)
+        found = None if replica is None else (replica.location, replica.manifest)
+    if found is None:
+        return False
+    location, manifest = found
+    _bring_back(ctx, remote, checkpoint, ctx.rel(checkpoint.path), location, manifest)
+    _recommit(ctx, checkpoint, location)
+    return True
+
+
 def _still_whole(ctx: RunContext, replica_id: int) -> bool:
     """Whether the copy is still ``replicated`` (not dropped by the remote window since)."""
     with ctx.ledger.transaction(read=True) as session:
         return ledger_replicas.state_of(session, replica_id) == ledger_replicas.REPLICATED
 
 
-def _whole_here(ctx: RunContext, checkpoint: Checkpoint, rel: str) -> bool:
-    return ctx.store.verify(rel, checkpoint.size, checkpoint.hash, full=True) is None
+def _whole_here(ctx: RunContext, checkpoint: Checkpoint, rel: str, full: bool) -> bool:
+    return ctx.store.verify(rel, checkpoint.size, checkpoint.hash, full=full) is None
 
 
 def _files(manifest: str | None) -> tuple[bool, list[tuple[str, FileInfo]]]:
@@ -108,11 +121,16 @@ def _bring_back(
     remote: Any,
     checkpoint: Checkpoint,
     rel: str,
-    source: str,
-    directory: bool,
-    files: list[tuple[str, FileInfo]],
+    location: str,
+    manifest: str | None,
 ) -> None:
-    """Download the copy next to ``rel``, verify it, then put it in place."""
+    """Download the copy at ``location`` next to ``rel``, verify it, then put it in place."""
+    source = remote.rel_of(location)
+    if source is None:
+        raise InvalidArgumentError(
+            f"the copy of {checkpoint.path} is at {location}, outside {remote.location}"
+        )
+    directory, files = _files(manifest)
     store = ctx.store
     tmp = _prepared_temp(store, checkpoint, rel)
     store.remove(tmp)  # a crashed restore's leftover
