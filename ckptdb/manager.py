@@ -36,16 +36,15 @@ from .errors import (
     ArgumentTypeError,
     ChiefOnlyError,
     CleanupWarning,
-    CorruptCheckpointError,
     InvalidArgumentError,
     LedgerError,
-    ObjectStoreError,
     PhaseError,
     RankFailedError,
     RunDirectoryError,
+    note_on,
 )
 from .guard import NonFiniteGradGuard
-from .ledger import OpenedRun, after_commit, open_ledger, pins
+from .ledger import OpenedRun, after_commit, boundary_rows, open_ledger, pins
 from .ledger import models as m
 from .ledger import rows as ledger_rows
 from .ledger.engine import default_sqlite_url, normalize_url
@@ -57,6 +56,7 @@ from .location import ObjectPath, is_object_url, looks_like_object_url, object_p
 from .policies import Keep, Policy, validate_policies
 from .preemption import DEFAULT_SIGNALS, Preemption
 from .protocol import restore as restoring
+from .protocol.absence import absent_directories
 from .protocol.adopt import Adopter, Candidate
 from .protocol.adopt import Outcome as AdoptOutcome
 from .protocol.aliases import AliasKeeper, requested
@@ -212,6 +212,8 @@ class CheckpointManager:
             raise InvalidArgumentError(
                 f"remote must be an object-storage URL (s3://bucket/prefix), got {remote!r}"
             )
+        if remote is None and remote_options is not None:
+            raise InvalidArgumentError("remote_options= goes with remote=")
         self._remote = (remote, remote_options)
         #: What the open brought back from the remote tier (``remote=``), if anything.
         self.restored_at_open: list[Checkpoint] = []
@@ -325,7 +327,7 @@ class CheckpointManager:
         self._assemble(ctx)
         self._closed = False
         try:
-            ctx.remote = self._remote_tier(run.save_dir)
+            ctx.remote, ctx.remote_tier = self._remote_tier(run.save_dir), REMOTE
             if not maintenance:
                 if ctx.remote is not None:
                     self._restore_at_open()
@@ -348,34 +350,59 @@ class CheckpointManager:
         return remote_store(url, options, probe=False)
 
     def _restore_at_open(self) -> None:
-        """A new machine (the save directory gone) or a newest checkpoint missing here:
-        the newest whole copy of each stream is brought back before reconcile, which then
-        marks the rest lost instead of refusing an absent directory. A copy that cannot be
-        had leaves the run as it is (said, and recorded as ``restore_failed``): training
-        resumes from the newest checkpoint it can reach."""
+        """Resume from the newest checkpoint the run can reach, before reconcile.
+
+        A stream's newest whole copy is brought back when no newer committed
+        checkpoint of it is here. The save directory gone (a new machine): once
+        every such copy is back, the missing directories are made, so reconcile
+        marks the checkpoints without a copy lost instead of refusing; if a copy
+        could not be had, the open is refused (``RunDirectoryError``) with nothing
+        marked, as without ``remote=``. The save directory here but a stream's
+        directory not (storage not mounted?): nothing is restored, and reconcile
+        refuses as it always does. A copy that fails otherwise is said, recorded
+        (``restore_failed``) and left: the load falls back then.
+        """
         ctx = self._ctx
         url = str(ctx.remote.location)
-        if ctx.store.absent():
-            log.warning(
-                "ckptdb: the save directory %s is gone (a new machine?): restoring the newest "
-                "copies from %s; the checkpoints without one will be marked lost",
-                ctx.save_dir,
-                url,
-            )
-            for stream in ctx.policies:
-                ctx.store.prepare_stream(stream)
-            ctx.event("save_dir_recreated", detail={"path": str(ctx.save_dir), "remote": url})
-        try:
-            self.restored_at_open = restoring.restore(
-                ctx, ctx.remote, REMOTE, every=False, full=False
-            )
-        except (ObjectStoreError, CorruptCheckpointError) as exc:
-            log.warning(
-                "ckptdb: restoring from %s failed, resuming from what is here: %s", url, exc
-            )
+        new_machine = ctx.store.absent()
+        if not new_machine and self._unmounted():
+            return
+        outcome = restoring.restore(ctx, ctx.remote, REMOTE, every=False, at_open=True)
+        self.restored_at_open = outcome.restored
+        for checkpoint, exc in outcome.failures:
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("ckptdb: restoring %s from %s failed: %s", checkpoint.path, url, error)
             ctx.event(
-                "restore_failed", detail={"remote": url, "error": f"{type(exc).__name__}: {exc}"}
+                "restore_failed",
+                checkpoint_id=checkpoint.id,
+                step=checkpoint.step,
+                detail={"remote": url, "error": error},
             )
+        if not new_machine or not outcome.restored:
+            return  # nothing restored into a missing directory: reconcile judges, as always
+        if outcome.failures:
+            first = outcome.failures[0][1]
+            raise RunDirectoryError(
+                f"the save directory {ctx.save_dir} was gone (a new machine?) and restoring "
+                f"from {url} failed: {type(first).__name__}: {first}; what was restored is "
+                "back, nothing was marked lost: open again once the copies can be read"
+            ) from first
+        log.warning(
+            "ckptdb: the save directory %s was gone (a new machine?): the newest copies were "
+            "restored from %s; the checkpoints without one will be marked lost",
+            ctx.save_dir,
+            url,
+        )
+        for stream in ctx.policies:
+            ctx.store.prepare_stream(stream)
+        ctx.event("save_dir_recreated", detail={"path": str(ctx.save_dir), "remote": url})
+
+    def _unmounted(self) -> bool:
+        """Whether reconcile would refuse the open for a missing stream directory."""
+        ctx = self._ctx
+        with ctx.ledger.transaction(read=True) as session:
+            committed = boundary_rows.committed_paths(session, ctx.run_id)
+        return absent_directories(ctx.store, committed, "") is not None
 
     def _assemble(self, ctx: RunContext) -> None:
         """Compose the parts around one run context."""
@@ -973,7 +1000,16 @@ class CheckpointManager:
         ctx = self._require_chief("restore()")
         self._inflight.wait()
         remote = remote_store(source, storage_options, probe=False)  # it only reads
-        return restoring.restore(ctx, remote, REMOTE, every=every)
+        outcome = restoring.restore(ctx, remote, REMOTE, every=every)
+        if outcome.failures:  # every checkpoint was tried: the first failure is raised
+            (_, first), rest = outcome.failures[0], outcome.failures[1:]
+            for checkpoint, exc in rest:
+                note_on(first, f"restoring {checkpoint.path} failed too: {exc}")
+            if outcome.restored:
+                done = ", ".join(str(c.path) for c in outcome.restored)
+                note_on(first, f"restored all the same: {done}")
+            raise first
+        return outcome.restored
 
     def check(self, *, load: bool = False) -> list[str]:
         """Violations of the run's consistency invariants, one line each.

@@ -21,6 +21,7 @@ import s3lib
 import torch
 from helpers import LedgerClient, flip_byte
 
+import ckptdb.errors
 from ckptdb import CheckpointManager, Keep, Replicator, Sharded
 from ckptdb.errors import (
     CheckpointLostError,
@@ -148,6 +149,170 @@ def test_a_remote_that_cannot_be_read_at_open_resumes_from_what_is_here(
     assert not list(root.rglob(".*.tmp-*"))
 
 
+def test_a_missing_newest_file_is_restored_at_open(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+) -> None:
+    mgr = replicated_run(open_manager, root, s3_url, db_url)
+    mgr.close()
+    newest = root / "checkpoints" / "model" / "step-000000030.pt"
+    newest.unlink()
+    reopened = open_manager(streams=STREAMS, remote=s3_url)
+    assert [(c.stream, c.step) for c in reopened.restored_at_open] == [("model", 30)]
+    assert reopened.latest("model").step == 30  # type: ignore[union-attr]
+    assert events(db, "save_dir_recreated") == []  # the save directory was there
+    assert [a.kind for a in reopened.last_reconcile.actions] == []  # nothing left to repair
+
+
+def test_a_first_open_with_remote_is_no_new_machine(
+    open_manager: Callable[..., CheckpointManager], root: Path, db: LedgerClient, s3_url: str
+) -> None:
+    mgr = open_manager(streams=STREAMS, remote=s3_url)  # no save directory yet: a new run
+    assert mgr.restored_at_open == []
+    mgr.save(1, model=state(1))
+    assert events(db, "save_dir_recreated") == [] and events(db, "restore_failed") == []
+
+
+@pytest.mark.postgres
+def test_a_new_machine_whose_copies_cannot_be_read_is_refused_with_nothing_marked(
+    tmp_path: Path, pg_url: str, s3_url: str, client: Any
+) -> None:
+    """A wrong prefix, bad credentials, an outage: the open must not take an empty disk
+    for the truth and mark every checkpoint lost (training would start over)."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, db_url=pg_url, streams=STREAMS) as mgr:
+        for step in (10, 20):
+            mgr.save(step, model=state(step), sh=Sharded(sharded(step)))
+    with Replicator(root, s3_url, db_url=pg_url) as replicator:
+        replicator.replicate()
+    sh_copy = next(k for k in s3lib.keys_under(client, s3_url) if "/sh/step-000000020" in k)
+    client.delete_object(Bucket=s3lib.BUCKET, Key=sh_copy)  # one copy cannot be had
+    shutil.rmtree(root)
+
+    with pytest.raises(RunDirectoryError, match=r"restoring from .* failed") as refused:
+        CheckpointManager(root, db_url=pg_url, streams=STREAMS, remote=s3_url)
+    assert "nothing was marked lost" in str(refused.value)
+    db = LedgerClient(root, pg_url)
+    try:
+        states = db.rows("SELECT stream, step, state FROM checkpoints ORDER BY stream, step")
+        assert all(state == "committed" for _, _, state in states)  # model 20 recommitted too
+        (failed,) = events(db, "restore_failed")
+        assert failed[0] == 20 and "ObjectStoreError" in failed[1]["error"]
+    finally:
+        db.close()
+    assert (root / "checkpoints" / "model" / "step-000000020.pt").exists()  # kept: it is whole
+
+
+def test_an_empty_mount_point_is_refused_as_without_remote(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+) -> None:
+    """The save directory there but empty (a filesystem not mounted on it): nothing is
+    restored into it and nothing is marked; the open is refused as it always is."""
+    mgr = replicated_run(open_manager, root, s3_url, db_url)
+    mgr.close()
+    shutil.rmtree(root / "checkpoints")
+    (root / "checkpoints").mkdir()
+    with pytest.raises(RunDirectoryError, match="mounted"):
+        open_manager(streams=STREAMS, remote=s3_url)
+    assert list((root / "checkpoints").iterdir()) == []
+    assert events(db, "restored_from_replica") == []
+    assert ("lost",) not in db.rows("SELECT state FROM checkpoints")
+
+
+def test_a_corrupt_row_whose_bad_file_is_still_here_is_hashed_at_open(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+) -> None:
+    """Its size is right: only its hash tells, and a row already marked corrupt is never
+    committed again on its size alone."""
+    mgr = replicated_run(open_manager, root, s3_url, db_url)
+    newest = mgr.latest("model")
+    assert newest is not None
+    mgr.close()
+    whole = newest.path.read_bytes()
+    flip_byte(newest.path)
+    db.execute("UPDATE checkpoints SET state = 'corrupt' WHERE id = ?", newest.id)
+    reopened = open_manager(streams=STREAMS, remote=s3_url)
+    assert [c.step for c in reopened.restored_at_open] == [30]
+    assert newest.path.read_bytes() == whole  # downloaded at the open, not recommitted as is
+    assert torch.equal(reopened.load()["w"], state(30)["w"])
+    assert reopened.check(load=True) == []
+
+
+def test_copies_under_another_destination_are_not_restored_from(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    s3_url: str,
+) -> None:
+    mgr = replicated_run(open_manager, root, s3_url, db_url)
+    elsewhere = s3lib.unique_prefix()
+    mgr.save(40, model=state(40))
+    with Replicator(root, elsewhere, db_url=db_url) as replicator:
+        assert [r.step for r in replicator.replicate()] == [40]
+    mgr.close()
+    (root / "checkpoints" / "model" / "step-000000040.pt").unlink()
+    (root / "checkpoints" / "model" / "step-000000030.pt").unlink()
+    reopened = open_manager(streams=STREAMS, remote=s3_url)  # 40's copy is not under it
+    assert [c.step for c in reopened.restored_at_open] == [30]
+    assert reopened.latest("model").step == 30  # type: ignore[union-attr]
+
+
+def test_an_abandoned_timeline_is_not_revived_at_open(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+) -> None:
+    mgr = replicated_run(open_manager, root, s3_url, db_url)  # model 10, 20, 30 copied
+    old = mgr.latest("model")
+    assert old is not None
+    mgr.close()
+    db.execute("UPDATE checkpoints SET state = 'lost' WHERE id = ?", old.id)
+    old.path.unlink()
+    again = open_manager(streams=STREAMS)  # (with remote=, its open would restore it)
+    resaved = again.save(30, model=state(33))["model"]  # a newer step 30: the old one is past
+    again.close()
+    reopened = open_manager(streams=STREAMS, remote=s3_url)
+    assert reopened.restored_at_open == []
+    assert reopened.latest("model") == resaved
+    assert db.rows("SELECT state FROM checkpoints WHERE id = ?", old.id) == [("lost",)]
+
+
+def test_a_copy_that_does_not_match_is_marked_failed_and_not_offered_again(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+    client: Any,
+) -> None:
+    mgr = replicated_run(open_manager, root, s3_url, db_url)
+    newest = mgr.latest("model")
+    assert newest is not None
+    (key,) = [k for k in s3lib.keys_under(client, s3_url) if "/model/step-000000030" in k]
+    client.put_object(Bucket=s3lib.BUCKET, Key=key, Body=b"x" * newest.size)  # tampered
+    newest.path.unlink()
+    with pytest.raises(CheckpointLostError) as caught:
+        mgr.load()
+    (note,) = caught.value.__notes__
+    assert "CorruptCheckpointError" in note
+    (copy,) = db.rows("SELECT state, error FROM replicas WHERE checkpoint_id = ?", newest.id)
+    assert copy[0] == "failed" and "read back and refused" in copy[1]
+    assert mgr.restore(s3_url) == []  # never offered again
+
+
 # ------------------------------------------------------------- a load falls back to the copy
 
 
@@ -252,3 +417,86 @@ def test_remote_must_be_object_storage_and_the_run_local(
     with pytest.raises(InvalidArgumentError, match="saves on object storage already"):
         open_manager(on_s3, streams=STREAMS, save_dir=s3lib.unique_prefix(), remote=s3_url)
     open_manager(on_s3, streams=STREAMS).close()  # the refused open left its lock free
+
+
+# ------------------------------------------------------------- the framework integrations
+
+
+def test_accelerate_resumes_from_the_copy_of_a_corrupt_newest_checkpoint(
+    tmp_path: Path, s3_url: str
+) -> None:
+    from acceleratelib import Loop
+
+    from ckptdb.integrations.accelerate import Checkpoints
+
+    root = tmp_path / "run"
+    loop = Loop(seed=0)
+    with Checkpoints(loop.accelerator, root) as ckpts:
+        loop.train(3, ckpts.save)
+    with Replicator(root, s3_url) as replicator:
+        assert len(replicator.replicate()) == 3
+    flip_byte(root / "checkpoints" / "checkpoint_3" / "optimizer.bin")  # same size
+
+    again = Loop(seed=1)
+    with Checkpoints(again.accelerator, root, remote=s3_url) as ckpts:
+        assert ckpts.resume() == 3  # not 2: the copy of checkpoint_3 was brought back
+        assert ckpts.latest() == ckpts.resumed
+    quarantined = [p.name for p in (root / "ckptdb.quarantine").glob("*/checkpoint_3*")]
+    assert quarantined == ["checkpoint_3"]
+    with pytest.raises(InvalidArgumentError, match="remote must be an object-storage URL"):
+        Checkpoints(again.accelerator, tmp_path / "other", remote="nope")
+
+
+def test_the_hf_trainer_resumes_from_the_copy_of_a_corrupt_newest_checkpoint(
+    tmp_path: Path, s3_url: str
+) -> None:
+    from hflib import dataset, tiny_model, training_args
+
+    from ckptdb.integrations.transformers import STREAM, Trainer
+    from ckptdb.reader import RunReader
+
+    out = tmp_path / "out"
+    Trainer(model=tiny_model(), args=training_args(out), train_dataset=dataset()).train()
+    with Replicator(out, s3_url) as replicator:
+        assert len(replicator.replicate()) == 3  # checkpoint-4, -8, -12
+    weights_file = out / "checkpoint-12" / "model.safetensors"
+    whole = weights_file.read_bytes()
+    flip_byte(weights_file, len(whole) - 1)
+
+    t = Trainer(
+        model=tiny_model(),
+        args=training_args(out, max_steps=16),
+        train_dataset=dataset(),
+        remote=s3_url,
+    )
+    t.train(resume_from_checkpoint=True)
+    with RunReader(out) as reader:
+        attempt = reader.attempts()[-1]
+        source = next(c for c in reader.checkpoints(STREAM) if c.id == attempt.resumed_from_id)
+    assert source.step == 12  # not 8: the copy of checkpoint-12 was brought back
+    assert t.state.global_step == 16
+    with pytest.raises(InvalidArgumentError, match="remote must be an object-storage URL"):
+        Trainer(model=tiny_model(), args=training_args(out), remote="nope")
+
+
+def test_restore_tries_every_checkpoint_and_raises_the_first_failure(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    s3_url: str,
+    client: Any,
+) -> None:
+    mgr = replicated_run(open_manager, root, s3_url, db_url)
+    for key in s3lib.keys_under(client, s3_url):
+        if "/model/" in key:  # the model's copies cannot be had; the sharded ones can
+            client.delete_object(Bucket=s3lib.BUCKET, Key=key)
+    model, sh = mgr.latest("model"), mgr.latest("sh")
+    assert model is not None and sh is not None
+    model.path.unlink()
+    shutil.rmtree(sh.path)
+    with pytest.raises(ckptdb.errors.ObjectStoreError) as caught:
+        mgr.restore(s3_url)
+    assert caught.value.__notes__ == [f"restored all the same: {sh.path}"]
+    into = zeroed()
+    mgr.load(stream="sh", into=into)
+    assert into["n"] == 30

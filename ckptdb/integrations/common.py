@@ -49,6 +49,7 @@ from ..errors import (
     NonFiniteGradientError,
 )
 from ..ledger.engine import LEDGER_FILE
+from ..location import is_object_url
 from ..manager import CheckpointManager, refuse_object_root
 from ..policies import Policy, TopK, validate_stream_name
 from ..reader import RunReader, ledger_url, run_exists
@@ -98,6 +99,16 @@ def check_db_url(db_url: object) -> str | None:
     if db_url is not None and not isinstance(db_url, str):
         raise ArgumentTypeError(f"db_url must be a str, got {db_url!r}")
     return db_url
+
+
+def check_remote(remote: object) -> str | None:
+    """``remote=``: where a replicator copies the run (an object-storage URL), or None;
+    checked when the integration is made, not at its first checkpoint."""
+    if remote is not None and (not isinstance(remote, str) or not is_object_url(remote)):
+        raise InvalidArgumentError(
+            f"remote must be an object-storage URL (s3://bucket/prefix), got {remote!r}"
+        )
+    return remote
 
 
 def check_stream(stream: object, *, suffix: str = "") -> str | None:

@@ -198,6 +198,15 @@ def mark_deleted(session: Session, replica_id: int) -> None:
     )
 
 
+def mark_bad_copy(session: Session, replica_id: int, error: str) -> None:
+    """A ``replicated`` copy found not to match when it was read back: ``failed``."""
+    session.execute(
+        update(m.Replica)
+        .where(m.Replica.id == replica_id, m.Replica.state == REPLICATED)
+        .values(state=FAILED, error=f"read back and refused: {error}")
+    )
+
+
 def state_of(session: Session, replica_id: int) -> str | None:
     row = session.get(m.Replica, replica_id)
     return None if row is None else row.state

@@ -483,6 +483,19 @@ def add_pending(
     return row
 
 
+def committed_after(
+    session: Session, run_id: int, stream: str, after_id: int
+) -> list[m.Checkpoint]:
+    """The stream's committed rows newer than ``after_id``, newest first."""
+    query = (
+        select(m.Checkpoint)
+        .where(m.Checkpoint.run_id == run_id, m.Checkpoint.stream == stream)
+        .where(m.Checkpoint.state == m.COMMITTED, m.Checkpoint.id > after_id)
+        .order_by(m.Checkpoint.id.desc())
+    )
+    return list(session.scalars(query))
+
+
 def committed_entries(
     session: Session,
     run_id: int,

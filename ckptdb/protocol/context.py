@@ -146,6 +146,8 @@ class RunContext:
     #: The remote tier's store (``remote=``, the chief's only): where a load whose local
     #: copy is missing or corrupt finds the checkpoint's copy.
     remote: Any = None
+    #: The tier name the remote's copies are recorded under (``replicas.tier``).
+    remote_tier: str = "remote"
 
     @property
     def ledger(self) -> Ledger:

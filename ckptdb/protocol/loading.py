@@ -23,6 +23,8 @@ from ..errors import (
     CheckpointLostError,
     CkptDBError,
     CorruptCheckpointError,
+    InvalidArgumentError,
+    ObjectStoreError,
     note_on,
 )
 from ..ledger import rows as ledger_rows
@@ -32,7 +34,6 @@ from ..storage.base import LOST
 from ..storage.dcp import resolve_stateful
 from ..storage.kinds import TORCH_FILE, PayloadKind, kind_of_path
 from ..storage.naming import is_sharded
-from ..storage.remote import REMOTE
 from . import restore as restoring
 from .asyncsave import InFlight
 from .context import RunContext
@@ -191,8 +192,10 @@ class Loader:
             error.__cause__ = finding.error
         else:
             error = CorruptCheckpointError(f"{target.path}: {finding.detail}; refusing to load it")
-        if self._restored(target, error) and self._verify(target, keep) is None:
-            return target
+        if self._restored(target, error):
+            if self._verify(target, keep) is None:
+                return target
+            note_on(error, "its copy was restored, yet it does not verify here")
         raise error
 
     def _verify(self, target: Checkpoint, keep: bool) -> Any:
@@ -205,8 +208,9 @@ class Loader:
         if self.ctx.remote is None:
             return False
         try:
-            done = restoring.restore_one(self.ctx, self.ctx.remote, REMOTE, target)
-        except Exception as exc:  # the load's own error stays the one raised
+            done = restoring.restore_one(self.ctx, self.ctx.remote, self.ctx.remote_tier, target)
+        except (ObjectStoreError, CorruptCheckpointError, InvalidArgumentError, OSError) as exc:
+            # the load's own error stays the one raised (a ledger's error propagates)
             note_on(error, f"restoring it from its copy failed too: {type(exc).__name__}: {exc}")
             return False
         if not done:

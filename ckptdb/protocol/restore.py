@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,59 +45,128 @@ from .reconcile import QUARANTINE_NAME
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Outcome:
+    """What a restore did: the checkpoints brought back, and those it could not (each
+    with its error; the others were restored all the same)."""
+
+    restored: list[Checkpoint] = field(default_factory=list)
+    failures: list[tuple[Checkpoint, Exception]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    checkpoint: Checkpoint
+    replica_id: int
+    location: str
+    manifest: str | None
+
+
 def restore(
-    ctx: RunContext, remote: Any, tier: str, *, every: bool, full: bool = True
-) -> list[Checkpoint]:
+    ctx: RunContext, remote: Any, tier: str, *, every: bool, at_open: bool = False
+) -> Outcome:
     """Bring back what needs it: the newest checkpoint of each stream that has a whole
-    copy (``every``: each one that has); the checkpoints restored. ``full``: a local
-    copy is hashed whole to decide; else only its presence and size are (an open's
-    quick look: a load hashes what it loads, and falls back to the copy then)."""
+    copy under ``remote`` (``every``: each one that has).
+
+    ``at_open`` (an open with ``remote=``): only a copy that would become its
+    stream's latest (no newer committed checkpoint is here), and a committed row's
+    local copy is judged by its presence and size alone (the load hashes what it
+    loads, and falls back to the copy then); a lost or corrupt row's is always
+    hashed. A failure is kept in the outcome and the rest goes on."""
     with ctx.ledger.transaction() as session:
-        found = ledger_replicas.restorable(session, ctx.run_id, tier, newest_only=not every)
+        found = ledger_replicas.restorable(session, ctx.run_id, tier, newest_only=False)
         wanted = [
-            (
-                ledger_rows.to_record(row, ctx.save_dir),
-                replica.id,
-                replica.location,
-                replica.manifest,
-            )
-            for row, replica in found
+            _Wanted(ledger_rows.to_record(row, ctx.save_dir), r.id, r.location, r.manifest)
+            for row, r in found
+            if remote.rel_of(r.location) is not None  # another destination's: not ours
         ]
-    restored = []
-    for checkpoint, replica_id, location, manifest in wanted:
-        rel = ctx.rel(checkpoint.path)
-        if _whole_here(ctx, checkpoint, rel, full):  # e.g. a crash after the place
-            if checkpoint.state != COMMITTED:
-                restored.append(_recommit(ctx, checkpoint, location))
-            continue
+    if not every:
+        wanted = _newest_of_each_stream(wanted)
+    if at_open:
+        wanted = [w for w in wanted if _would_be_latest(ctx, w.checkpoint)]
+    outcome = Outcome()
+    for w in wanted:
         try:
-            _bring_back(ctx, remote, checkpoint, rel, location, manifest)
-        except ObjectStoreError:
-            if _still_whole(ctx, replica_id):
-                raise
-            log.warning(  # nothing was replaced; the rest are restored all the same
-                "ckptdb: the copy of %s at %s was removed by the remote tier's retention "
-                "while it was restored; skipped",
-                checkpoint.path,
-                location,
-            )
+            done = _restore(ctx, remote, w, full=not at_open or w.checkpoint.state != COMMITTED)
+        except (ObjectStoreError, CorruptCheckpointError, InvalidArgumentError, OSError) as exc:
+            outcome.failures.append((w.checkpoint, exc))  # PhaseError is an OSError
             continue
-        restored.append(_recommit(ctx, checkpoint, location))
-    return restored
+        if done is not None:
+            outcome.restored.append(done)
+    return outcome
 
 
 def restore_one(ctx: RunContext, remote: Any, tier: str, checkpoint: Checkpoint) -> bool:
-    """Bring ``checkpoint`` back from its whole copy on ``tier``, if it has one (a load
-    that found its local copy missing or corrupt); whether it did."""
+    """Bring ``checkpoint`` back from its whole copy under ``remote``, if it has one (a
+    load that found its local copy missing or corrupt); whether it did."""
     with ctx.ledger.transaction() as session:
         replica = ledger_replicas.replicated(session, checkpoint.id, tier)
-        found = None if replica is None else (replica.location, replica.manifest)
+        found = None
+        if replica is not None and remote.rel_of(replica.location) is not None:
+            found = _Wanted(checkpoint, replica.id, replica.location, replica.manifest)
     if found is None:
         return False
-    location, manifest = found
-    _bring_back(ctx, remote, checkpoint, ctx.rel(checkpoint.path), location, manifest)
-    _recommit(ctx, checkpoint, location)
+    rel = ctx.rel(checkpoint.path)
+    _checked_bring_back(ctx, remote, found, rel)
+    _recommit(ctx, checkpoint, found.location)
     return True
+
+
+def _newest_of_each_stream(wanted: list[_Wanted]) -> list[_Wanted]:
+    """The first of each stream (:func:`ledger_replicas.restorable` orders each stream's
+    checkpoints newest first)."""
+    seen: set[str] = set()
+    chosen = []
+    for w in wanted:
+        if w.checkpoint.stream not in seen:
+            seen.add(w.checkpoint.stream)
+            chosen.append(w)
+    return chosen
+
+
+def _would_be_latest(ctx: RunContext, checkpoint: Checkpoint) -> bool:
+    """Whether no newer committed checkpoint of its stream is here (present, its size
+    right): else restoring it would revive what the stream has moved past (an
+    abandoned timeline, an older step), and latest is the newer one anyway."""
+    with ctx.ledger.transaction(read=True) as session:
+        newer = ledger_rows.committed_after(session, ctx.run_id, checkpoint.stream, checkpoint.id)
+        records = [ledger_rows.to_record(row, ctx.save_dir) for row in newer]
+    return not any(_whole_here(ctx, r, ctx.rel(r.path), full=False) for r in records)
+
+
+def _restore(ctx: RunContext, remote: Any, w: _Wanted, *, full: bool) -> Checkpoint | None:
+    """One checkpoint: its local copy kept if whole (its row committed again if it was
+    marked bad), else its copy brought back; None when nothing was needed, or when
+    the tier's retention removed the copy meanwhile."""
+    checkpoint = w.checkpoint
+    rel = ctx.rel(checkpoint.path)
+    if _whole_here(ctx, checkpoint, rel, full):  # e.g. a crash after the place
+        return _recommit(ctx, checkpoint, w.location) if checkpoint.state != COMMITTED else None
+    try:
+        _checked_bring_back(ctx, remote, w, rel)
+    except ObjectStoreError:
+        if _still_whole(ctx, w.replica_id):
+            raise
+        log.warning(  # nothing was replaced; the rest are restored all the same
+            "ckptdb: the copy of %s at %s was removed by the remote tier's retention "
+            "while it was restored; skipped",
+            checkpoint.path,
+            w.location,
+        )
+        return None
+    return _recommit(ctx, checkpoint, w.location)
+
+
+def _checked_bring_back(ctx: RunContext, remote: Any, w: _Wanted, rel: str) -> None:
+    """:func:`_bring_back`; a copy that does not match its manifest or row is marked
+    ``failed`` (never offered again: the replicator copies the checkpoint anew while
+    its local copy is whole) before the error propagates."""
+    try:
+        _bring_back(ctx, remote, w.checkpoint, rel, w.location, w.manifest)
+    except CorruptCheckpointError as exc:
+        with ctx.ledger.transaction() as session:
+            ledger_replicas.mark_bad_copy(session, w.replica_id, f"{type(exc).__name__}: {exc}")
+        raise
 
 
 def _still_whole(ctx: RunContext, replica_id: int) -> bool:

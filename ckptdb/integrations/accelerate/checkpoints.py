@@ -69,6 +69,8 @@ class Checkpoints:
         best: tuple[str, str] | None = None,
         db_url: str | None = None,
         guard: common.GuardSetting = True,
+        remote: str | None = None,
+        remote_options: Mapping[str, object] | None = None,
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise ArgumentTypeError(
@@ -95,6 +97,8 @@ class Checkpoints:
             save_dir=self.root / STREAM,
             db_url=db_url,
             guard=self.guard,
+            remote=common.check_remote(remote),
+            remote_options=remote_options,
         )
         self._hook = register_optimizer_step_pre_hook(self._observe) if self.guard else None
 

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,9 +203,12 @@ class _LedgerTrainerMixin:
         db_url: str | None = None,
         guard: common.GuardSetting = True,
         preemption: bool | OnPreemption | None = None,
+        remote: str | None = None,
+        remote_options: Mapping[str, object] | None = None,
         **kwargs: Any,
     ) -> None:
         common.check_guard(guard)
+        common.check_remote(remote)
         settings = on_preemption(preemption)
         common.check_path(ledger, "ledger")
         common.check_db_url(db_url)
@@ -222,6 +226,9 @@ class _LedgerTrainerMixin:
         self.ckptdb_ledger = ledger
         self.ckptdb_db_url = db_url
         self.ckptdb_guard: common.GuardSetting = guard
+        #: Where a replicator copies the run (CheckpointManager(remote=)): a resume whose
+        #: checkpoint is missing or corrupt here brings back its copy.
+        self.ckptdb_remote = (remote, remote_options)
         jit = self._ckptdb_without_jit_checkpoint()
         if jit and preemption is False:
             raise InvalidArgumentError(
@@ -291,6 +298,8 @@ class _LedgerTrainerMixin:
             save_dir=self.ckptdb_save_dir,
             db_url=self.ckptdb_db_url,
             guard=guard,
+            remote=self.ckptdb_remote[0],
+            remote_options=self.ckptdb_remote[1],
         )
         return _Run(manager, guard)
 
