@@ -194,6 +194,12 @@ def s3_env(s3_server: s3lib.S3Server) -> Iterator[s3lib.S3Server]:
 
 
 @pytest.fixture
+def client(s3_env: s3lib.S3Server) -> Any:
+    """A boto3 client of the test S3 server (to look at the bucket as any client would)."""
+    return s3_env.client()
+
+
+@pytest.fixture
 def s3_url(s3_env: s3lib.S3Server) -> str:
     """A fresh ``s3://bucket/prefix`` save directory of its own."""
     return s3lib.unique_prefix()

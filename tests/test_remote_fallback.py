@@ -40,11 +40,6 @@ def db_url(backend: str | None) -> str | None:
     return backend
 
 
-@pytest.fixture
-def client(s3_env: s3lib.S3Server) -> Any:
-    return s3_env.client()
-
-
 def state(step: int) -> dict[str, Any]:
     return {"w": torch.randn(256, generator=torch.Generator().manual_seed(step)), "step": step}
 

@@ -57,11 +57,6 @@ def db_url(backend: str | None) -> str | None:
     return backend
 
 
-@pytest.fixture
-def client(s3_env: s3lib.S3Server) -> Any:
-    return s3_env.client()
-
-
 def state(step: int, megabytes: float = 0.01) -> dict[str, Any]:
     """A state dict whose bytes depend on ``step`` (``megabytes`` of float32)."""
     n = max(1, int(megabytes * (1 << 20) / 4))

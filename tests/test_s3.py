@@ -66,11 +66,6 @@ def rows(db: LedgerClient) -> list[tuple[Any, ...]]:
 
 
 @pytest.fixture
-def client(s3_env: s3lib.S3Server) -> Any:
-    return s3_env.client()
-
-
-@pytest.fixture
 def hooks() -> Iterator[list[Callable[[Any], None]]]:
     """Install botocore event handlers on every client ckptdb makes (append to the list)."""
     installed: list[Callable[[Any], None]] = []

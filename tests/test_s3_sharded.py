@@ -80,11 +80,6 @@ def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 @pytest.fixture
-def client(s3_env: s3lib.S3Server) -> Any:
-    return s3_env.client()
-
-
-@pytest.fixture
 def open_s3(
     root: Path, s3_url: str, open_manager: Callable[..., CheckpointManager]
 ) -> Callable[..., CheckpointManager]:

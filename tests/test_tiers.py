@@ -46,11 +46,6 @@ def db_url(backend: str | None) -> str | None:
     return backend
 
 
-@pytest.fixture
-def client(s3_env: s3lib.S3Server) -> Any:
-    return s3_env.client()
-
-
 def state(step: int) -> dict[str, Any]:
     return {"w": torch.randn(512, generator=torch.Generator().manual_seed(step)), "step": step}
 
@@ -80,6 +75,23 @@ def copy_bytes(client: Any, url: str, replica_id: int) -> bytes:
     """The bytes of a one-file copy (the object under its replica's prefix)."""
     (key,) = [k for k in s3lib.keys_under(client, url) if f".r{replica_id}/" in k]
     return bytes(client.get_object(Bucket=s3lib.BUCKET, Key=key)["Body"].read())
+
+
+def release_then_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[threading.Event, threading.Event]:
+    """The tier's holds released as always, then ``released`` set and the releasing
+    transaction kept open until ``saved`` is set (at most 5 s): a commit runs beside it."""
+    released, saved = threading.Event(), threading.Event()
+    release = ckptdb.ledger.tiers.release
+
+    def releasing(session: Any, ids: Any, tier: str) -> None:
+        release(session, ids, tier)
+        released.set()
+        saved.wait(5)
+
+    monkeypatch.setattr(ckptdb.ledger.tiers, "release", releasing)
+    return released, saved
 
 
 def json_objects(text: str) -> list[Any]:
@@ -495,16 +507,8 @@ def test_a_copy_finished_while_a_commit_evicts_it_leaves_no_hold_behind(
     db = LedgerClient(root, pg_url)
     try:
         mgr.save(1, model=state(1))
-        released, saved = threading.Event(), threading.Event()
-        release = ckptdb.ledger.tiers.release
-
-        def release_then_wait(session: Any, ids: Any, tier: str) -> None:
-            release(session, ids, tier)
-            released.set()
-            saved.wait(5)  # the copy's transaction stays open while the commit runs
-
         with Replicator(root, s3_url, db_url=pg_url) as replicator:
-            monkeypatch.setattr(ckptdb.ledger.tiers, "release", release_then_wait)
+            released, saved = release_then_wait(monkeypatch)
             copying = threading.Thread(target=replicator.replicate)
             copying.start()
             assert released.wait(30), "the copy never finished"
@@ -661,15 +665,7 @@ def test_a_detach_while_a_commit_evicts_leaves_no_hold_behind(
             mgr.save(1, model=state(1))
             mgr.save(2, model=state(2))
         assert live_holds(db) == [1]
-        released, saved = threading.Event(), threading.Event()
-        release = ckptdb.ledger.tiers.release
-
-        def release_then_wait(session: Any, ids: Any, tier: str) -> None:
-            release(session, ids, tier)
-            released.set()
-            saved.wait(5)  # the detach's transaction stays open while the commit runs
-
-        monkeypatch.setattr(ckptdb.ledger.tiers, "release", release_then_wait)
+        released, saved = release_then_wait(monkeypatch)
         detaching = threading.Thread(
             target=ckptdb.replication.detach, args=(root,), kwargs={"db_url": pg_url}
         )
