@@ -495,3 +495,38 @@ def test_restore_tries_every_checkpoint_and_raises_the_first_failure(
     into = zeroed()
     mgr.load(stream="sh", into=into)
     assert into["n"] == 30
+
+
+@pytest.mark.timeout(240)
+def test_deepmd_restarts_from_the_copy_of_a_corrupt_newest_checkpoint(
+    tmp_path: Path, s3_url: str
+) -> None:
+    from deepmdlib import dp, make_run_dir, output
+
+    from ckptdb.reader import RunReader
+
+    root = make_run_dir(tmp_path / "run", numb_steps=40)
+    first = dp(root, "--pt", "train", "input.json")
+    assert first.returncode == 0, output(first)
+    with Replicator(root, s3_url) as replicator:
+        replicator.replicate()
+    newest = root / "model.ckpt-40.pt"
+    whole = newest.read_bytes()
+    flip_byte(newest)
+
+    config = json.loads((root / "input.json").read_text())
+    config["training"]["numb_steps"] = 60
+    (root / "input.json").write_text(json.dumps(config))
+    again = dp(
+        root, "--pt", "train", "input.json", "--restart", "latest", "--ckptdb-remote", s3_url
+    )
+    assert again.returncode == 0, output(again)
+    with RunReader(root) as reader:
+        resumed = [e.step for e in reader.events(limit=1000) if e.kind == "resumed"]
+        restored = [e.step for e in reader.events(limit=1000) if e.kind == "restored_from_replica"]
+    assert resumed == [40] and restored == [40]  # not 20: the copy of 40 was brought back
+    quarantined = next((root / "ckptdb.quarantine").rglob("model.ckpt-40.pt"))
+    assert quarantined.read_bytes() != whole
+
+    bad = dp(root, "--pt", "train", "input.json", "--ckptdb-remote", "not-a-bucket")
+    assert bad.returncode == 1 and "remote must be an object-storage URL" in bad.stderr

@@ -83,6 +83,8 @@ GUARD_CHOICES: dict[str, common.GuardSetting] = {"warn": True, "raise": "raise",
 #: ckptdb's preemption options: the signals (``TERM``, ``TERM,USR1``...) and the grace.
 PREEMPTION_OPTION = "--ckptdb-preemption"
 GRACE_OPTION = "--ckptdb-grace"
+#: Where a replicator copies the run (``s3://bucket/prefix``): see CheckpointManager(remote=).
+REMOTE_OPTION = "--ckptdb-remote"
 
 
 def check_version(version: str | None = None) -> str:
@@ -155,6 +157,7 @@ class Options:
     guard: common.GuardSetting = True
     restart: str | None = None
     preemption: OnPreemption | None = None
+    remote: str | None = None
 
 
 # --------------------------------------------------------------- entry point
@@ -167,13 +170,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     ``--ckptdb-guard warn|raise|off`` (default ``warn``),
     ``--ckptdb-preemption SIGNALS`` (``TERM``, ``TERM,USR1``: a preemption
     signal on any rank becomes one agreed checkpoint, then the job exits with
-    the signal's status) and ``--ckptdb-grace SECONDS``, which are taken out
-    before DeePMD parses them. ``train`` needs the PyTorch backend (``--pt``):
+    the signal's status), ``--ckptdb-grace SECONDS`` and ``--ckptdb-remote URL``
+    (where a replicator copies the run: a restart whose checkpoint is missing or
+    corrupt here brings back its copy), which are taken out before DeePMD parses
+    them. ``train`` needs the PyTorch backend (``--pt``):
     another backend would train unguarded, so it is refused.
     """
     check_version()
     args, guard = _take_guard(list(sys.argv[1:] if argv is None else argv))
     args, preemption = _take_preemption(args)
+    args, remote = _take_option(args, REMOTE_OPTION, "an object-storage URL, s3://bucket/prefix")
+    common.check_remote(remote)
     flags = dp_main.parse_args(args)
     if flags.command != "train":
         dp_main.main(args)
@@ -183,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"ckptdb trains DeePMD-kit's PyTorch backend only, not {flags.backend!r}: "
             "pass --pt (or set DP_BACKEND=pytorch)"
         )
-    options = Options(guard=guard, restart=flags.restart, preemption=preemption)
+    options = Options(guard=guard, restart=flags.restart, preemption=preemption, remote=remote)
     with (
         mock.patch.object(training, "Trainer", partial(LedgerTrainer, ckptdb=options)),
         _gloo_on_the_cpu(),
@@ -324,6 +331,7 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
             self.run_root,
             streams=_streams(config),
             save_dir=_save_dir(config["training"], self.run_root),
+            remote=ckptdb.remote,
         )
         self.resumed: Checkpoint | None = None
         self._pending: tuple[int, Path, dict[str, Any]] | None = None
