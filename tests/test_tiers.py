@@ -460,6 +460,15 @@ def test_the_command_applies_keep_and_shows_it(
         (2, "deleted"),
     ]
     assert len(s3lib.keys_under(client, s3_url)) == 1
+    listed = json.loads(cli("list", str(root), "--all", "--json", db_url=db_url).output)
+    assert [(c["step"], c["state"], c["remote"]) for c in listed] == [
+        (1, "committed", "deleted"),
+        (2, "committed", "deleted"),
+        (3, "committed", "replicated"),
+    ]
+    table = cli("list", str(root), db_url=db_url).output.splitlines()
+    assert table[0].split()[:4] == ["stream", "step", "state", "remote"]
+    assert [line.split()[3] for line in table[1:]] == ["deleted", "deleted", "replicated"]
     status = cli("status", str(root), db_url=db_url).output
     assert f"tier remote: {s3_url} (every stream; keeps model: keep last 1)" in status
     with RunReader(root, db_url=db_url) as reader:

@@ -242,12 +242,30 @@ def list_(
 
     with RunReader(root, db_url=db_url) as reader:
         found = reader.checkpoints(stream, states=STATES if all_states else ("committed",))
+        copies = copy_states(reader.replicas())
     if as_json:
-        click.echo(clifmt.to_json([clifmt.checkpoint_dict(c) for c in found]))
-    else:
         click.echo(
-            clifmt.table(clifmt.CHECKPOINT_COLUMNS, [clifmt.checkpoint_row(c) for c in found])
+            clifmt.to_json(
+                [{**clifmt.checkpoint_dict(c), "remote": copies.get(c.id)} for c in found]
+            )
         )
+        return
+    columns, rows = list(clifmt.CHECKPOINT_COLUMNS), [clifmt.checkpoint_row(c) for c in found]
+    if copies:  # a replicated run: each checkpoint's copy on the remote tier
+        columns.insert(3, "remote")
+        for row, c in zip(rows, found, strict=True):
+            row.insert(3, copies.get(c.id))
+    click.echo(clifmt.table(columns, rows))
+
+
+def copy_states(replicas: list[Any]) -> dict[int, str]:
+    """Each copied checkpoint's state on the remote tier: ``replicated`` if it has a
+    whole copy, else its newest copy's state (uploading, failed, deleting, deleted)."""
+    states: dict[int, str] = {}
+    for r in replicas:  # oldest first: a later copy's state replaces an earlier one's
+        if states.get(r.checkpoint_id) != "replicated":
+            states[r.checkpoint_id] = r.state
+    return states
 
 
 @main.command()
