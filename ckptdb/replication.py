@@ -52,6 +52,8 @@ from .ledger import Ledger, open_ledger
 from .ledger import models as m
 from .ledger import replicas as ledger_replicas
 from .ledger import tiers as ledger_tiers
+from .ledger.engine import backend_name
+from .ledger.lock import AdvisoryWriterLock, replicator_lock
 from .ledger.netfs import check_ledger_location
 from .ledger.rows import to_record
 from .ledger.runs import ledger_url
@@ -109,6 +111,7 @@ class Replicator:
             raise
         self._lock = FileLock(str(self.root / LOCK_NAME), timeout=0)
         self._ledger: Ledger | None = None
+        self._pg_lock: AdvisoryWriterLock | None = None  # across machines (PostgreSQL)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._external: threading.Event | None = None  # follow()'s own stop
@@ -128,6 +131,7 @@ class Replicator:
             url = ledger_url(self.root, db_url, readonly=False)
             check_ledger_location(url)
             self._ledger = open_ledger(url)
+            self._pg_lock = _machines_lock(self.root, url)
             created = self._reader.run_created_at
             assert created is not None
             self._token = run_token(self._reader.run_name, self._reader.run_id, created)
@@ -416,6 +420,9 @@ class Replicator:
             raise error
 
     def _release(self) -> None:
+        if self._pg_lock is not None:
+            self._pg_lock.release()
+            self._pg_lock = None
         if self._ledger is not None:
             self._ledger.dispose()
             self._ledger = None
@@ -461,14 +468,27 @@ def detach(root: str | os.PathLike[str], *, db_url: str | None = None) -> int:
         try:
             url = ledger_url(reader.root, db_url, readonly=False)
             check_ledger_location(url)
+            elsewhere = _machines_lock(reader.root, url)
             ledger = open_ledger(url)
             try:
                 with ledger.transaction() as session:
                     return ledger_tiers.detach(session, reader.run_id, REMOTE)
             finally:
                 ledger.dispose()
+                if elsewhere is not None:
+                    elsewhere.release()
         finally:
             lock.release()
+
+
+def _machines_lock(root: Path, url: str) -> AdvisoryWriterLock | None:
+    """On a PostgreSQL ledger, the run's replicator lock across machines, taken (the
+    lock file covers this machine only); ``LedgerLockedError`` if another holds it."""
+    if backend_name(url) != "postgresql":
+        return None
+    lock = replicator_lock(root, url)
+    lock.acquire()
+    return lock
 
 
 def _remote_policies(

@@ -690,3 +690,23 @@ def test_a_detach_while_a_commit_evicts_leaves_no_hold_behind(
     finally:
         mgr.close()
         db.close()
+
+
+@pytest.mark.postgres
+def test_one_replicator_per_run_across_machines(
+    tmp_path: Path, pg_url: str, s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock file in the run's root covers one machine; on a PostgreSQL ledger a
+    replicator (or a detach) on another machine meets the run's advisory lock."""
+    root = tmp_path / "run"
+    CheckpointManager(root, db_url=pg_url, streams={"model": Keep(last=1)}).close()
+    with Replicator(root, s3_url, db_url=pg_url):
+        # another machine: a lock file of its own (another disk), the same ledger
+        monkeypatch.setattr(ckptdb.replication, "LOCK_NAME", ".ckptdb.replicator.elsewhere")
+        with pytest.raises(LedgerLockedError, match="has a replicator already"):
+            Replicator(root, s3_url, db_url=pg_url)
+        with pytest.raises(LedgerLockedError, match="has a replicator already"):
+            ckptdb.replication.detach(root, db_url=pg_url)
+    with Replicator(root, s3_url, db_url=pg_url):  # released at close, on both machines
+        pass
+    assert ckptdb.replication.detach(root, db_url=pg_url) == 0

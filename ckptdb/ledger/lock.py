@@ -85,12 +85,26 @@ def writer_lock(root: Path, url: str) -> RunLock:
     return FileWriterLock(root)
 
 
-def _locked_error(root: Path, holder: dict[str, object], fallback: str) -> LedgerLockedError:
+def replicator_lock(root: Path, url: str) -> AdvisoryWriterLock:
+    """The PostgreSQL lock that keeps a run to one replicator across machines (the
+    lock file in the run's root only covers one machine); keyed, as the writer's
+    is, by the run's root (the run's name on every machine), apart from it."""
+    return AdvisoryWriterLock(root, url, name=f"ckptdb:replicator:{root}", role="replicator")
+
+
+def _locked_error(
+    root: Path, holder: dict[str, object], fallback: str, role: str = "writer"
+) -> LedgerLockedError:
     who = (
         f"pid {holder.get('pid')} on host {holder.get('host')}"
         if "pid" in holder and "host" in holder
         else fallback
     )
+    if role != "writer":
+        return LedgerLockedError(
+            f"run {root} has a {role} already, held by {who}: one {role} per run",
+            holder=holder,
+        )
     return LedgerLockedError(
         f"run {root} is open for writing by {who}; only one writer per run "
         "(readers such as `ckptdb status` need no lock)",
@@ -170,10 +184,13 @@ _HOLDER_QUERY = text(
 class AdvisoryWriterLock:
     """A session-level PostgreSQL advisory lock per run, on a dedicated connection."""
 
-    def __init__(self, root: Path, url: str) -> None:
+    def __init__(
+        self, root: Path, url: str, *, name: str | None = None, role: str = "writer"
+    ) -> None:
         self.root = root
         self.url = normalize_url(url)
-        self.key = advisory_key(f"ckptdb:run:{root}")
+        self.key = advisory_key(name if name is not None else f"ckptdb:run:{root}")
+        self.role = role  # what holds it: the run's writer, or its replicator
         self.lost: str | None = None
         self._engine: Engine | None = None
         self._conn: Connection | None = None
@@ -214,7 +231,7 @@ class AdvisoryWriterLock:
             holder = {} if locked else self._holder(conn)
             conn.commit()  # the lock belongs to the session, not to this transaction
         if not locked:
-            raise _locked_error(self.root, holder, "another PostgreSQL session")
+            raise _locked_error(self.root, holder, "another PostgreSQL session", self.role)
 
     def _holder(self, conn: Connection) -> dict[str, object]:
         hi, lo = (self.key >> 32) & 0xFFFFFFFF, self.key & 0xFFFFFFFF
