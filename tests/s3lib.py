@@ -45,6 +45,14 @@ def keys_under(client: Any, url: str) -> list[str]:
     return sorted(found)
 
 
+def delete_objects_under(client: Any, url: str, containing: str = "") -> None:
+    """Delete the objects under ``url`` (those whose key contains ``containing``), as an
+    operator or a lost bucket would: what ckptdb must then cope with."""
+    for key in keys_under(client, url):
+        if containing in key:
+            client.delete_object(Bucket=BUCKET, Key=key)
+
+
 def uploads_under(client: Any, url: str) -> list[str]:
     """Keys of the multipart uploads in progress under the prefix of ``url``."""
     prefix = url.split("/", 3)[3] + "/"

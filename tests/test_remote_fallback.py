@@ -132,8 +132,7 @@ def test_a_remote_that_cannot_be_read_at_open_resumes_from_what_is_here(
 ) -> None:
     mgr = replicated_run(open_manager, root, s3_url, db_url)
     mgr.close()
-    for key in s3lib.keys_under(client, s3_url):  # the copies are gone too
-        client.delete_object(Bucket=s3lib.BUCKET, Key=key)
+    s3lib.delete_objects_under(client, s3_url)  # the copies are gone too
     (root / "checkpoints" / "model" / "step-000000030.pt").unlink()
 
     reopened = open_manager(streams=STREAMS, remote=s3_url)
@@ -384,8 +383,7 @@ def test_a_copy_that_cannot_be_read_keeps_the_loads_error_with_the_reason(
     mgr = replicated_run(open_manager, root, s3_url, db_url)
     newest = mgr.latest("model")
     assert newest is not None
-    for key in s3lib.keys_under(client, s3_url):
-        client.delete_object(Bucket=s3lib.BUCKET, Key=key)
+    s3lib.delete_objects_under(client, s3_url)
     newest.path.unlink()
     with pytest.raises(CheckpointLostError) as caught:
         mgr.load()
@@ -482,9 +480,8 @@ def test_restore_tries_every_checkpoint_and_raises_the_first_failure(
     client: Any,
 ) -> None:
     mgr = replicated_run(open_manager, root, s3_url, db_url)
-    for key in s3lib.keys_under(client, s3_url):
-        if "/model/" in key:  # the model's copies cannot be had; the sharded ones can
-            client.delete_object(Bucket=s3lib.BUCKET, Key=key)
+    # the model's copies cannot be had; the sharded ones can
+    s3lib.delete_objects_under(client, s3_url, containing="/model/")
     model, sh = mgr.latest("model"), mgr.latest("sh")
     assert model is not None and sh is not None
     model.path.unlink()

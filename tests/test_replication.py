@@ -91,11 +91,6 @@ def saved_and_copied(
     return mgr, saved, copy
 
 
-def delete_every_object(client: Any, url: str) -> None:
-    for key in s3lib.keys_under(client, url):
-        client.delete_object(Bucket=s3lib.BUCKET, Key=key)
-
-
 def save_three(mgr: CheckpointManager) -> dict[int, dict[str, Any]]:
     saved = {}
     for step in (10, 20, 30):
@@ -511,7 +506,7 @@ def test_a_whole_local_copy_of_a_lost_row_is_committed_again_without_a_download(
     """A crash after restore put the file in place, before its row was committed again."""
     mgr, saved, _ = saved_and_copied(open_manager, root, s3_url, db_url)
     db.execute("UPDATE checkpoints SET state = 'lost' WHERE id = ?", saved.id)
-    delete_every_object(client, s3_url)  # a download would fail now
+    s3lib.delete_objects_under(client, s3_url)  # a download would fail now
 
     assert [c.step for c in mgr.restore(s3_url)] == [1]
 
@@ -527,7 +522,7 @@ def test_a_copy_that_cannot_be_read_is_the_stores_error_not_the_disks(
     client: Any,
 ) -> None:
     mgr, saved, _ = saved_and_copied(open_manager, root, s3_url, db_url)
-    delete_every_object(client, s3_url)
+    s3lib.delete_objects_under(client, s3_url)
     saved.path.unlink()
 
     with pytest.raises(ObjectStoreError, match="GetObject"):

@@ -77,6 +77,19 @@ def copy_bytes(client: Any, url: str, replica_id: int) -> bytes:
     return bytes(client.get_object(Bucket=s3lib.BUCKET, Key=key)["Body"].read())
 
 
+def two_copied(
+    open_manager: Callable[..., CheckpointManager], root: Path, url: str, db_url: str | None
+) -> CheckpointManager:
+    """A run (``model``, keep last 3) with steps 1 and 2 saved and copied to ``url``;
+    its manager stays open."""
+    mgr = open_manager(streams={"model": Keep(last=3)})
+    with Replicator(root, url, db_url=db_url) as replicator:
+        for step in (1, 2):
+            mgr.save(step, model=state(step))
+        replicator.replicate()
+    return mgr
+
+
 def release_then_wait(
     monkeypatch: pytest.MonkeyPatch,
 ) -> tuple[threading.Event, threading.Event]:
@@ -351,11 +364,7 @@ def test_a_replicator_that_died_mid_removal_is_finished_by_the_next_one(
     s3_url: str,
     client: Any,
 ) -> None:
-    mgr = open_manager(streams={"model": Keep(last=3)})
-    with Replicator(root, s3_url, db_url=db_url) as replicator:
-        for step in (1, 2):
-            mgr.save(step, model=state(step))
-        replicator.replicate()
+    two_copied(open_manager, root, s3_url, db_url)
     # what a replicator leaves if it dies between recording a removal and making it
     db.execute("UPDATE replicas SET state = 'deleting' WHERE id = (SELECT MIN(id) FROM replicas)")
     with Replicator(root, s3_url, db_url=db_url) as replicator:  # keeps every copy itself
@@ -594,11 +603,7 @@ def test_copies_under_another_destination_are_neither_judged_nor_removed(
     s3_url: str,
     client: Any,
 ) -> None:
-    mgr = open_manager(streams={"model": Keep(last=3)})
-    with Replicator(root, s3_url, db_url=db_url) as replicator:
-        for step in (1, 2):
-            mgr.save(step, model=state(step))
-        replicator.replicate()
+    mgr = two_copied(open_manager, root, s3_url, db_url)
     elsewhere = s3lib.unique_prefix()
     with Replicator(root, elsewhere, db_url=db_url, keep={"model": Keep(last=1)}) as replicator:
         mgr.save(3, model=state(3))
@@ -617,12 +622,8 @@ def test_a_copy_the_window_removes_during_a_restore_is_skipped(
     s3_url: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    mgr = open_manager(streams={"model": Keep(last=3)})
-    saved = {}
-    with Replicator(root, s3_url, db_url=db_url) as replicator:
-        for step in (1, 2):
-            saved[step] = mgr.save(step, model=state(step))["model"]
-        replicator.replicate()
+    mgr = two_copied(open_manager, root, s3_url, db_url)
+    saved = {c.step: c for c in mgr.checkpoints("model")}
     for checkpoint in saved.values():
         checkpoint.path.unlink()
     download = ckptdb.storage.s3.S3Store.download
