@@ -44,7 +44,7 @@ from .errors import (
     note_on,
 )
 from .guard import NonFiniteGradGuard
-from .ledger import OpenedRun, after_commit, boundary_rows, open_ledger, pins
+from .ledger import OpenedRun, after_commit, open_ledger, pins
 from .ledger import models as m
 from .ledger import rows as ledger_rows
 from .ledger.engine import default_sqlite_url, normalize_url
@@ -56,7 +56,6 @@ from .location import ObjectPath, is_object_url, looks_like_object_url, object_p
 from .policies import Keep, Policy, validate_policies
 from .preemption import DEFAULT_SIGNALS, Preemption
 from .protocol import restore as restoring
-from .protocol.absence import absent_directories
 from .protocol.adopt import Adopter, Candidate
 from .protocol.adopt import Outcome as AdoptOutcome
 from .protocol.aliases import AliasKeeper, requested
@@ -73,6 +72,7 @@ from .protocol.context import METRIC_FLUSH_THRESHOLD, RunContext
 from .protocol.inputs import validate_metrics, validate_step
 from .protocol.loading import Loader
 from .protocol.reconcile import Action, Reconciler, ReconcileReport
+from .protocol.resume import restore_at_open
 from .record import Checkpoint, DerivedAlias
 from .storage.base import PayloadStore
 from .storage.files import fsync_dir, make_dir
@@ -330,7 +330,7 @@ class CheckpointManager:
             ctx.remote, ctx.remote_tier = self._remote_tier(run.save_dir), REMOTE
             if not maintenance:
                 if ctx.remote is not None:
-                    self._restore_at_open()
+                    self.restored_at_open = restore_at_open(ctx, REMOTE)
                 self.last_reconcile = self.reconcile()
         except BaseException:
             self._close("failed")
@@ -348,61 +348,6 @@ class CheckpointManager:
                 f"object storage already ({save_dir})"
             )
         return remote_store(url, options, probe=False)
-
-    def _restore_at_open(self) -> None:
-        """Resume from the newest checkpoint the run can reach, before reconcile.
-
-        A stream's newest whole copy is brought back when no newer committed
-        checkpoint of it is here. The save directory gone (a new machine): once
-        every such copy is back, the missing directories are made, so reconcile
-        marks the checkpoints without a copy lost instead of refusing; if a copy
-        could not be had, the open is refused (``RunDirectoryError``) with nothing
-        marked, as without ``remote=``. The save directory here but a stream's
-        directory not (storage not mounted?): nothing is restored, and reconcile
-        refuses as it always does. A copy that fails otherwise is said, recorded
-        (``restore_failed``) and left: the load falls back then.
-        """
-        ctx = self._ctx
-        url = str(ctx.remote.location)
-        new_machine = ctx.store.absent()
-        if not new_machine and self._unmounted():
-            return
-        outcome = restoring.restore(ctx, ctx.remote, REMOTE, every=False, at_open=True)
-        self.restored_at_open = outcome.restored
-        for checkpoint, exc in outcome.failures:
-            error = f"{type(exc).__name__}: {exc}"
-            log.warning("ckptdb: restoring %s from %s failed: %s", checkpoint.path, url, error)
-            ctx.event(
-                "restore_failed",
-                checkpoint_id=checkpoint.id,
-                step=checkpoint.step,
-                detail={"remote": url, "error": error},
-            )
-        if not new_machine or not outcome.restored:
-            return  # nothing restored into a missing directory: reconcile judges, as always
-        if outcome.failures:
-            first = outcome.failures[0][1]
-            raise RunDirectoryError(
-                f"the save directory {ctx.save_dir} was gone (a new machine?) and restoring "
-                f"from {url} failed: {type(first).__name__}: {first}; what was restored is "
-                "back, nothing was marked lost: open again once the copies can be read"
-            ) from first
-        log.warning(
-            "ckptdb: the save directory %s was gone (a new machine?): the newest copies were "
-            "restored from %s; the checkpoints without one will be marked lost",
-            ctx.save_dir,
-            url,
-        )
-        for stream in ctx.policies:
-            ctx.store.prepare_stream(stream)
-        ctx.event("save_dir_recreated", detail={"path": str(ctx.save_dir), "remote": url})
-
-    def _unmounted(self) -> bool:
-        """Whether reconcile would refuse the open for a missing stream directory."""
-        ctx = self._ctx
-        with ctx.ledger.transaction(read=True) as session:
-            committed = boundary_rows.committed_paths(session, ctx.run_id)
-        return absent_directories(ctx.store, committed, "") is not None
 
     def _assemble(self, ctx: RunContext) -> None:
         """Compose the parts around one run context."""

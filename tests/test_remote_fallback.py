@@ -29,6 +29,7 @@ from ckptdb.errors import (
     InvalidArgumentError,
     RunDirectoryError,
 )
+from ckptdb.protocol import restore as restoring
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -198,6 +199,65 @@ def test_a_new_machine_whose_copies_cannot_be_read_is_refused_with_nothing_marke
     finally:
         db.close()
     assert (root / "checkpoints" / "model" / "step-000000020.pt").exists()  # kept: it is whole
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("cut", ["crash", "failure"])
+def test_a_new_machine_whose_restore_was_cut_short_resumes_it_at_the_next_open(
+    tmp_path: Path,
+    pg_url: str,
+    s3_url: str,
+    client: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    cut: str,
+) -> None:
+    """A restore on a new machine that stopped halfway (the process died after one
+    stream's copy was placed, or one copy could not be read) left the save directory
+    with some stream directories and not others: the next open must finish the new
+    machine's restore, not take it for an unmounted filesystem and refuse for good."""
+    root = tmp_path / "run"
+    streams = {**STREAMS, "rng": Keep(last=1)}  # rng: local-only, never copied
+    with CheckpointManager(root, db_url=pg_url, streams=streams) as mgr:
+        for step in (10, 20):
+            mgr.save(step, model=state(step), sh=Sharded(sharded(step)), rng=state(-step))
+    with Replicator(root, s3_url, db_url=pg_url, streams=["model", "sh"]) as replicator:
+        replicator.replicate()
+    shutil.rmtree(root)
+    sh_key = next(k for k in s3lib.keys_under(client, s3_url) if "/sh/step-000000020" in k)
+    sh_bytes = client.get_object(Bucket=s3lib.BUCKET, Key=sh_key)["Body"].read()
+
+    with monkeypatch.context() as mp:
+        if cut == "crash":  # the process dies once the first stream's copy is placed
+            real = restoring._recommit
+
+            def recommit(*args: Any) -> Any:
+                real(*args)
+                raise KeyboardInterrupt("killed")
+
+            mp.setattr(restoring, "_recommit", recommit)
+            expected: type[BaseException] = KeyboardInterrupt
+        else:  # one copy cannot be read this time
+            client.delete_object(Bucket=s3lib.BUCKET, Key=sh_key)
+            expected = RunDirectoryError
+        with pytest.raises(expected):
+            CheckpointManager(root, db_url=pg_url, streams=streams, remote=s3_url)
+    assert (root / "checkpoints").is_dir()
+    assert not (root / "checkpoints" / "rng").exists()  # not made before every copy is back
+    client.put_object(Bucket=s3lib.BUCKET, Key=sh_key, Body=sh_bytes)
+
+    with CheckpointManager(root, db_url=pg_url, streams=streams, remote=s3_url) as mgr:
+        assert mgr.latest("model").step == 20  # type: ignore[union-attr]
+        into = zeroed()
+        mgr.load(stream="sh", into=into)
+        assert torch.equal(into["a"], sharded(20)["a"]) and into["n"] == 20
+        assert mgr.latest("rng") is None
+        assert mgr.check(load=True) == []
+    db = LedgerClient(root, pg_url)
+    try:
+        assert len(events(db, "save_dir_recreating")) == 1  # begun once, finished once
+        assert len(events(db, "save_dir_recreated")) == 1
+    finally:
+        db.close()
 
 
 def test_an_empty_mount_point_is_refused_as_without_remote(

@@ -190,6 +190,17 @@ def end_attempt(session: Session, attempt_id: int, state: str) -> None:
     )
 
 
+def newest_event_of(session: Session, run_id: int, kinds: tuple[str, ...]) -> str | None:
+    """The kind of the run's newest event among ``kinds`` (None: none of them)."""
+    found = session.scalar(
+        select(m.Event.kind)
+        .where(m.Event.run_id == run_id, m.Event.kind.in_(kinds))
+        .order_by(m.Event.id.desc())
+        .limit(1)
+    )
+    return None if found is None else str(found)
+
+
 def add_event(
     session: Session,
     run_id: int,

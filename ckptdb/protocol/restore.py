@@ -63,7 +63,13 @@ class _Wanted:
 
 
 def restore(
-    ctx: RunContext, remote: Any, tier: str, *, every: bool, at_open: bool = False
+    ctx: RunContext,
+    remote: Any,
+    tier: str,
+    *,
+    every: bool,
+    at_open: bool = False,
+    before: Callable[[], None] | None = None,
 ) -> Outcome:
     """Bring back what needs it: the newest checkpoint of each stream that has a whole
     copy under ``remote`` (``every``: each one that has).
@@ -72,7 +78,8 @@ def restore(
     stream's latest (no newer committed checkpoint is here), and a committed row's
     local copy is judged by its presence and size alone (the load hashes what it
     loads, and falls back to the copy then); a lost or corrupt row's is always
-    hashed. A failure is kept in the outcome and the rest goes on."""
+    hashed. A failure is kept in the outcome and the rest goes on. ``before``: called
+    once, before anything is written, when there is something to bring back."""
     with ctx.ledger.transaction() as session:
         found = ledger_replicas.restorable(session, ctx.run_id, tier, newest_only=False)
         wanted = [
@@ -84,6 +91,8 @@ def restore(
         wanted = _newest_of_each_stream(wanted)
     if at_open:
         wanted = [w for w in wanted if _would_be_latest(ctx, w.checkpoint)]
+    if wanted and before is not None:
+        before()
     outcome = Outcome()
     for w in wanted:
         try:
