@@ -69,16 +69,22 @@ from powerloss.persistence import (
     crash_states,
 )
 from powerloss.recording import WORLD, Effect, Op, Recorder, Trace, TraceError
+from powerloss.replication import REPLICATION_SCENARIOS
 from powerloss.s3scenarios import S3_SCENARIOS
 from powerloss.scenarios import Recorded
 from powerloss.settings import DEEP, budget_for
 
-from ckptdb import trace
+from ckptdb import Replicator, trace
+from ckptdb.ledger import after_commit
+from ckptdb.ledger import replicas as ledger_replicas
+from ckptdb.ledger import tiers as ledger_tiers
 from ckptdb.ledger.engine import Ledger
+from ckptdb.protocol import resume
 from ckptdb.protocol.boundary import Publisher
 from ckptdb.storage import external, files
 from ckptdb.storage.files import FileInfo
 from ckptdb.storage.local import LocalStore
+from ckptdb.storage.remote import REMOTE
 from ckptdb.storage.s3 import S3Store
 from ckptdb.storage.s3upload import ObjectWriter
 
@@ -90,7 +96,8 @@ pytestmark = pytest.mark.timeout(DEEP_TIMEOUT if DEEP else 120)
 
 
 def record(tmp_path: Path, scenario: str) -> Recorded:
-    return {**DEEP_SCENARIOS, **S3_SCENARIOS}[scenario].record(tmp_path, DEEP)
+    every = {**DEEP_SCENARIOS, **S3_SCENARIOS, **REPLICATION_SCENARIOS}
+    return every[scenario].record(tmp_path, DEEP)
 
 
 def explore(
@@ -160,6 +167,21 @@ def test_no_power_cut_loses_an_acknowledged_save_on_s3(
     recorded = _RECORDED[scenario]
     kinds = {op.kind for op in recorded.trace.ops}
     assert {"s3_create", "s3_part", "s3_complete", "s3_put", "s3_done"} <= kinds
+    assert result.crash_points == result.ops + 1
+    assert result.explored >= 12, f"a vacuous exploration: {result.summary()}"
+    assert not result.violations, result.report()
+
+
+@pytest.mark.parametrize("scenario", sorted(REPLICATION_SCENARIOS))
+def test_no_power_cut_loses_a_copy_or_what_a_restore_brought_back(
+    tmp_path_factory: pytest.TempPathFactory, s3_env: object, scenario: str
+) -> None:
+    """The replicator's steps and restore's, cut by the power anywhere: a copy is never
+    recorded whole unless it is, a local file never goes before its copy is whole, a
+    new replicator finishes or redoes what was cut short (nothing copied twice, nothing
+    left in the store), and a run brought back from its copies reopens on its newest."""
+    result = explored(tmp_path_factory, scenario, "object-store")
+    print(result.summary())
     assert result.crash_points == result.ops + 1
     assert result.explored >= 12, f"a vacuous exploration: {result.summary()}"
     assert not result.violations, result.report()
@@ -372,6 +394,101 @@ def test_the_explorer_catches_a_broken_step_on_s3(
     assert result.violations, f"{mutation} went unnoticed: {result.summary()}"
     if mutation == "s3_accept_unverified":  # not only its leaked upload: a lost save
         assert any("invariant 5" in p for v in result.violations for p in v.problems)
+    shown = "\n".join(str(v) for v in result.violations[:2])
+    print(f"{mutation} ({scenario}): {result.summary()}\n{shown}")
+
+
+def copy_recorded_before_complete(mp: pytest.MonkeyPatch) -> None:
+    """A copy is recorded ``replicated`` before its objects complete: each completion
+    (and its HEAD) is deferred until the replica row's transaction committed."""
+    deferred: list[Callable[[], object]] = []
+    real_finish, real_record = ObjectWriter.finish, ledger_replicas.finish
+
+    def finish(self: ObjectWriter) -> FileInfo:
+        deferred.append(lambda: real_finish(self))
+        return FileInfo(self.size, self._hash.hexdigest())
+
+    def record(session: Any, *args: Any) -> bool:
+        work = list(deferred)
+        deferred.clear()
+        after_commit(session, lambda: [w() for w in work])
+        return real_record(session, *args)
+
+    mp.setattr(ObjectWriter, "finish", finish)
+    mp.setattr(ledger_replicas, "finish", record)
+
+
+def copies_removed_before_marked(mp: pytest.MonkeyPatch) -> None:
+    """The remote tier's retention removes a copy's objects inside the transaction that
+    marks it ``deleting``, before COMMIT."""
+    real = Replicator._dropped
+
+    def dropped(self: Replicator, stream: str, policy: Any, found: list[Any]) -> list[int]:
+        ids = real(self, stream, policy, found)
+        for _, replica in found:
+            if replica.id in ids:
+                self._remote.remove_tree(self._remote.rel_of(replica.location))
+        return ids
+
+    mp.setattr(Replicator, "_dropped", dropped)
+
+
+def no_hold_for_copy(mp: pytest.MonkeyPatch) -> None:
+    """An evicted checkpoint of a copied stream is not held for its copy: its file goes
+    at once, as a local-only stream's does."""
+    mp.setattr(ledger_tiers, "hold_for_copy", lambda *args: set())
+
+
+def sweep_leaves_objects(mp: pytest.MonkeyPatch) -> None:
+    """A new replicator marks the copies a dead one left ``uploading`` failed without
+    removing their objects (in place while the states are reopened)."""
+
+    def sweep(self: Replicator) -> list[Any]:
+        with self._writable().transaction() as session:
+            left = ledger_replicas.unfinished(session, self._reader.run_id, REMOTE)
+            for row in left:
+                ledger_replicas.fail(session, row.id, ledger_replicas.INTERRUPTED)
+        return []
+
+    mp.setattr(Replicator, "_sweep_interrupted", sweep)
+
+
+def new_machine_forgotten(mp: pytest.MonkeyPatch) -> None:
+    """A new machine's restore cut short is not remembered: the next open takes the save
+    directory with some stream directories missing for an unmounted filesystem (in
+    place while the states are reopened)."""
+    mp.setattr(resume, "_recreating", lambda ctx: False)
+
+
+REPLICATION_MUTATIONS: dict[str, tuple[str, Callable[[pytest.MonkeyPatch], None]]] = {
+    "copy_recorded_before_complete": ("replicate", copy_recorded_before_complete),
+    "copies_removed_before_marked": ("replicate", copies_removed_before_marked),
+    "no_hold_for_copy": ("replicate", no_hold_for_copy),
+    "sweep_leaves_objects": ("replicate", sweep_leaves_objects),
+    "new_machine_forgotten": ("restore_new_machine", new_machine_forgotten),
+}
+REPLICATION_AT_REOPEN = {"sweep_leaves_objects", "new_machine_forgotten"}
+
+
+@pytest.mark.parametrize("mutation", sorted(REPLICATION_MUTATIONS))
+def test_the_explorer_catches_a_broken_replicator_or_restore_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_env: object, mutation: str
+) -> None:
+    """Each step of the replicator and of restore whose order matters, broken alone, is
+    caught by a crash state (the first violation is printed)."""
+    scenario, mutate = REPLICATION_MUTATIONS[mutation]
+    at_reopen = mutation in REPLICATION_AT_REOPEN
+    with monkeypatch.context() as mp:
+        if not at_reopen:
+            mutate(mp)
+        recorded = record(tmp_path, scenario)
+    with monkeypatch.context() as mp:
+        if at_reopen:
+            mutate(mp)
+        result = explore(
+            recorded, "object-store", budget_for(False), stop_at_first=not DEEP, backward=True
+        )
+    assert result.violations, f"{mutation} went unnoticed: {result.summary()}"
     shown = "\n".join(str(v) for v in result.violations[:2])
     print(f"{mutation} ({scenario}): {result.summary()}\n{shown}")
 

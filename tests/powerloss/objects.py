@@ -13,15 +13,18 @@ system calls) into ops of the trace:
 - ``s3_complete`` (CompleteMultipartUpload) and ``s3_put`` (PutObject):
   the object visible with the bytes it was sent (``blob``), the upload gone;
 - ``s3_abort`` (AbortMultipartUpload): the upload gone;
-- ``s3_delete`` (DeleteObject): the object gone;
+- ``s3_delete`` (DeleteObject, and each key of a DeleteObjects, whose one
+  response answers them all): the object gone;
 - ``s3_part`` (an UploadPart answered: its bytes, no visible effect) and
   ``s3_done`` (the response of a request above: the request is then durable).
 
 Reads change nothing and are left out, and so are the objects of the
 conditional-write probe (``ckptdb.probe/``, removed by reconcile only once
 an hour old). :func:`persisted_store` says what one crash state holds,
-:func:`materialize_store` builds it under a fresh prefix of the real server,
-:func:`store_problems` checks what a run left there.
+:func:`materialize_store` builds it under a fresh prefix of the real server
+(or, for a trace recorded ``in_place``, under the recording's own prefix,
+emptied first: a replicator's copies are recorded in the ledger by their
+whole URL), :func:`store_problems` checks what a run left there.
 """
 
 from __future__ import annotations
@@ -46,13 +49,14 @@ REQUESTS = {
     "delete_object": "s3_delete",
 }
 #: Requests the store does not make: a trace that has one cannot be followed.
-UNFOLLOWED = frozenset({"delete_objects", "copy_object", "upload_part_copy"})
+UNFOLLOWED = frozenset({"copy_object", "upload_part_copy"})
 NAMES = {
     "create_multipart_upload": "CreateMultipartUpload",
     "complete_multipart_upload": "CompleteMultipartUpload",
     "put_object": "PutObject",
     "abort_multipart_upload": "AbortMultipartUpload",
     "delete_object": "DeleteObject",
+    "delete_objects": "DeleteObjects",
     "upload_part": "UploadPart",
 }
 REQUEST_KINDS = S3_REQUESTS
@@ -116,14 +120,16 @@ class ObjectRecorder:
 
     What is under the prefix when it is made is the start of the trace,
     durable (a run's history): its objects, with their bytes, and its uploads.
+    ``in_place``: the crash states are built under ``url`` itself (see
+    :func:`materialize_store`).
     """
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, *, in_place: bool = False) -> None:
+        self.url, self.in_place = url, in_place
         self.bucket, self.prefix = split(url)
         self.blobs: list[bytes] = []
         self.parts: dict[str, dict[int, bytes]] = {}  # upload id -> part number -> bytes
-        self.pending: dict[int, int] = {}  # a request's token -> its op
+        self.pending: dict[int, list[int]] = {}  # a request's token -> its ops
         s3 = client()
         keys, self.uploads = listing(s3, url)
         self.objects = {
@@ -139,6 +145,7 @@ class ObjectRecorder:
             "objects": dict(self.objects),
             "uploads": dict(self.uploads),
             "blobs": list(self.blobs),
+            "store_in_place": self.in_place,
         }
 
     @staticmethod
@@ -153,6 +160,9 @@ class ObjectRecorder:
 
     def request(self, rec: Recorder, operation: str, params: Mapping[str, Any]) -> None:
         """A request about to be sent: an op if it changes the store under the prefix."""
+        if operation == "delete_objects":
+            self._request_deletes(rec, params)
+            return
         rel = self._rel(params)
         if rel is None or (operation not in REQUESTS and operation not in UNFOLLOWED):
             return
@@ -165,28 +175,45 @@ class ObjectRecorder:
             blob = self._blob(self._assembled(params))
         text = f"{NAMES[operation]} {rel} (sent)"
         op = Op(0, REQUESTS[operation], text, key=rel, upload=params.get("UploadId"), blob=blob)
-        self.pending[params[TOKEN]] = rec.append(op)
+        self.pending[params[TOKEN]] = [rec.append(op)]
+
+    def _request_deletes(self, rec: Recorder, params: Mapping[str, Any]) -> None:
+        """A DeleteObjects: one ``s3_delete`` per key under the prefix (sent unanswered,
+        any of them may have taken effect; its response answers them all)."""
+        ops = []
+        for entry in params["Delete"]["Objects"]:
+            rel = self._rel({"Bucket": params.get("Bucket"), "Key": entry["Key"]})
+            if rel is not None:
+                op = Op(0, "s3_delete", f"DeleteObjects {rel} (sent)", key=rel)
+                ops.append(rec.append(op))
+        if ops:
+            self.pending[params[TOKEN]] = ops
 
     def response(
         self, rec: Recorder, operation: str, params: Mapping[str, Any], answer: Any
     ) -> None:
-        """A request answered: its part's bytes kept, or its op marked answered."""
+        """A request answered: its part's bytes kept, or its ops marked answered."""
         rel = self._rel(params)
-        if rel is None:
+        if rel is None and operation != "delete_objects":  # that one names its keys inside
             return
         if operation == "upload_part":
             upload, number = str(params["UploadId"]), int(params["PartNumber"])
             self.parts.setdefault(upload, {})[number] = body_bytes(params["Body"])
             rec.append(Op(0, "s3_part", f"UploadPart {number} of {rel}", key=rel, upload=upload))
             return
-        index = self.pending.pop(params[TOKEN], None)
-        if index is None:
+        indexes = self.pending.pop(params[TOKEN], None)
+        if indexes is None:
             return  # a read
-        op = rec.ops[index]
-        upload = str(answer["UploadId"]) if operation == "create_multipart_upload" else op.upload
-        text = f"{NAMES[operation]} {rel} answered"
-        done = rec.append(Op(0, "s3_done", text, key=rel, upload=upload))
-        rec.ops[index] = replace(op, upload=upload, answered=done)
+        if operation == "delete_objects" and answer.get("Errors"):
+            raise TraceError(f"a DeleteObjects answered with errors: {answer['Errors']}")
+        first = rec.ops[indexes[0]]
+        upload = str(answer["UploadId"]) if operation == "create_multipart_upload" else first.upload
+        text = f"{NAMES[operation]} {first.key} answered" + (
+            f" (+{len(indexes) - 1} keys)" if len(indexes) > 1 else ""
+        )
+        done = rec.append(Op(0, "s3_done", text, key=first.key, upload=upload))
+        for index in indexes:
+            rec.ops[index] = replace(rec.ops[index], upload=upload, answered=done)
 
     def _assembled(self, params: Mapping[str, Any]) -> bytes:
         parts = self.parts.get(str(params["UploadId"]), {})
@@ -257,11 +284,15 @@ def persisted_store(trace: Trace, space: CrashSpace, state: CrashState) -> Store
 
 
 def materialize_store(trace: Trace, store: StoreState, n: int) -> str:
-    """Build ``store`` under a fresh prefix (the recording's, suffixed ``-s<n>``); its URL."""
+    """Build ``store`` under a fresh prefix (the recording's, suffixed ``-s<n>``), or under
+    the recording's own prefix, emptied first, for a trace recorded ``in_place``; its URL."""
     assert trace.store is not None
     bucket, prefix = split(trace.store)
-    prefix = f"{prefix}-s{n:05d}"
     s3 = client()
+    if trace.store_in_place:
+        empty(s3, trace.store)
+    else:
+        prefix = f"{prefix}-s{n:05d}"
     for rel, blob in store.objects:
         s3.put_object(Bucket=bucket, Key=f"{prefix}/{rel}", Body=trace.blobs[blob])
     for rel in store.uploads:
@@ -269,6 +300,17 @@ def materialize_store(trace: Trace, store: StoreState, n: int) -> str:
         upload = s3.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
         s3.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=IN_PROGRESS_PART)
     return f"s3://{bucket}/{prefix}"
+
+
+def empty(s3: Any, url: str) -> None:
+    """Every object and upload in progress under ``url`` removed."""
+    bucket, prefix = split(url)
+    keys, uploads = listing(s3, url)
+    for start in range(0, len(keys), 1000):
+        chunk = [{"Key": f"{prefix}/{rel}"} for rel in keys[start : start + 1000]]
+        s3.delete_objects(Bucket=bucket, Delete={"Objects": chunk, "Quiet": True})
+    for upload, rel in uploads.items():
+        s3.abort_multipart_upload(Bucket=bucket, Key=f"{prefix}/{rel}", UploadId=upload)
 
 
 def store_problems(url: str, rows: Iterable[Any]) -> list[str]:

@@ -130,6 +130,7 @@ class Trace:
     objects: dict[str, int] = field(default_factory=dict)  # its objects at the start: blobs
     uploads: dict[str, str] = field(default_factory=dict)  # its uploads at the start: id -> key
     blobs: list[bytes] = field(default_factory=list)  # every object's bytes
+    store_in_place: bool = False  # crash states built under ``store`` itself (see .objects)
 
 
 def ignored(path: Path | str) -> bool:
