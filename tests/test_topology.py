@@ -13,6 +13,7 @@ rank still running after 45 s is killed (tests/distlib.py).
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from distlib import Outcome, run_ranks
-from helpers import LedgerClient, migrate_to
+from helpers import LedgerClient, flip_byte, migrate_to
 from sqlalchemy import create_engine, inspect
 from sqlalchemy.pool import NullPool
 
-from ckptdb import CheckpointManager, Keep, RunReader, Sharded
+from ckptdb import CheckpointManager, Keep, Replicator, RunReader, Sharded
 from ckptdb.cli import main
 from ckptdb.errors import InvalidArgumentError, LayoutMismatchError
 from ckptdb.ledger.engine import default_sqlite_url
@@ -394,3 +395,76 @@ def test_one_process_reads_a_three_rank_checkpoint_whole(
     table = CliRunner().invoke(main, ["list", root, "--db-url", url]).stdout.splitlines()
     column = table[0].split().index("ranks")
     assert [line.split()[column] for line in table[1:]] == ["3", "3"]
+
+
+# ------------------------------------------------------- a new machine, fewer ranks
+
+
+def _resume_from_copies(rank: int, world: int, root: str, db_url: str, remote: str) -> Any:
+    """Open with ``remote=`` on ``world`` ranks (the chief restores inside the open's
+    agreement, the others wait there), load the sharded checkpoint resharded, then
+    train on: one more save on these ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    into = {
+        "w": distribute_tensor(torch.zeros(ROWS, 3), mesh, [Shard(0)]),
+        "b": distribute_tensor(torch.zeros(3), mesh, [Replicate()]),
+        f"rng/{rank}": torch.full((4,), -1.0),
+        "step": 0,
+    }
+    with CheckpointManager(root, db_url=db_url, remote=remote) as mgr:
+        restored = sorted((c.stream, c.step) for c in mgr.restored_at_open)
+        mgr.load(into=into)
+        report = {
+            "restored": restored,
+            "w": into["w"].full_tensor(),
+            "w_local": into["w"].to_local().clone(),
+            "b": into["b"].full_tensor(),
+            "rng": into[f"rng/{rank}"].clone(),
+            "step": into["step"],
+            "plain": mgr.load(stream="plain")["opt"],
+        }
+        into["step"] = 8
+        saved = mgr.save(8, model=Sharded(into), plain={"opt": torch.tensor([2.5])})
+        report["saved_world_size"] = saved["model"].world_size
+    return report
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("loss", ["machine", "corrupt shard"])
+def test_a_three_rank_run_resumes_on_two_ranks_from_its_copies(
+    tmp_path: Path, saved_on_three: tuple[str, str, LedgerClient], s3_url: str, loss: str
+) -> None:
+    """The fleet's case: a job saved on 3 ranks loses its machine (or a shard file of its
+    newest checkpoint rots) and comes back on 2 ranks with ``remote=``: every rank
+    resumes from the copy, resharded, values checked, and training goes on."""
+    root, url, client = saved_on_three
+    with Replicator(root, s3_url, db_url=url) as replicator:
+        assert [r.state for r in replicator.replicate()] == ["replicated", "replicated"]
+    model_dir = Path(root) / "checkpoints" / "model" / "step-000000007.dcp"
+    if loss == "machine":
+        shutil.rmtree(root)
+    else:
+        shard = next(p for p in sorted(model_dir.iterdir()) if p.name.endswith(".distcp"))
+        flip_byte(shard)
+
+    reports = _ranks_ok(run_ranks(_resume_from_copies, 2, tmp_path, root, url, s3_url))
+
+    restored_at_open = [("model", 7), ("plain", 7)] if loss == "machine" else []
+    assert reports[0]["restored"] == restored_at_open  # the chief's open restored them
+    assert reports[1]["restored"] == []  # another rank waited in the open's agreement
+    for rank, report in enumerate(reports):
+        assert_resharded(report, rank, 2)
+        assert torch.equal(report["rng"], rng_of(rank))
+        assert torch.equal(report["plain"], torch.tensor([1.5]))
+        assert report["saved_world_size"] == 2
+    kinds = [k for (k,) in client.rows("SELECT kind FROM events ORDER BY id")]
+    assert kinds.count("restored_from_replica") == (2 if loss == "machine" else 1)
+    if loss == "corrupt shard":  # found by the load, brought back from its copy
+        assert kinds.index("corrupt") < kinds.index("restored_from_replica")
+        assert list((Path(root) / "ckptdb.quarantine").rglob("*.distcp"))
+    with CheckpointManager(root, db_url=url) as mgr:
+        assert mgr.check(load=True) == []
+        assert [c.step for c in mgr.checkpoints(stream="model")] == [7, 8]

@@ -3,7 +3,8 @@
 ``PYTHONPATH=.:tests python -m powerloss [--deep]``: every scenario under both
 persistence models, with the budget of the default suite (or of
 ``CKPTDB_POWERLOSS=deep``), then the scenarios on object storage under the
-object-store model, against a SeaweedFS server started for the purpose
+object-store model (those of a replicated run among them), against a SeaweedFS
+server started for the purpose
 (``tests/s3lib.py``; skipped, and said so, without ``weed`` or boto3).
 """
 
@@ -36,9 +37,11 @@ def main() -> int:
         failed += _explore(DEEP_SCENARIOS if args.deep else SCENARIOS, MODELS, budget, args.deep)
     with _s3_server() as started:
         if started:
+            from .replication import REPLICATION_SCENARIOS
             from .s3scenarios import S3_SCENARIOS
 
             failed += _explore(S3_SCENARIOS, STORE_MODELS, budget, args.deep)
+            failed += _explore(REPLICATION_SCENARIOS, STORE_MODELS, budget, args.deep)
     return 1 if failed else 0
 
 
