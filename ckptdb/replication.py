@@ -45,12 +45,14 @@ from .errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
     LedgerLockedError,
+    PhaseError,
     UnknownStreamError,
     note_on,
 )
 from .ledger import Ledger, open_ledger
 from .ledger import models as m
 from .ledger import replicas as ledger_replicas
+from .ledger import rows as ledger_rows
 from .ledger import tiers as ledger_tiers
 from .ledger.engine import backend_name
 from .ledger.lock import AdvisoryWriterLock, replicator_lock
@@ -240,7 +242,9 @@ class Replicator:
             try:
                 directory, total, files = self._upload(checkpoint, prefix)
             except Exception as exc:
-                self._abandon(replica_id, prefix, exc)
+                held = checkpoint.state != m.COMMITTED  # evicted, held for this copy
+                hopeless = checkpoint if held and _bad_here(exc) else None
+                self._abandon(replica_id, prefix, exc, hopeless=hopeless)
                 return self._one(replica_id)
             except BaseException as exc:  # Ctrl-C: the copy is not left "uploading" here
                 try:
@@ -287,10 +291,23 @@ class Replicator:
         info: FileInfo = self._remote.write_object(rel, copy)
         return info
 
-    def _abandon(self, replica_id: int, prefix: str, exc: BaseException) -> None:
+    def _abandon(
+        self,
+        replica_id: int,
+        prefix: str,
+        exc: BaseException,
+        *,
+        hopeless: Checkpoint | None = None,
+    ) -> None:
         """A copy that failed: its objects removed, its row ``failed`` with the reason (and,
         if removing them failed too, that failure with the copy's location: recorded in
-        the row and logged, never dropped)."""
+        the row and logged, never dropped).
+
+        ``hopeless``: the checkpoint, evicted, whose local copy is gone or is not the bytes
+        its row records can never be copied, so in the same transaction its file stops
+        waiting for a copy (retention removes it at the writer's next commit, ``gc`` or
+        reconcile, as it would have without the tier), said as a ``copy_impossible``
+        event."""
         shown = f"{type(exc).__name__}: {exc}"
         try:
             self._remote.remove_tree(prefix)
@@ -303,6 +320,24 @@ class Replicator:
         log.warning("replicating to %s failed: %s", self.location, shown)
         with self._writable().transaction() as session:
             ledger_replicas.fail(session, replica_id, shown)
+            if hopeless is not None:
+                ledger_tiers.release(session, [hopeless.id], REMOTE)
+                ledger_rows.add_event(
+                    session,
+                    self._reader.run_id,
+                    None,
+                    "copy_impossible",
+                    checkpoint_id=hopeless.id,
+                    step=hopeless.step,
+                    detail={"path": str(hopeless.path), "tier": REMOTE, "error": shown},
+                )
+        if hopeless is not None:
+            log.warning(
+                "ckptdb: %s (step %d) was evicted and cannot be copied: it no longer waits "
+                "for its copy",
+                hopeless.path,
+                hopeless.step,
+            )
 
     def _sweep_interrupted(self) -> list[Replica]:
         """Copies a replicator left ``uploading`` when it died: their uploads aborted and
@@ -525,6 +560,15 @@ def _entry(row: m.Checkpoint, replica: m.Replica, policy: Policy) -> Entry:
     if value is None or not math.isfinite(float(value)):  # NaN: not ranked, as unsaved
         return Entry(id=replica.id, step=row.step)
     return Entry(id=replica.id, step=row.step, metric=float(value))
+
+
+def _bad_here(exc: BaseException) -> bool:
+    """Whether a copy failed on the local copy itself: not the bytes its row records, or
+    gone (a read of a missing file fails inside the upload's write phase)."""
+    if isinstance(exc, CorruptCheckpointError):
+        return True
+    cause = exc.error if isinstance(exc, PhaseError) else exc
+    return isinstance(cause, FileNotFoundError)
 
 
 def _check_poll(poll: object) -> None:

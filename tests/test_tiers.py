@@ -32,6 +32,7 @@ from ckptdb.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     LedgerLockedError,
+    ObjectStoreError,
     UnknownStreamError,
 )
 from ckptdb.ledger.engine import default_sqlite_url
@@ -234,12 +235,22 @@ def test_a_checkpoint_whose_copies_fail_keeps_its_file_and_retry_failed_tries_ag
     db_url: str | None,
     db: LedgerClient,
     s3_url: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The store failing (an outage, a credential revoked): the evicted file waits."""
     mgr = open_manager(streams={"model": Keep(last=1)})
     with Replicator(root, s3_url, db_url=db_url) as replicator:
-        first = mgr.save(1, model=state(1))["model"]
+        mgr.save(1, model=state(1))
         mgr.save(2, model=state(2))
-        flip_byte(first.path)  # its copy can never match its row
+        remote = replicator._remote
+        write = remote.write_object
+
+        def outage(rel: str, serialize: Any) -> Any:
+            if "/step-000000001." in rel:  # step 1's copies fail at the store
+                raise ObjectStoreError("injected: the store did not answer")
+            return write(rel, serialize)
+
+        monkeypatch.setattr(remote, "write_object", outage)
         for _ in range(ckptdb.replication.MAX_FAILURES + 1):
             replicator.replicate()
         mgr.save(3, model=state(3))
@@ -248,12 +259,48 @@ def test_a_checkpoint_whose_copies_fail_keeps_its_file_and_retry_failed_tries_ag
         tries = db.rows("SELECT COUNT(*) FROM replicas WHERE state = 'failed'")
         assert tries == [(ckptdb.replication.MAX_FAILURES,)]
         assert [r.step for r in replicator.replicate()] == [3]  # 1's tries are used up
+        assert db.rows("SELECT COUNT(*) FROM events WHERE kind = 'copy_impossible'") == [(0,)]
 
-        flip_byte(first.path)  # repaired: the bytes are the committed ones again
+        monkeypatch.setattr(remote, "write_object", write)  # the store is back
         (again,) = replicator.replicate(retry_failed=True)
     assert (again.step, again.state) == (1, "replicated")
     mgr.save(4, model=state(4))
     assert on_disk(mgr) == [4]
+
+
+@pytest.mark.parametrize("damage", ["flipped", "deleted"])
+def test_an_evicted_checkpoint_whose_local_copy_is_bad_no_longer_waits(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+    damage: str,
+) -> None:
+    """Its local copy gone, or not the bytes its row records: no copy can ever be made,
+    so holding the evicted file would only keep it (and ``status``'s waiting count)
+    forever; the failed copy releases it, and retention removes it as without a tier."""
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    with Replicator(root, s3_url, db_url=db_url) as replicator:
+        first = mgr.save(1, model=state(1))["model"]
+        mgr.save(2, model=state(2))  # evicts 1 before its copy: its file waits
+        assert live_holds(db) == [1]
+        if damage == "flipped":
+            flip_byte(first.path)
+        else:
+            first.path.unlink()
+        done = replicator.replicate()
+        assert sorted((r.step, r.state) for r in done) == [(1, "failed"), (2, "replicated")]
+        assert live_holds(db) == []
+    found = db.rows("SELECT step, detail FROM events WHERE kind = 'copy_impossible'")
+    ((step, detail),) = [(s, json.loads(d)) for s, d in found]
+    why = "CorruptCheckpointError" if damage == "flipped" else "FileNotFoundError"
+    assert step == 1 and why in detail["error"] and detail["path"] == str(first.path)
+    mgr.save(3, model=state(3))
+    assert on_disk(mgr) == [3]
+    assert states(db)[1] == "deleted"
+    whole = "SELECT c.step FROM replicas r JOIN checkpoints c ON c.id = r.checkpoint_id"
+    assert db.rows(whole + " WHERE r.state = 'replicated'") == [(2,)]
 
 
 def test_detach_releases_every_hold(
