@@ -162,6 +162,7 @@ class Replicator:
                 self.streams,
                 limit,
                 ledger_tiers.holder(REMOTE),
+                self._remote.url_prefix,
             )
             checkpoints = [to_record(row, self._reader.save_dir) for row in todo]
         done = []

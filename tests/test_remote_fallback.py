@@ -312,8 +312,8 @@ def test_copies_under_another_destination_are_not_restored_from(
     mgr = replicated_run(open_manager, root, s3_url, db_url)
     elsewhere = s3lib.unique_prefix()
     mgr.save(40, model=state(40))
-    with Replicator(root, elsewhere, db_url=db_url) as replicator:
-        assert [r.step for r in replicator.replicate()] == [40]
+    with Replicator(root, elsewhere, db_url=db_url, streams=["model"]) as replicator:
+        assert [r.step for r in replicator.replicate()] == [20, 30, 40]  # all, under it
     mgr.close()
     (root / "checkpoints" / "model" / "step-000000040.pt").unlink()
     (root / "checkpoints" / "model" / "step-000000030.pt").unlink()

@@ -654,11 +654,56 @@ def test_copies_under_another_destination_are_neither_judged_nor_removed(
     elsewhere = s3lib.unique_prefix()
     with Replicator(root, elsewhere, db_url=db_url, keep={"model": Keep(last=1)}) as replicator:
         mgr.save(3, model=state(3))
-        (copied,) = replicator.replicate()
-        assert copied.step == 3 and copied.location.startswith(elsewhere)
-        assert replicator.expired == []
-    assert db.rows("SELECT state FROM replicas ORDER BY id") == [("replicated",)] * 3
+        copied = replicator.replicate()  # the new destination gets every checkpoint
+        assert [c.step for c in copied] == [1, 2, 3]
+        assert all(c.location.startswith(elsewhere + "/") for c in copied)
+        # its window judges its own copies only: 1 and 2 go there, not at s3_url
+        assert sorted(c.step for c in replicator.expired) == [1, 2]
+    found = db.rows("SELECT location, state FROM replicas ORDER BY id")
+    assert [st for loc, st in found if loc.startswith(s3_url + "/")] == ["replicated"] * 2
+    assert [st for loc, st in found if loc.startswith(elsewhere + "/")] == [
+        "deleted",
+        "deleted",
+        "replicated",
+    ]
     assert len(s3lib.keys_under(client, s3_url)) == 2
+    assert len(s3lib.keys_under(client, elsewhere)) == 1
+
+
+def test_a_new_destination_is_what_evicted_files_wait_for_and_loads_fall_back_to(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+    client: Any,
+) -> None:
+    """``--to`` changed (the old bucket is going away): a copy under the old destination
+    no longer lets an evicted file go, and each destination's copies serve the loads
+    whose ``remote=`` names it."""
+    mgr = open_manager(streams={"model": Keep(last=2)})
+    with Replicator(root, s3_url, db_url=db_url) as first:
+        for step in (1, 2):
+            mgr.save(step, model=state(step))
+        first.replicate()
+    moved = s3lib.unique_prefix()
+    with Replicator(root, moved, db_url=db_url) as replicator:
+        mgr.save(3, model=state(3))  # evicts 1: copied to s3_url only, so its file waits
+        assert on_disk(mgr) == [1, 2, 3] and live_holds(db) == [1]
+        assert [c.step for c in replicator.replicate()] == [1, 2, 3]
+        assert live_holds(db) == []
+    mgr.save(4, model=state(4))
+    assert on_disk(mgr) == [3, 4]
+    assert sum("/step-000000001." in k for k in s3lib.keys_under(client, moved)) == 1
+    with Replicator(root, s3_url, db_url=db_url) as back:  # and back again
+        assert [c.step for c in back.replicate()] == [3, 4]
+    mgr.close()  # step 3 is copied under both now, the newer copy under s3_url
+
+    flip_byte(root / "checkpoints" / "model" / "step-000000003.pt")
+    reopened = open_manager(streams={"model": Keep(last=2)}, remote=moved)
+    assert torch.equal(reopened.load(3)["w"], state(3)["w"])  # from its copy under moved
+    found = db.rows("SELECT detail FROM events WHERE kind = 'restored_from_replica'")
+    assert [json.loads(d)["from"].startswith(moved + "/") for (d,) in found] == [True]
 
 
 def test_a_copy_the_window_removes_during_a_restore_is_skipped(

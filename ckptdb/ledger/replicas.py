@@ -114,14 +114,19 @@ def to_copy(
     streams: Sequence[str] | None,
     max_failures: int | None,
     holder: str,
+    within: str,
 ) -> list[m.Checkpoint]:
     """Checkpoints to copy to ``tier``, oldest first: committed ones, and evicted ones
     whose file the tier holds (``holder``'s live pin), with no copy made or under
-    way there, failed fewer than ``max_failures`` times (None: whatever the count)."""
+    way there, failed fewer than ``max_failures`` times (None: whatever the count).
+
+    Only copies whose location starts with ``within`` (the destination's URL prefix)
+    count: after the destination changed, every checkpoint is copied to the new one."""
     live = exists().where(
         m.Replica.checkpoint_id == m.Checkpoint.id,
         m.Replica.tier == tier,
         m.Replica.state.in_((UPLOADING, REPLICATED, DELETING, DELETED)),
+        m.Replica.location.startswith(within, autoescape=True),
     )
     held = exists().where(
         m.Pin.checkpoint_id == m.Checkpoint.id,
@@ -136,6 +141,7 @@ def to_copy(
                 m.Replica.tier == tier,
                 m.Replica.state == FAILED,
                 m.Replica.error != INTERRUPTED,
+                m.Replica.location.startswith(within, autoescape=True),
             )
         )
         .scalar_subquery()
@@ -224,28 +230,32 @@ def of_run(session: Session, run_id: int, tier: str | None = None) -> list[m.Rep
     return list(session.scalars(query.order_by(m.Replica.id)))
 
 
-def replicated(session: Session, checkpoint_id: int, tier: str) -> m.Replica | None:
-    """The checkpoint's whole copy on ``tier``, if any."""
+def replicated(session: Session, checkpoint_id: int, tier: str, within: str) -> m.Replica | None:
+    """The checkpoint's whole copy on ``tier`` whose location starts with ``within``
+    (a destination's URL prefix), if any."""
     return session.scalars(
         select(m.Replica)
         .where(m.Replica.checkpoint_id == checkpoint_id, m.Replica.tier == tier)
         .where(m.Replica.state == REPLICATED)
+        .where(m.Replica.location.startswith(within, autoescape=True))
         .order_by(m.Replica.id.desc())
         .limit(1)
     ).first()
 
 
 def restorable(
-    session: Session, run_id: int, tier: str, *, newest_only: bool
+    session: Session, run_id: int, tier: str, within: str, *, newest_only: bool
 ) -> list[tuple[m.Checkpoint, m.Replica]]:
     """Checkpoints that may need bringing back (committed, lost or corrupt) with their
-    whole copy on ``tier``, newest first in each stream; ``newest_only``: one per stream."""
+    whole copy on ``tier`` under ``within`` (a destination's URL prefix), newest first
+    in each stream; ``newest_only``: one per stream."""
     found = session.execute(
         select(m.Checkpoint, m.Replica)
         .join(m.Replica, m.Replica.checkpoint_id == m.Checkpoint.id)
         .where(m.Checkpoint.run_id == run_id)
         .where(m.Checkpoint.state.in_((m.COMMITTED, m.LOST, m.CORRUPT)))
         .where(m.Replica.tier == tier, m.Replica.state == REPLICATED)
+        .where(m.Replica.location.startswith(within, autoescape=True))
         .order_by(m.Checkpoint.stream, m.Checkpoint.id.desc(), m.Replica.id.desc())
     ).all()
     chosen: list[tuple[m.Checkpoint, m.Replica]] = []

@@ -163,9 +163,14 @@ def hold_for_copy(
     # row FOR UPDATE) is waited for, then read as it is: no hold added after a detach
     # released the tier's holds, or for a stream it no longer copies
     lock = " FOR SHARE" if connection_of(session).dialect.name == "postgresql" else ""
-    tiers = fetch(session, f"SELECT tier, streams FROM tiers WHERE run_id = ?{lock}", (run_id,))
+    tiers = fetch(
+        session, f"SELECT tier, streams, location FROM tiers WHERE run_id = ?{lock}", (run_id,)
+    )
     if not tiers:
         return set()
+    # a copy counts only under the tier's registered destination (a --to changed since
+    # leaves the old destination's copies out: the new one has none yet)
+    heads = {str(tier): f"{str(location).rstrip('/')}/" for tier, _, location in tiers}
     streams: dict[int, str] = {}
     copied: set[tuple[int, str]] = set()
     for part in batches(evicted, MAX_BOUND - len(COPIED_STATES)):
@@ -174,12 +179,16 @@ def hold_for_copy(
         streams.update((int(i), str(s)) for i, s in fetch(session, sql, tuple(part)))
         states = ", ".join(["?"] * len(COPIED_STATES))
         sql = (
-            f"SELECT checkpoint_id, tier FROM replicas WHERE checkpoint_id IN ({marks})"
-            f" AND state IN ({states})"
+            f"SELECT checkpoint_id, tier, location FROM replicas"
+            f" WHERE checkpoint_id IN ({marks}) AND state IN ({states})"
         )
-        copied.update((int(i), str(t)) for i, t in fetch(session, sql, (*part, *COPIED_STATES)))
+        copied.update(
+            (int(i), str(t))
+            for i, t, where in fetch(session, sql, (*part, *COPIED_STATES))
+            if str(t) in heads and str(where).startswith(heads[str(t)])
+        )
     holds = []
-    for tier, listed in tiers:
+    for tier, listed, _ in tiers:
         covered = None if listed is None else set(json.loads(listed))
         for checkpoint_id, stream in streams.items():
             if (covered is None or stream in covered) and (checkpoint_id, tier) not in copied:

@@ -81,7 +81,9 @@ def restore(
     hashed. A failure is kept in the outcome and the rest goes on. ``before``: called
     once, before anything is written, when there is something to bring back."""
     with ctx.ledger.transaction() as session:
-        found = ledger_replicas.restorable(session, ctx.run_id, tier, newest_only=False)
+        found = ledger_replicas.restorable(
+            session, ctx.run_id, tier, remote.url_prefix, newest_only=False
+        )
         wanted = [
             _Wanted(ledger_rows.to_record(row, ctx.save_dir), r.id, r.location, r.manifest)
             for row, r in found
@@ -109,7 +111,7 @@ def restore_one(ctx: RunContext, remote: Any, tier: str, checkpoint: Checkpoint)
     """Bring ``checkpoint`` back from its whole copy under ``remote``, if it has one (a
     load that found its local copy missing or corrupt); whether it did."""
     with ctx.ledger.transaction() as session:
-        replica = ledger_replicas.replicated(session, checkpoint.id, tier)
+        replica = ledger_replicas.replicated(session, checkpoint.id, tier, remote.url_prefix)
         found = None
         if replica is not None and remote.rel_of(replica.location) is not None:
             found = _Wanted(checkpoint, replica.id, replica.location, replica.manifest)

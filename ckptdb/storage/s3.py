@@ -327,9 +327,14 @@ class S3Store:
         """The URL of ``rel`` inside this store."""
         return self.url(self.key(rel))
 
+    @property
+    def url_prefix(self) -> str:
+        """What the URL of everything inside this store starts with."""
+        return self.url(f"{self.prefix}/") if self.prefix else self.url("")
+
     def rel_of(self, url: str) -> str | None:
         """``url`` relative to this store (None: not inside it)."""
-        head = self.url(f"{self.prefix}/") if self.prefix else self.url("")
+        head = self.url_prefix
         if not url.startswith(head) or url == head:
             return None
         rel = url[len(head) :]
