@@ -11,6 +11,7 @@ own error, with the reason noted.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -587,3 +588,48 @@ def test_deepmd_restarts_from_the_copy_of_a_corrupt_newest_checkpoint(
 
     bad = dp(root, "--pt", "train", "input.json", "--ckptdb-remote", "not-a-bucket")
     assert bad.returncode == 1 and "remote must be an object-storage URL" in bad.stderr
+
+
+@pytest.mark.parametrize("loss", ["corrupt newest", "machine"])
+def test_lightning_fit_last_resumes_from_the_copy_of_the_newest_checkpoint(
+    tmp_path: Path, s3_url: str, loss: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real ``lightning.Trainer``: ``fit(ckpt_path="last")`` with ``remote=`` resumes
+    from the newest checkpoint (step 8), brought back from its copy, where without
+    ``remote=`` it would skip a corrupt one (step 4) or find none at all."""
+    from lightninglib import Tiny, trainer
+
+    from ckptdb.integrations.lightning import ModelCheckpoint, default_ledger
+
+    d = tmp_path / "ckpts"
+    ledger = default_ledger(d)  # beside the checkpoints: here the ledger outlives them
+    trainer(tmp_path, [ModelCheckpoint(dirpath=d, save_top_k=-1)], max_epochs=2).fit(Tiny())
+    with Replicator(ledger, s3_url) as replicator:
+        assert len(replicator.replicate()) == 2  # epoch=0-step=4, epoch=1-step=8
+    newest = d / "epoch=1-step=8.ckpt"
+    whole = newest.read_bytes()
+    if loss == "machine":
+        shutil.rmtree(d)
+    else:
+        flip_byte(newest, 100)
+
+    callback = ModelCheckpoint(dirpath=d, save_top_k=-1, remote=s3_url)
+    if loss == "corrupt newest":  # two processes resolve "last" before they can agree
+        ddp = trainer(tmp_path, [callback], devices=2, strategy="ddp")
+        with caplog.at_level(logging.WARNING, logger="ckptdb"):
+            assert callback._find_last_checkpoints(ddp) == {str(d / "epoch=0-step=4.ckpt")}
+        assert "nothing was restored" in caplog.text and "ckptdb restore" in caplog.text
+        assert newest.read_bytes() != whole  # left as it was
+    t = trainer(tmp_path, [callback], max_epochs=3)
+    t.fit(Tiny(), ckpt_path="last")
+    assert t.ckpt_path == str(newest)
+    assert t.global_step == 12  # resumed at 8, one more epoch
+    with CheckpointManager(ledger) as mgr:
+        kept = [8, 12] if loss == "machine" else [4, 8, 12]  # a new machine: the newest back
+        assert [c.step for c in mgr.checkpoints("checkpoints")] == kept
+        assert mgr.check(load=True) == []
+    assert newest.read_bytes() == whole
+    with pytest.raises(InvalidArgumentError, match="remote must be an object-storage URL"):
+        ModelCheckpoint(dirpath=d, remote="nope")
+    with pytest.raises(InvalidArgumentError, match="remote_options is given without remote"):
+        ModelCheckpoint(dirpath=d, remote_options={"region": "x"})

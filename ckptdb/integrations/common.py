@@ -222,6 +222,13 @@ def newest_whole(manager: CheckpointManager, stream: str, log: logging.Logger) -
             return None
 
 
+def run_recorded(root: Path, db_url: str | None) -> bool:
+    """Whether the ledger records a run rooted at ``root`` (creates nothing)."""
+    if db_url is None and not (root / LEDGER_FILE).exists():
+        return False
+    return run_exists(root, ledger_url(root, db_url, readonly=True))
+
+
 def newest_whole_read_only(
     root: str | os.PathLike[str], *, db_url: str | None, log: logging.Logger
 ) -> Checkpoint | None:
@@ -233,10 +240,8 @@ def newest_whole_read_only(
     --verify``, marks it).
     """
     root = Path(root).resolve()
-    if db_url is None and not (root / LEDGER_FILE).exists():
+    if not run_recorded(root, db_url):
         return None  # a first run: nothing to resume from
-    if not run_exists(root, ledger_url(root, db_url, readonly=True)):
-        return None
     with RunReader(root, db_url=db_url) as reader:
         save_dir = reader.save_dir
         # a reader writes nothing: an object store is not probed (no test objects)

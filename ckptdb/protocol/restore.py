@@ -237,12 +237,10 @@ def _prepared_temp(store: Any, checkpoint: Checkpoint, rel: str) -> str:
     """The temporary name next to ``rel`` (the one a save of it would use, so that
     reconcile knows it), its directory made first (durably, parents included: a new
     machine's disk is empty)."""
-    parent = Path(rel).parent
     if is_own_name(rel):
         store.prepare_stream(checkpoint.stream)
-        return str(parent / temp_name(checkpoint.path.name, checkpoint.id))
-    if parent != Path("."):
-        store.make_temp_dir(parent.as_posix())
+        return str(Path(rel).parent / temp_name(checkpoint.path.name, checkpoint.id))
+    store.prepare_parent(rel)  # a framework's name: the save directory itself, maybe
     return temp_for(rel, checkpoint.id)
 
 

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +32,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "ckptdb.integrations.lightning", "Lightning", "lightning"
     ) from exc
 
-from ...errors import InvalidArgumentError, NonFiniteGradientError, RunDirectoryError, note_on
+from ...errors import (
+    CheckpointLostError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    NonFiniteGradientError,
+    RunDirectoryError,
+    note_on,
+)
 from ...guard import NonFiniteGradGuard
 from ...ledger.runs import ledger_beside
 from ...manager import CheckpointManager
@@ -99,7 +107,10 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     monitor's name, or ``checkpoints`` without one) and ``preemption``
     (``True`` or an :class:`~ckptdb.OnPreemption`: a preemption signal on
     any rank makes every rank checkpoint the same step and end ``fit`` with
-    :class:`~ckptdb.Preempted`; see :meth:`on_train_batch_end`).
+    :class:`~ckptdb.Preempted`; see :meth:`on_train_batch_end`), ``remote`` and
+    ``remote_options`` (where a replicator copies the run: ``fit(ckpt_path=
+    "last")`` in one process brings the newest checkpoint back from its copy
+    when it is missing or corrupt here; see :meth:`_find_last_checkpoints`).
     """
 
     def __init__(
@@ -125,6 +136,8 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         guard: Union[bool, Literal["raise"]] = True,  # noqa: UP007
         stream: str | None = None,
         preemption: Union[bool, OnPreemption] | None = None,  # noqa: UP007
+        remote: str | None = None,
+        remote_options: Mapping[str, object] | None = None,
     ) -> None:
         if dirpath is not None and "://" in str(dirpath):
             raise InvalidArgumentError(
@@ -153,6 +166,12 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self.db_url = common.check_db_url(db_url)
         self.stream = common.check_stream(stream, suffix=LAST_SUFFIX)
         self.preemption = on_preemption(preemption)
+        #: Where a replicator copies the run (CheckpointManager(remote=)): see
+        #: :meth:`_find_last_checkpoints`.
+        self.remote = common.check_remote(remote)
+        if remote is None and remote_options is not None:
+            raise InvalidArgumentError("remote_options is given without remote")
+        self.remote_options = remote_options
         common.check_local_root(ledger, "ledger")
         self._session_key: tuple[str, str | None, int] | None = None
         #: Ids of the checkpoints this callback committed in the current fit.
@@ -230,6 +249,11 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                 f"two ckptdb ModelCheckpoint callbacks sharing the ledger {key[0]} both ask "
                 "for preemption=; one preemption checkpoint ends the run: give it to one"
             )
+        if len({cb.remote for cb in peers}) > 1:
+            raise InvalidArgumentError(
+                f"ckptdb ModelCheckpoint callbacks sharing the ledger {key[0]} must agree on "
+                f"remote= (got {sorted({repr(cb.remote) for cb in peers})}): the run has one"
+            )
         if len({cb.guard for cb in peers}) > 1:
             raise InvalidArgumentError(
                 f"ckptdb ModelCheckpoint callbacks sharing the ledger {key[0]} must agree on "
@@ -246,7 +270,13 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         if self.guard:
             guard = NonFiniteGradGuard(trainer.lightning_module)
         manager = CheckpointManager(
-            key[0], streams=streams, save_dir=dirpath, db_url=key[1], guard=guard
+            key[0],
+            streams=streams,
+            save_dir=dirpath,
+            db_url=key[1],
+            guard=guard,
+            remote=self.remote,
+            remote_options=self.remote_options,
         )
         return _Session(manager, guard)
 
@@ -409,10 +439,51 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                 self.last_model_path = ""
 
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
-        """``fit(ckpt_path="last")``: the newest committed, whole checkpoint, never an mtime."""
+        """``fit(ckpt_path="last")``: the newest committed, whole checkpoint, never an mtime;
+        with ``remote=``, brought back from its copy first where it is missing or corrupt."""
         root, db_url = self._key(trainer)
+        if self.remote is not None:
+            self._restore_newest(trainer, root, db_url)
         newest = newest_committed(root, db_url=db_url)
         return {str(newest.path)} if newest is not None else set()
+
+    def _restore_newest(self, trainer: pl.Trainer, root: str, db_url: str | None) -> None:
+        """Bring the newest checkpoint back from its copy before Lightning looks.
+
+        Lightning resolves ``"last"`` before any process group exists and keeps
+        only candidates that exist on disk, so a restore at the ledger's open
+        (in :meth:`setup`) would come too late. In one process the run is opened
+        here once, with ``remote=``: the open restores what a new machine lacks,
+        and the newest checkpoint is verified, a corrupt one brought back from
+        its copy (an older one is tried when it has none). Ranks resolving at
+        once could not agree on who restores: on several, nothing is restored
+        here (said in a warning); restore before the job (``ckptdb restore``).
+        """
+        if trainer.world_size > 1:
+            log.warning(
+                'ckptdb: fit(ckpt_path="last") on %d processes resolves before the ranks can '
+                "agree: nothing was restored from %s; run `ckptdb restore` before the job",
+                trainer.world_size,
+                self.remote,
+            )
+            return
+        if not common.run_recorded(Path(root), db_url):
+            return  # a first run: nothing to restore
+        dirpath = Path(self._ModelCheckpoint__resolve_ckpt_dir(trainer)).resolve()  # type: ignore[attr-defined]
+        with CheckpointManager(
+            root,
+            save_dir=dirpath,
+            db_url=db_url,
+            remote=self.remote,
+            remote_options=self.remote_options,
+        ) as manager:
+            found = manager.checkpoints()
+            for record in sorted(found, key=lambda c: (c.committed_at, c.id), reverse=True):
+                try:
+                    manager.verify(record)
+                    return
+                except (CorruptCheckpointError, CheckpointLostError) as exc:
+                    log.warning("ckptdb: not resuming from %s: %s", record.path, exc)
 
     # ------------------------------------------------------------------ saving
 
