@@ -72,7 +72,7 @@ from .protocol.context import METRIC_FLUSH_THRESHOLD, RunContext
 from .protocol.inputs import validate_metrics, validate_step
 from .protocol.loading import Loader
 from .protocol.reconcile import Action, Reconciler, ReconcileReport
-from .protocol.resume import restore_at_open
+from .protocol.resume import restore_at_open, settle
 from .record import Checkpoint, DerivedAlias
 from .storage.base import PayloadStore
 from .storage.files import fsync_dir, make_dir
@@ -332,6 +332,7 @@ class CheckpointManager:
                 if ctx.remote is not None:
                     self.restored_at_open = restore_at_open(ctx, REMOTE)
                 self.last_reconcile = self.reconcile()
+                settle(ctx)
         except BaseException:
             self._close("failed")
             raise

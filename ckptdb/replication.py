@@ -244,7 +244,7 @@ class Replicator:
                 directory, total, files = self._upload(checkpoint, prefix)
             except Exception as exc:
                 held = checkpoint.state != m.COMMITTED  # evicted, held for this copy
-                hopeless = checkpoint if held and _bad_here(exc) else None
+                hopeless = checkpoint if held and _bad_here(exc, checkpoint.path) else None
                 self._abandon(replica_id, prefix, exc, hopeless=hopeless)
                 return self._one(replica_id)
             except BaseException as exc:  # Ctrl-C: the copy is not left "uploading" here
@@ -563,9 +563,13 @@ def _entry(row: m.Checkpoint, replica: m.Replica, policy: Policy) -> Entry:
     return Entry(id=replica.id, step=row.step, metric=float(value))
 
 
-def _bad_here(exc: BaseException) -> bool:
-    """Whether a copy failed on the local copy itself: not the bytes its row records, or
-    gone (a read of a missing file fails inside the upload's write phase)."""
+def _bad_here(exc: BaseException, path: Path) -> bool:
+    """Whether a copy failed on the local copy at ``path`` itself: not the bytes its row
+    records, or gone (a read of a missing file fails inside the upload's write phase).
+    Only where the directory holding it is there: a directory that is not (a disk not
+    mounted yet) says nothing about the file, as reconcile reads it too."""
+    if not path.parent.is_dir():
+        return False
     if isinstance(exc, CorruptCheckpointError):
         return True
     cause = exc.error if isinstance(exc, PhaseError) else exc

@@ -23,7 +23,7 @@ import torch
 from helpers import LedgerClient, flip_byte
 
 import ckptdb.errors
-from ckptdb import CheckpointManager, Keep, Replicator, Sharded
+from ckptdb import CheckpointManager, Keep, Replicator, RunReader, Sharded
 from ckptdb.errors import (
     CheckpointLostError,
     CorruptCheckpointError,
@@ -615,11 +615,20 @@ def test_lightning_fit_last_resumes_from_the_copy_of_the_newest_checkpoint(
 
     callback = ModelCheckpoint(dirpath=d, save_top_k=-1, remote=s3_url)
     if loss == "corrupt newest":  # two processes resolve "last" before they can agree
+        from lightning.pytorch.trainer.states import TrainerFn
+
         ddp = trainer(tmp_path, [callback], devices=2, strategy="ddp")
+        ddp.state.fn = TrainerFn.FITTING  # as fit() sets it before resolving "last"
         with caplog.at_level(logging.WARNING, logger="ckptdb"):
             assert callback._find_last_checkpoints(ddp) == {str(d / "epoch=0-step=4.ckpt")}
         assert "nothing was restored" in caplog.text and "ckptdb restore" in caplog.text
         assert newest.read_bytes() != whole  # left as it was
+        attempts = RunReader(ledger).attempts()
+        validating = trainer(tmp_path, [ModelCheckpoint(dirpath=d, remote=s3_url)])
+        validating.validate(Tiny(), ckpt_path="last")  # reads only: nothing opened, restored
+        assert validating.ckpt_path == str(d / "epoch=0-step=4.ckpt")
+        assert len(RunReader(ledger).attempts()) == len(attempts)
+        assert newest.read_bytes() != whole
     t = trainer(tmp_path, [callback], max_epochs=3)
     t.fit(Tiny(), ckpt_path="last")
     assert t.ckpt_path == str(newest)
@@ -633,3 +642,80 @@ def test_lightning_fit_last_resumes_from_the_copy_of_the_newest_checkpoint(
         ModelCheckpoint(dirpath=d, remote="nope")
     with pytest.raises(InvalidArgumentError, match="remote_options is given without remote"):
         ModelCheckpoint(dirpath=d, remote_options={"region": "x"})
+
+
+@pytest.mark.postgres
+def test_a_restore_finished_by_hand_is_over_and_a_later_unmounted_disk_refused(
+    tmp_path: Path, pg_url: str, s3_url: str, client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new machine's restore cut short, then finished the way the refusal says (the
+    directories made, an open without ``remote=``): that open ends it, so a disk not
+    mounted later is refused as always, never taken for the restore and marked lost."""
+    root = tmp_path / "run"
+    streams = {**STREAMS, "rng": Keep(last=1)}
+    with CheckpointManager(root, db_url=pg_url, streams=streams) as mgr:
+        for step in (10, 20):
+            mgr.save(step, model=state(step), sh=Sharded(sharded(step)), rng=state(-step))
+    with Replicator(root, s3_url, db_url=pg_url, streams=["model", "sh"]) as replicator:
+        replicator.replicate()
+    shutil.rmtree(root)
+    sh_key = next(k for k in s3lib.keys_under(client, s3_url) if "/sh/step-000000020" in k)
+    client.delete_object(Bucket=s3lib.BUCKET, Key=sh_key)
+    with pytest.raises(RunDirectoryError, match="restoring from"):
+        CheckpointManager(root, db_url=pg_url, streams=streams, remote=s3_url)
+    (root / "checkpoints" / "rng").mkdir()  # as the refusal says; sh 20 given up
+    with CheckpointManager(root, db_url=pg_url, streams=streams) as mgr:
+        mgr.save(30, model=state(30), rng=state(-30))
+    db = LedgerClient(root, pg_url)
+    try:
+        ((_, ended),) = events(db, "save_dir_recreated")
+        assert ended["remote"] is None  # ended by a reconcile that found every directory
+
+        save_dir = root / "checkpoints"  # later: the disk is not mounted, its mount point is
+        shutil.move(save_dir, tmp_path / "elsewhere")
+        save_dir.mkdir()
+        with pytest.raises(RunDirectoryError, match="mounted"):
+            CheckpointManager(root, db_url=pg_url, streams=streams, remote=s3_url)
+        assert ("lost",) not in db.rows("SELECT state FROM checkpoints WHERE step = 30")
+    finally:
+        db.close()
+
+
+@pytest.mark.postgres
+def test_a_new_machine_whose_newest_copy_goes_meanwhile_is_refused_then_takes_the_older(
+    tmp_path: Path, pg_url: str, s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The remote window removes the newest copy while a new machine restores it: the open
+    is refused with nothing marked (an empty disk is not the truth), and the next open
+    restores the newest copy left."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, db_url=pg_url, streams={"model": Keep(last=2)}) as mgr:
+        for step in (10, 20):
+            mgr.save(step, model=state(step))
+    with Replicator(root, s3_url, db_url=pg_url) as replicator:
+        replicator.replicate()
+    shutil.rmtree(root)
+    db = LedgerClient(root, pg_url)
+    download = ckptdb.storage.s3.S3Store.download
+
+    def removed_meanwhile(store: Any, rel: str, sink: Any) -> Any:
+        if "step-000000020" not in rel:
+            return download(store, rel, sink)
+        # what a replicator's window does between restore's query and this GET
+        db.execute(
+            "UPDATE replicas SET state = 'deleted' WHERE checkpoint_id IN "
+            "(SELECT id FROM checkpoints WHERE step = 20)"
+        )
+        raise ckptdb.errors.ObjectStoreError(f"GetObject {rel}: NoSuchKey")
+
+    try:
+        with monkeypatch.context() as mp:
+            mp.setattr(ckptdb.storage.s3.S3Store, "download", removed_meanwhile)
+            with pytest.raises(RunDirectoryError, match="removed by the remote tier's"):
+                CheckpointManager(root, db_url=pg_url, remote=s3_url)
+        assert db.rows("SELECT state FROM checkpoints ORDER BY step") == [("committed",)] * 2
+        with CheckpointManager(root, db_url=pg_url, remote=s3_url) as mgr:
+            assert [c.step for c in mgr.restored_at_open] == [10]
+            assert torch.equal(mgr.load()["w"], state(10)["w"])
+    finally:
+        db.close()

@@ -303,6 +303,52 @@ def test_an_evicted_checkpoint_whose_local_copy_is_bad_no_longer_waits(
     assert db.rows(whole + " WHERE r.state = 'replicated'") == [(2,)]
 
 
+def test_an_evicted_file_whose_directory_is_not_there_keeps_waiting(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+) -> None:
+    """The stream's directory gone for a while (a disk not mounted yet): the file says
+    nothing about the checkpoint then, so it keeps waiting and is copied once it is back."""
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    with Replicator(root, s3_url, db_url=db_url) as replicator:
+        mgr.save(1, model=state(1))
+        mgr.save(2, model=state(2))
+        stream_dir = root / "checkpoints" / "model"
+        stream_dir.rename(root / "away")
+        replicator.replicate()
+        assert live_holds(db) == [1]
+        assert db.rows("SELECT COUNT(*) FROM events WHERE kind = 'copy_impossible'") == [(0,)]
+        (root / "away").rename(stream_dir)
+        assert sorted(r.step for r in replicator.replicate()) == [1, 2]
+        assert live_holds(db) == []
+    mgr.save(3, model=state(3))
+    assert on_disk(mgr) == [3]
+
+
+def test_destinations_that_differ_only_in_case_are_two(
+    open_manager: Callable[..., CheckpointManager],
+    root: Path,
+    db_url: str | None,
+    db: LedgerClient,
+    s3_url: str,
+) -> None:
+    """Object keys are case-sensitive: a copy under ``.../Run`` is no copy under ``.../run``
+    (SQLite's LIKE would say it is)."""
+    upper = s3_url + "/Run"
+    mgr = open_manager(streams={"model": Keep(last=1)})
+    with Replicator(root, upper, db_url=db_url) as replicator:
+        mgr.save(1, model=state(1))
+        replicator.replicate()
+    with Replicator(root, s3_url + "/run", db_url=db_url) as replicator:
+        (copied,) = replicator.replicate()
+        assert copied.step == 1 and copied.location.startswith(s3_url + "/run/")
+        mgr.save(2, model=state(2))  # evicts 1: copied under both now, it goes
+        assert live_holds(db) == [] and on_disk(mgr) == [2]
+
+
 def test_detach_releases_every_hold(
     open_manager: Callable[..., CheckpointManager],
     root: Path,

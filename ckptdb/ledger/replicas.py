@@ -107,6 +107,12 @@ def unfinished(session: Session, run_id: int, tier: str) -> list[m.Replica]:
     )
 
 
+def _under(within: str) -> Any:
+    """A copy's location starts with ``within``, compared byte for byte (``LIKE`` would
+    ignore case on SQLite, and treat ``_`` and ``%`` as patterns)."""
+    return func.substr(m.Replica.location, 1, len(within)) == within
+
+
 def to_copy(
     session: Session,
     run_id: int,
@@ -126,7 +132,7 @@ def to_copy(
         m.Replica.checkpoint_id == m.Checkpoint.id,
         m.Replica.tier == tier,
         m.Replica.state.in_((UPLOADING, REPLICATED, DELETING, DELETED)),
-        m.Replica.location.startswith(within, autoescape=True),
+        _under(within),
     )
     held = exists().where(
         m.Pin.checkpoint_id == m.Checkpoint.id,
@@ -141,7 +147,7 @@ def to_copy(
                 m.Replica.tier == tier,
                 m.Replica.state == FAILED,
                 m.Replica.error != INTERRUPTED,
-                m.Replica.location.startswith(within, autoescape=True),
+                _under(within),
             )
         )
         .scalar_subquery()
@@ -237,7 +243,7 @@ def replicated(session: Session, checkpoint_id: int, tier: str, within: str) -> 
         select(m.Replica)
         .where(m.Replica.checkpoint_id == checkpoint_id, m.Replica.tier == tier)
         .where(m.Replica.state == REPLICATED)
-        .where(m.Replica.location.startswith(within, autoescape=True))
+        .where(_under(within))
         .order_by(m.Replica.id.desc())
         .limit(1)
     ).first()
@@ -255,7 +261,7 @@ def restorable(
         .where(m.Checkpoint.run_id == run_id)
         .where(m.Checkpoint.state.in_((m.COMMITTED, m.LOST, m.CORRUPT)))
         .where(m.Replica.tier == tier, m.Replica.state == REPLICATED)
-        .where(m.Replica.location.startswith(within, autoescape=True))
+        .where(_under(within))
         .order_by(m.Checkpoint.stream, m.Checkpoint.id.desc(), m.Replica.id.desc())
     ).all()
     chosen: list[tuple[m.Checkpoint, m.Replica]] = []

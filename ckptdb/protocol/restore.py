@@ -52,6 +52,8 @@ class Outcome:
 
     restored: list[Checkpoint] = field(default_factory=list)
     failures: list[tuple[Checkpoint, Exception]] = field(default_factory=list)
+    #: whose copy the remote tier's retention removed while it was restored
+    skipped: list[Checkpoint] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,8 @@ def restore(
     outcome = Outcome()
     for w in wanted:
         try:
-            done = _restore(ctx, remote, w, full=not at_open or w.checkpoint.state != COMMITTED)
+            full = not at_open or w.checkpoint.state != COMMITTED
+            done = _restore(ctx, remote, w, full=full, skipped=outcome.skipped)
         except (ObjectStoreError, CorruptCheckpointError, InvalidArgumentError, OSError) as exc:
             outcome.failures.append((w.checkpoint, exc))  # PhaseError is an OSError
             continue
@@ -145,10 +148,12 @@ def _would_be_latest(ctx: RunContext, checkpoint: Checkpoint) -> bool:
     return not any(_whole_here(ctx, r, ctx.rel(r.path), full=False) for r in records)
 
 
-def _restore(ctx: RunContext, remote: Any, w: _Wanted, *, full: bool) -> Checkpoint | None:
+def _restore(
+    ctx: RunContext, remote: Any, w: _Wanted, *, full: bool, skipped: list[Checkpoint]
+) -> Checkpoint | None:
     """One checkpoint: its local copy kept if whole (its row committed again if it was
     marked bad), else its copy brought back; None when nothing was needed, or when
-    the tier's retention removed the copy meanwhile."""
+    the tier's retention removed the copy meanwhile (then added to ``skipped``)."""
     checkpoint = w.checkpoint
     rel = ctx.rel(checkpoint.path)
     if _whole_here(ctx, checkpoint, rel, full):  # e.g. a crash after the place
@@ -164,6 +169,7 @@ def _restore(ctx: RunContext, remote: Any, w: _Wanted, *, full: bool) -> Checkpo
             checkpoint.path,
             w.location,
         )
+        skipped.append(checkpoint)
         return None
     return _recommit(ctx, checkpoint, w.location)
 

@@ -18,7 +18,8 @@ cut short (the process killed after one stream's copy was placed, a power cut,
 a copy that could not be read) leaves the save directory with some stream
 directories and not others; without the event the next open could not tell
 that from a filesystem that is not mounted, would refuse, and would go on
-refusing. With it, the next open finishes the restore.
+refusing. With it, the next open finishes the restore. Any writer open whose
+reconcile passes (every stream directory there) ends it too (:func:`settle`).
 
 The save directory here but a stream's directory not, with no restore
 unfinished (storage not mounted?): nothing is restored into it, and
@@ -81,6 +82,14 @@ def restore_at_open(ctx: RunContext, tier: str) -> list[Checkpoint]:
             f"from {url} failed: {type(first).__name__}: {first}; what was restored is "
             "back, nothing was marked lost: open again once the copies can be read"
         ) from first
+    if outcome.skipped:  # an older copy of its stream is there: the next open takes it
+        gone = ", ".join(str(c.path) for c in outcome.skipped)
+        raise RunDirectoryError(
+            f"the save directory {ctx.save_dir} was gone (a new machine?) and the copies "
+            f"of {gone} at {url} were removed by the remote tier's retention while they "
+            "were restored; nothing was marked lost: open again to restore the newest "
+            "copies left"
+        )
     log.warning(
         "ckptdb: the save directory %s was gone (a new machine?): the newest copies were "
         "restored from %s; the checkpoints without one will be marked lost",
@@ -91,6 +100,14 @@ def restore_at_open(ctx: RunContext, tier: str) -> list[Checkpoint]:
         ctx.store.prepare_stream(stream)
     ctx.event(RECREATED, detail={"path": str(ctx.save_dir), "remote": url})
     return outcome.restored
+
+
+def settle(ctx: RunContext) -> None:
+    """After a reconcile that found every stream directory: a new machine's restore left
+    unfinished is over (the user made the directories and opened without ``remote=``,
+    or restored by hand), so a later disk not mounted is never taken for it."""
+    if _recreating(ctx):
+        ctx.event(RECREATED, detail={"path": str(ctx.save_dir), "remote": None})
 
 
 def _recreating(ctx: RunContext) -> bool:

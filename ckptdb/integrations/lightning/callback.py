@@ -27,6 +27,7 @@ try:
     from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
     from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
     from lightning.pytorch.strategies import Strategy
+    from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise common.framework_missing(
         "ckptdb.integrations.lightning", "Lightning", "lightning"
@@ -249,10 +250,11 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                 f"two ckptdb ModelCheckpoint callbacks sharing the ledger {key[0]} both ask "
                 "for preemption=; one preemption checkpoint ends the run: give it to one"
             )
-        if len({cb.remote for cb in peers}) > 1:
+        if len({repr((cb.remote, cb.remote_options)) for cb in peers}) > 1:
             raise InvalidArgumentError(
                 f"ckptdb ModelCheckpoint callbacks sharing the ledger {key[0]} must agree on "
-                f"remote= (got {sorted({repr(cb.remote) for cb in peers})}): the run has one"
+                f"remote= and remote_options= (got {sorted({repr(cb.remote) for cb in peers})})"
+                ": the run has one remote tier"
             )
         if len({cb.guard for cb in peers}) > 1:
             raise InvalidArgumentError(
@@ -442,7 +444,8 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         """``fit(ckpt_path="last")``: the newest committed, whole checkpoint, never an mtime;
         with ``remote=``, brought back from its copy first where it is missing or corrupt."""
         root, db_url = self._key(trainer)
-        if self.remote is not None:
+        if self.remote is not None and trainer.state.fn == TrainerFn.FITTING:
+            # validate/test/predict read only: they never take the writer lock
             self._restore_newest(trainer, root, db_url)
         newest = newest_committed(root, db_url=db_url)
         return {str(newest.path)} if newest is not None else set()
