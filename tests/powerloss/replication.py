@@ -276,10 +276,13 @@ class RestoreCheck:
                     problems += ref.check_contents(mgr.save_dir, rows)
         except Exception as exc:  # the finding itself: the run does not reopen
             return [*problems, f"reopening raised {type(exc).__name__}: {exc}"]
+        waiting = held(root)  # evicted since, waiting for a copy: the run is still replicated
         odd = sorted(
             f"{r.stream} step {r.step} (row {r.id}) {r.state}"
             for r in rows
-            if r.state not in HEALTHY_STATES and not (r.state == "lost" and r.id in self.lost)
+            if r.state not in HEALTHY_STATES
+            and not (r.state == "lost" and r.id in self.lost)
+            and not (r.state == "deleting" and r.id in waiting)
         )
         status = integrity(root)
         return (
