@@ -357,19 +357,25 @@ def ledger_rows(root: Path, db_url: str | None = None) -> list[Row]:
         finally:
             client.close()
         return [Row(i, s, st, state, p, bool(c)) for i, s, st, state, p, c in found]
+    found = sqlite_rows(root, ROWS_QUERY)
+    return [Row(i, s, st, state, p, bool(c)) for i, s, st, state, p, c in found]
+
+
+def sqlite_rows(root: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    """``sql`` on the run's own SQLite ledger, read with plain SQL (no reconcile, no
+    lock); nothing when there is no ledger yet, or its first migration never committed."""
     db = root / "ckptdb.sqlite"
     if not db.exists():
         return []
     con = sqlite3.connect(db)
     try:
-        found = con.execute(ROWS_QUERY).fetchall()
+        return list(con.execute(sql, args).fetchall())
     except sqlite3.OperationalError as exc:
         if "no such table" in str(exc):
             return []  # killed before the first migration committed
         raise
     finally:
         con.close()
-    return [Row(i, s, st, state, p, bool(c)) for i, s, st, state, p, c in found]
 
 
 def integrity(root: Path) -> str:

@@ -414,3 +414,27 @@ def hammer(root: str, db_url: str, stop: str, out: str) -> None:
                 rounds += 1
         time.sleep(0.001)
     Path(out).write_text(json.dumps({"rounds": rounds, "seen": seen, "violations": violations}))
+
+
+def remove_copy_while_downloaded(
+    monkeypatch: pytest.MonkeyPatch, db: LedgerClient, step: int
+) -> None:
+    """What a replicator's remote window does between a restore's query and its GET: the
+    copies of the checkpoints at ``step`` marked ``deleted``, and their GET answered
+    NoSuchKey (the other copies download as always)."""
+    import ckptdb.errors
+    import ckptdb.storage.s3
+
+    download = ckptdb.storage.s3.S3Store.download
+
+    def removed_meanwhile(store: Any, rel: str, sink: Any) -> Any:
+        if f"step-{step:09d}" not in rel:
+            return download(store, rel, sink)
+        db.execute(
+            "UPDATE replicas SET state = 'deleted' WHERE checkpoint_id IN "
+            "(SELECT id FROM checkpoints WHERE step = ?)",
+            step,
+        )
+        raise ckptdb.errors.ObjectStoreError(f"GetObject {rel}: NoSuchKey")
+
+    monkeypatch.setattr(ckptdb.storage.s3.S3Store, "download", removed_meanwhile)

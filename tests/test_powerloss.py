@@ -303,22 +303,54 @@ def test_the_explorer_catches_a_broken_durability_step(
     print(f"{mutation} ({scenario}): {result.summary()}\n{result.violations[0]}")
 
 
-def s3_commit_before_complete(mp: pytest.MonkeyPatch) -> None:
-    """The rows commit before the objects complete: each object's completion (and its
-    HEAD) is deferred until the boundary's commit returned."""
+def defer_completions(mp: pytest.MonkeyPatch) -> list[Callable[[], object]]:
+    """Each object's completion (and its HEAD) not made when the writer finishes but
+    queued: the list the mutation runs later (the size and hash are reported as usual)."""
     deferred: list[Callable[[], object]] = []
-    real_finish, real_commit = ObjectWriter.finish, Publisher._commit
+    real_finish = ObjectWriter.finish
 
     def finish(self: ObjectWriter) -> FileInfo:
         deferred.append(lambda: real_finish(self))
         return FileInfo(self.size, self._hash.hexdigest())
+
+    mp.setattr(ObjectWriter, "finish", finish)
+    return deferred
+
+
+def mutated_exploration(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    scenario: str,
+    mutate: Callable[[pytest.MonkeyPatch], None],
+    *,
+    at_reopen: bool,
+    backward: bool,
+) -> Exploration:
+    """``scenario`` recorded with ``mutate`` applied (or, ``at_reopen``, recorded as it is
+    and explored with it applied) under the object-store model, the default budget."""
+    with monkeypatch.context() as mp:
+        if not at_reopen:
+            mutate(mp)
+        recorded = record(tmp_path, scenario)
+    with monkeypatch.context() as mp:
+        if at_reopen:
+            mutate(mp)
+        return explore(
+            recorded, "object-store", budget_for(False), stop_at_first=not DEEP, backward=backward
+        )
+
+
+def s3_commit_before_complete(mp: pytest.MonkeyPatch) -> None:
+    """The rows commit before the objects complete: each object's completion (and its
+    HEAD) is deferred until the boundary's commit returned."""
+    deferred = defer_completions(mp)
+    real_commit = Publisher._commit
 
     def commit(self: Publisher, *args: object) -> None:
         real_commit(self, *args)  # type: ignore[arg-type]
         while deferred:
             deferred.pop(0)()
 
-    mp.setattr(ObjectWriter, "finish", finish)
     mp.setattr(Publisher, "_commit", commit)
 
 
@@ -380,17 +412,10 @@ def test_the_explorer_catches_a_broken_step_on_s3(
 ) -> None:
     """As above, on object storage (the real server; the first violation is printed)."""
     scenario, mutate = S3_MUTATIONS[mutation]
-    with monkeypatch.context() as mp:
-        if mutation not in AT_REOPEN:
-            mutate(mp)
-        recorded = record(tmp_path, scenario)
-    with monkeypatch.context() as mp:
-        if mutation in AT_REOPEN:
-            mutate(mp)
-        backward = mutation not in AT_REOPEN
-        result = explore(
-            recorded, "object-store", budget_for(False), stop_at_first=not DEEP, backward=backward
-        )
+    at_reopen = mutation in AT_REOPEN
+    result = mutated_exploration(
+        tmp_path, monkeypatch, scenario, mutate, at_reopen=at_reopen, backward=not at_reopen
+    )
     assert result.violations, f"{mutation} went unnoticed: {result.summary()}"
     if mutation == "s3_accept_unverified":  # not only its leaked upload: a lost save
         assert any("invariant 5" in p for v in result.violations for p in v.problems)
@@ -401,12 +426,8 @@ def test_the_explorer_catches_a_broken_step_on_s3(
 def copy_recorded_before_complete(mp: pytest.MonkeyPatch) -> None:
     """A copy is recorded ``replicated`` before its objects complete: each completion
     (and its HEAD) is deferred until the replica row's transaction committed."""
-    deferred: list[Callable[[], object]] = []
-    real_finish, real_record = ObjectWriter.finish, ledger_replicas.finish
-
-    def finish(self: ObjectWriter) -> FileInfo:
-        deferred.append(lambda: real_finish(self))
-        return FileInfo(self.size, self._hash.hexdigest())
+    deferred = defer_completions(mp)
+    real_record = ledger_replicas.finish
 
     def record(session: Any, *args: Any) -> bool:
         work = list(deferred)
@@ -414,7 +435,6 @@ def copy_recorded_before_complete(mp: pytest.MonkeyPatch) -> None:
         after_commit(session, lambda: [w() for w in work])
         return real_record(session, *args)
 
-    mp.setattr(ObjectWriter, "finish", finish)
     mp.setattr(ledger_replicas, "finish", record)
 
 
@@ -478,16 +498,9 @@ def test_the_explorer_catches_a_broken_replicator_or_restore_step(
     caught by a crash state (the first violation is printed)."""
     scenario, mutate = REPLICATION_MUTATIONS[mutation]
     at_reopen = mutation in REPLICATION_AT_REOPEN
-    with monkeypatch.context() as mp:
-        if not at_reopen:
-            mutate(mp)
-        recorded = record(tmp_path, scenario)
-    with monkeypatch.context() as mp:
-        if at_reopen:
-            mutate(mp)
-        result = explore(
-            recorded, "object-store", budget_for(False), stop_at_first=not DEEP, backward=True
-        )
+    result = mutated_exploration(
+        tmp_path, monkeypatch, scenario, mutate, at_reopen=at_reopen, backward=True
+    )
     assert result.violations, f"{mutation} went unnoticed: {result.summary()}"
     shown = "\n".join(str(v) for v in result.violations[:2])
     print(f"{mutation} ({scenario}): {result.summary()}\n{shown}")

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import s3lib
 import torch
-from helpers import LedgerClient, flip_byte
+from helpers import LedgerClient, flip_byte, remove_copy_while_downloaded
 
 import ckptdb.errors
 from ckptdb import CheckpointManager, Keep, Replicator, RunReader, Sharded
@@ -65,6 +65,24 @@ def replicated_run(
     with Replicator(root, url, db_url=db_url) as replicator:
         replicator.replicate()
     return mgr
+
+
+def machine_lost(
+    tmp_path: Path, pg_url: str, url: str, client: Any
+) -> tuple[Path, dict[str, Any], str]:
+    """Steps 10 and 20 of ``model``, ``sh`` (both copied to ``url``) and ``rng`` (local-only)
+    saved with the ledger on PostgreSQL, then the run directory deleted (the machine
+    is gone): the root, the streams, and the key of the copy of ``sh`` 20's file."""
+    root = tmp_path / "run"
+    streams = {**STREAMS, "rng": Keep(last=1)}  # rng: local-only, never copied
+    with CheckpointManager(root, db_url=pg_url, streams=streams) as mgr:
+        for step in (10, 20):
+            mgr.save(step, model=state(step), sh=Sharded(sharded(step)), rng=state(-step))
+    with Replicator(root, url, db_url=pg_url, streams=["model", "sh"]) as replicator:
+        replicator.replicate()
+    shutil.rmtree(root)
+    sh_key = next(k for k in s3lib.keys_under(client, url) if "/sh/step-000000020" in k)
+    return root, streams, sh_key
 
 
 def events(db: LedgerClient, kind: str) -> list[tuple[int | None, dict[str, Any]]]:
@@ -216,15 +234,7 @@ def test_a_new_machine_whose_restore_was_cut_short_resumes_it_at_the_next_open(
     stream's copy was placed, or one copy could not be read) left the save directory
     with some stream directories and not others: the next open must finish the new
     machine's restore, not take it for an unmounted filesystem and refuse for good."""
-    root = tmp_path / "run"
-    streams = {**STREAMS, "rng": Keep(last=1)}  # rng: local-only, never copied
-    with CheckpointManager(root, db_url=pg_url, streams=streams) as mgr:
-        for step in (10, 20):
-            mgr.save(step, model=state(step), sh=Sharded(sharded(step)), rng=state(-step))
-    with Replicator(root, s3_url, db_url=pg_url, streams=["model", "sh"]) as replicator:
-        replicator.replicate()
-    shutil.rmtree(root)
-    sh_key = next(k for k in s3lib.keys_under(client, s3_url) if "/sh/step-000000020" in k)
+    root, streams, sh_key = machine_lost(tmp_path, pg_url, s3_url, client)
     sh_bytes = client.get_object(Bucket=s3lib.BUCKET, Key=sh_key)["Body"].read()
 
     with monkeypatch.context() as mp:
@@ -646,20 +656,12 @@ def test_lightning_fit_last_resumes_from_the_copy_of_the_newest_checkpoint(
 
 @pytest.mark.postgres
 def test_a_restore_finished_by_hand_is_over_and_a_later_unmounted_disk_refused(
-    tmp_path: Path, pg_url: str, s3_url: str, client: Any, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, pg_url: str, s3_url: str, client: Any
 ) -> None:
     """A new machine's restore cut short, then finished the way the refusal says (the
     directories made, an open without ``remote=``): that open ends it, so a disk not
     mounted later is refused as always, never taken for the restore and marked lost."""
-    root = tmp_path / "run"
-    streams = {**STREAMS, "rng": Keep(last=1)}
-    with CheckpointManager(root, db_url=pg_url, streams=streams) as mgr:
-        for step in (10, 20):
-            mgr.save(step, model=state(step), sh=Sharded(sharded(step)), rng=state(-step))
-    with Replicator(root, s3_url, db_url=pg_url, streams=["model", "sh"]) as replicator:
-        replicator.replicate()
-    shutil.rmtree(root)
-    sh_key = next(k for k in s3lib.keys_under(client, s3_url) if "/sh/step-000000020" in k)
+    root, streams, sh_key = machine_lost(tmp_path, pg_url, s3_url, client)
     client.delete_object(Bucket=s3lib.BUCKET, Key=sh_key)
     with pytest.raises(RunDirectoryError, match="restoring from"):
         CheckpointManager(root, db_url=pg_url, streams=streams, remote=s3_url)
@@ -696,21 +698,9 @@ def test_a_new_machine_whose_newest_copy_goes_meanwhile_is_refused_then_takes_th
         replicator.replicate()
     shutil.rmtree(root)
     db = LedgerClient(root, pg_url)
-    download = ckptdb.storage.s3.S3Store.download
-
-    def removed_meanwhile(store: Any, rel: str, sink: Any) -> Any:
-        if "step-000000020" not in rel:
-            return download(store, rel, sink)
-        # what a replicator's window does between restore's query and this GET
-        db.execute(
-            "UPDATE replicas SET state = 'deleted' WHERE checkpoint_id IN "
-            "(SELECT id FROM checkpoints WHERE step = 20)"
-        )
-        raise ckptdb.errors.ObjectStoreError(f"GetObject {rel}: NoSuchKey")
-
     try:
         with monkeypatch.context() as mp:
-            mp.setattr(ckptdb.storage.s3.S3Store, "download", removed_meanwhile)
+            remove_copy_while_downloaded(mp, db, 20)
             with pytest.raises(RunDirectoryError, match="removed by the remote tier's"):
                 CheckpointManager(root, db_url=pg_url, remote=s3_url)
         assert db.rows("SELECT state FROM checkpoints ORDER BY step") == [("committed",)] * 2

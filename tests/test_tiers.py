@@ -20,7 +20,7 @@ import pytest
 import s3lib
 import torch
 from click.testing import CliRunner
-from helpers import LedgerClient, flip_byte, migrate_to
+from helpers import LedgerClient, flip_byte, migrate_to, remove_copy_while_downloaded
 
 import ckptdb.ledger.tiers
 import ckptdb.replication
@@ -764,16 +764,7 @@ def test_a_copy_the_window_removes_during_a_restore_is_skipped(
     saved = {c.step: c for c in mgr.checkpoints("model")}
     for checkpoint in saved.values():
         checkpoint.path.unlink()
-    download = ckptdb.storage.s3.S3Store.download
-
-    def removed_meanwhile(store: Any, rel: str, sink: Any) -> Any:
-        if "step-000000002" not in rel:
-            return download(store, rel, sink)
-        # what a replicator's window does between restore's query and this GET
-        db.execute("UPDATE replicas SET state = 'deleted' WHERE checkpoint_id = ?", saved[2].id)
-        raise ckptdb.errors.ObjectStoreError(f"GetObject {rel}: NoSuchKey")
-
-    monkeypatch.setattr(ckptdb.storage.s3.S3Store, "download", removed_meanwhile)
+    remove_copy_while_downloaded(monkeypatch, db, 2)
     restored = mgr.restore(s3_url, every=True)
     assert [c.step for c in restored] == [1]  # step 2 skipped, step 1 restored all the same
     assert saved[1].path.exists() and not saved[2].path.exists()

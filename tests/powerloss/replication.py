@@ -35,7 +35,6 @@ import contextlib
 import copy
 import json
 import shutil
-import sqlite3
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -44,7 +43,15 @@ from typing import Any
 
 import s3lib
 import xxhash
-from crashlib import HEALTHY_STATES, Boundary, Reference, integrity, ledger_rows, policies
+from crashlib import (
+    HEALTHY_STATES,
+    Boundary,
+    Reference,
+    integrity,
+    ledger_rows,
+    policies,
+    sqlite_rows,
+)
 from helpers import flip_byte
 
 from ckptdb import CheckpointManager, Keep, Replicator
@@ -54,7 +61,7 @@ from ckptdb.storage.s3client import PROBE_DIR
 
 from .explorer import in_flight_records
 from .objects import ObjectRecorder, client, listing, split
-from .recording import LEDGER_FILE, Recorder
+from .recording import Recorder
 from .s3scenarios import PART, payloads
 from .scenarios import Recorded, Run, Scenario, _paths
 
@@ -87,31 +94,13 @@ def replicator(root: Path, url: str) -> Replicator:
 
 def copies(root: Path) -> list[Copy]:
     """Every replica row, read with plain SQL (no reconcile, no lock)."""
-    db = root / LEDGER_FILE
-    if not db.exists():
-        return []
-    con = sqlite3.connect(db)
-    try:
-        found = con.execute(REPLICAS_QUERY).fetchall()
-    except sqlite3.OperationalError as exc:
-        if "no such table" in str(exc):
-            return []
-        raise
-    finally:
-        con.close()
-    return [Copy(*row) for row in found]
+    return [Copy(*row) for row in sqlite_rows(root, REPLICAS_QUERY)]
 
 
 def held(root: Path) -> set[int]:
     """The checkpoints whose local file a tier holds until their copy is whole."""
-    con = sqlite3.connect(root / LEDGER_FILE)
-    try:
-        found = con.execute(
-            "SELECT checkpoint_id FROM pins WHERE holder = ? AND released_at IS NULL", (HOLD,)
-        ).fetchall()
-    finally:
-        con.close()
-    return {ident for (ident,) in found}
+    sql = "SELECT checkpoint_id FROM pins WHERE holder = ? AND released_at IS NULL"
+    return {ident for (ident,) in sqlite_rows(root, sql, HOLD)}
 
 
 # ------------------------------------------------------------------ the store's side
