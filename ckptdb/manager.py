@@ -446,26 +446,31 @@ class CheckpointManager:
         if nobody fetched it, is raised once the manager is closed, unless the
         manager is closing because of another exception (then it was logged).
         An attempt whose ranks agreed on a preemption ends ``preempted``.
+        The preemption handlers go last: a signal that comes while the attempt
+        ends is recorded by them (the attempt is never left ``running``), then
+        delivered to the handler they replaced (:meth:`Preemption.close`).
         """
         if self._closed:
             return
         handle = self._inflight.handle
         preemption, self._preemption = self._preemption, None
-        if preemption is not None:
-            preemption.close()
-            if preemption.agreed_step is not None:
-                end_state = "preempted"
+        if preemption is not None and preemption.agreed_step is not None:
+            end_state = "preempted"
         try:
-            self._inflight.wait()
-        finally:
-            self._closed = True
-            self._inflight.handle = None
-            self._snapshots.release()
             try:
-                if self._ctx.is_writer:
-                    self._end_attempt(end_state)
+                self._inflight.wait()
             finally:
-                self._writer.shutdown()
+                self._closed = True
+                self._inflight.handle = None
+                self._snapshots.release()
+                try:
+                    if self._ctx.is_writer:
+                        self._end_attempt(end_state)
+                finally:
+                    self._writer.shutdown()
+        finally:
+            if preemption is not None:
+                preemption.close()
         error = handle.unfetched_error if handle is not None else None
         if error is not None and end_state in ("closed", "preempted"):
             assert handle is not None
@@ -553,7 +558,7 @@ class CheckpointManager:
             "checkpoints", lambda: self._ctx.queries().checkpoints(stream, states=wanted)
         )
 
-    def holds(self, name: str) -> bool:
+    def _holds(self, name: str) -> bool:
         """Whether a live row of this run owns ``name`` (relative to the save directory).
 
         Pending, committed, being deleted, lost or corrupt: such a name is the
@@ -685,7 +690,7 @@ class CheckpointManager:
             raise ArgumentTypeError(f"protect() takes a committed Checkpoint, got {checkpoint!r}")
         self._ctx.protected.add(checkpoint.id)
 
-    def resumed_from(self, checkpoint: Checkpoint) -> None:
+    def _resumed_from(self, checkpoint: Checkpoint) -> None:
         """Record that this attempt resumed from ``checkpoint``, which something else loaded.
 
         For frameworks that load checkpoints themselves (Lightning's
@@ -699,7 +704,7 @@ class CheckpointManager:
         if self._ctx.is_writer:
             self._loader.note_resume(checkpoint)
 
-    def agree(self, local: BaseException | None, *, what: str = "agree") -> None:
+    def _agree(self, local: BaseException | None, *, what: str = "agree") -> None:
         """Raise on every rank if any rank failed a local step of its own; collective.
 
         For integrations whose framework runs a step on every rank before a
@@ -734,7 +739,7 @@ class CheckpointManager:
         self._check_open()
         return self._coord.is_chief
 
-    def from_chief(self, value: T, *, what: str = "share") -> T:
+    def _from_chief(self, value: T, *, what: str = "share") -> T:
         """The chief's ``value``, on every rank; collective.
 
         For integrations whose framework decides on rank 0 alone what the next

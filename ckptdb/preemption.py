@@ -198,8 +198,15 @@ class Preemption:
         A handler someone installed over ours (a framework's, for its own run)
         is left alone: whoever installed it restores what it replaced, and
         putting back what ours replaced would undo that.
+
+        A signal received that no agreement acted on (it came after the last
+        :meth:`requested`, or while the ledger was closing) is not dropped:
+        once the handler it would have met is back, it is raised again, so the
+        process does what it would have done without ckptdb (by default, a
+        SIGTERM ends it), with the ledger's attempt already ended.
         """
         previous, self._previous = self._previous, {}
+        restored: list[signal.Signals] = []
         for sig, handler in previous.items():
             current = signal.getsignal(sig)
             if current != self._handle:
@@ -209,6 +216,7 @@ class Preemption:
                 continue
             try:
                 signal.signal(sig, handler)
+                restored.append(sig)
             except ValueError:  # closed from a thread other than the main one
                 log.error(
                     "ckptdb: the handler of %s could not be restored outside the main "
@@ -216,8 +224,23 @@ class Preemption:
                     sig.name,
                     exc_info=True,
                 )
-        if self._flag is not None:
-            self._flag.close()
+        try:
+            if self._flag is not None:
+                self._flag.close()
+        finally:
+            self._deliver_unheeded(restored)
+
+    def _deliver_unheeded(self, restored: list[signal.Signals]) -> None:
+        """Raise again a received signal no agreement acted on, to the handler now back."""
+        told = self.received
+        if told is None or self.agreed_step is not None or told.signal not in restored:
+            return
+        log.warning(
+            "ckptdb: %s came after the last preemption check; delivered to its own handler "
+            "now that the ledger is closed",
+            told.signal.name,
+        )
+        signal.raise_signal(told.signal)
 
     # ------------------------------------------------------------- agreement
 

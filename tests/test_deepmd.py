@@ -39,7 +39,7 @@ from ckptdb.errors import (
     NonFiniteGradientError,
     UnsupportedVersionError,
 )
-from ckptdb.integrations import common
+from ckptdb.integrations.contract import IntegrationLedger, LedgerOptions
 from ckptdb.integrations.deepmd import train
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.usefixtures("no_db_url_from_environment")]
@@ -285,7 +285,7 @@ def test_dp_freeze_reads_a_run_written_by_ckptdb(trained: Path, tmp_path: Path) 
 @pytest.fixture
 def ledger(trained: Path) -> Any:
     with CheckpointManager(trained, maintenance=True) as manager:
-        yield manager
+        yield IntegrationLedger(manager, LedgerOptions())
 
 
 ALIASES = {"model.ckpt.pt": "model", "model_ema.ckpt.pt": "model_ema"}
@@ -304,13 +304,13 @@ ALIASES = {"model.ckpt.pt": "model", "model_ema.ckpt.pt": "model_ema"}
     ],
 )
 def test_restart_resolves_through_the_ledger(
-    ledger: CheckpointManager, trained: Path, spec: str, stream: str, name: str
+    ledger: IntegrationLedger, trained: Path, spec: str, stream: str, name: str
 ) -> None:
     found = train.resolve_restart(ledger, spec, root=trained, aliases=ALIASES)
     assert (found.stream, found.path.name, found.state) == (stream, name, "committed")
 
 
-def test_restart_does_not_read_the_alias(ledger: CheckpointManager, trained: Path) -> None:
+def test_restart_does_not_read_the_alias(ledger: IntegrationLedger, trained: Path) -> None:
     alias = trained / "model.ckpt.pt"
     alias.unlink()
     alias.symlink_to("model.ckpt-80.pt")
@@ -324,7 +324,7 @@ def test_restart_does_not_read_the_alias(ledger: CheckpointManager, trained: Pat
 
 @pytest.mark.parametrize("spec", [FOREIGN, "model.ckpt-40.pt", "model.ckpt-60.pt"])
 def test_restart_refuses_a_path_without_a_committed_row(
-    ledger: CheckpointManager, trained: Path, spec: str
+    ledger: IntegrationLedger, trained: Path, spec: str
 ) -> None:
     """A file with no row (the remnant), an evicted one, one that was never published."""
     with pytest.raises(CheckpointNotFoundError, match="has no committed row"):
@@ -332,7 +332,7 @@ def test_restart_refuses_a_path_without_a_committed_row(
 
 
 def test_restart_refuses_another_directory(
-    ledger: CheckpointManager, trained: Path, tmp_path: Path
+    ledger: IntegrationLedger, trained: Path, tmp_path: Path
 ) -> None:
     with pytest.raises(InvalidArgumentError, match="not this run's directory"):
         train.resolve_restart(ledger, str(tmp_path), root=trained, aliases=ALIASES)
@@ -347,10 +347,10 @@ def test_restart_refuses_another_directory(
     ],
 )
 def test_a_taken_name_gets_a_version_before_the_suffix(
-    ledger: CheckpointManager, base: str, name: str
+    ledger: IntegrationLedger, base: str, name: str
 ) -> None:
     """DeePMD adds ``.pt`` to a --restart name without it: ``-v1`` must not come last."""
-    assert common.free_name(base, ledger, suffix=".pt") == name
+    assert ledger.free_name(base, suffix=".pt") == name
 
 
 # -------------------------------------------------------------------- a crash
@@ -560,9 +560,13 @@ def test_a_refused_boundary_warns_or_raises_and_refuses_the_rest_of_its_step(
 ) -> None:
     """``--ckptdb-guard warn`` goes on, ``raise`` stops; either way every later
     boundary of the step (the periodic one after a best one) is refused too."""
+    options = LedgerOptions.of(guard=guard)
+    refusing: Any = _Refusing()
+    ledger = IntegrationLedger.__new__(IntegrationLedger)  # around a manager that refuses
+    ledger.manager, ledger.options = refusing, options
     trainer: Any = SimpleNamespace(
-        manager=_Refusing(),
-        ckptdb=train.Options(guard=guard),
+        ledger=ledger,
+        ckptdb=train.Options(ledger=options),
         _refused_step=None,
         _log_files=lambda: None,
     )
@@ -574,7 +578,7 @@ def test_a_refused_boundary_warns_or_raises_and_refuses_the_rest_of_its_step(
         assert train.LedgerTrainer._publish_plan(trainer, plan, {}) is None
         assert "step 40 was not checkpointed" in caplog.text
     assert trainer._refused_step == 40
-    trainer.manager = None  # a later boundary of the step never reaches the manager
+    trainer.ledger = None  # a later boundary of the step never reaches the ledger
     assert train.LedgerTrainer._publish_plan(trainer, plan, {}) is None
 
 

@@ -1,5 +1,6 @@
-"""The shared integration layer (ckptdb/integrations/common.py) and the manager's
-public rank agreement (``CheckpointManager.agree``), on their own.
+"""The shared integration layer (ckptdb/integrations/common.py) and the contract every
+integration holds (ckptdb/integrations/contract.py: the options, publish, names,
+resuming, rank agreement), on their own.
 
 The integrations' own suites (test_lightning, test_transformers,
 test_accelerate) run these through the real frameworks; here each decision is
@@ -15,6 +16,7 @@ import math
 import os
 import re
 import sys
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from distlib import run_ranks
 from helpers import rows
 from torch import nn
 
-from ckptdb import CheckpointManager, External, Keep, NonFiniteGradGuard, TopK
+from ckptdb import External, Keep, NonFiniteGradGuard, OnPreemption, TopK
 from ckptdb.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -32,9 +34,17 @@ from ckptdb.errors import (
     RankFailedError,
 )
 from ckptdb.integrations import common
+from ckptdb.integrations.contract import IntegrationLedger, LedgerOptions
 
 LOG = logging.getLogger("ckptdb.test-integrations")
 LARGEST = sys.float_info.max
+
+
+def opened(
+    root: Path | str, *, guard: Any = True, watch: NonFiniteGradGuard | None = None, **kw: Any
+) -> IntegrationLedger:
+    """A run opened the way every integration opens one."""
+    return IntegrationLedger.open(root, LedgerOptions(guard=guard), guard=watch, **kw)
 
 
 def write_file(value: float) -> External:
@@ -77,16 +87,91 @@ def test_paths_db_urls_and_streams_are_checked(tmp_path: Path) -> None:
     assert common.check_stream("s" * 59, suffix=".last") == "s" * 59
 
 
+# ------------------------------------------------------------------- options
+
+
+def test_ledger_options_are_checked_once_and_frozen() -> None:
+    given = {"region": "eu"}
+    options = LedgerOptions.of(
+        db_url="sqlite:///x.db", guard="raise", remote="s3://b/p", remote_options=given,
+        preemption=True,
+    )  # fmt: skip
+    given["region"] = "us"  # the caller's dict changes later: the options do not
+    assert options.remote_options == {"region": "eu"}
+    assert options.preemption == OnPreemption() and LedgerOptions.of().preemption is None
+    with pytest.raises(FrozenInstanceError):
+        options.guard = True  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        options.remote_options["region"] = "x"  # type: ignore[index]
+    assert (
+        options.remote_key()
+        == LedgerOptions.of(remote="s3://b/p", remote_options={"region": "eu"}).remote_key()
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"guard": "yes"}, InvalidArgumentError, "guard must be True, False or 'raise'"),
+        ({"db_url": b"sqlite://"}, ArgumentTypeError, "db_url must be a str"),
+        ({"remote": "/local/dir"}, InvalidArgumentError, "remote must be an object-storage URL"),
+        ({"remote_options": {"a": 1}}, InvalidArgumentError, "remote_options= goes with remote="),
+        ({"remote": "s3://b/p", "remote_options": [1]}, ArgumentTypeError, "must be a mapping"),
+        ({"preemption": "TERM"}, ArgumentTypeError, "preemption must be"),
+    ],
+)
+def test_bad_ledger_options_are_refused_with_one_wording(
+    kwargs: dict[str, Any], error: type[Exception], text: str
+) -> None:
+    with pytest.raises(error, match=re.escape(text)):
+        LedgerOptions.of(**kwargs)
+    if "preemption" not in kwargs:  # the same check when the value is made directly
+        with pytest.raises(error, match=re.escape(text)):
+            LedgerOptions(**kwargs)
+
+
+def test_the_contract_takes_a_manager_and_options_only(tmp_path: Path) -> None:
+    with pytest.raises(ArgumentTypeError, match="options must be a LedgerOptions"):
+        IntegrationLedger.open(tmp_path / "run", {"guard": True})  # type: ignore[arg-type]
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ArgumentTypeError, match="manager must be a CheckpointManager"):
+        IntegrationLedger("run", LedgerOptions())  # type: ignore[arg-type]
+
+
+def test_leaving_the_contract_by_an_exception_ends_the_attempt_failed(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with pytest.raises(KeyError), opened(root, streams={"model": Keep(last=1)}):
+        raise KeyError("training failed")
+    with opened(root) as ledger:
+        ledger.publish(1, "model", write_file(1.0), metrics=None, log=LOG)
+    assert rows(root, "SELECT end_state FROM attempts ORDER BY id") == [("failed",), ("closed",)]
+
+
+def test_why_not_says_what_the_ledger_knows_of_a_path(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with opened(root, streams={"model": Keep(last=1)}) as ledger:
+        for step in (1, 2):
+            ledger.publish(step, "model", write_file(float(step)), metrics=None, log=LOG)
+        save_dir = ledger.save_dir
+        assert ledger.why_not(save_dir / "ckpt-1.pt") == "retention removed it"
+        assert "no record of it" in ledger.why_not(save_dir / "ckpt-9.pt")
+        assert ledger.committed_at("model", 2) is not None
+        assert ledger.committed_at("model", 1) is None
+    with open(save_dir / "ckpt-2.pt", "ab") as f:
+        f.write(b"more")  # rewritten after its commit: another size
+    with opened(root) as ledger:  # the open's reconcile marks it corrupt
+        assert "no longer match its ledger row" in ledger.why_not(save_dir / "ckpt-2.pt")
+        assert ledger.spoiled_at("model", 2) and not ledger.spoiled_at("model", 1)
+
+
 # ---------------------------------------------------------- publish, refusals
 
 
 def test_publish_commits_one_boundary(tmp_path: Path) -> None:
-    with CheckpointManager(tmp_path / "run", streams={"model": Keep(last=2)}) as mgr:
-        record = common.publish(
-            mgr, 3, "model", write_file(1.0), metrics={"loss": 0.5}, guard=True, log=LOG
-        )
+    with opened(tmp_path / "run", streams={"model": Keep(last=2)}) as mgr:
+        record = mgr.publish(3, "model", write_file(1.0), metrics={"loss": 0.5}, log=LOG)
         assert record is not None and record.step == 3 and record.metrics == {"loss": 0.5}
-        assert mgr.latest("model") == record
+        assert mgr.manager.latest("model") == record
 
 
 @pytest.mark.parametrize("guard", [True, "raise"])
@@ -99,14 +184,12 @@ def test_a_guard_trip_is_recorded_then_warned_or_raised(
     watch.observe(list(model.parameters()))
     heard: list[NonFiniteGradientError] = []
     root = tmp_path / "run"
-    with CheckpointManager(root, streams={"model": Keep(last=2)}, guard=watch) as mgr:
-        call = lambda: common.publish(  # noqa: E731
-            mgr,
+    with opened(root, streams={"model": Keep(last=2)}, watch=watch, guard=guard) as mgr:
+        call = lambda: mgr.publish(  # noqa: E731
             4,
             "model",
             write_file(2.0),
             metrics=None,
-            guard=guard,
             log=LOG,
             refused=heard.append,
         )
@@ -116,7 +199,7 @@ def test_a_guard_trip_is_recorded_then_warned_or_raised(
                     call()
             else:
                 assert call() is None
-        assert mgr.checkpoints() == []
+        assert mgr.manager.checkpoints() == []
     assert len(heard) == 1 and isinstance(heard[0], NonFiniteGradientError)
     assert ("step 4 was not checkpointed" in caplog.text) == (guard is True)
     assert rows(root, "SELECT step FROM events WHERE kind = 'guard_tripped'") == [(4,)]
@@ -128,41 +211,39 @@ def test_other_errors_propagate_untouched(tmp_path: Path) -> None:
         raise OSError(28, "No space left on device")
 
     heard: list[Any] = []
-    with CheckpointManager(tmp_path / "run", streams={"model": Keep(last=2)}) as mgr:
+    with opened(tmp_path / "run", streams={"model": Keep(last=2)}) as mgr:
         with pytest.raises(Exception, match="No space left") as caught:
-            common.publish(
-                mgr, 1, "model", External(broken, "x.pt"), metrics=None, guard=True, log=LOG,
+            mgr.publish(
+                1, "model", External(broken, "x.pt"), metrics=None, log=LOG,
                 refused=heard.append,
             )  # fmt: skip
         assert not isinstance(caught.value, NonFiniteGradientError) and heard == []
-        assert mgr.checkpoints() == []
+        assert mgr.manager.checkpoints() == []
 
 
 # ---------------------------------------------------------- names and resuming
 
 
 def test_a_free_name_skips_names_live_rows_hold_and_anything_on_disk(tmp_path: Path) -> None:
-    with CheckpointManager(tmp_path / "run", streams={"model": Keep(last=None)}) as mgr:
+    with opened(tmp_path / "run", streams={"model": Keep(last=None)}) as mgr:
         save_dir = mgr.save_dir
-        assert common.free_name("ckpt-5.pt", mgr) == "ckpt-5.pt"
-        common.publish(mgr, 5, "model", write_file(5.0), metrics=None, guard=True, log=LOG)
+        assert mgr.free_name("ckpt-5.pt") == "ckpt-5.pt"
+        mgr.publish(5, "model", write_file(5.0), metrics=None, log=LOG)
         assert mgr.holds("ckpt-5.pt") and not mgr.holds("ckpt-6.pt")
         os.unlink(save_dir / "ckpt-5.pt")  # gone from disk: its row still owns the name
-        assert common.free_name("ckpt-5.pt", mgr) == "ckpt-5.pt-v1"
+        assert mgr.free_name("ckpt-5.pt") == "ckpt-5.pt-v1"
         (save_dir / "ckpt-5.pt-v1").mkdir()
         (save_dir / "ckpt-5.pt-v2").symlink_to(save_dir / "nowhere")  # a dangling link
-        assert common.free_name("ckpt-5.pt", mgr) == "ckpt-5.pt-v3"
+        assert mgr.free_name("ckpt-5.pt") == "ckpt-5.pt-v3"
         elsewhere = tmp_path / "other"
         elsewhere.mkdir()
-        assert common.free_name("ckpt-6.pt", mgr, elsewhere) == "ckpt-6.pt"
+        assert mgr.free_name("ckpt-6.pt", elsewhere) == "ckpt-6.pt"
 
 
 def test_holds_counts_every_live_state_and_no_other(tmp_path: Path) -> None:
-    with CheckpointManager(tmp_path / "run", streams={"model": Keep(last=1)}) as mgr:
+    with opened(tmp_path / "run", streams={"model": Keep(last=1)}) as mgr:
         for step in (1, 2):
-            common.publish(
-                mgr, step, "model", write_file(float(step)), metrics=None, guard=True, log=LOG
-            )
+            mgr.publish(step, "model", write_file(float(step)), metrics=None, log=LOG)
         assert not mgr.holds("ckpt-1.pt")  # evicted and deleted: the name is free again
         assert mgr.holds("ckpt-2.pt")
         with pytest.raises(ArgumentTypeError):
@@ -173,18 +254,18 @@ def test_newest_whole_skips_and_marks_a_corrupt_latest(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "run"
-    with CheckpointManager(root, streams={"model": Keep(last=None)}) as mgr:
-        first = common.publish(mgr, 1, "model", write_file(1.0), metrics=None, guard=True, log=LOG)
-        second = common.publish(mgr, 2, "model", write_file(2.0), metrics=None, guard=True, log=LOG)
+    with opened(root, streams={"model": Keep(last=None)}) as mgr:
+        first = mgr.publish(1, "model", write_file(1.0), metrics=None, log=LOG)
+        second = mgr.publish(2, "model", write_file(2.0), metrics=None, log=LOG)
         assert first is not None and second is not None
         with open(second.path, "r+b") as f:
             f.seek(40)
             f.write(b"\xff\xfe")  # same size, other bytes
         assert common.newest_whole_read_only(root, db_url=None, log=LOG) == first
         with caplog.at_level(logging.WARNING, logger=LOG.name):
-            assert common.newest_whole(mgr, "model", LOG) == first
+            assert mgr.newest_whole("model", LOG) == first
         assert "not resuming from it" in caplog.text
-        assert [c.step for c in mgr.checkpoints(states=("corrupt",))] == [2]
+        assert [c.step for c in mgr.manager.checkpoints(states=("corrupt",))] == [2]
 
 
 def test_newest_whole_read_only_of_a_first_run_is_none(tmp_path: Path) -> None:
@@ -194,20 +275,20 @@ def test_newest_whole_read_only_of_a_first_run_is_none(tmp_path: Path) -> None:
 
 def test_protect_start_keeps_earlier_files_or_the_resumed_one(tmp_path: Path) -> None:
     root = tmp_path / "run"
-    with CheckpointManager(root, streams={"model": Keep(last=1)}) as mgr:
-        old = common.publish(mgr, 5, "model", write_file(5.0), metrics=None, guard=True, log=LOG)
+    with opened(root, streams={"model": Keep(last=1)}) as mgr:
+        old = mgr.publish(5, "model", write_file(5.0), metrics=None, log=LOG)
     assert old is not None
-    with CheckpointManager(root) as mgr:  # a rerun from step 0: the new timeline evicts 5
-        common.protect_start(mgr, None, "model")
-        common.publish(mgr, 1, "model", write_file(1.0), metrics=None, guard=True, log=LOG)
+    with opened(root) as mgr:  # a rerun from step 0: the new timeline evicts 5
+        mgr.start_afresh("model")
+        mgr.publish(1, "model", write_file(1.0), metrics=None, log=LOG)
         assert Path(old.path).exists()  # evicted from the stream, the file stays
-        latest = mgr.latest("model")
+        latest = mgr.manager.latest("model")
         assert latest is not None and latest.step == 1
-    with CheckpointManager(root) as mgr:
-        resumed = mgr.latest("model")
+    with opened(root) as mgr:
+        resumed = mgr.manager.latest("model")
         assert resumed is not None
-        common.protect_start(mgr, resumed)
-        common.publish(mgr, 2, "model", write_file(2.0), metrics=None, guard=True, log=LOG)
+        mgr.resume_from(resumed)
+        mgr.publish(2, "model", write_file(2.0), metrics=None, log=LOG)
         assert Path(resumed.path).exists()
     assert rows(root, "SELECT step FROM events WHERE kind = 'resumed'") == [(1,)]
 
@@ -309,20 +390,18 @@ def test_the_policy_holds_in_the_ledger(tmp_path: Path) -> None:
     """Through a real boundary: the worst-ranked NaN checkpoint is saved, and the best is
     the finite one."""
     policy = TopK(2, "loss", "min")
-    with CheckpointManager(tmp_path / "run", streams={"best": policy}) as mgr:
+    with opened(tmp_path / "run", streams={"best": policy}) as mgr:
         for step, loss in ((1, math.nan), (2, 3.0)):
             metrics = common.rankable_metrics({"loss": loss}, policy, step=step, log=LOG)
-            common.publish(
-                mgr, step, "best", write_file(float(step)), metrics=metrics, guard=True, log=LOG
-            )
-        assert [(c.step, c.metric) for c in mgr.best("best")] == [(2, 3.0), (1, LARGEST)]
+            mgr.publish(step, "best", write_file(float(step)), metrics=metrics, log=LOG)
+        assert [(c.step, c.metric) for c in mgr.manager.best("best")] == [(2, 3.0), (1, LARGEST)]
 
 
 # ------------------------------------------------------------- rank agreement
 
 
 def test_agree_in_one_process_raises_the_local_error_itself(tmp_path: Path) -> None:
-    with CheckpointManager(tmp_path / "run") as mgr:
+    with opened(tmp_path / "run") as mgr:
         assert mgr.is_chief
         plan = {"step": 4}
         assert mgr.from_chief(plan) is plan
@@ -335,7 +414,7 @@ def test_agree_in_one_process_raises_the_local_error_itself(tmp_path: Path) -> N
 
 def _agree_on_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     seen: dict[str, Any] = {}
-    with CheckpointManager(root, streams={"model": Keep(last=2)}) as mgr:
+    with opened(root, streams={"model": Keep(last=2)}) as mgr:
         mgr.agree(None, what="first")  # nobody failed: nothing raised anywhere
         local = OSError(5, "cannot read it") if rank == 1 else None
         try:
@@ -345,7 +424,7 @@ def _agree_on_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             seen["raised"] = (type(exc).__name__, getattr(exc, "ranks", None), str(exc))
             seen["cause"] = type(cause).__name__ if cause is not None else None
         # every rank is still in step: a boundary after the agreement commits
-        saved = mgr.save(3, model={"w": torch.tensor(float(rank))})
+        saved = mgr.manager.save(3, model={"w": torch.tensor(float(rank))})
         seen["saved"] = saved["model"].step if "model" in saved else None
         seen["is_chief"] = mgr.is_chief
         seen["from_chief"] = mgr.from_chief({"step": 10 + rank, "names": [f"r{rank}"]})

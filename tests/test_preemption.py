@@ -253,6 +253,49 @@ def test_in_one_process_the_signal_is_seen_at_the_next_call(tmp_path: Path) -> N
     assert detail == {"signal": "SIGUSR1", "ranks": [0]}
 
 
+CLOSE_UNDER_SIGTERM = """
+import os, signal, sys, torch
+from ckptdb import CheckpointManager, Keep
+from ckptdb import manager as manager_module
+
+end_attempt = manager_module.CheckpointManager._end_attempt
+
+def signalled_while_ending(self, end_state):  # fault injection: SIGTERM in the close
+    print("ENDING", end_state, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    end_attempt(self, end_state)
+    print("ENDED", flush=True)
+
+manager_module.CheckpointManager._end_attempt = signalled_while_ending
+with CheckpointManager(sys.argv[1], streams={"model": Keep(last=2)}) as mgr:
+    stop = mgr.preemption()
+    assert not stop.requested(1)
+    mgr.save(1, model={"w": torch.ones(2)})
+print("AFTER CLOSE", flush=True)
+"""
+
+
+def test_a_sigterm_while_the_attempt_ends_is_recorded_then_delivered(tmp_path: Path) -> None:
+    """The attempt ends first, under ckptdb's handler (so it is never left ``running``);
+    then the signal no agreement acted on reaches the handler it would have met (the
+    default: the process ends by SIGTERM), not dropped."""
+    root = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("CKPTDB_DB_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-c", CLOSE_UNDER_SIGTERM, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == -signal.SIGTERM, done.stdout + done.stderr
+    assert "ENDED" in done.stdout and "AFTER CLOSE" not in done.stdout, done.stdout
+    assert attempts(root) == ["closed"]
+    assert committed(root) == [1]
+    assert "delivered to its own handler" in done.stderr
+
+
 def test_two_ledgers_in_one_process_both_hear_the_signal_and_put_everything_back(
     tmp_path: Path,
 ) -> None:

@@ -650,7 +650,7 @@ def test_lightning_fit_last_resumes_from_the_copy_of_the_newest_checkpoint(
     assert newest.read_bytes() == whole
     with pytest.raises(InvalidArgumentError, match="remote must be an object-storage URL"):
         ModelCheckpoint(dirpath=d, remote="nope")
-    with pytest.raises(InvalidArgumentError, match="remote_options is given without remote"):
+    with pytest.raises(InvalidArgumentError, match="remote_options= goes with remote="):
         ModelCheckpoint(dirpath=d, remote_options={"region": "x"})
 
 

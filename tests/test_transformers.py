@@ -280,6 +280,118 @@ def test_the_best_after_a_resume_is_the_ledgers(tmp_path: Path) -> None:
     check_clean(out)
 
 
+class QuietEvaluate(transformers.Trainer):  # type: ignore[misc]
+    """A Trainer whose ``evaluate()`` returns (and logs) scripted metrics without
+    announcing them to the callbacks, as many overriding subclasses do."""
+
+    scores: list[float] = []
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        metrics = {"eval_accuracy": self.scores.pop(0), "epoch": self.state.epoch}
+        self.log(metrics)
+        return metrics
+
+
+def holds_weights_of(model: Any, checkpoint: Path) -> bool:
+    """Whether ``model`` has the weights saved in ``checkpoint`` (a tied weight is saved
+    once, so only the saved names are compared)."""
+    from safetensors.torch import load_file
+
+    saved, live = load_file(str(checkpoint / "model.safetensors")), weights(model)
+    return bool(saved) and all(torch.equal(live[name], saved[name]) for name in saved)
+
+
+@pytest.mark.parametrize("mixed", ["ledger_trainer(Subclass)", "subclass of ckptdb's Trainer"])
+def test_an_evaluation_no_callback_hears_of_still_ranks_and_keeps_the_best(
+    tmp_path: Path, mixed: str
+) -> None:
+    """accuracy 0.9, 0.8, 0.7 over three epochs, save_total_limit=1, load the best at the
+    end: the stock Trainer's best is 0.9 at checkpoint-8, kept, and the run ends with its
+    weights. The metrics reach the ledger however the evaluation was reached."""
+    out = tmp_path / "out"
+    if mixed == "ledger_trainer(Subclass)":
+        cls: Any = ledger_trainer(QuietEvaluate)
+    else:
+        cls = type("Quiet", (Trainer,), {"evaluate": QuietEvaluate.evaluate})
+    args = training_args(
+        out,
+        max_steps=-1,
+        num_train_epochs=3,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        metric_for_best_model="accuracy",
+        greater_is_better=True,
+        load_best_model_at_end=True,
+        save_total_limit=1,
+    )
+    t = cls(model=tiny_model(), args=args, train_dataset=dataset(), eval_dataset=dataset(8))
+    t.scores = [0.9, 0.8, 0.7]
+    t.train()
+    assert (t.state.best_metric, t.state.best_global_step) == (0.9, 8)
+    assert t.state.best_model_checkpoint == str(out / "checkpoint-8")
+    assert "checkpoint-8" in dirs(out)
+    assert [(step, metric) for step, _, metric in committed(out)] == [(8, 0.9), (24, 0.7)]
+    assert holds_weights_of(t.model, out / "checkpoint-8")
+    assert not holds_weights_of(t.model, out / "checkpoint-24")
+    check_clean(out)
+
+
+def test_the_best_of_an_evaluation_that_was_not_saved_stays_the_trainers(tmp_path: Path) -> None:
+    """Evaluated every 3 steps, saved every 2 (the Trainer's own case): its best (0.9 at
+    step 3, never saved) stands as the Trainer computed it, and later evaluations compare
+    with it; the best checkpoint named is always a committed one."""
+    out = tmp_path / "out"
+    args = with_scores(
+        out,
+        eval_steps=3,
+        save_steps=2,
+        max_steps=12,
+        metric_for_best_model="score",
+        greater_is_better=True,
+    )
+    stock_args = with_scores(
+        tmp_path / "stock",
+        eval_steps=3,
+        save_steps=2,
+        max_steps=12,
+        metric_for_best_model="score",
+        greater_is_better=True,
+    )
+    scores = [0.9, 0.8, 0.7, 0.6]
+    stock = transformers.Trainer(
+        model=tiny_model(),
+        args=stock_args,
+        train_dataset=dataset(),
+        eval_dataset=dataset(8),
+        compute_metrics=scripted_scores(scores),
+    )
+    stock.train()
+    t = trainer(out, args, eval_dataset=dataset(8), compute_metrics=scripted_scores(scores))
+    t.train()
+    assert (t.state.best_metric, t.state.best_global_step) == (0.9, 3)
+    assert (stock.state.best_metric, stock.state.best_global_step) == (0.9, 3)
+    assert t.state.best_model_checkpoint in {str(c.path) for c in RunReader(out).checkpoints()}
+    check_clean(out)
+
+
+def test_a_checkpoint_rewritten_after_its_commit_is_refused_for_what_it_is(
+    tmp_path: Path,
+) -> None:
+    """Its files were rewritten (another size): the open marks it corrupt, and resuming
+    from it says so, not "a partial save"."""
+    out = tmp_path / "out"
+    trainer(out, training_args(out, max_steps=8)).train()
+    with open(out / "checkpoint-4" / "trainer_state.json", "a") as f:
+        f.write("\n")
+    with pytest.raises(NoCheckpointToResumeError, match="no longer match its ledger row") as err:
+        trainer(out).train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    assert "partial save" not in str(err.value)
+    stray = out / "checkpoint-6"
+    shutil.copytree(out / "checkpoint-8", stray)
+    with pytest.raises(NoCheckpointToResumeError, match="no record of it"):
+        trainer(out).train(resume_from_checkpoint=str(stray))
+
+
 def test_a_rerun_without_resume_never_deletes_the_earlier_runs_directories(
     tmp_path: Path,
 ) -> None:

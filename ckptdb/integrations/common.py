@@ -8,22 +8,18 @@ same small decisions, and they must not drift apart between frameworks:
 - its extra arguments (``guard``, ``ledger``, ``db_url``, ``stream``) are
   checked the same way, with the same errors (:func:`check_guard`,
   :func:`check_path`, :func:`check_db_url`, :func:`check_stream`);
-- a guard trip is handled one way (:func:`publish`): recorded by the
-  manager (a ``guard_tripped`` event), then raised with ``guard="raise"``
-  or logged as a warning, training going on;
-- a name ckptdb publishes under is never one that is taken
-  (:func:`free_name`); resuming takes the newest committed checkpoint that
-  is still whole (:func:`newest_whole`, :func:`newest_whole_read_only`);
-- a run protects the checkpoint it resumed from, and a run that starts
-  afresh protects the checkpoints an earlier run left (:func:`protect_start`);
+- resuming before a process group exists takes the newest committed
+  checkpoint that is still whole, read-only (:func:`newest_whole_read_only`);
 - a step the GradScaler skipped changed no weights and does not trip the
   guard (:func:`skipped_by_scaler`);
 - a non-finite value of a ranking metric follows one policy
   (:func:`rankable_metrics`, documented there).
 
-Rank agreement is the manager's (:meth:`CheckpointManager.agree`): no
-integration runs collectives of its own. Nothing here imports a framework,
-so it is importable (and testable) without any of them.
+What an integration does with an open run (a boundary, the resume source,
+free names, protection, rank agreement) is the contract's
+(:mod:`ckptdb.integrations.contract`): no integration runs collectives of
+its own. Nothing here imports a framework, so it is importable (and
+testable) without any of them.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ import math
 import numbers
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
@@ -42,20 +38,15 @@ from torch import Tensor
 
 from ..errors import (
     ArgumentTypeError,
-    CheckpointLostError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
     InvalidArgumentError,
-    NonFiniteGradientError,
 )
 from ..ledger.engine import LEDGER_FILE
 from ..location import is_object_url
-from ..manager import CheckpointManager, refuse_object_root
+from ..manager import refuse_object_root
 from ..policies import Policy, TopK, validate_stream_name
 from ..reader import RunReader, ledger_url, run_exists
 from ..record import Checkpoint
 from ..storage import open_store
-from ..storage.external import External
 
 GuardSetting: TypeAlias = bool | Literal["raise"]
 
@@ -125,101 +116,7 @@ def check_stream(stream: object, *, suffix: str = "") -> str | None:
     return name
 
 
-# --------------------------------------------------------------------- publish
-
-
-def publish(
-    manager: CheckpointManager,
-    step: int,
-    stream: str,
-    payload: External,
-    *,
-    metrics: Mapping[str, float] | None,
-    guard: GuardSetting,
-    log: logging.Logger,
-    refused: Callable[[NonFiniteGradientError], None] | None = None,
-) -> Checkpoint | None:
-    """One boundary of ``payload`` into ``stream``: the committed checkpoint, or None.
-
-    None when the guard refused the step (or a top-K stream did not admit
-    the candidate); see :func:`publish_all`.
-    """
-    saved = publish_all(
-        manager, step, {stream: payload}, metrics=metrics, guard=guard, log=log, refused=refused
-    )
-    return saved.get(stream) if saved is not None else None
-
-
-def publish_all(
-    manager: CheckpointManager,
-    step: int,
-    payloads: Mapping[str, External],
-    *,
-    metrics: Mapping[str, float] | None,
-    guard: GuardSetting,
-    log: logging.Logger,
-    refused: Callable[[NonFiniteGradientError], None] | None = None,
-) -> dict[str, Checkpoint] | None:
-    """One boundary of several streams' payloads (a checkpoint and its EMA twin): the
-    committed checkpoints by stream (every one, or none), or None when the guard refused.
-
-    The refusal is the same for every framework: the manager has recorded the
-    ``guard_tripped`` event; ``refused(error)`` (when given) lets the
-    integration note it; then ``guard="raise"`` re-raises
-    :class:`~ckptdb.errors.NonFiniteGradientError` and otherwise a warning is
-    logged and training goes on. Every other error propagates.
-    """
-    try:
-        return manager.save(step, metrics=metrics, blocking=True, **payloads)
-    except NonFiniteGradientError as exc:
-        if refused is not None:
-            refused(exc)
-        if guard == "raise":
-            raise
-        log.warning("ckptdb: step %d was not checkpointed: %s", step, exc)
-        return None
-
-
-# ---------------------------------------------------------- names and resuming
-
-
-def free_name(
-    base: str, manager: CheckpointManager, directory: Path | None = None, *, suffix: str = ""
-) -> str:
-    """``base``, or ``base-v<n>`` (n = 1, 2, ...) when that name is taken; with a
-    ``suffix`` that ``base`` ends in, the version goes before it
-    (``model.ckpt-100-v1.pt``: tools that find checkpoints by their suffix still do).
-
-    Taken by a live row (a re-saved step, a checkpoint of an abandoned
-    timeline, a lost one: :meth:`CheckpointManager.holds`) or by anything on
-    disk in ``directory`` (default: the save directory; an earlier run's
-    checkpoint, a directory planted by hand): ckptdb never publishes over a
-    name, and a rerun in the same directory must not fail. One query per
-    name tried, whatever the length of the run's history of names.
-    """
-    where = manager.save_dir if directory is None else directory
-    stem, end = (base[: -len(suffix)], suffix) if suffix and base.endswith(suffix) else (base, "")
-    name, version = base, 0
-    while manager.holds(name) or os.path.lexists(where / name):
-        version += 1
-        name = f"{stem}-v{version}{end}"
-    return name
-
-
-def newest_whole(manager: CheckpointManager, stream: str, log: logging.Logger) -> Checkpoint | None:
-    """The newest committed checkpoint of ``stream`` whose size and hash match its row.
-
-    ``verify`` (collective: the chief checks, every rank gets the answer)
-    marks a mismatch ``corrupt`` or ``lost`` and moves latest back to the
-    previous checkpoint, so each turn of the loop is one older candidate.
-    """
-    while True:
-        try:
-            return manager.verify("latest", stream=stream)
-        except (CorruptCheckpointError, CheckpointLostError) as exc:
-            log.warning("ckptdb: not resuming from it: %s", exc)
-        except CheckpointNotFoundError:
-            return None
+# -------------------------------------------------------------------- resuming
 
 
 def run_recorded(root: Path, db_url: str | None) -> bool:
@@ -253,25 +150,6 @@ def newest_whole_read_only(
             return record
         log.warning("not resuming from %s: %s", record.path, finding.detail)
     return None
-
-
-def protect_start(
-    manager: CheckpointManager, resumed: Checkpoint | None, stream: str | None = None
-) -> None:
-    """What a run must never delete, protected for as long as it is open.
-
-    A run that resumed protects the checkpoint it resumed from and records
-    the resume (``resumed`` event, the attempt's ``resumed_from_id``). A run
-    that starts afresh where checkpoints already are (a rerun) protects them
-    all: its new timeline evicts them from the stream when retention says
-    so, but their files stay on disk, as the frameworks leave them.
-    """
-    if resumed is not None:
-        manager.protect(resumed)
-        manager.resumed_from(resumed)
-        return
-    for record in manager.checkpoints(stream):
-        manager.protect(record)
 
 
 # ----------------------------------------------------------------------- guard

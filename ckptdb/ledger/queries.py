@@ -74,6 +74,17 @@ class RunQueries:
         with self.db.transaction(read=True) as session:
             return rows.path_in_use(session, self.run_id, name)
 
+    def newest_row_at(self, rel: str) -> tuple[str, str | None] | None:
+        """The state and error text of the newest row, in any state, whose path is ``rel``
+        (relative to the save directory): what the ledger knows of a name that is not
+        committed. For error messages: not indexed by path."""
+        with self.db.transaction(read=True) as session:
+            query = select(m.Checkpoint.state, m.Checkpoint.error).filter_by(
+                run_id=self.run_id, path=rel
+            )
+            row = session.execute(query.order_by(m.Checkpoint.id.desc()).limit(1)).first()
+        return (row[0], row[1]) if row is not None else None
+
     def find_committed(self, **where: Any) -> Checkpoint | None:
         """The newest committed row matching ``where`` (column=value), by an indexed query."""
         with self.db.transaction(read=True) as session:

@@ -2,7 +2,7 @@
 
 ``save_state``/``load_state`` as ledger boundaries, through the shared
 integration layer (:mod:`ckptdb.integrations.common`); rank agreement is
-the manager's (:meth:`~ckptdb.CheckpointManager.agree`).
+the contract's (:meth:`~ckptdb.integrations.contract.IntegrationLedger.agree`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ...errors import ArgumentTypeError, CkptDBError, InvalidArgumentError
 from ...guard import NonFiniteGradGuard
-from ...manager import CheckpointManager
 from ...policies import Keep, Policy, TopK
 from ...preemption import DEFAULT_SIGNALS, Preemption
 from ...protocol.inputs import validate_step
 from ...record import Checkpoint
 from ...storage.external import External
+from ..contract import IntegrationLedger, LedgerOptions
 from .layout import STREAM, checkpoint_name
 
 __all__ = ["STREAM", "Checkpoints"]
@@ -78,28 +78,30 @@ class Checkpoints:
             )
         if common.check_path(root, "root") is None:
             raise ArgumentTypeError(f"root must be a path, got {root!r}")
-        common.check_db_url(db_url)
-        common.check_guard(guard)
+        options = LedgerOptions.of(
+            db_url=db_url, guard=guard, remote=remote, remote_options=remote_options
+        )
         common.check_local_root(root, "root")  # Accelerate writes its own files under root
         policy = _policy(keep_last, best)
         _refuse_automatic_naming(accelerator)
         self.accelerator = accelerator
         self.root = Path(root).resolve()
-        self.guard_mode = guard
-        self.guard = NonFiniteGradGuard(_named_parameters(accelerator)) if guard else None
+        self.guard_mode = options.guard
+        self.guard = NonFiniteGradGuard(_named_parameters(accelerator)) if options.guard else None
         #: The checkpoint :meth:`resume` loaded (None: this run started afresh).
         self.resumed: Checkpoint | None = None
         self._earlier_protected = False
         self._preemption: Preemption | None = None
-        self.manager = CheckpointManager(
+        #: The run this object holds (the integration contract).
+        self.ledger = IntegrationLedger.open(
             self.root,
+            options,
             streams={STREAM: policy},
             save_dir=self.root / STREAM,
-            db_url=db_url,
             guard=self.guard,
-            remote=common.check_remote(remote),
-            remote_options=remote_options,
         )
+        #: The run's training-loop surface (latest, best, verify, log_metrics).
+        self.manager = self.ledger.manager
         self._hook = register_optimizer_step_pre_hook(self._observe) if self.guard else None
 
     # ------------------------------------------------------------------ lifecycle
@@ -114,12 +116,12 @@ class Checkpoints:
         tb: TracebackType | None,
     ) -> None:
         self._unhook()
-        self.manager.__exit__(exc_type, exc, tb)
+        self.ledger.close(exc if exc is not None else None)
 
     def close(self) -> None:
         """Release the ledger (end the attempt, drop the writer lock) and the guard's hook."""
         self._unhook()
-        self.manager.close()
+        self.ledger.close()
 
     def _unhook(self) -> None:
         hook, self._hook = self._hook, None
@@ -173,23 +175,21 @@ class Checkpoints:
         except CkptDBError as exc:
             local = exc
         # a rank that refuses alone must not leave the others in a collective
-        self.manager.agree(local, what="save")
+        self.ledger.agree(local, what="save")
         self._protect_earlier()
-        name = common.free_name(checkpoint_name(step), self.manager)
+        name = self.ledger.free_name(checkpoint_name(step))
 
         def write(path: Path) -> None:
             self._write(path, save_state_kwargs)
 
         def boundary() -> Checkpoint | None:
-            return common.publish(
-                self.manager,
+            return self.ledger.publish(
                 step,
                 STREAM,
                 External(write, name),
                 metrics=common.rankable_metrics(
                     metrics, self.manager.policies[STREAM], step=step, log=log
                 ),
-                guard=self.guard_mode,
                 log=log,
             )
 
@@ -216,7 +216,7 @@ class Checkpoints:
             return
         self._earlier_protected = True
         if self.resumed is None:
-            common.protect_start(self.manager, None, STREAM)
+            self.ledger.start_afresh(STREAM)
 
     # ------------------------------------------------------------------ resuming
 
@@ -237,8 +237,8 @@ class Checkpoints:
             _refuse_automatic_naming(self.accelerator)
         except CkptDBError as exc:
             local = exc
-        self.manager.agree(local, what="resume")
-        chosen = common.newest_whole(self.manager, STREAM, log)
+        self.ledger.agree(local, what="resume")
+        chosen = self.ledger.newest_whole(STREAM, log)
         if chosen is None:
             return None
         problem: Exception | None = None
@@ -246,8 +246,8 @@ class Checkpoints:
             self.accelerator.load_state(os.fspath(chosen.path), **load_state_kwargs)
         except Exception as exc:
             problem = exc
-        self.manager.agree(problem, what="load_state")
-        common.protect_start(self.manager, chosen)
+        self.ledger.agree(problem, what="load_state")
+        self.ledger.resume_from(chosen)
         self.resumed = chosen
         return chosen.step
 

@@ -27,10 +27,9 @@ import sys
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 from unittest import mock
 
@@ -55,11 +54,11 @@ from ...errors import (
     note_on,
 )
 from ...guard import NonFiniteGradGuard
-from ...manager import CheckpointManager
 from ...policies import Keep, Policy, TopK
 from ...preemption import OnPreemption, Preemption
 from ...record import Checkpoint, DerivedAlias
 from ...storage.external import External
+from ..contract import IntegrationLedger, LedgerOptions
 from .layout import BEST_EMA_STREAM, BEST_STREAM, EMA_STREAM, POINTER, STREAM
 from .logs import LogTail
 
@@ -152,12 +151,11 @@ DeepmdValidator: Any = validation.FullValidator
 
 @dataclass(frozen=True)
 class Options:
-    """What the command line gave ckptdb: the guard, preemption, and ``--restart`` as typed."""
+    """What the command line gave ckptdb: the ledger options (guard, preemption, remote)
+    and ``--restart`` as typed."""
 
-    guard: common.GuardSetting = True
+    ledger: LedgerOptions = field(default_factory=LedgerOptions)
     restart: str | None = None
-    preemption: OnPreemption | None = None
-    remote: str | None = None
 
 
 # --------------------------------------------------------------- entry point
@@ -180,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args, guard = _take_guard(list(sys.argv[1:] if argv is None else argv))
     args, preemption = _take_preemption(args)
     args, remote = _take_option(args, REMOTE_OPTION, "an object-storage URL, s3://bucket/prefix")
-    common.check_remote(remote)
+    ledger = LedgerOptions.of(guard=guard, preemption=preemption, remote=remote)
     flags = dp_main.parse_args(args)
     if flags.command != "train":
         dp_main.main(args)
@@ -190,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"ckptdb trains DeePMD-kit's PyTorch backend only, not {flags.backend!r}: "
             "pass --pt (or set DP_BACKEND=pytorch)"
         )
-    options = Options(guard=guard, restart=flags.restart, preemption=preemption, remote=remote)
+    options = Options(ledger=ledger, restart=flags.restart)
     with (
         mock.patch.object(training, "Trainer", partial(LedgerTrainer, ckptdb=options)),
         _gloo_on_the_cpu(),
@@ -327,12 +325,15 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         _refuse_unsupported(config)
         self.ckptdb = ckptdb
         self.run_root = Path.cwd().resolve()  # where DeePMD writes its `checkpoint` pointer
-        self.manager = CheckpointManager(
+        #: The run this trainer holds (the integration contract).
+        self.ledger = IntegrationLedger.open(
             self.run_root,
+            ckptdb.ledger,
             streams=_streams(config),
             save_dir=_save_dir(config["training"], self.run_root),
-            remote=ckptdb.remote,
         )
+        #: The run's training-loop surface (latest, best, verify, log_metrics).
+        self.manager = self.ledger.manager
         self.resumed: Checkpoint | None = None
         self._pending: tuple[int, Path, dict[str, Any]] | None = None
         self._refused_step: int | None = None
@@ -345,10 +346,12 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
             if restart_model is not None:
                 spec = ckptdb.restart if ckptdb.restart is not None else restart_model
                 self.resumed = resolve_restart(
-                    self.manager, spec, root=self.run_root, aliases=_aliases(config)
+                    self.ledger, spec, root=self.run_root, aliases=_aliases(config)
                 )
                 restart_model = os.fspath(self.resumed.path)
-            common.protect_start(self.manager, self.resumed)
+                self.ledger.resume_from(self.resumed)
+            else:
+                self.ledger.start_afresh()
             with _ddp_on_the_cpu():
                 super().__init__(
                     config, training_data, *args, restart_model=restart_model, **kwargs
@@ -369,7 +372,7 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
             # retention is the ledger's; the aliases are written after each commit
             store.prune = _never
             store.publish = _never
-        guard_on = bool(self.ckptdb.guard)
+        guard_on = bool(self.ckptdb.ledger.guard)
         self.nonfinite_grad_guard = _DeepmdGuard(
             self.nonfinite_grad_guard,
             defer=guard_on,
@@ -379,12 +382,12 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         if guard_on:
             self.manager.guard = NonFiniteGradGuard(self.wrapper.named_parameters())
             self._hook = self.optimizer.register_step_pre_hook(self._observe)
-        if self.ckptdb.preemption is not None:
-            self._handle_preemption(self.ckptdb.preemption)
+        if self.ckptdb.ledger.preemption is not None:
+            self._handle_preemption()
         self._point_aliases(stale_warning=True)
         self._tails = self._log_tails()
 
-    def _handle_preemption(self, settings: OnPreemption) -> None:
+    def _handle_preemption(self) -> None:
         """Install the preemption handlers (collective) and the per-step check."""
         if self.opt_type == "LKF":
             raise InvalidArgumentError(
@@ -392,9 +395,7 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
                 "cannot be counted, so no rank could agree on a step to checkpoint"
             )
         self._steps_done = int(self.start_step)
-        self._stop = self.manager.preemption(
-            signals=settings.signals, grace=settings.grace, every=settings.every
-        )
+        self._stop = self.ledger.preemption()
         self._stop_hook = self.optimizer.register_step_post_hook(self._check_preemption)
 
     def _log_tails(self) -> list[LogTail]:
@@ -442,10 +443,10 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         """
         try:
             super().run()
-            if self.manager.is_chief:
-                self.manager.from_chief(None, what=PLAN)
+            if self.ledger.is_chief:
+                self.ledger.from_chief(None, what=PLAN)
             else:
-                while (plan := self.manager.from_chief(None, what=PLAN)) is not None:
+                while (plan := self.ledger.from_chief(None, what=PLAN)) is not None:
                     self._publish_plan(plan, {})
         except BaseException as exc:
             self._close(exc)
@@ -466,8 +467,7 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
                 note_on(exc, text)  # the training's own error is the one raised
             else:  # training succeeded: its checkpoints stand, the lost metrics are said
                 log.error(text, exc_info=True)
-        tb: TracebackType | None = exc.__traceback__ if exc is not None else None
-        self.manager.__exit__(type(exc) if exc is not None else None, exc, tb)
+        self.ledger.close(exc)
 
     # -------------------------------------------------------------- saving
 
@@ -552,7 +552,7 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         preemption checkpoint (within the grace period); then every rank
         raises :class:`~ckptdb.Preempted` (the job exits with the signal's status).
         """
-        agreed = self.manager.from_chief(plan, what=PLAN)
+        agreed = self.ledger.from_chief(plan, what=PLAN)
         assert agreed is not None  # rank 0 sends None only once training has ended
         stop = self._stop
         if stop is None or stop.agreed_step != agreed.step or STREAM not in agreed.names:
@@ -573,7 +573,7 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         """``manager.save`` of the plan's checkpoints, written from ``data`` (rank 0's;
         another rank writes nothing); None when the guard refused the step.
 
-        A refusal is :func:`common.publish_all`'s (the manager has recorded
+        A refusal is :meth:`IntegrationLedger.publish_all`'s (the manager has recorded
         ``guard_tripped``; ``raise`` re-raises, otherwise a warning and training
         goes on); it also refuses every later boundary of the step (the
         periodic checkpoint after a best one). After a commit the aliases follow.
@@ -590,18 +590,12 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         payloads = {
             stream: External(
                 self._writer(data.get(stream)),
-                common.free_name(name, self.manager, suffix=".pt"),
+                self.ledger.free_name(name, suffix=".pt"),
             )
             for stream, name in plan.names.items()
         }
-        saved = common.publish_all(
-            self.manager,
-            step,
-            payloads,
-            metrics=plan.metrics,
-            guard=self.ckptdb.guard,
-            log=log,
-            refused=refused,
+        saved = self.ledger.publish_all(
+            step, payloads, metrics=plan.metrics, log=log, refused=refused
         )
         if aliases and saved is not None and saved.keys() & {STREAM, EMA_STREAM}:
             self._point_aliases()
@@ -803,7 +797,7 @@ def _never(path: Path) -> None:
 
 
 def resolve_restart(
-    manager: CheckpointManager, spec: str, *, root: Path, aliases: Mapping[str, str]
+    ledger: IntegrationLedger, spec: str, *, root: Path, aliases: Mapping[str, str]
 ) -> Checkpoint:
     """The committed, verified checkpoint ``--restart spec`` names, in this run's ledger.
 
@@ -817,12 +811,13 @@ def resolve_restart(
     loaded. ``aliases`` maps alias file names (relative to ``root``) to their
     streams.
     """
+    manager = ledger.manager
     if spec == "latest" and not os.path.lexists(root / spec):
-        return _newest(manager, STREAM, spec)
+        return _newest(ledger, STREAM, spec)
     path = Path(os.path.abspath(root / Path(spec).expanduser()))
     if path.is_dir():
         if path.resolve() in (root, manager.save_dir):
-            return _newest(manager, STREAM, spec)
+            return _newest(ledger, STREAM, spec)
         raise InvalidArgumentError(
             f"--restart {spec}: not this run's directory ({root}, checkpoints in "
             f"{manager.save_dir}); ckptdb resumes from this run's ledger only"
@@ -831,7 +826,7 @@ def resolve_restart(
         path = path.with_name(path.name + ".pt")
     for name, stream in aliases.items():
         if path == Path(os.path.abspath(root / name)):
-            return _newest(manager, stream, spec)
+            return _newest(ledger, stream, spec)
     try:
         return manager.verify(path)
     except CheckpointLostError:
@@ -844,8 +839,8 @@ def resolve_restart(
         ) from exc
 
 
-def _newest(manager: CheckpointManager, stream: str, spec: str) -> Checkpoint:
-    found = common.newest_whole(manager, stream, log)
+def _newest(ledger: IntegrationLedger, stream: str, spec: str) -> Checkpoint:
+    found = ledger.newest_whole(stream, log)
     if found is None:
         raise NoCheckpointToResumeError(
             f"--restart {spec}: the ledger has no committed checkpoint of {stream!r} to resume from"

@@ -6,6 +6,7 @@ resolution to the ledger through the shared integration layer
 (:mod:`ckptdb.integrations.common`).
 """
 
+import dataclasses
 import logging
 import math
 import os
@@ -45,11 +46,12 @@ from ...guard import NonFiniteGradGuard
 from ...ledger.runs import ledger_beside
 from ...manager import CheckpointManager
 from ...policies import Keep, Policy, TopK
-from ...preemption import OnPreemption, Preempted, Preemption, on_preemption
+from ...preemption import OnPreemption, Preempted, Preemption
 from ...record import Checkpoint
 from ...storage.alias import point_alias, remove_alias
 from ...storage.external import External
 from ...storage.files import FileInfo, write_stream
+from ..contract import IntegrationLedger, LedgerOptions
 from .layout import LAST_SUFFIX, stream_for_monitor
 
 __all__ = ["ModelCheckpoint", "default_ledger", "newest_committed"]
@@ -85,7 +87,7 @@ def newest_committed(
 class _Session:
     """One open ledger, shared by the ckptdb callbacks of a Trainer that use it."""
 
-    manager: CheckpointManager
+    ledger: IntegrationLedger
     guard: NonFiniteGradGuard | None
     users: set[int] = field(default_factory=set)
     refused_step: int | None = None  # a guard trip refuses every save at that step
@@ -162,23 +164,43 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             save_on_train_epoch_end=save_on_train_epoch_end,
             enable_version_counter=enable_version_counter,
         )
-        self.guard = common.check_guard(guard)
+        #: The ledger options (``db_url``, ``guard``, ``remote``, ``preemption``), checked.
+        self.ledger_options = LedgerOptions.of(
+            db_url=db_url,
+            guard=guard,
+            remote=remote,
+            remote_options=remote_options,
+            preemption=preemption,
+        )
         self.ledger = common.check_path(ledger, "ledger")
-        self.db_url = common.check_db_url(db_url)
         self.stream = common.check_stream(stream, suffix=LAST_SUFFIX)
-        self.preemption = on_preemption(preemption)
-        #: Where a replicator copies the run (CheckpointManager(remote=)): see
-        #: :meth:`_find_last_checkpoints`.
-        self.remote = common.check_remote(remote)
-        if remote is None and remote_options is not None:
-            raise InvalidArgumentError("remote_options is given without remote")
-        self.remote_options = remote_options
         common.check_local_root(ledger, "ledger")
         self._session_key: tuple[str, str | None, int] | None = None
         #: Ids of the checkpoints this callback committed in the current fit.
         self._published: set[int] = set()
 
     # ----------------------------------------------------------------- the ledger
+
+    @property
+    def guard(self) -> common.GuardSetting:
+        return self.ledger_options.guard
+
+    @property
+    def db_url(self) -> str | None:
+        return self.ledger_options.db_url
+
+    @property
+    def preemption(self) -> OnPreemption | None:
+        return self.ledger_options.preemption
+
+    @property
+    def remote(self) -> str | None:
+        """Where a replicator copies the run: see :meth:`_find_last_checkpoints`."""
+        return self.ledger_options.remote
+
+    @property
+    def remote_options(self) -> Mapping[str, object] | None:
+        return self.ledger_options.remote_options
 
     @property
     def main_stream(self) -> str:
@@ -250,7 +272,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                 f"two ckptdb ModelCheckpoint callbacks sharing the ledger {key[0]} both ask "
                 "for preemption=; one preemption checkpoint ends the run: give it to one"
             )
-        if len({repr((cb.remote, cb.remote_options)) for cb in peers}) > 1:
+        if len({cb.ledger_options.remote_key() for cb in peers}) > 1:
             raise InvalidArgumentError(
                 f"ckptdb ModelCheckpoint callbacks sharing the ledger {key[0]} must agree on "
                 f"remote= and remote_options= (got {sorted({repr(cb.remote) for cb in peers})})"
@@ -271,16 +293,12 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         guard = None
         if self.guard:
             guard = NonFiniteGradGuard(trainer.lightning_module)
-        manager = CheckpointManager(
-            key[0],
-            streams=streams,
-            save_dir=dirpath,
-            db_url=key[1],
-            guard=guard,
-            remote=self.remote,
-            remote_options=self.remote_options,
+        asking = [cb.preemption for cb in peers if cb.preemption is not None]
+        options = dataclasses.replace(self.ledger_options, preemption=asking[0] if asking else None)
+        ledger = IntegrationLedger.open(
+            key[0], options, streams=streams, save_dir=dirpath, guard=guard
         )
-        return _Session(manager, guard)
+        return _Session(ledger, guard)
 
     def _release(self, failed: BaseException | None = None) -> None:
         key, self._session_key = self._session_key, None
@@ -290,10 +308,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         session.users.discard(id(self))
         if not session.users:
             del _SESSIONS[key]  # type: ignore[arg-type]
-            if failed is None:
-                session.manager.close()
-            else:
-                session.manager.__exit__(type(failed), failed, failed.__traceback__)
+            session.ledger.close(failed)
 
     # ------------------------------------------------------------ Lightning hooks
 
@@ -342,20 +357,17 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         """
         super().on_train_start(trainer, pl_module)
         session = self._session(trainer)
-        manager, resumed = session.manager, trainer.ckpt_path
+        ledger, resumed = session.ledger, trainer.ckpt_path
         if self.preemption is not None and session.preemption is None:
             # now, not at setup: Lightning installs its own SIGTERM handler in between,
             # and ours must be the one that runs (its saves inside the handler)
-            settings = self.preemption
-            session.preemption = manager.preemption(
-                signals=settings.signals, grace=settings.grace, every=settings.every
-            )
+            session.preemption = ledger.preemption()
         if resumed is None:
-            common.protect_start(manager, None)
+            ledger.start_afresh()
         else:  # a warm start from a file that is not this run's protects nothing
-            for record in manager.checkpoints():
+            for record in ledger.manager.checkpoints():
                 if os.path.abspath(record.path) == os.path.abspath(resumed):
-                    common.protect_start(manager, record)
+                    ledger.resume_from(record)
         if self.save_last and self.last_model_path:
             target = self._last_target(session, None)  # collective: asked on every rank
             if target is not None and trainer.is_global_zero:
@@ -411,7 +423,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         """The agreed step's checkpoint (collective); empty when it was refused or abandoned."""
         done = [
             c
-            for c in (session.manager.latest(s) for s in self.streams())
+            for c in (session.ledger.manager.latest(s) for s in self.streams())
             if c is not None and c.step == step and c.id in self._published
         ]
         if done:
@@ -588,7 +600,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         callback committed at ``step``. On resume (``step`` None): the newest
         committed checkpoint of this callback's streams.
         """
-        manager = session.manager
+        manager = session.ledger.manager
         main = manager.latest(self.main_stream) if self.save_top_k != 0 else None
         last = manager.latest(self.last_stream)
         if step is not None:
@@ -628,7 +640,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         """Whether a live row owns the name (a lost checkpoint's too): never written again."""
         key = self._session_key
         session = _SESSIONS.get(key) if key is not None else None
-        return session is not None and session.manager.holds(self._name_in_dirpath(filepath))
+        return session is not None and session.ledger.holds(self._name_in_dirpath(filepath))
 
     def _alias_path(self, monitor_candidates: dict[str, Tensor], trainer: pl.Trainer) -> str:
         filepath = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
@@ -672,7 +684,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
 
         metrics = common.rankable_metrics(
             self._boundary_metrics(monitor_candidates, score),
-            session.manager.policies.get(stream),
+            session.ledger.manager.policies.get(stream),
             step=step,
             log=log,
         )
@@ -682,15 +694,8 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             self._sync(session)  # the refusal is agreed by every rank: the query is too
 
         try:
-            record = common.publish(
-                session.manager,
-                step,
-                stream,
-                External(write, name),
-                metrics=metrics,
-                guard=self.guard,
-                log=log,
-                refused=refused,
+            record = session.ledger.publish(
+                step, stream, External(write, name), metrics=metrics, log=log, refused=refused
             )
         except NonFiniteGradientError:
             raise
@@ -766,7 +771,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         """Lightning's top-k bookkeeping, as the ledger says (committed checkpoints only)."""
         if self.save_top_k == 0:
             return
-        manager = session.manager
+        manager = session.ledger.manager
         if self.monitor is None:
             latest = manager.latest(self.main_stream)
             self.best_model_path = str(latest.path) if latest is not None else ""

@@ -8,6 +8,7 @@ subclass; the boundary itself goes through the shared integration layer
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -37,12 +38,12 @@ from ...errors import (
     NonFiniteGradientError,
 )
 from ...guard import NonFiniteGradGuard
-from ...manager import CheckpointManager
 from ...policies import Keep, Policy, TopK
-from ...preemption import OnPreemption, Preemption, on_preemption
+from ...preemption import OnPreemption, Preemption
 from ...record import Checkpoint
 from ...storage.external import External
 from ...storage.files import fsync_file
+from ..contract import IntegrationLedger, LedgerOptions
 from .layout import STREAM, TRAINER_STATE_NAME
 
 __all__ = ["STREAM", "Trainer", "ledger_trainer", "streams_for"]
@@ -56,6 +57,7 @@ _OVERRIDDEN = (
     "_save_scaler",
     "_save_rng_state",
     "_load_best_model",
+    "_determine_best_metric",
     "_finalize_training",
     "_push_from_checkpoint",
     "store_flos",
@@ -95,7 +97,7 @@ def streams_for(args: Any) -> dict[str, Policy]:
 class _Run:
     """The ledger a ``train()`` call holds, and what the callbacks learned for it."""
 
-    manager: CheckpointManager
+    ledger: IntegrationLedger
     guard: NonFiniteGradGuard | None
     evaluated: tuple[int, dict[str, float]] | None = None  # (global step, eval metrics)
     refused_step: int | None = None
@@ -103,6 +105,18 @@ class _Run:
     published: list[Checkpoint] = field(default_factory=list)
     preemption: Preemption | None = None
     preempting: bool = False  # the preemption checkpoint is being written
+
+    def note_evaluation(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """The metrics of an evaluation at ``step``, for that step's checkpoint row.
+
+        One step may be evaluated several times (one ``on_evaluate`` per eval
+        dataset, a callback evaluating again, the Trainer's own ranking of the
+        merged metrics): every value of the step goes with its checkpoint.
+        """
+        values = dict(common.scalars(metrics, tensors=False))
+        if self.evaluated is not None and self.evaluated[0] == step:
+            values = {**self.evaluated[1], **values}
+        self.evaluated = (step, values)
 
 
 class _LedgerCallback(TrainerCallback):
@@ -140,14 +154,8 @@ class _LedgerCallback(TrainerCallback):
         self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None, **kw: Any
     ) -> None:
         run = self.trainer._ckptdb_run
-        if run is None or metrics is None:
-            return
-        # one evaluate() fires this once per eval dataset (a dict of them), and a
-        # callback may evaluate again: every value of the step goes with its checkpoint
-        values = dict(common.scalars(metrics, tensors=False))
-        if run.evaluated is not None and run.evaluated[0] == state.global_step:
-            values = {**run.evaluated[1], **values}
-        run.evaluated = (state.global_step, values)
+        if run is not None and metrics is not None:
+            run.note_evaluation(state.global_step, metrics)
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
@@ -156,7 +164,7 @@ class _LedgerCallback(TrainerCallback):
         if run is not None and logs:
             values = dict(common.scalars(logs, tensors=False))
             if values:
-                run.manager.log_metrics(state.global_step, values)
+                run.ledger.manager.log_metrics(state.global_step, values)
 
 
 def ledger_trainer(cls: T) -> T:
@@ -207,11 +215,14 @@ class _LedgerTrainerMixin:
         remote_options: Mapping[str, object] | None = None,
         **kwargs: Any,
     ) -> None:
-        common.check_guard(guard)
-        common.check_remote(remote)
-        settings = on_preemption(preemption)
+        options = LedgerOptions.of(
+            db_url=db_url,
+            guard=guard,
+            remote=remote,
+            remote_options=remote_options,
+            preemption=preemption,
+        )
         common.check_path(ledger, "ledger")
-        common.check_db_url(db_url)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         # the Trainer writes checkpoint-N/ with its own (local) writers: no object storage
         common.check_local_root(getattr(training_args, "output_dir", None), "args.output_dir")
@@ -224,11 +235,6 @@ class _LedgerTrainerMixin:
             )
         super().__init__(*args, **kwargs)
         self.ckptdb_ledger = ledger
-        self.ckptdb_db_url = db_url
-        self.ckptdb_guard: common.GuardSetting = guard
-        #: Where a replicator copies the run (CheckpointManager(remote=)): a resume whose
-        #: checkpoint is missing or corrupt here brings back its copy.
-        self.ckptdb_remote = (remote, remote_options)
         jit = self._ckptdb_without_jit_checkpoint()
         if jit and preemption is False:
             raise InvalidArgumentError(
@@ -236,9 +242,11 @@ class _LedgerTrainerMixin:
                 "preemption=False turns it off: pass one of them (with the ckptdb Trainer, "
                 "enable_jit_checkpoint means preemption=True)"
             )
-        if jit and settings is None:
-            settings = OnPreemption()  # enable_jit_checkpoint: the same, through the ledger
-        self.ckptdb_preemption = settings
+        if jit and options.preemption is None:
+            # enable_jit_checkpoint: the same, through the ledger
+            options = dataclasses.replace(options, preemption=OnPreemption())
+        #: The ledger options (``db_url``, ``guard``, ``remote``, ``preemption``), checked.
+        self.ckptdb_options = options
         self._ckptdb_run: _Run | None = None
         self.add_callback(_LedgerCallback(self))  # type: ignore[attr-defined]
         self._ckptdb_quiet_refused_saves()
@@ -291,17 +299,15 @@ class _LedgerTrainerMixin:
         return Path(self.ckptdb_ledger or self.args.output_dir).resolve()
 
     def _ckptdb_open(self) -> _Run:
-        guard = NonFiniteGradGuard(self.model) if self.ckptdb_guard else None
-        manager = CheckpointManager(
+        guard = NonFiniteGradGuard(self.model) if self.ckptdb_options.guard else None
+        ledger = IntegrationLedger.open(
             self.ckptdb_root,
+            self.ckptdb_options,
             streams=streams_for(self.args),
             save_dir=self.ckptdb_save_dir,
-            db_url=self.ckptdb_db_url,
             guard=guard,
-            remote=self.ckptdb_remote[0],
-            remote_options=self.ckptdb_remote[1],
         )
-        return _Run(manager, guard)
+        return _Run(ledger, guard)
 
     # ----------------------------------------------------------------- training
 
@@ -320,19 +326,15 @@ class _LedgerTrainerMixin:
             )
         run = self._ckptdb_run = self._ckptdb_open()
         try:
-            settings = self.ckptdb_preemption
-            if settings is not None:
-                run.preemption = run.manager.preemption(
-                    signals=settings.signals, grace=settings.grace, every=settings.every
-                )
+            run.preemption = run.ledger.preemption()
             source = self._ckptdb_resume_source(run, resume_from_checkpoint)
             result = super().train(source, *args, **kwargs)  # type: ignore[misc]
         except BaseException as exc:
             self._ckptdb_run = None
-            run.manager.__exit__(type(exc), exc, exc.__traceback__)
+            run.ledger.close(exc)
             raise
         self._ckptdb_run = None
-        run.manager.close()
+        run.ledger.close()
         return result
 
     def _ckptdb_resume_source(
@@ -340,41 +342,52 @@ class _LedgerTrainerMixin:
     ) -> str | None:
         """What ``train`` resumes from, as the ledger says; protected while this run lasts."""
         if requested is None or requested is False:
-            common.protect_start(run.manager, None, STREAM)
+            run.ledger.start_afresh(STREAM)
             return None
         if requested is True:
-            found = common.newest_whole(run.manager, STREAM, log)
+            found = run.ledger.newest_whole(STREAM, log)
             if found is None:
                 raise NoCheckpointToResumeError(
                     f"No valid checkpoint found in output directory ({self.args.output_dir}): "
                     "the ledger has no committed checkpoint to resume from"
                 )
         else:
-            found = self._ckptdb_named(run.manager, Path(requested))
+            found = self._ckptdb_named(run.ledger, Path(requested))
             if found is None:  # outside this run (a warm start): the user's own files
-                common.protect_start(run.manager, None, STREAM)
+                run.ledger.start_afresh(STREAM)
                 return os.fspath(requested)
-        common.protect_start(run.manager, found)
+        run.ledger.resume_from(found)
         run.resumed = found
         return str(found.path)
 
-    def _ckptdb_named(self, manager: CheckpointManager, path: Path) -> Checkpoint | None:
+    def _ckptdb_named(self, ledger: IntegrationLedger, path: Path) -> Checkpoint | None:
         """The committed checkpoint at ``path`` (verified), None if ``path`` is outside
-        the save directory; a path inside it that is not committed is refused."""
+        the save directory; a path inside it that is not committed is refused, saying
+        what the ledger knows of it."""
         resolved = path.resolve()
         if not resolved.is_relative_to(self.ckptdb_save_dir):
             return None
         try:
-            return manager.verify(resolved, stream=STREAM)
+            return ledger.manager.verify(resolved, stream=STREAM)
         except CheckpointLostError:
             raise
         except CheckpointNotFoundError as exc:
             raise NoCheckpointToResumeError(
-                f"{path} is not a committed checkpoint of this run (a partial save, or one "
-                "retention removed); resume_from_checkpoint=True takes the newest committed one"
+                f"{path} is not a committed checkpoint of this run: {ledger.why_not(resolved)}; "
+                "resume_from_checkpoint=True takes the newest committed one"
             ) from exc
 
     # ------------------------------------------------------------------- saving
+
+    def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
+        """The Trainer ranks every evaluation here, however it was reached (an
+        ``evaluate()`` override that tells no callback, a mocked ``_evaluate``): the
+        same metrics go with the step's checkpoint row, so the ledger ranks what the
+        Trainer ranks."""
+        run = self._ckptdb_run
+        if run is not None and isinstance(metrics, Mapping):
+            run.note_evaluation(self.state.global_step, metrics)
+        return bool(super()._determine_best_metric(metrics, trial))  # type: ignore[misc]
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """One boundary: the Trainer's savers write ``checkpoint-N`` through the ledger."""
@@ -404,13 +417,11 @@ class _LedgerTrainerMixin:
             self._ckptdb_sync_best(run)
 
         try:
-            record = common.publish(
-                run.manager,
+            record = run.ledger.publish(
                 step,
                 STREAM,
                 External(write, name),
                 metrics=self._ckptdb_metrics(run, step),
-                guard=self.ckptdb_guard,
                 log=log,
                 refused=refused,
             )
@@ -453,7 +464,7 @@ class _LedgerTrainerMixin:
         (a checkpoint of an abandoned timeline, one whose directory was lost) or by
         anything on disk (a directory that is not ckptdb's)."""
         base = f"{PREFIX_CHECKPOINT_DIR}-{step}"
-        return common.free_name(base, run.manager, self.ckptdb_save_dir)
+        return run.ledger.free_name(base, self.ckptdb_save_dir)
 
     def _ckptdb_write(self, path: Path) -> None:
         """The Trainer's checkpoint, written into ``path`` (every rank its part).
@@ -491,23 +502,40 @@ class _LedgerTrainerMixin:
         checkpoint is never the best, as in the Trainer)."""
         if run.evaluated is None or run.evaluated[0] != step:
             return {}
-        policy = run.manager.policies.get(STREAM)
+        policy = run.ledger.manager.policies.get(STREAM)
         return dict(common.rankable_metrics(run.evaluated[1], policy, step=step, log=log) or {})
 
     def _ckptdb_sync_best(self, run: _Run) -> None:
-        """``state.best_*`` as the ledger says: only ever a committed checkpoint."""
-        if best_metric_name(self.args) is None:
+        """``state.best_*``: the Trainer's own, unless the ledger is better informed.
+
+        The Trainer computes its best from every evaluation, however it was
+        reached (an ``evaluate()`` that tells no callback, an evaluation at a
+        step that was not saved); ckptdb keeps that. The ledger overrides it
+        only where it knows more: a better committed checkpoint than the one
+        the Trainer names (a resume from an older checkpoint, whose
+        ``trainer_state.json`` predates it), or the Trainer's best checkpoint
+        is no longer committed as the Trainer saw it (lost, corrupt, re-saved
+        on a new timeline). ``best_model_checkpoint`` is only ever a committed
+        checkpoint's path (a re-saved step's ``-v1`` name included).
+        """
+        metric = best_metric_name(self.args)
+        if metric is None:
             return
-        ranked = [c for c in run.manager.best(STREAM) if c.metric is not None]
-        if not ranked:
-            self.state.best_model_checkpoint = None
-            self.state.best_metric = None
-            self.state.best_global_step = None
-            return
-        best = ranked[0]
-        self.state.best_model_checkpoint = str(best.path)
-        self.state.best_metric = best.metric
-        self.state.best_global_step = best.step
+        ranked = [c for c in run.ledger.manager.best(STREAM) if c.metric is not None]
+        ledger_best = ranked[0] if ranked else None
+        own = _TrainerBest.of(self.state)
+        saved = run.ledger.committed_at(STREAM, own.step) if own.step is not None else None
+        stale = (saved is not None and saved.metric not in (None, own.metric)) or (
+            saved is None and own.step is not None and run.ledger.spoiled_at(STREAM, own.step)
+        )
+        greater = bool(self.args.greater_is_better)
+        if ledger_best is not None and (stale or own.outranked_by(ledger_best, greater)):
+            own = _TrainerBest(str(ledger_best.path), ledger_best.metric, ledger_best.step)
+        elif saved is not None:
+            own = _TrainerBest(str(saved.path), own.metric, own.step)
+        elif ledger_best is not None:  # the best evaluation was not saved: the best saved is
+            own = _TrainerBest(str(ledger_best.path), own.metric, own.step)
+        own.apply(self.state)
 
     # ------------------------------------------------------------ end of training
 
@@ -515,7 +543,9 @@ class _LedgerTrainerMixin:
         """``load_best_model_at_end``: the ledger's best, verified before it is read."""
         run = self._ckptdb_run
         if run is not None and self.state.best_model_checkpoint is not None:
-            verified = run.manager.verify(Path(self.state.best_model_checkpoint), stream=STREAM)
+            verified = run.ledger.manager.verify(
+                Path(self.state.best_model_checkpoint), stream=STREAM
+            )
             self.state.best_model_checkpoint = str(verified.path)
         super()._load_best_model()  # type: ignore[misc]
 
@@ -542,6 +572,31 @@ def _flush_files(path: Path) -> None:
 
 
 _BEST_FIELDS = ("best_model_checkpoint", "best_metric", "best_global_step")
+
+
+@dataclass(frozen=True)
+class _TrainerBest:
+    """The Trainer's ``state.best_*`` fields, as one value."""
+
+    path: str | None
+    metric: float | None
+    step: int | None
+
+    @classmethod
+    def of(cls, state: Any) -> _TrainerBest:
+        return cls(state.best_model_checkpoint, state.best_metric, state.best_global_step)
+
+    def outranked_by(self, other: Checkpoint, greater_is_better: bool) -> bool:
+        """Whether the committed ``other`` is strictly better than this best (or this is
+        no best at all)."""
+        if self.metric is None or other.metric is None:
+            return self.metric is None
+        return other.metric > self.metric if greater_is_better else other.metric < self.metric
+
+    def apply(self, state: Any) -> None:
+        state.best_model_checkpoint = self.path
+        state.best_metric = self.metric
+        state.best_global_step = self.step
 
 
 def _best_fields(state: Any) -> tuple[Any, ...]:
