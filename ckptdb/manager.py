@@ -447,8 +447,8 @@ class CheckpointManager:
         manager is closing because of another exception (then it was logged).
         An attempt whose ranks agreed on a preemption ends ``preempted``.
         The preemption handlers go last: a signal that comes while the attempt
-        ends is recorded by them (the attempt is never left ``running``), then
-        delivered to the handler they replaced (:meth:`Preemption.close`).
+        ends is recorded by them, so the attempt is never left ``running``
+        (:meth:`Preemption.close` says what became of it).
         """
         if self._closed:
             return

@@ -200,13 +200,12 @@ class Preemption:
         putting back what ours replaced would undo that.
 
         A signal received that no agreement acted on (it came after the last
-        :meth:`requested`, or while the ledger was closing) is not dropped:
-        once the handler it would have met is back, it is raised again, so the
-        process does what it would have done without ckptdb (by default, a
-        SIGTERM ends it), with the ledger's attempt already ended.
+        :meth:`requested`, or while the ledger was closing) is not acted on:
+        training is over, and the run ends as it would have (a job that
+        finished does not exit 143, which a scheduler would retry). It is said
+        in a warning, never dropped silently.
         """
         previous, self._previous = self._previous, {}
-        restored: list[signal.Signals] = []
         for sig, handler in previous.items():
             current = signal.getsignal(sig)
             if current != self._handle:
@@ -216,7 +215,6 @@ class Preemption:
                 continue
             try:
                 signal.signal(sig, handler)
-                restored.append(sig)
             except ValueError:  # closed from a thread other than the main one
                 log.error(
                     "ckptdb: the handler of %s could not be restored outside the main "
@@ -224,23 +222,15 @@ class Preemption:
                     sig.name,
                     exc_info=True,
                 )
-        try:
-            if self._flag is not None:
-                self._flag.close()
-        finally:
-            self._deliver_unheeded(restored)
-
-    def _deliver_unheeded(self, restored: list[signal.Signals]) -> None:
-        """Raise again a received signal no agreement acted on, to the handler now back."""
+        if self._flag is not None:
+            self._flag.close()
         told = self.received
-        if told is None or self.agreed_step is not None or told.signal not in restored:
-            return
-        log.warning(
-            "ckptdb: %s came after the last preemption check; delivered to its own handler "
-            "now that the ledger is closed",
-            told.signal.name,
-        )
-        signal.raise_signal(told.signal)
+        if told is not None and self.agreed_step is None:
+            log.warning(
+                "ckptdb: %s came after the last preemption check, when no checkpoint could "
+                "answer it any more; the run ended as it would have",
+                told.signal.name,
+            )
 
     # ------------------------------------------------------------- agreement
 

@@ -17,10 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 VOCAB = 64
 SEQ = 16
+
+#: transformers 5 added ``enable_jit_checkpoint`` (a checkpoint on SIGTERM of its own).
+HAS_JIT_CHECKPOINT = "enable_jit_checkpoint" in TrainingArguments.__dataclass_fields__
+#: transformers 4.57 cannot resume under CPU DDP, stock Trainer included: it loads the
+#: optimizer with ``map_location="cpu:0"``, which torch refuses (fixed in 5.0).
+RESUMES_UNDER_CPU_DDP = int(transformers.__version__.split(".")[0]) >= 5
 
 
 def tiny_model(seed: int = 0) -> GPT2LMHeadModel:

@@ -38,7 +38,12 @@ from distlib import run_ranks
 from helpers import LedgerClient, flip_byte
 
 from ckptdb import CheckpointManager
-from ckptdb.errors import ArgumentTypeError, InvalidArgumentError, NonFiniteGradientError
+from ckptdb.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    NonFiniteGradientError,
+    UnsupportedVersionError,
+)
 from ckptdb.integrations.accelerate import STREAM, Checkpoints
 
 pytestmark = [
@@ -562,3 +567,19 @@ def test_the_example_in_the_docs_trains_and_resumes(tmp_path: Path) -> None:
     assert {30, 40} <= set(steps) and len(steps) == 3  # 3 in all: the newest, and the best
     assert rows(root, None, "SELECT step FROM events WHERE kind = 'resumed'") == [(20,)]
     check_clean(root)
+
+
+@pytest.mark.parametrize("version", ["1.14.0", "2.0.0", "dev"])
+def test_a_release_outside_the_tested_range_is_refused_in_one_line(version: str) -> None:
+    from ckptdb.integrations.accelerate.compat import check_version
+
+    with pytest.raises(UnsupportedVersionError, match=r">=1\.15,<2") as caught:
+        check_version(version)
+    assert version in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("version", ["1.15.0", "1.16.0"])
+def test_every_release_in_the_tested_range_is_accepted(version: str) -> None:
+    from ckptdb.integrations.accelerate.compat import check_version
+
+    assert check_version(version) == version

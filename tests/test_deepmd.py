@@ -40,7 +40,7 @@ from ckptdb.errors import (
     UnsupportedVersionError,
 )
 from ckptdb.integrations.contract import IntegrationLedger, LedgerOptions
-from ckptdb.integrations.deepmd import train
+from ckptdb.integrations.deepmd import compat, train
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.usefixtures("no_db_url_from_environment")]
 
@@ -260,13 +260,14 @@ def test_the_rows_after_the_last_boundary_land_when_training_ends(tmp_path: Path
     manager = CheckpointManager(tmp_path)
     trainer: Any = SimpleNamespace(
         manager=manager,
-        _hook=None,
-        _stop_hook=None,
-        _tails=[train.LogTail(path, append=False, skip={"lr"})],
+        ledger=IntegrationLedger(manager, LedgerOptions()),
+        _ckptdb_hook=None,
+        _ckptdb_stop_hook=None,
+        _ckptdb_tails=[train.LogTail(path, append=False, skip={"lr"})],
     )
-    trainer._tails[0]._stale = None  # as once DeePMD has rewritten it
-    trainer._log_files = lambda: train.LedgerTrainer._log_files(trainer)
-    train.LedgerTrainer._close(trainer, None)
+    trainer._ckptdb_tails[0]._stale = None  # as once DeePMD has rewritten it
+    trainer._ckptdb_log_files = lambda: train.LedgerTrainer._ckptdb_log_files(trainer)
+    train.LedgerTrainer._ckptdb_close(trainer, None)
     with RunReader(tmp_path) as reader:
         assert [(s, v) for s, v, _ in reader.metric_history("rmse_trn")] == [(7, 0.25)]
 
@@ -497,7 +498,7 @@ def test_adopt_a_stock_run_train_on_with_ckptdb_then_restart_it_stock(tmp_path: 
 
 
 def test_another_deepmd_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(train.deepmd, "__version__", "3.3.0")
+    monkeypatch.setattr(compat.deepmd, "__version__", "3.3.0")
     with pytest.raises(UnsupportedVersionError, match=r"deepmd-kit>=3\.2,<3\.3") as info:
         train.main(["--pt", "train", "input.json"])
     assert isinstance(info.value, RuntimeError)
@@ -505,6 +506,28 @@ def test_another_deepmd_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(UnsupportedVersionError):
         train.check_version("3.1.2")
     assert train.check_version("3.2.1") == "3.2.1"
+    assert train.check_version is compat.check_version
+
+
+def test_a_swapped_attribute_is_restored_when_the_block_raises() -> None:
+    """compat's replacement for ``mock.patch.object``: the original comes back on
+    an error as on a return, and DeePMD's ``Trainer`` is its own again after ``dp``."""
+    owner = SimpleNamespace(name="original")
+    with (
+        pytest.raises(RuntimeError, match="in the block"),
+        compat.swapped_attribute(owner, "name", "swapped"),
+    ):
+        assert owner.name == "swapped"
+        raise RuntimeError("in the block")
+    assert owner.name == "original"
+    with compat.swapped_attribute(owner, "name", "swapped"):
+        pass
+    assert owner.name == "original"
+    trainer = compat.training.Trainer
+    with pytest.raises(RuntimeError), compat.trainer_replaced_by(train.LedgerTrainer):
+        assert compat.training.Trainer is train.LedgerTrainer
+        raise RuntimeError("dp failed")
+    assert compat.training.Trainer is trainer
 
 
 def test_best_checkpoints_outside_the_save_directory_are_refused(
@@ -567,19 +590,19 @@ def test_a_refused_boundary_warns_or_raises_and_refuses_the_rest_of_its_step(
     trainer: Any = SimpleNamespace(
         ledger=ledger,
         ckptdb=train.Options(ledger=options),
-        _refused_step=None,
-        _log_files=lambda: None,
+        _ckptdb_refused_step=None,
+        _ckptdb_log_files=lambda: None,
     )
     plan = train._Plan(40, {}, None)
     if guard == "raise":
         with pytest.raises(NonFiniteGradientError):
-            train.LedgerTrainer._publish_plan(trainer, plan, {})
+            train.LedgerTrainer._ckptdb_publish_plan(trainer, plan, {})
     else:
-        assert train.LedgerTrainer._publish_plan(trainer, plan, {}) is None
+        assert train.LedgerTrainer._ckptdb_publish_plan(trainer, plan, {}) is None
         assert "step 40 was not checkpointed" in caplog.text
-    assert trainer._refused_step == 40
+    assert trainer._ckptdb_refused_step == 40
     trainer.ledger = None  # a later boundary of the step never reaches the ledger
-    assert train.LedgerTrainer._publish_plan(trainer, plan, {}) is None
+    assert train.LedgerTrainer._ckptdb_publish_plan(trainer, plan, {}) is None
 
 
 def test_a_ckptdb_error_is_one_line_on_stderr(
@@ -646,11 +669,15 @@ def test_a_failed_last_log_read_is_reported_never_in_place_of_the_outcome(
         raise OSError(5, "lcurve.out: input/output error")
 
     trainer: Any = SimpleNamespace(
-        manager=manager, _hook=None, _stop_hook=None, _log_files=unreadable
+        manager=manager,
+        ledger=IntegrationLedger(manager, LedgerOptions()),
+        _ckptdb_hook=None,
+        _ckptdb_stop_hook=None,
+        _ckptdb_log_files=unreadable,
     )
     own = RuntimeError("training diverged") if training_failed else None
     with caplog.at_level(logging.ERROR, logger="ckptdb.deepmd"):
-        train.LedgerTrainer._close(trainer, own)
+        train.LedgerTrainer._ckptdb_close(trainer, own)
     if own is not None:
         assert any("lcurve.out: input/output error" in n for n in getattr(own, "__notes__", []))
         assert not caplog.records

@@ -40,8 +40,10 @@ from ckptdb.errors import (
     NonFiniteGradientError,
     PublishError,
     RunDirectoryError,
+    UnsupportedVersionError,
 )
 from ckptdb.integrations.lightning import ModelCheckpoint, default_ledger, newest_committed
+from ckptdb.integrations.lightning.compat import LAST_ONLY_AFTER_A_SAVE
 from ckptdb.reader import RunReader
 
 pytestmark = [
@@ -77,10 +79,19 @@ def check_clean(dirpath: Path) -> None:
 
 
 def test_top_k_with_save_last_names_committed_checkpoints_only(tmp_path: Path) -> None:
+    """Lightning 2.6 writes ``last`` only at a step something was saved at; before 2.6,
+    at every epoch end (its own ``last.ckpt`` then holds epoch 3, which ckptdb commits
+    as ``last-step=16.ckpt`` in the ``last`` stream, ``last.ckpt`` linked to it)."""
     d = tmp_path / "ckpts"
     cb = ModelCheckpoint(dirpath=d, monitor="val_loss", save_top_k=2, save_last=True)
     trainer(tmp_path, [cb], max_epochs=4).fit(Tiny(val_losses=[3, 1, 2, 4]))
-    assert files(d) == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"]
+    last_of_epoch_3 = [] if LAST_ONLY_AFTER_A_SAVE else ["last-step=16.ckpt"]
+    assert files(d) == [
+        "epoch=1-step=8.ckpt",
+        "epoch=2-step=12.ckpt",
+        *last_of_epoch_3,
+        "last.ckpt",
+    ]
     assert cb.best_model_path == str(d / "epoch=1-step=8.ckpt")
     assert float(cb.best_model_score) == 1.0  # type: ignore[arg-type]
     assert {Path(p).name: float(v) for p, v in cb.best_k_models.items()} == {
@@ -91,8 +102,13 @@ def test_top_k_with_save_last_names_committed_checkpoints_only(tmp_path: Path) -
     assert cb.last_model_path == str(d / "last.ckpt")
     # last is a hard link to the newest committed checkpoint (epoch 3 was not admitted)
     assert not (d / "last.ckpt").is_symlink()
-    assert os.path.samefile(d / "last.ckpt", d / "epoch=2-step=12.ckpt")
-    assert [p for _, _, p in committed(d)] == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+    newest = "epoch=2-step=12.ckpt" if LAST_ONLY_AFTER_A_SAVE else "last-step=16.ckpt"
+    assert os.path.samefile(d / "last.ckpt", d / newest)
+    assert [p for _, _, p in committed(d)] == [
+        "epoch=1-step=8.ckpt",
+        "epoch=2-step=12.ckpt",
+        *last_of_epoch_3,
+    ]
     check_clean(d)
 
 
@@ -371,9 +387,27 @@ def test_the_signature_keeps_lightnings_arguments_plus_ours() -> None:
 
     ours = inspect.signature(ModelCheckpoint).parameters
     stock = inspect.signature(Stock).parameters
-    assert list(ours)[: len(stock)] == list(stock)
+    assert [name for name in ours if name in stock] == list(stock)  # in Lightning's order
+    assert "save_on_exception" in ours  # Lightning 2.5.3's, on every supported release
     assert ours["save_last"].annotation == stock["save_last"].annotation
     assert {"ledger", "db_url", "guard", "stream"} <= set(ours)
+
+
+@pytest.mark.parametrize("version", ["2.3.3", "2.7.0", "3.0.0", "nightly"])
+def test_a_lightning_outside_the_tested_range_is_refused_in_one_line(version: str) -> None:
+    from ckptdb.integrations.lightning.compat import check_version
+
+    with pytest.raises(UnsupportedVersionError, match=r">=2\.4,<2\.7") as caught:
+        check_version(version)
+    assert version in str(caught.value) and "\n" not in str(caught.value)
+    assert isinstance(caught.value, RuntimeError)
+
+
+@pytest.mark.parametrize("version", ["2.4.0", "2.5.6", "2.6.0rc1", "2.6.6"])
+def test_every_lightning_in_the_tested_range_is_accepted(version: str) -> None:
+    from ckptdb.integrations.lightning.compat import check_version
+
+    assert check_version(version) == version
 
 
 def test_an_unknown_monitor_is_reported_as_lightning_reports_it(tmp_path: Path) -> None:
@@ -832,8 +866,13 @@ def test_a_refused_checkpoint_leaves_no_phantom_in_the_callback(tmp_path: Path) 
 def test_a_refused_last_keeps_last_model_path(tmp_path: Path) -> None:
     d = tmp_path / "ckpts"
     cb = ModelCheckpoint(dirpath=d, save_top_k=0, save_last=True)
-    trainer(tmp_path, [cb], max_epochs=2).fit(Tiny(nan_grad_at=7))  # the only save, at the end
-    assert committed(d) == [] and cb.last_model_path == ""
+    trainer(tmp_path, [cb], max_epochs=2).fit(Tiny(nan_grad_at=7))  # refused: epoch 1's
+    if LAST_ONLY_AFTER_A_SAVE:  # Lightning 2.6: the end of training is the only save
+        assert committed(d) == [] and cb.last_model_path == ""
+    else:  # before: a last at every epoch end, epoch 0's committed and still named
+        assert committed(d) == [("checkpoints.last", 4, "last-step=4.ckpt")]
+        assert cb.last_model_path == str(d / "last.ckpt")
+        assert os.path.samefile(d / "last.ckpt", d / "last-step=4.ckpt")
 
 
 def test_save_on_exception_saves_under_a_free_name_and_keeps_the_error(tmp_path: Path) -> None:

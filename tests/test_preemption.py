@@ -275,10 +275,11 @@ print("AFTER CLOSE", flush=True)
 """
 
 
-def test_a_sigterm_while_the_attempt_ends_is_recorded_then_delivered(tmp_path: Path) -> None:
-    """The attempt ends first, under ckptdb's handler (so it is never left ``running``);
-    then the signal no agreement acted on reaches the handler it would have met (the
-    default: the process ends by SIGTERM), not dropped."""
+def test_a_sigterm_while_the_attempt_ends_never_leaves_it_running(tmp_path: Path) -> None:
+    """The attempt ends first, under ckptdb's handler: a SIGTERM then is recorded, not
+    fatal, so the attempt is never left ``running`` (the stock handler, back too early,
+    killed the process in the middle). Training was over: the run ends as it would have,
+    saying so in a warning."""
     root = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("CKPTDB_DB_URL", None)
@@ -289,11 +290,11 @@ def test_a_sigterm_while_the_attempt_ends_is_recorded_then_delivered(tmp_path: P
         timeout=60,
         env=env,
     )
-    assert done.returncode == -signal.SIGTERM, done.stdout + done.stderr
-    assert "ENDED" in done.stdout and "AFTER CLOSE" not in done.stdout, done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ENDED" in done.stdout and "AFTER CLOSE" in done.stdout, done.stdout
     assert attempts(root) == ["closed"]
     assert committed(root) == [1]
-    assert "delivered to its own handler" in done.stderr
+    assert "SIGTERM came after the last preemption check" in done.stderr
 
 
 def test_two_ledgers_in_one_process_both_hear_the_signal_and_put_everything_back(

@@ -18,7 +18,15 @@ from typing import Any
 import pytest
 import transformers
 from helpers import LedgerClient
-from hflib import Definite, NaNAt, dataset, tiny_model, torchrun, training_args
+from hflib import (
+    HAS_JIT_CHECKPOINT,
+    Definite,
+    NaNAt,
+    dataset,
+    tiny_model,
+    torchrun,
+    training_args,
+)
 
 from ckptdb import OnPreemption, Preempted, RunReader
 from ckptdb.errors import ArgumentTypeError, InvalidArgumentError
@@ -95,6 +103,7 @@ def test_a_sigterm_checkpoints_that_step_ends_train_143_and_resume_continues_fro
     assert summary["resumed_from"] == 6 and summary["lost"] == 0
 
 
+@pytest.mark.skipif(not HAS_JIT_CHECKPOINT, reason="enable_jit_checkpoint came in transformers 5")
 def test_enable_jit_checkpoint_goes_through_the_ledger_with_the_trainers_handler_gone(
     tmp_path: Path,
 ) -> None:
@@ -140,6 +149,8 @@ def test_bad_preemption_argument_is_refused_before_anything_is_written(tmp_path:
     with pytest.raises(ArgumentTypeError, match="preemption must be"):
         Trainer(model=tiny_model(), args=training_args(out), train_dataset=dataset(), preemption=15)
     assert not out.exists() or not any(out.iterdir())
+    if not HAS_JIT_CHECKPOINT:  # transformers 4.57: nothing to contradict
+        return
     args = training_args(out, enable_jit_checkpoint=True)
     with pytest.raises(InvalidArgumentError, match="turns it off"):
         Trainer(model=tiny_model(), args=args, train_dataset=dataset(), preemption=False)

@@ -28,6 +28,7 @@ import logging
 import math
 import numbers
 import os
+import re
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -52,6 +53,12 @@ GuardSetting: TypeAlias = bool | Literal["raise"]
 
 #: The longest stream name the ledger stores.
 STREAM_NAME_LIMIT = 64
+
+
+def release_of(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a version string (``"2.6.0rc1"`` is ``(2, 6)``), else None."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match is not None else None
 
 
 def framework_missing(module: str, framework: str, extra: str) -> ImportError:

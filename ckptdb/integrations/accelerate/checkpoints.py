@@ -36,6 +36,7 @@ from ...protocol.inputs import validate_step
 from ...record import Checkpoint
 from ...storage.external import External
 from ..contract import IntegrationLedger, LedgerOptions
+from . import compat
 from .layout import STREAM, checkpoint_name
 
 __all__ = ["STREAM", "Checkpoints"]
@@ -275,7 +276,8 @@ class Checkpoints:
         """
         guard = self.guard
         if guard is None or not any(
-            getattr(o, "optimizer", o) is optimizer for o in self.accelerator._optimizers
+            getattr(o, "optimizer", o) is optimizer
+            for o in compat.prepared_optimizers(self.accelerator)
         ):
             return
         guard.observe(common.optimizer_params(optimizer))
@@ -323,7 +325,7 @@ def _refuse_keys(kwargs: Mapping[str, Any], key: str, call: str) -> None:
 
 def _named_parameters(accelerator: Accelerator) -> Iterable[tuple[str, Tensor]]:
     """Parameter names for the guard's report, from the prepared models."""
-    models = [accelerator.unwrap_model(m) for m in accelerator._models]
+    models = [accelerator.unwrap_model(m) for m in compat.prepared_models(accelerator)]
     for i, model in enumerate(models):
         prefix = f"{i}." if len(models) > 1 else ""
         for name, param in model.named_parameters():

@@ -1,8 +1,10 @@
 """``dp --pt train`` through a ckptdb ledger (see the package docstring).
 
-The only module that imports DeePMD-kit. It reaches into DeePMD's
-``Trainer`` (its checkpoint writer, its stores, its guard), so it refuses any
-DeePMD-kit but the tested 3.2 series (:func:`check_version`), and it refuses
+It drives DeePMD's ``Trainer`` (its checkpoint writer, its stores, its
+guard) through :mod:`.compat`, the one module that imports DeePMD-kit and
+holds every private name borrowed from it; importing this module imports
+:mod:`.compat`, which refuses any DeePMD-kit but the tested 3.2 series
+(:func:`check_version`) before DeePMD's internals are imported. It refuses
 what it does not guard yet (sharded ZeRO/FSDP training, a best-checkpoint
 directory outside the save directory) rather than let DeePMD write or delete
 checkpoints behind the ledger's back.
@@ -21,27 +23,15 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import sys
-import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
-
-from .. import common
-
-try:
-    import deepmd
-    import deepmd.env as deepmd_env
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise common.framework_missing("ckptdb.integrations.deepmd", "DeePMD-kit", "deepmd") from exc
 
 from ...errors import (
     CheckpointLostError,
@@ -50,7 +40,6 @@ from ...errors import (
     NoCheckpointToResumeError,
     NonFiniteGradientError,
     RunDirectoryError,
-    UnsupportedVersionError,
     note_on,
 )
 from ...guard import NonFiniteGradGuard
@@ -58,12 +47,16 @@ from ...policies import Keep, Policy, TopK
 from ...preemption import OnPreemption, Preemption
 from ...record import Checkpoint, DerivedAlias
 from ...storage.external import External
+from .. import common
 from ..contract import IntegrationLedger, LedgerOptions
+from . import compat  # checks DeePMD-kit's version before importing any of its internals
+from .compat import SUPPORTED, SUPPORTED_RANGE, check_version
 from .layout import BEST_EMA_STREAM, BEST_STREAM, EMA_STREAM, POINTER, STREAM
 from .logs import LogTail
 
 __all__ = [
     "SUPPORTED",
+    "SUPPORTED_RANGE",
     "LedgerTrainer",
     "LogTail",
     "check_version",
@@ -73,9 +66,6 @@ __all__ = [
 
 log = logging.getLogger("ckptdb.deepmd")
 
-#: The DeePMD-kit series this integration was built and tested against.
-SUPPORTED = (3, 2)
-SUPPORTED_RANGE = "deepmd-kit>=3.2,<3.3"
 #: ckptdb's own option (taken out of the argument list before DeePMD parses it).
 GUARD_OPTION = "--ckptdb-guard"
 GUARD_CHOICES: dict[str, common.GuardSetting] = {"warn": True, "raise": "raise", "off": False}
@@ -84,69 +74,6 @@ PREEMPTION_OPTION = "--ckptdb-preemption"
 GRACE_OPTION = "--ckptdb-grace"
 #: Where a replicator copies the run (``s3://bucket/prefix``): see CheckpointManager(remote=).
 REMOTE_OPTION = "--ckptdb-remote"
-
-
-def check_version(version: str | None = None) -> str:
-    """DeePMD-kit's version, or :class:`UnsupportedVersionError` outside 3.2.x.
-
-    The integration overrides private parts of DeePMD's ``Trainer``
-    (``_write_checkpoint``, the checkpoint stores, the gradient guard); in
-    another series they may mean something else, and a checkpoint could be
-    written or deleted unguarded.
-    """
-    found = str(deepmd.__version__ if version is None else version)
-    match = re.match(r"(\d+)\.(\d+)", found)
-    if match is None or (int(match[1]), int(match[2])) != SUPPORTED:
-        raise UnsupportedVersionError(
-            f"ckptdb's DeePMD-kit integration supports {SUPPORTED_RANGE} (tested with "
-            f"3.2.0); this is deepmd-kit {found}: pip install 'ckptdb[deepmd]'"
-        )
-    return found
-
-
-def _without_op_library() -> bool:
-    """Let ``import deepmd.pt`` work when torch is not the one DeePMD's op library was
-    built for; True when the library is left out.
-
-    DeePMD-kit 3.2.0's wheel ships ``libdeepmd_op_pt.so`` built against one torch
-    (2.11); with any other, ``deepmd/pt/cxx_op.py`` raises at import and nothing
-    of the PyTorch backend can be used. Its custom ops back only model
-    compression, the parallel (MPI) border op and C++/LAMMPS inference; training,
-    ``freeze`` and ``test`` run on DeePMD's Python fallbacks, exactly as in a
-    source build without the op library. So, only when the versions differ,
-    the module is pre-seeded with ``ENABLE_CUSTOMIZED_OP = False``; with the
-    matching torch, DeePMD loads its library as it always does.
-    """
-    if "deepmd.pt.cxx_op" in sys.modules:
-        return False
-    built_for = str(deepmd_env.GLOBAL_CONFIG.get("pt_version") or "")
-    running = torch.__version__.split("+")[0]
-    if not built_for or built_for == running:
-        return False
-    stub = types.ModuleType("deepmd.pt.cxx_op")
-    stub.ENABLE_CUSTOMIZED_OP = False  # type: ignore[attr-defined]
-    stub.__all__ = ["ENABLE_CUSTOMIZED_OP"]  # type: ignore[attr-defined]
-    sys.modules["deepmd.pt.cxx_op"] = stub
-    log.info(
-        "ckptdb: DeePMD-kit's op library was built for torch %s, this is torch %s: "
-        "loaded without it (model compression and the LAMMPS/MPI ops are unavailable)",
-        built_for,
-        running,
-    )
-    return True
-
-
-check_version()  # before anything of DeePMD's internals is imported
-_without_op_library()
-
-import deepmd.main as dp_main  # noqa: E402
-import deepmd.pt.train.training as training  # noqa: E402
-import deepmd.pt.utils.env as pt_env  # noqa: E402
-import deepmd.pt_expt.train.validation as validation  # noqa: E402
-
-#: DeePMD's own ``Trainer`` (``main`` patches the module's name while it runs).
-DeepmdTrainer: Any = training.Trainer
-DeepmdValidator: Any = validation.FullValidator
 
 
 @dataclass(frozen=True)
@@ -179,9 +106,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args, preemption = _take_preemption(args)
     args, remote = _take_option(args, REMOTE_OPTION, "an object-storage URL, s3://bucket/prefix")
     ledger = LedgerOptions.of(guard=guard, preemption=preemption, remote=remote)
-    flags = dp_main.parse_args(args)
+    flags = compat.parse_dp_args(args)
     if flags.command != "train":
-        dp_main.main(args)
+        compat.run_dp(args)
         return
     if flags.backend != "pytorch":
         raise InvalidArgumentError(
@@ -190,62 +117,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     options = Options(ledger=ledger, restart=flags.restart)
     with (
-        mock.patch.object(training, "Trainer", partial(LedgerTrainer, ckptdb=options)),
-        _gloo_on_the_cpu(),
+        compat.trainer_replaced_by(partial(LedgerTrainer, ckptdb=options)),
+        compat.gloo_on_the_cpu(),
     ):
-        dp_main.main(args)
-
-
-def _on_the_cpu() -> bool:
-    """Whether DeePMD trains on the CPU (no CUDA, or ``DEVICE=cpu``)."""
-    return bool(pt_env.DEVICE.type == "cpu")
-
-
-@contextmanager
-def _gloo_on_the_cpu() -> Iterator[None]:
-    """Under ``torchrun`` on the CPU, DeePMD's process group is gloo's.
-
-    DeePMD-kit 3.2 asks for ``"cuda:nccl,cpu:gloo"``, which fails in a torch
-    built without NCCL (every CPU build); a CPU run needs gloo alone. On a GPU
-    nothing changes.
-    """
-    if os.environ.get("LOCAL_RANK") is None or not _on_the_cpu():
-        yield
-        return
-    dist = torch.distributed
-    original = dist.init_process_group
-
-    def init_process_group(*args: Any, **kwargs: Any) -> None:
-        kwargs["backend"] = "gloo"
-        original(*args, **kwargs)
-
-    with mock.patch.object(dist, "init_process_group", init_process_group):
-        yield
-
-
-@contextmanager
-def _ddp_on_the_cpu() -> Iterator[None]:
-    """DeePMD's DDP set-up, on the CPU: no ``torch.cuda.set_device``, and DDP built
-    without ``device_ids`` (torch's form for a CPU module; DeePMD-kit 3.2 passes
-    its local rank as a CUDA device). On a GPU nothing changes."""
-    if not _on_the_cpu():
-        yield
-        return
-    with (
-        mock.patch.object(torch.cuda, "set_device", _no_device),
-        mock.patch.object(training, "DDP", partial(_cpu_ddp, training.DDP)),
-    ):
-        yield
-
-
-def _no_device(device: Any) -> None:
-    """``torch.cuda.set_device`` on the CPU: there is no device to select."""
-
-
-def _cpu_ddp(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
-    kwargs.pop("device_ids", None)
-    kwargs.pop("output_device", None)
-    return ddp(module, *args, **kwargs)
+        compat.run_dp(args)
 
 
 def _take_option(args: list[str], option: str, expected: str) -> tuple[list[str], str | None]:
@@ -302,13 +177,15 @@ def _take_preemption(args: list[str]) -> tuple[list[str], OnPreemption | None]:
 # ------------------------------------------------------------------- trainer
 
 
-class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
+class LedgerTrainer(compat.HookedTrainer):
     """DeePMD-kit's ``Trainer`` whose periodic checkpoints are ledger boundaries.
 
     Constructed by DeePMD's own ``get_trainer`` (``main`` substitutes it for
-    ``deepmd.pt.train.training.Trainer``). The ledger is opened before DeePMD's
-    constructor runs, so that ``--restart`` is resolved through it and DeePMD
-    loads only a committed, verified checkpoint.
+    DeePMD's ``Trainer``: :func:`.compat.trainer_replaced_by`). The ledger is
+    opened before DeePMD's constructor runs, so that ``--restart`` is resolved
+    through it and DeePMD loads only a committed, verified checkpoint. It
+    overrides none of DeePMD's private methods: :class:`.compat.HookedTrainer`
+    forwards them to the ``ckptdb_*`` methods here.
     """
 
     nonfinite_grad_guard: Any  # DeePMD's, wrapped by :class:`_DeepmdGuard`
@@ -335,13 +212,13 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         #: The run's training-loop surface (latest, best, verify, log_metrics).
         self.manager = self.ledger.manager
         self.resumed: Checkpoint | None = None
-        self._pending: tuple[int, Path, dict[str, Any]] | None = None
-        self._refused_step: int | None = None
-        self._hook: Any = None
-        self._stop: Preemption | None = None
-        self._stop_hook: Any = None
-        self._steps_done = 0  # this attempt's optimizer steps, counted from start_step
-        self._tails: list[LogTail] = []
+        self._ckptdb_pending: tuple[int, Path, dict[str, Any]] | None = None
+        self._ckptdb_refused_step: int | None = None
+        self._ckptdb_hook: Any = None
+        self._ckptdb_stop: Preemption | None = None
+        self._ckptdb_stop_hook: Any = None
+        self._ckptdb_steps_done = 0  # this attempt's optimizer steps, counted from start_step
+        self._ckptdb_tails: list[LogTail] = []
         try:
             if restart_model is not None:
                 spec = ckptdb.restart if ckptdb.restart is not None else restart_model
@@ -352,18 +229,18 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
                 self.ledger.resume_from(self.resumed)
             else:
                 self.ledger.start_afresh()
-            with _ddp_on_the_cpu():
+            with compat.ddp_on_the_cpu():
                 super().__init__(
                     config, training_data, *args, restart_model=restart_model, **kwargs
                 )
-            self._take_over()
+            self._ckptdb_take_over()
         except BaseException as exc:
-            self._close(exc)
+            self._ckptdb_close(exc)
             raise
 
-    def _take_over(self) -> None:
+    def _ckptdb_take_over(self) -> None:
         """After DeePMD's constructor: its retention, aliases and guard become the ledger's."""
-        for _, store in self._stores():
+        for _, store in self._ckptdb_stores():
             if store.directory.resolve() != self.manager.save_dir:
                 raise InvalidArgumentError(  # pragma: no cover - both read the same keys
                     f"DeePMD writes checkpoints to {store.directory}, the ledger expects "
@@ -377,28 +254,30 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
             self.nonfinite_grad_guard,
             defer=guard_on,
             # rank 0 publishes from DeePMD's save; every other rank joins here
-            before_save=None if self.manager.is_chief else self._follow,
+            before_save=None if self.manager.is_chief else self._ckptdb_follow,
         )
         if guard_on:
             self.manager.guard = NonFiniteGradGuard(self.wrapper.named_parameters())
-            self._hook = self.optimizer.register_step_pre_hook(self._observe)
+            self._ckptdb_hook = self.optimizer.register_step_pre_hook(self._observe)
         if self.ckptdb.ledger.preemption is not None:
-            self._handle_preemption()
-        self._point_aliases(stale_warning=True)
-        self._tails = self._log_tails()
+            self._ckptdb_handle_preemption()
+        self._ckptdb_point_aliases(stale_warning=True)
+        self._ckptdb_tails = self._ckptdb_log_tails()
 
-    def _handle_preemption(self) -> None:
+    def _ckptdb_handle_preemption(self) -> None:
         """Install the preemption handlers (collective) and the per-step check."""
         if self.opt_type == "LKF":
             raise InvalidArgumentError(
                 f"{PREEMPTION_OPTION} needs a torch optimizer: the LKF optimizer's steps "
                 "cannot be counted, so no rank could agree on a step to checkpoint"
             )
-        self._steps_done = int(self.start_step)
-        self._stop = self.ledger.preemption()
-        self._stop_hook = self.optimizer.register_step_post_hook(self._check_preemption)
+        self._ckptdb_steps_done = int(self.start_step)
+        self._ckptdb_stop = self.ledger.preemption()
+        self._ckptdb_stop_hook = self.optimizer.register_step_post_hook(
+            self._ckptdb_check_preemption
+        )
 
-    def _log_tails(self) -> list[LogTail]:
+    def _ckptdb_log_tails(self) -> list[LogTail]:
         """``lcurve.out`` (``disp_file``) and each validator's ``val.log``, read from where
         this attempt starts writing: the end of the file on a restart (DeePMD appends),
         the start once DeePMD has rewritten it otherwise. Rank 0's only: DeePMD
@@ -408,24 +287,24 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         tails = [
             LogTail(self.run_root / self.disp_file, append=bool(self.restart_training), skip={"lr"})
         ]
-        for stream, validator in self._validators():
+        for stream, validator in self._ckptdb_validators():
             tails.append(
                 LogTail(
                     self.run_root / validator.full_val_file,
                     prefix=VAL_PREFIX[stream],
-                    append=validator._write_mode == "a",
+                    append=compat.validator_appends(validator),
                 )
             )
         return tails
 
-    def _log_files(self) -> None:
+    def _ckptdb_log_files(self) -> None:
         """What DeePMD appended to its log files since the last look, as ledger metrics
         (buffered: written with the next commit, or when the ledger closes)."""
-        for tail in self._tails:
+        for tail in self._ckptdb_tails:
             for step, values in tail.read():
                 self.manager.log_metrics(step, values)
 
-    def _stores(self) -> list[tuple[str, Any]]:
+    def _ckptdb_stores(self) -> list[tuple[str, Any]]:
         """Each stream with DeePMD's store of its names (the EMA one when EMA is on)."""
         pairs = [(STREAM, self.ckpt_store)]
         if self.model_ema is not None:
@@ -447,20 +326,20 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
                 self.ledger.from_chief(None, what=PLAN)
             else:
                 while (plan := self.ledger.from_chief(None, what=PLAN)) is not None:
-                    self._publish_plan(plan, {})
+                    self._ckptdb_publish_plan(plan, {})
         except BaseException as exc:
-            self._close(exc)
+            self._ckptdb_close(exc)
             raise
-        self._close(None)
+        self._ckptdb_close(None)
 
-    def _close(self, exc: BaseException | None) -> None:
-        for name in ("_hook", "_stop_hook"):
+    def _ckptdb_close(self, exc: BaseException | None) -> None:
+        for name in ("_ckptdb_hook", "_ckptdb_stop_hook"):
             hook = getattr(self, name)
             setattr(self, name, None)
             if hook is not None:
                 hook.remove()
         try:  # the rows written after the last boundary
-            self._log_files()
+            self._ckptdb_log_files()
         except Exception as failed:  # never in place of the attempt's own outcome
             text = f"ckptdb: the last rows of DeePMD's logs were not recorded: {failed!r}"
             if exc is not None:
@@ -471,49 +350,50 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
 
     # -------------------------------------------------------------- saving
 
-    def _write_checkpoint(
-        self, save_path: str | os.PathLike[str], checkpoint_data: dict[str, Any], *, store: Any
+    def ckptdb_write_checkpoint(
+        self, path: Path, checkpoint_data: dict[str, Any], *, store: Any
     ) -> None:
         """Every checkpoint DeePMD writes comes here (rank 0): a regular one is held until
         its EMA twin arrives (DeePMD writes them one after the other, nothing trains
         in between), then both are one ledger boundary; without EMA the regular one
         is a boundary by itself."""
-        path = Path(save_path)
         if store is self.ckpt_store and store.holds(path):
-            self._pending = (int(store.step_of(path)), path, checkpoint_data)
+            self._ckptdb_pending = (int(store.step_of(path)), path, checkpoint_data)
             if self.model_ema is None:
-                self._publish(self._pending[0], None)
+                self._ckptdb_publish(self._ckptdb_pending[0], None)
             return
         if store is self.ema_ckpt_store and store.holds(path):
-            self._publish(int(store.step_of(path)), (path, checkpoint_data))
+            self._ckptdb_publish(int(store.step_of(path)), (path, checkpoint_data))
             return
-        for stream, validator in self._validators():
+        for stream, validator in self._ckptdb_validators():
             match = validator.best_checkpoint_pattern.match(path.name)
             if match is not None and path.parent.resolve() == validator.checkpoint_dir.resolve():
-                self._publish_best(stream, validator, int(match[1]), checkpoint_data)
+                self._ckptdb_publish_best(stream, validator, int(match[1]), checkpoint_data)
                 return
         raise InvalidArgumentError(  # nothing else is written by DeePMD's training loop
             f"ckptdb's DeePMD-kit integration does not publish {path}: only the periodic "
             "and the validation-best checkpoints go through the ledger"
         )
 
-    def _publish(self, step: int, ema: tuple[Path, dict[str, Any]] | None) -> None:
+    def _ckptdb_publish(self, step: int, ema: tuple[Path, dict[str, Any]] | None) -> None:
         """One boundary (rank 0): the held regular checkpoint of ``step`` and its EMA twin."""
-        pending, self._pending = self._pending, None
+        pending, self._ckptdb_pending = self._ckptdb_pending, None
         names: dict[str, str] = {}
         data: dict[str, dict[str, Any]] = {}
         if pending is not None and pending[0] == step:
             names[STREAM], data[STREAM] = pending[1].name, pending[2]
         if ema is not None:
             names[EMA_STREAM], data[EMA_STREAM] = ema[0].name, ema[1]
-        self._boundary(_Plan(step, names, self._metrics()), data)
+        self._ckptdb_boundary(_Plan(step, names, self._ckptdb_metrics()), data)
 
-    def _follow(self) -> None:
+    def _ckptdb_follow(self) -> None:
         """A rank other than 0, where DeePMD checks its guard before rank 0 saves the
         periodic checkpoint: this rank's part of that boundary (rank 0's plan)."""
-        self._boundary(None, {})
+        self._ckptdb_boundary(None, {})
 
-    def _publish_best(self, stream: str, validator: Any, step: int, data: dict[str, Any]) -> None:
+    def _ckptdb_publish_best(
+        self, stream: str, validator: Any, step: int, data: dict[str, Any]
+    ) -> None:
         """A validation-best checkpoint: one boundary of its top-K stream, ranked by
         DeePMD's validation metric, under DeePMD's name without the rank (``-t-R``):
         the ledger ranks, a name never changes. Every rank comes here
@@ -525,7 +405,7 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
             metric = self.manager.policies[stream].ranking_metric
             assert metric is not None
             metrics = common.rankable_metrics(
-                {**(self._metrics() or {}), metric: value},
+                {**(self._ckptdb_metrics() or {}), metric: value},
                 self.manager.policies[stream],
                 step=step,
                 log=log,
@@ -536,14 +416,14 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
                 self.manager.save_dir,
             )
             plan = _Plan(step, {stream: name}, metrics)
-        saved = self._boundary(plan, {stream: data})
+        saved = self._ckptdb_boundary(plan, {stream: data})
         if self.manager.is_chief and (saved is None or stream not in saved):
             # refused, or not in the ledger's top-K: DeePMD's own top-K (which decides
             # what it proposes next, and is saved in its checkpoints) drops it too
             validator.topk_records = [r for r in validator.topk_records if r.step != step]
-            validator._sync_state_store()
+            compat.sync_topk_state(validator)
 
-    def _boundary(
+    def _ckptdb_boundary(
         self, plan: _Plan | None, data: Mapping[str, dict[str, Any]]
     ) -> dict[str, Checkpoint] | None:
         """Rank 0's ``plan``, on every rank (the others pass None), then the boundary.
@@ -554,20 +434,22 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         """
         agreed = self.ledger.from_chief(plan, what=PLAN)
         assert agreed is not None  # rank 0 sends None only once training has ended
-        stop = self._stop
+        stop = self._ckptdb_stop
         if stop is None or stop.agreed_step != agreed.step or STREAM not in agreed.names:
-            return self._publish_plan(agreed, data)
-        saved = stop.publish(agreed.step, lambda: self._publish_plan(agreed, data, aliases=False))
+            return self._ckptdb_publish_plan(agreed, data)
+        saved = stop.publish(
+            agreed.step, lambda: self._ckptdb_publish_plan(agreed, data, aliases=False)
+        )
         preempted = stop.stop(agreed.step, list((saved or {}).values()))
         if saved is not None and saved.keys() & {STREAM, EMA_STREAM}:
             try:  # after the outcome is recorded: a refused alias is not a lost checkpoint
-                self._point_aliases()
+                self._ckptdb_point_aliases()
             except RunDirectoryError as exc:
                 log.error("ckptdb: %s (the next `ckptdb reconcile` re-points it)", exc)
                 note_on(preempted, f"ckptdb: {exc}")
         raise preempted
 
-    def _publish_plan(
+    def _ckptdb_publish_plan(
         self, plan: _Plan, data: Mapping[str, dict[str, Any]], *, aliases: bool = True
     ) -> dict[str, Checkpoint] | None:
         """``manager.save`` of the plan's checkpoints, written from ``data`` (rank 0's;
@@ -578,14 +460,14 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         goes on); it also refuses every later boundary of the step (the
         periodic checkpoint after a best one). After a commit the aliases follow.
         """
-        self._log_files()  # the rows so far commit with this boundary
+        self._ckptdb_log_files()  # the rows so far commit with this boundary
         step = plan.step
-        if self._refused_step == step:
+        if self._ckptdb_refused_step == step:
             log.warning("ckptdb: step %d was not checkpointed: the guard refused this step", step)
             return None
 
         def refused(exc: NonFiniteGradientError) -> None:
-            self._refused_step = step
+            self._ckptdb_refused_step = step
 
         payloads = {
             stream: External(
@@ -598,11 +480,11 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
             step, payloads, metrics=plan.metrics, log=log, refused=refused
         )
         if aliases and saved is not None and saved.keys() & {STREAM, EMA_STREAM}:
-            self._point_aliases()
+            self._ckptdb_point_aliases()
         return saved
 
-    def _metrics(self) -> dict[str, float] | None:
-        lr = self._get_inner_module().train_infos.get("lr")
+    def _ckptdb_metrics(self) -> dict[str, float] | None:
+        lr = compat.train_infos(self).get("lr")
         return {"lr": float(lr)} if isinstance(lr, (int, float)) else None
 
     def _writer(self, data: dict[str, Any] | None) -> Callable[[Path], None]:
@@ -611,25 +493,24 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
 
         def write(target: Path) -> None:
             if data is not None and self.manager.is_chief:
-                DeepmdTrainer._write_checkpoint(self, target, data, store=_KEEP_ALL)
+                self.deepmd_write_checkpoint(target, data, store=_KEEP_ALL)
 
         return write
 
     # ------------------------------------------------------------ validation
 
-    def _create_full_validators(self, **kwargs: Any) -> Any:
+    def ckptdb_full_validator_class(self) -> Any:
         """DeePMD's full validators, without their own renaming and deleting of
         ``best.ckpt-*`` files (:class:`_LedgerValidator`): the ledger's top-K does it."""
-        with mock.patch.object(validation, "FullValidator", _LedgerValidator):
-            return super()._create_full_validators(**kwargs)
+        return _LedgerValidator
 
-    def _validators(self) -> list[tuple[str, Any]]:
+    def _ckptdb_validators(self) -> list[tuple[str, Any]]:
         pairs = [(BEST_STREAM, self.full_validator), (BEST_EMA_STREAM, self.ema_full_validator)]
         return [(stream, v) for stream, v in pairs if v is not None]
 
     # ------------------------------------------------------------- aliases
 
-    def _point_aliases(self, *, stale_warning: bool = False) -> None:
+    def _ckptdb_point_aliases(self, *, stale_warning: bool = False) -> None:
         """``model.ckpt.pt`` (``model_ema.ckpt.pt``) and ``checkpoint`` name the ledger's
         latest of each stream: derived aliases of the ledger
         (:meth:`CheckpointManager.derive_aliases`), written after the commit,
@@ -643,7 +524,7 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
                 stream,
                 "symlink",
             )
-            for stream, store in self._stores()
+            for stream, store in self._ckptdb_stores()
         ]
         aliases.append(DerivedAlias(POINTER, STREAM, "pointer"))
         self.manager.derive_aliases(aliases)
@@ -654,21 +535,23 @@ class LedgerTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
 
     # --------------------------------------------------------------- guard
 
-    def _check_preemption(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _ckptdb_check_preemption(
+        self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+    ) -> None:
         """After each optimizer step, on every rank: were we told to stop?
 
         When every rank agrees, DeePMD is made to save a periodic checkpoint at
         the end of this step (its ``save_freq`` becomes this step's number):
         the checkpoint is written the way DeePMD always writes it, with the
         scheduler and EMA updates of the step in it, and its boundary raises
-        :class:`~ckptdb.Preempted` (:meth:`_boundary`). The first step of an
+        :class:`~ckptdb.Preempted` (:meth:`_ckptdb_boundary`). The first step of an
         attempt is never the agreed one: DeePMD never saves at it; nor is the
         last: a signal then lets the finished run end as it does (its final
         checkpoint is saved anyway).
         """
-        self._steps_done += 1
-        step = self._steps_done  # DeePMD's display step: the checkpoint's number
-        stop = self._stop
+        self._ckptdb_steps_done += 1
+        step = self._ckptdb_steps_done  # DeePMD's display step: the checkpoint's number
+        stop = self._ckptdb_stop
         if stop is None:
             return
         if stop.agreed_step is not None:  # agreed, and DeePMD went on without saving it
@@ -740,7 +623,7 @@ class _DeepmdGuard:
             self.before_save()
 
 
-class _LedgerValidator(DeepmdValidator):  # type: ignore[misc]  # DeePMD is untyped
+class _LedgerValidator(compat.HookedValidator):
     """DeePMD's ``FullValidator`` that never renames nor deletes a best checkpoint.
 
     DeePMD names its best checkpoints by rank (``best.ckpt-N.t-R.pt``), renames
@@ -756,10 +639,10 @@ class _LedgerValidator(DeepmdValidator):  # type: ignore[misc]  # DeePMD is unty
         if self.is_distributed and not sharding.enabled:
             self.sharding = _EveryRankSaves(sharding)
 
-    def _initialize_best_checkpoints(self, restart_training: bool) -> None:
+    def ckptdb_initialize_best_checkpoints(self, restart_training: bool) -> None:
         """Never: the files of an earlier run are the ledger's (or no one's) to remove."""
 
-    def _reconcile_best_checkpoints(self) -> None:
+    def ckptdb_reconcile_best_checkpoints(self) -> None:
         """Never: the ledger's top-K ranks and evicts."""
 
 
@@ -790,7 +673,8 @@ _KEEP_ALL = _KeepAll()
 
 def _never(path: Path) -> None:
     """DeePMD's ``prune``/``publish``, replaced: the ledger evicts, and the aliases are
-    written after each commit from the ledger's latest (:meth:`LedgerTrainer._point_aliases`)."""
+    written after each commit from the ledger's latest
+    (:meth:`LedgerTrainer._ckptdb_point_aliases`)."""
 
 
 # ------------------------------------------------------------------ restart
@@ -892,9 +776,7 @@ def _streams(config: dict[str, Any]) -> dict[str, Policy]:
                 "training.ckpt_keep_ratio with num_epoch is not yet supported by ckptdb's "
                 "DeePMD-kit integration: set max_ckpt_keep (or numb_steps)"
             )
-        from deepmd.dpmodel.train.checkpoint import resolve_keep_ckpt_count
-
-        keep = ema_keep = resolve_keep_ckpt_count(
+        keep = ema_keep = compat.keep_count_from_ratio(
             ratio, int(params["numb_steps"]), int(params.get("save_freq", 1000))
         )
     streams: dict[str, Policy] = {STREAM: Keep(last=_keep(keep))}
@@ -940,10 +822,8 @@ def _save_dir(params: Mapping[str, Any], root: Path) -> Path:
 
 def _aliases(config: dict[str, Any]) -> dict[str, str]:
     """DeePMD's alias names (relative to the run root) and their streams."""
-    from deepmd.pt_expt.train.ema import get_ema_checkpoint_prefix
-
     prefix = str(config["training"].get("save_ckpt", "model.ckpt"))
-    return {prefix + ".pt": STREAM, get_ema_checkpoint_prefix(prefix) + ".pt": EMA_STREAM}
+    return {prefix + ".pt": STREAM, compat.ema_checkpoint_prefix(prefix) + ".pt": EMA_STREAM}
 
 
 def _alias_path(store: Any, root: Path) -> Path:

@@ -25,7 +25,6 @@ from .. import common
 
 try:
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
     from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
     from lightning.pytorch.strategies import Strategy
     from lightning.pytorch.trainer.states import TrainerFn
@@ -52,6 +51,7 @@ from ...storage.alias import point_alias, remove_alias
 from ...storage.external import External
 from ...storage.files import FileInfo, write_stream
 from ..contract import IntegrationLedger, LedgerOptions
+from .compat import LightningHooks, dump_checkpoint
 from .layout import LAST_SUFFIX, stream_for_monitor
 
 __all__ = ["ModelCheckpoint", "default_ledger", "newest_committed"]
@@ -100,7 +100,7 @@ class _Session:
 _SESSIONS: dict[tuple[str, str | None, int], _Session] = {}
 
 
-class ModelCheckpoint(_LightningModelCheckpoint):
+class ModelCheckpoint(LightningHooks):
     """Lightning's ``ModelCheckpoint``, backed by a ckptdb ledger (see the module docstring).
 
     Extra arguments: ``ledger`` (the run root holding ``ckptdb.sqlite`` and
@@ -175,9 +175,9 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self.ledger = common.check_path(ledger, "ledger")
         self.stream = common.check_stream(stream, suffix=LAST_SUFFIX)
         common.check_local_root(ledger, "ledger")
-        self._session_key: tuple[str, str | None, int] | None = None
+        self._ckptdb_session_key: tuple[str, str | None, int] | None = None
         #: Ids of the checkpoints this callback committed in the current fit.
-        self._published: set[int] = set()
+        self._ckptdb_published: set[int] = set()
 
     # ----------------------------------------------------------------- the ledger
 
@@ -225,8 +225,8 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         found[self.last_stream] = Keep(last=1)
         return found
 
-    def _key(self, trainer: pl.Trainer) -> tuple[str, str | None]:
-        dirpath = str(self._ModelCheckpoint__resolve_ckpt_dir(trainer))  # type: ignore[attr-defined]
+    def _ckptdb_key(self, trainer: pl.Trainer) -> tuple[str, str | None]:
+        dirpath = str(self.resolved_dirpath(trainer))
         if "://" in dirpath:
             raise InvalidArgumentError(
                 f"dirpath {dirpath!r}: the ckptdb ModelCheckpoint keeps checkpoints on a "
@@ -235,26 +235,26 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         root = Path(self.ledger).resolve() if self.ledger is not None else default_ledger(dirpath)
         return str(root), self.db_url
 
-    def _session(self, trainer: pl.Trainer) -> _Session:
+    def _ckptdb_session(self, trainer: pl.Trainer) -> _Session:
         """The open ledger (opened at setup, or lazily at the first save)."""
-        key = (*self._key(trainer), id(trainer))
+        key = (*self._ckptdb_key(trainer), id(trainer))
         session = _SESSIONS.get(key)
         if session is None:
-            session = _SESSIONS[key] = self._open(trainer, key[:2])
+            session = _SESSIONS[key] = self._ckptdb_open(trainer, key[:2])
         session.users.add(id(self))
-        self._session_key = key
+        self._ckptdb_session_key = key
         return session
 
-    def _open(self, trainer: pl.Trainer, key: tuple[str, str | None]) -> _Session:
+    def _ckptdb_open(self, trainer: pl.Trainer, key: tuple[str, str | None]) -> _Session:
         peers = [
             cb
             for cb in trainer.checkpoint_callbacks
-            if isinstance(cb, ModelCheckpoint) and cb._key(trainer) == key
+            if isinstance(cb, ModelCheckpoint) and cb._ckptdb_key(trainer) == key
         ] or [self]
-        dirpath = Path(self._ModelCheckpoint__resolve_ckpt_dir(trainer)).resolve()  # type: ignore[attr-defined]
+        dirpath = Path(self.resolved_dirpath(trainer)).resolve()
         streams: dict[str, Policy] = {}
         for cb in peers:
-            other = Path(cb._ModelCheckpoint__resolve_ckpt_dir(trainer)).resolve()  # type: ignore[attr-defined]
+            other = Path(cb.resolved_dirpath(trainer)).resolve()
             if other != dirpath:
                 raise InvalidArgumentError(
                     f"two ckptdb ModelCheckpoint callbacks share the ledger {key[0]} but not "
@@ -300,8 +300,8 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         )
         return _Session(ledger, guard)
 
-    def _release(self, failed: BaseException | None = None) -> None:
-        key, self._session_key = self._session_key, None
+    def _ckptdb_release(self, failed: BaseException | None = None) -> None:
+        key, self._ckptdb_session_key = self._ckptdb_session_key, None
         session = _SESSIONS.get(key) if key is not None else None
         if session is None:
             return
@@ -316,12 +316,12 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         """Open the ledger for ``fit`` (validate/test/predict save nothing and must not
         take the writer lock of a run another process may be training)."""
         super().setup(trainer, pl_module, stage)
-        self._published = set()
+        self._ckptdb_published = set()
         if stage == "fit":
-            self._sync(self._session(trainer))
+            self._ckptdb_sync(self._ckptdb_session(trainer))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._release()
+        self._ckptdb_release()
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -334,18 +334,18 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         try:
             if (
                 not isinstance(exception, Preempted)  # its checkpoint is already dealt with
-                and self._should_save_on_exception(trainer)
-                and self._session_key is not None
+                and self.should_save_on_exception(trainer)
+                and self._ckptdb_session_key is not None
             ):
-                candidates = self._monitor_candidates(trainer)
-                filepath = self._get_metric_interpolated_filepath_name(candidates, trainer)
-                self._publish(trainer, self.last_stream, filepath, candidates, None)
-                self._save_last_checkpoint(trainer, candidates)
+                candidates = self.monitor_candidates(trainer)
+                filepath = self.ckptdb_free_filepath(candidates, trainer)
+                self._ckptdb_publish(trainer, self.last_stream, filepath, candidates, None)
+                self.ckptdb_save_last(trainer, candidates)
         except Exception as failed:
             log.error("ckptdb: the checkpoint on %s failed: %s", type(exception).__name__, failed)
             note_on(exception, f"ckptdb: the checkpoint on this exception failed: {failed!r}")
         finally:
-            self._release(exception)
+            self._ckptdb_release(exception)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Protect the files this run must not delete; re-point ``last`` after a resume.
@@ -356,7 +356,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         either, though they leave its streams when its retention says so.
         """
         super().on_train_start(trainer, pl_module)
-        session = self._session(trainer)
+        session = self._ckptdb_session(trainer)
         ledger, resumed = session.ledger, trainer.ckpt_path
         if self.preemption is not None and session.preemption is None:
             # now, not at setup: Lightning installs its own SIGTERM handler in between,
@@ -369,7 +369,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                 if os.path.abspath(record.path) == os.path.abspath(resumed):
                     ledger.resume_from(record)
         if self.save_last and self.last_model_path:
-            target = self._last_target(session, None)  # collective: asked on every rank
+            target = self._ckptdb_last_target(session, None)  # collective: asked on every rank
             if target is not None and trainer.is_global_zero:
                 point_alias(target.path, Path(self.last_model_path))
 
@@ -377,7 +377,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         """Feed the guard the gradients this step applies (once per step and optimizer)."""
-        key = self._session_key
+        key = self._ckptdb_session_key
         session = _SESSIONS.get(key) if key is not None else None
         if session is None or session.guard is None:
             return
@@ -409,35 +409,36 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         resumes from it.
         """
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        key = self._session_key
+        key = self._ckptdb_session_key
         session = _SESSIONS.get(key) if key is not None else None
         if self.preemption is None or session is None or session.preemption is None:
             return
         stop, step = session.preemption, trainer.global_step
         if stop.requested(step):
-            raise stop.stop(step, self._preemption_checkpoint(trainer, session, stop, step))
+            raise stop.stop(step, self._ckptdb_preemption_checkpoint(trainer, session, stop, step))
 
-    def _preemption_checkpoint(
+    def _ckptdb_preemption_checkpoint(
         self, trainer: pl.Trainer, session: _Session, stop: Preemption, step: int
     ) -> list[Checkpoint]:
         """The agreed step's checkpoint (collective); empty when it was refused or abandoned."""
         done = [
             c
             for c in (session.ledger.manager.latest(s) for s in self.streams())
-            if c is not None and c.step == step and c.id in self._published
+            if c is not None and c.step == step and c.id in self._ckptdb_published
         ]
         if done:
             stop.already_saved(step)
             return done
-        candidates = self._monitor_candidates(trainer)
-        filepath = self._get_metric_interpolated_filepath_name(candidates, trainer)
+        candidates = self.monitor_candidates(trainer)
+        filepath = self.ckptdb_free_filepath(candidates, trainer)
         record = stop.publish(
-            step, lambda: self._publish(trainer, self.last_stream, filepath, candidates, None)
+            step,
+            lambda: self._ckptdb_publish(trainer, self.last_stream, filepath, candidates, None),
         )
         if record is None:
             return []
         try:  # rank 0 writes the alias: its failure must not split the ranks' ending
-            self._save_last_checkpoint(trainer, candidates, target=record)
+            self.ckptdb_save_last(trainer, candidates, target=record)
         except OSError as exc:
             log.error("ckptdb: last was not pointed at the preemption checkpoint: %s", exc)
         return [record]
@@ -445,24 +446,24 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Lightning's restore, then the ledger's word: no path it no longer has survives."""
         super().load_state_dict(state_dict)
-        key = self._session_key
+        key = self._ckptdb_session_key
         session = _SESSIONS.get(key) if key is not None else None
         if session is not None:
-            self._sync(session)
+            self._ckptdb_sync(session)
             if self.last_model_path and not self.save_last:
                 self.last_model_path = ""
 
-    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+    def ckptdb_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         """``fit(ckpt_path="last")``: the newest committed, whole checkpoint, never an mtime;
         with ``remote=``, brought back from its copy first where it is missing or corrupt."""
-        root, db_url = self._key(trainer)
+        root, db_url = self._ckptdb_key(trainer)
         if self.remote is not None and trainer.state.fn == TrainerFn.FITTING:
             # validate/test/predict read only: they never take the writer lock
-            self._restore_newest(trainer, root, db_url)
+            self._ckptdb_restore_newest(trainer, root, db_url)
         newest = newest_committed(root, db_url=db_url)
         return {str(newest.path)} if newest is not None else set()
 
-    def _restore_newest(self, trainer: pl.Trainer, root: str, db_url: str | None) -> None:
+    def _ckptdb_restore_newest(self, trainer: pl.Trainer, root: str, db_url: str | None) -> None:
         """Bring the newest checkpoint back from its copy before Lightning looks.
 
         Lightning resolves ``"last"`` before any process group exists and keeps
@@ -484,7 +485,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             return
         if not common.run_recorded(Path(root), db_url):
             return  # a first run: nothing to restore
-        dirpath = Path(self._ModelCheckpoint__resolve_ckpt_dir(trainer)).resolve()  # type: ignore[attr-defined]
+        dirpath = Path(self.resolved_dirpath(trainer)).resolve()
         with CheckpointManager(
             root,
             save_dir=dirpath,
@@ -502,7 +503,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
 
     # ------------------------------------------------------------------ saving
 
-    def _save_monitor_checkpoint(
+    def ckptdb_save_monitored(
         self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
     ) -> None:
         """The ledger decides admission to the top-k (agreed by every rank)."""
@@ -511,47 +512,46 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         if current is None:
             return
         score = _score(current, self.mode)
-        filepath = self._get_metric_interpolated_filepath_name(monitor_candidates, trainer)
+        filepath = self.ckptdb_free_filepath(monitor_candidates, trainer)
         self.current_score = score
-        before = self._bookkeeping()
-        self._expect(filepath, score)  # the state inside the file includes the file itself
+        before = self._ckptdb_bookkeeping()
+        self._ckptdb_expect(filepath, score)  # the state inside the file includes the file itself
         try:
-            record = self._publish(trainer, self.main_stream, filepath, monitor_candidates, score)
+            record = self._ckptdb_publish(
+                trainer, self.main_stream, filepath, monitor_candidates, score
+            )
         except BaseException:
-            self._restore(before)
+            self._ckptdb_restore(before)
             raise
         if record is None and self.verbose:
             log.info(
                 "step %d: %r was not in top %d", trainer.global_step, self.monitor, self.save_top_k
             )
 
-    def _update_best_and_save(
-        self, current: Tensor, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
-    ) -> None:
-        self._save_monitor_checkpoint(trainer, {**monitor_candidates, str(self.monitor): current})
-
-    def _save_none_monitor_checkpoint(
+    def ckptdb_save_unmonitored(
         self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
     ) -> None:
-        filepath = self._get_metric_interpolated_filepath_name(monitor_candidates, trainer)
+        filepath = self.ckptdb_free_filepath(monitor_candidates, trainer)
         # the state saved inside the checkpoint names the checkpoint itself, as in Lightning
         previous, self.best_model_path = self.best_model_path, filepath
         try:
-            published = self._publish(trainer, self.main_stream, filepath, monitor_candidates, None)
+            published = self._ckptdb_publish(
+                trainer, self.main_stream, filepath, monitor_candidates, None
+            )
         except BaseException:
             self.best_model_path = previous
             raise
         if published is None:
             self.best_model_path = previous
 
-    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+    def ckptdb_save_other(self, trainer: pl.Trainer, filepath: str) -> None:
         """Any other save Lightning asks for: the ``last`` stream's, under a free name."""
-        candidates = self._monitor_candidates(trainer)
+        candidates = self.monitor_candidates(trainer)
         if self.file_exists(filepath, trainer):
-            filepath = self._get_metric_interpolated_filepath_name(candidates, trainer)
-        self._publish(trainer, self.last_stream, filepath, candidates, None)
+            filepath = self.ckptdb_free_filepath(candidates, trainer)
+        self._ckptdb_publish(trainer, self.last_stream, filepath, candidates, None)
 
-    def _save_last_checkpoint(
+    def ckptdb_save_last(
         self,
         trainer: pl.Trainer,
         monitor_candidates: dict[str, Tensor],
@@ -561,18 +561,18 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         (``target``: at that one, whatever ``save_last`` prefers: the preemption's)."""
         if not self.save_last:
             return
-        session = self._session(trainer)
+        session = self._ckptdb_session(trainer)
         if session.refused_step == trainer.global_step:
             return
-        alias = self._alias_path(monitor_candidates, trainer)
+        alias = self._ckptdb_alias_path(monitor_candidates, trainer)
         previous, self.last_model_path = self.last_model_path, alias
         try:
             if target is None:
-                target = self._last_target(session, trainer.global_step)
+                target = self._ckptdb_last_target(session, trainer.global_step)
             if target is None:
                 own = Path(alias)
                 backing = own.with_name(f"{own.stem}-step={trainer.global_step}{own.suffix}")
-                target = self._publish(
+                target = self._ckptdb_publish(
                     trainer, self.last_stream, str(backing), monitor_candidates, None
                 )
         except BaseException:
@@ -584,14 +584,10 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         if not trainer.is_global_zero:
             return
         point_alias(target.path, Path(alias))
-        if (
-            previous
-            and previous != alias
-            and self._should_remove_checkpoint(trainer, previous, alias)
-        ):
+        if previous and previous != alias and self.alias_replaced(trainer, previous, alias):
             remove_alias(Path(previous))
 
-    def _last_target(self, session: _Session, step: int | None) -> Checkpoint | None:
+    def _ckptdb_last_target(self, session: _Session, step: int | None) -> Checkpoint | None:
         """What ``last`` names.
 
         At a save (``step`` given), only what this fit committed counts, as in
@@ -605,7 +601,8 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         last = manager.latest(self.last_stream)
         if step is not None:
             main, last = (
-                c if c is not None and c.id in self._published else None for c in (main, last)
+                c if c is not None and c.id in self._ckptdb_published else None
+                for c in (main, last)
             )
         if self.save_last == "link" and main is not None:
             return main
@@ -615,11 +612,8 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             return None
         return newest
 
-    def _get_metric_interpolated_filepath_name(
-        self,
-        monitor_candidates: dict[str, Tensor],
-        trainer: pl.Trainer,
-        del_filepath: str | None = None,
+    def ckptdb_free_filepath(
+        self, monitor_candidates: dict[str, Tensor], trainer: pl.Trainer
     ) -> str:
         """Lightning's name, with a ``-vN`` suffix whenever it is taken.
 
@@ -631,20 +625,20 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         """
         filepath = self.format_checkpoint_name(monitor_candidates)
         version = self.STARTING_VERSION
-        while self.file_exists(filepath, trainer) or self._held(filepath):
+        while self.file_exists(filepath, trainer) or self._ckptdb_held(filepath):
             filepath = self.format_checkpoint_name(monitor_candidates, ver=version)
             version += 1
         return filepath
 
-    def _held(self, filepath: str) -> bool:
+    def _ckptdb_held(self, filepath: str) -> bool:
         """Whether a live row owns the name (a lost checkpoint's too): never written again."""
-        key = self._session_key
+        key = self._ckptdb_session_key
         session = _SESSIONS.get(key) if key is not None else None
-        return session is not None and session.ledger.holds(self._name_in_dirpath(filepath))
+        return session is not None and session.ledger.holds(self._ckptdb_name_in_dirpath(filepath))
 
-    def _alias_path(self, monitor_candidates: dict[str, Tensor], trainer: pl.Trainer) -> str:
+    def _ckptdb_alias_path(self, monitor_candidates: dict[str, Tensor], trainer: pl.Trainer) -> str:
         filepath = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
-        if self._enable_version_counter:
+        if self.version_counter_enabled:
             version = self.STARTING_VERSION
             while self.file_exists(filepath, trainer) and filepath != self.last_model_path:
                 filepath = self.format_checkpoint_name(
@@ -653,10 +647,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                 version += 1
         return filepath
 
-    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        """Never: retention is the ledger's, and a file goes after the commit that evicted it."""
-
-    def _publish(
+    def _ckptdb_publish(
         self,
         trainer: pl.Trainer,
         stream: str,
@@ -670,20 +661,20 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         ledger's outcome afterwards, whatever happened: a refused or failed
         save never leaves a path behind that was not committed.
         """
-        session = self._session(trainer)
+        session = self._ckptdb_session(trainer)
         step = trainer.global_step
-        before = self._bookkeeping(exclude_best=score is None)
+        before = self._ckptdb_bookkeeping(exclude_best=score is None)
         if session.refused_step == step:
-            self._restore(before)
+            self._ckptdb_restore(before)
             return None
-        name = self._name_in_dirpath(filepath)
+        name = self._ckptdb_name_in_dirpath(filepath)
         weights_only = self.save_weights_only
 
         def write(path: Path) -> FileInfo | None:
             return _save_checkpoint(trainer, path, weights_only)
 
         metrics = common.rankable_metrics(
-            self._boundary_metrics(monitor_candidates, score),
+            self._ckptdb_boundary_metrics(monitor_candidates, score),
             session.ledger.manager.policies.get(stream),
             step=step,
             log=log,
@@ -691,7 +682,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
 
         def refused(exc: NonFiniteGradientError) -> None:
             session.refused_step = step
-            self._sync(session)  # the refusal is agreed by every rank: the query is too
+            self._ckptdb_sync(session)  # the refusal is agreed by every rank: the query is too
 
         try:
             record = session.ledger.publish(
@@ -700,21 +691,20 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         except NonFiniteGradientError:
             raise
         except BaseException:
-            self._restore(before)  # no collective here: a rank may be failing alone
+            self._ckptdb_restore(before)  # no collective here: a rank may be failing alone
             raise
         if session.refused_step == step:
             return None
         if record is not None:
-            self._published.add(record.id)
-            self._last_global_step_saved = step
-            self._last_checkpoint_saved = str(record.path)
+            self._ckptdb_published.add(record.id)
+            self.note_saved(step, str(record.path))
             if trainer.is_global_zero:
                 for logger in trainer.loggers:
                     logger.after_save_checkpoint(proxy(self))
-        self._sync(session)
+        self._ckptdb_sync(session)
         return record
 
-    def _boundary_metrics(
+    def _ckptdb_boundary_metrics(
         self, candidates: dict[str, Tensor], score: Tensor | None
     ) -> dict[str, float]:
         """The scalar metrics Lightning has at this boundary (with the score as ranked)."""
@@ -723,7 +713,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             metrics[self.monitor] = float(score.item())
         return metrics
 
-    def _name_in_dirpath(self, filepath: str) -> str:
+    def _ckptdb_name_in_dirpath(self, filepath: str) -> str:
         assert self.dirpath is not None
         dirpath = Path(self.dirpath).resolve()
         target = Path(filepath)
@@ -736,18 +726,18 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                 "publishes inside it"
             ) from None
 
-    def _bookkeeping(self, exclude_best: bool = False) -> dict[str, Any]:
+    def _ckptdb_bookkeeping(self, exclude_best: bool = False) -> dict[str, Any]:
         """Lightning's top-k attributes, to put back when a save does not happen."""
         names = ["best_k_models", "best_model_score", "kth_best_model_path", "kth_value"]
         if not exclude_best:
             names.append("best_model_path")
         return {name: getattr(self, name) for name in names}
 
-    def _restore(self, state: dict[str, Any]) -> None:
+    def _ckptdb_restore(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
             setattr(self, name, value)
 
-    def _expect(self, filepath: str, score: Tensor) -> None:
+    def _ckptdb_expect(self, filepath: str, score: Tensor) -> None:
         """Lightning's bookkeeping as it will be if ``filepath`` enters the top-k.
 
         Set before the write (Lightning's order), so the state saved inside
@@ -767,7 +757,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         if self.save_top_k == -1 or len(kept) == self.save_top_k:
             self.kth_best_model_path, self.kth_value = kept[-1][0], kept[-1][1]
 
-    def _sync(self, session: _Session) -> None:
+    def _ckptdb_sync(self, session: _Session) -> None:
         """Lightning's top-k bookkeeping, as the ledger says (committed checkpoints only)."""
         if self.save_top_k == 0:
             return
@@ -826,7 +816,7 @@ def _save_checkpoint(trainer: pl.Trainer, path: Path, weights_only: bool) -> Fil
     io = strategy.checkpoint_io
     with trainer.profiler.profile("save_checkpoint"):  # type: ignore[attr-defined]
         try:
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
+            checkpoint = dump_checkpoint(trainer, weights_only)
             if trainer.is_global_zero:
                 if type(io) is TorchCheckpointIO:
                     info = write_stream(lambda f: torch.save(checkpoint, f), path)

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,25 +43,15 @@ from ...record import Checkpoint
 from ...storage.external import External
 from ...storage.files import fsync_file
 from ..contract import IntegrationLedger, LedgerOptions
+from . import compat
 from .layout import STREAM, TRAINER_STATE_NAME
 
 __all__ = ["STREAM", "Trainer", "ledger_trainer", "streams_for"]
 
 log = logging.getLogger("ckptdb.transformers")
-#: The Trainer's private methods the integration overrides or calls: checked when a
-#: class is made, so a transformers that renamed one fails loudly, not silently.
-_OVERRIDDEN = (
-    "_save_checkpoint",
-    "_save_optimizer_and_scheduler",
-    "_save_scaler",
-    "_save_rng_state",
-    "_load_best_model",
-    "_determine_best_metric",
-    "_finalize_training",
-    "_push_from_checkpoint",
-    "store_flos",
-    "save_model",
-)
+#: What ckptdb's Trainer overrides or calls: checked when a class is made, so a Trainer
+#: class that lacks one (a subclass that deleted it) fails loudly, not silently.
+_NEEDED = (*compat.PRIVATE_METHODS, "store_flos", "save_model")
 T = TypeVar("T", bound=type)
 
 
@@ -180,7 +169,7 @@ def ledger_trainer(cls: T) -> T:
         )
     if issubclass(cls, _LedgerTrainerMixin):
         return cls
-    missing = [name for name in _OVERRIDDEN if not callable(getattr(cls, name, None))]
+    missing = [name for name in _NEEDED if not callable(getattr(cls, name, None))]
     if missing:
         raise ArgumentTypeError(
             f"{cls.__qualname__} lacks {', '.join(missing)}, which ckptdb's Trainer overrides "
@@ -193,7 +182,7 @@ def ledger_trainer(cls: T) -> T:
     return made  # type: ignore[return-value]
 
 
-class _LedgerTrainerMixin:
+class _LedgerTrainerMixin(compat.TrainerHooks):
     """The overrides; mixed in before the user's Trainer class by :func:`ledger_trainer`."""
 
     args: Any
@@ -266,9 +255,7 @@ class _LedgerTrainerMixin:
             if type(c).__name__ == "JITCheckpointCallback"
         ]
         for callback in found:
-            jit = getattr(callback, "jit_manager", None)
-            if jit is not None and signal.getsignal(signal.SIGTERM) == jit._sigterm_handler:
-                signal.signal(signal.SIGTERM, jit._original_sigterm_handler or signal.SIG_DFL)
+            compat.remove_jit_checkpoint(callback)
             self.remove_callback(callback)  # type: ignore[attr-defined]
         return bool(found)
 
@@ -379,23 +366,25 @@ class _LedgerTrainerMixin:
 
     # ------------------------------------------------------------------- saving
 
-    def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
-        """The Trainer ranks every evaluation here, however it was reached (an
-        ``evaluate()`` override that tells no callback, a mocked ``_evaluate``): the
-        same metrics go with the step's checkpoint row, so the ledger ranks what the
-        Trainer ranks."""
+    def ckptdb_evaluated(self, metrics: dict[str, float]) -> None:
+        """The Trainer ranks every evaluation, however it was reached (an ``evaluate()``
+        override that tells no callback, a mocked ``_evaluate``): the same metrics go
+        with the step's checkpoint row, so the ledger ranks what the Trainer ranks."""
         run = self._ckptdb_run
         if run is not None and isinstance(metrics, Mapping):
             run.note_evaluation(self.state.global_step, metrics)
-        return bool(super()._determine_best_metric(metrics, trial))  # type: ignore[misc]
 
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+    def ckptdb_owns(self, directory: Path) -> bool:
+        """Whether ``directory`` is the save directory of the ledger run now open."""
+        return self._ckptdb_run is not None and directory.resolve() == self.ckptdb_save_dir
+
+    def ckptdb_save_checkpoint(self, model: Any, trial: Any) -> None:
         """One boundary: the Trainer's savers write ``checkpoint-N`` through the ledger."""
         run = self._ckptdb_run
         if run is None or trial is not None:
             if trial is not None:
                 log.warning("ckptdb: hyperparameter-search trials are saved without the ledger")
-            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+            self.stock_save_checkpoint(model, trial)
             return
         step = self.state.global_step
         if run.refused_step == step:
@@ -437,7 +426,7 @@ class _LedgerTrainerMixin:
         self._ckptdb_sync_best(run)
         if self.args.push_to_hub and record is not None and not run.preempting:
             # (not the preemption checkpoint: an upload does not fit in a grace period)
-            self._push_from_checkpoint(str(record.path))  # type: ignore[attr-defined]
+            self.push_checkpoint(str(record.path))
 
     def _ckptdb_preempted(self, run: _Run, step: int) -> None:
         """The agreed step's checkpoint (collective), then :class:`~ckptdb.Preempted`.
@@ -453,7 +442,7 @@ class _LedgerTrainerMixin:
         def boundary() -> list[Checkpoint] | None:
             before = len(run.published)
             run.preempting = True
-            self._save_checkpoint(self.model, None)
+            self.ckptdb_save_checkpoint(self.model, None)
             return run.published[before:] or None
 
         saved = stop.publish(step, boundary)
@@ -480,9 +469,7 @@ class _LedgerTrainerMixin:
             # the model's files start going to disk while the optimizer is serialized
             flushed = flusher.submit(_flush_files, path)
             if not self.args.save_only_model:
-                self._save_optimizer_and_scheduler(output_dir)  # type: ignore[attr-defined]
-                self._save_scaler(output_dir)  # type: ignore[attr-defined]
-                self._save_rng_state(output_dir)  # type: ignore[attr-defined]
+                self.save_training_state(output_dir)
             flushed.result()
         if self.args.should_save:
             handler = self.callback_handler
@@ -539,7 +526,7 @@ class _LedgerTrainerMixin:
 
     # ------------------------------------------------------------ end of training
 
-    def _load_best_model(self) -> None:
+    def ckptdb_load_best_model(self) -> None:
         """``load_best_model_at_end``: the ledger's best, verified before it is read."""
         run = self._ckptdb_run
         if run is not None and self.state.best_model_checkpoint is not None:
@@ -547,16 +534,16 @@ class _LedgerTrainerMixin:
                 Path(self.state.best_model_checkpoint), stream=STREAM
             )
             self.state.best_model_checkpoint = str(verified.path)
-        super()._load_best_model()  # type: ignore[misc]
+        self.stock_load_best_model()
 
-    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+    def ckptdb_finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's end of training without its ``save_total_limit == 1`` clean-up
         (which deletes every checkpoint but the best): only the ledger removes files."""
         limit = self.args.save_total_limit
         if self._ckptdb_run is not None:
             self.args.save_total_limit = None
         try:
-            return super()._finalize_training(*args, **kwargs)  # type: ignore[misc]
+            return self.stock_finalize_training(*args, **kwargs)
         finally:
             self.args.save_total_limit = limit
 
