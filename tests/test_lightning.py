@@ -112,6 +112,118 @@ def test_top_k_with_save_last_names_committed_checkpoints_only(tmp_path: Path) -
     check_clean(d)
 
 
+# ------------------------------------------------- side by side with Lightning's own
+
+
+def stock_and_ours(tmp_path: Path, model: Any, **options: Any) -> tuple[Any, Any]:
+    """The same fit with Lightning's ``ModelCheckpoint`` and with ckptdb's, each in a
+    root of its own; ``dirpath`` (if given) is relative to that root."""
+    from lightning.pytorch.callbacks import ModelCheckpoint as Stock
+
+    fitting = ("max_epochs", "limit_train_batches", "val_check_interval")
+    fit_options = {k: options.pop(k) for k in fitting if k in options}
+    done = []
+    for kind, cls in (("stock", Stock), ("ours", ModelCheckpoint)):
+        root = tmp_path / kind
+        kwargs = dict(options)
+        if "dirpath" in kwargs:
+            kwargs["dirpath"] = root / kwargs["dirpath"]
+        cb = cls(**kwargs)
+        trainer(root, [cb], **fit_options).fit(model())
+        done.append(cb)
+    return done[0], done[1]
+
+
+def top_k_names(cb: Any) -> tuple[str, list[str], str]:
+    return (
+        Path(cb.best_model_path).name,
+        sorted(Path(p).name for p in cb.best_k_models),
+        Path(cb.kth_best_model_path).name,
+    )
+
+
+def checkpoint_files(directory: Path) -> list[str]:
+    """The checkpoint files a user sees (``last`` aliases and their backing files aside)."""
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith(("last", ".")))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"monitor": "val_loss", "save_top_k": 2},
+        {"monitor": "val_loss", "save_top_k": -1, "filename": "{epoch}-{val_loss:.2f}"},
+        {"monitor": "val_loss", "mode": "max", "save_top_k": 1, "every_n_epochs": 2},
+        {"monitor": None, "save_top_k": 1},
+        {"monitor": None, "save_top_k": -1, "every_n_train_steps": 3},
+        {"monitor": "val_loss", "save_top_k": 2, "save_last": "link"},
+        {"monitor": "step", "mode": "max", "save_top_k": -1, "val_check_interval": 0.5},
+    ],
+    ids=[
+        "top2",
+        "template",
+        "max-every-2-epochs",
+        "no-monitor",
+        "every-3-steps",
+        "last-link",
+        "twice-an-epoch",
+    ],
+)
+def test_the_same_checkpoints_and_top_k_as_lightnings_own(
+    tmp_path: Path, options: dict[str, Any]
+) -> None:
+    """Where no deliberate difference applies, the files written and the top-k
+    bookkeeping are Lightning's, name for name."""
+    stock, ours = stock_and_ours(
+        tmp_path,
+        lambda: Tiny(val_losses=[3, 1, 2, 0.5, 4]),
+        dirpath="ckpts",
+        max_epochs=5,
+        **options,
+    )
+    assert top_k_names(ours) == top_k_names(stock)
+    assert checkpoint_files(tmp_path / "ours" / "ckpts") == checkpoint_files(
+        tmp_path / "stock" / "ckpts"
+    )
+    assert ours.current_score == stock.current_score
+    check_clean(tmp_path / "ours" / "ckpts")
+
+
+def test_without_dirpath_the_checkpoints_go_where_lightning_puts_them(tmp_path: Path) -> None:
+    """``dirpath=None`` and no logger: ``<default_root_dir>/checkpoints``, as Lightning,
+    with the ledger beside it."""
+    stock, ours = stock_and_ours(tmp_path, Tiny, max_epochs=2)
+    assert Path(ours.dirpath) == (tmp_path / "ours" / "checkpoints").resolve()
+    assert Path(stock.dirpath).relative_to(tmp_path / "stock") == Path("checkpoints")
+    assert files(tmp_path / "ours" / "checkpoints") == files(tmp_path / "stock" / "checkpoints")
+    assert default_ledger(ours.dirpath).is_dir()
+    check_clean(Path(ours.dirpath))
+
+
+def test_save_weights_only_writes_what_lightning_writes(tmp_path: Path) -> None:
+    stock_and_ours(tmp_path, Tiny, dirpath="ckpts", save_weights_only=True, max_epochs=1)
+    [name] = files(tmp_path / "ours" / "ckpts")
+    mine = torch.load(tmp_path / "ours" / "ckpts" / name, weights_only=False)
+    theirs = torch.load(tmp_path / "stock" / "ckpts" / name, weights_only=False)
+    assert "optimizer_states" not in mine and set(mine) == set(theirs)
+
+
+def test_fast_dev_run_saves_nothing_not_even_on_an_exception(tmp_path: Path) -> None:
+    """Lightning checkpoints nothing under ``fast_dev_run``, and no exception checkpoint
+    either; the ledger commits nothing."""
+
+    class Boom(Tiny):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            raise RuntimeError("the training's own error")
+
+    d = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=d, save_on_exception=True, save_last=True)
+    with pytest.raises(RuntimeError, match="the training's own error"):
+        trainer(tmp_path, [cb], fast_dev_run=True).fit(Boom())
+    assert not d.exists() or files(d) == []
+    ledger = default_ledger(d)
+    assert not (ledger / "ckptdb.sqlite").exists() or committed(d) == []
+
+
 def test_without_save_last_there_is_no_alias(tmp_path: Path) -> None:
     d = tmp_path / "ckpts"
     cb = ModelCheckpoint(dirpath=d, monitor="val_loss", save_top_k=1)

@@ -116,6 +116,10 @@ def test_each_checkpoint_directory_is_one_committed_row_with_the_trainers_files(
     check_clean(out)
 
 
+def steps_and_losses(state: Any) -> list[tuple[int, float]]:
+    return [(e["step"], round(e["loss"], 4)) for e in state.log_history if "loss" in e]
+
+
 def test_resume_from_the_newest_committed_checkpoint_reproduces_an_uninterrupted_run(
     tmp_path: Path,
 ) -> None:
@@ -127,6 +131,8 @@ def test_resume_from_the_newest_committed_checkpoint_reproduces_an_uninterrupted
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 12
     assert same_weights(weights(straight.model), weights(resumed.model))
+    # the state too (the Trainer's own test compares it): the logged losses and steps
+    assert steps_and_losses(resumed.state) == steps_and_losses(straight.state)
     with RunReader(tmp_path / "b") as reader:
         attempt = reader.attempts()[-1]
         source = next(c for c in reader.checkpoints(STREAM) if c.id == attempt.resumed_from_id)
@@ -374,6 +380,43 @@ def test_the_best_of_an_evaluation_that_was_not_saved_stays_the_trainers(tmp_pat
     assert (stock.state.best_metric, stock.state.best_global_step) == (0.9, 3)
     assert t.state.best_model_checkpoint in {str(c.path) for c in RunReader(out).checkpoints()}
     check_clean(out)
+
+
+def test_save_strategy_best_saves_only_new_bests_as_the_stock_trainer_does(
+    tmp_path: Path,
+) -> None:
+    """``save_strategy="best"``: a checkpoint only at an evaluation that beat the best so
+    far (scores 0.60, 0.65, 0.64, greater is better): the same checkpoints and best as
+    the stock Trainer."""
+    outcomes = []
+    for kind, cls in (("stock", transformers.Trainer), ("ours", Trainer)):
+        out = tmp_path / kind
+        args = training_args(
+            out,
+            max_steps=-1,
+            num_train_epochs=3,
+            eval_strategy="epoch",
+            save_strategy="best",
+            metric_for_best_model="score",
+            greater_is_better=True,
+        )
+        t = cls(
+            model=tiny_model(),
+            args=args,
+            train_dataset=dataset(),
+            eval_dataset=dataset(8),
+            compute_metrics=scripted_scores([0.60, 0.65, 0.64]),
+        )
+        t.train()
+        checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))
+        outcomes.append((checkpoints, t.state.best_metric, t.state.best_model_checkpoint))
+    (stock_dirs, stock_best, stock_path), (dirs_, best, path) = outcomes
+    assert dirs_ == stock_dirs == ["checkpoint-16", "checkpoint-8"]
+    assert best == stock_best == 0.65
+    # transformers 5 names the best checkpoint; 4.57 never does with "best" (ckptdb does)
+    assert path == str(tmp_path / "ours" / "checkpoint-16")
+    assert stock_path in (None, str(tmp_path / "stock" / "checkpoint-16"))
+    assert [step for step, _, _ in committed(tmp_path / "ours")] == [8, 16]
 
 
 def test_a_checkpoint_rewritten_after_its_commit_is_refused_for_what_it_is(

@@ -506,15 +506,20 @@ class ModelCheckpoint(LightningHooks):
     def ckptdb_save_monitored(
         self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
     ) -> None:
-        """The ledger decides admission to the top-k (agreed by every rank)."""
+        """The ledger decides admission to the top-k (agreed by every rank).
+
+        ``current_score`` is the score of the last checkpoint saved, as in
+        Lightning: set before the write (the state inside the file holds it),
+        put back when the candidate was not admitted.
+        """
         assert self.monitor is not None
         current = monitor_candidates.get(self.monitor)
         if current is None:
             return
         score = _score(current, self.mode)
         filepath = self.ckptdb_free_filepath(monitor_candidates, trainer)
+        before = {**self._ckptdb_bookkeeping(), "current_score": self.current_score}
         self.current_score = score
-        before = self._ckptdb_bookkeeping()
         self._ckptdb_expect(filepath, score)  # the state inside the file includes the file itself
         try:
             record = self._ckptdb_publish(
@@ -523,10 +528,15 @@ class ModelCheckpoint(LightningHooks):
         except BaseException:
             self._ckptdb_restore(before)
             raise
-        if record is None and self.verbose:
-            log.info(
-                "step %d: %r was not in top %d", trainer.global_step, self.monitor, self.save_top_k
-            )
+        if record is None:
+            self.current_score = before["current_score"]
+            if self.verbose:
+                log.info(
+                    "step %d: %r was not in top %d",
+                    trainer.global_step,
+                    self.monitor,
+                    self.save_top_k,
+                )
 
     def ckptdb_save_unmonitored(
         self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
