@@ -34,6 +34,7 @@ import torch.distributed as dist
 from .coord import Coordinator, coordinator_for
 from .errors import (
     ArgumentTypeError,
+    CheckpointNotFoundError,
     ChiefOnlyError,
     CleanupWarning,
     InvalidArgumentError,
@@ -558,22 +559,6 @@ class CheckpointManager:
             "checkpoints", lambda: self._ctx.queries().checkpoints(stream, states=wanted)
         )
 
-    def _holds(self, name: str) -> bool:
-        """Whether a live row of this run owns ``name`` (relative to the save directory).
-
-        Pending, committed, being deleted, lost or corrupt: such a name is the
-        row's, and a boundary refuses to publish over it (a lost checkpoint's
-        too, so that the file never comes back under another checkpoint's row).
-        For integrations that choose a free name before they write.
-        Collective under torch.distributed (the chief answers).
-        """
-        self._check_open()
-        if not isinstance(name, str):
-            raise ArgumentTypeError(
-                f"holds() takes a name relative to the save directory, got {name!r}"
-            )
-        return self._coord.shared("holds", lambda: self._ctx.queries().name_in_use(name))
-
     def load(
         self,
         which: str | int | Checkpoint | os.PathLike[str] = "latest",
@@ -690,47 +675,6 @@ class CheckpointManager:
             raise ArgumentTypeError(f"protect() takes a committed Checkpoint, got {checkpoint!r}")
         self._ctx.protected.add(checkpoint.id)
 
-    def _resumed_from(self, checkpoint: Checkpoint) -> None:
-        """Record that this attempt resumed from ``checkpoint``, which something else loaded.
-
-        For frameworks that load checkpoints themselves (Lightning's
-        ``fit(ckpt_path=...)``): the same record a ``load`` makes, a
-        ``resumed`` event and the attempt's ``resumed_from_id``, once per
-        attempt. Nothing to do on a rank other than the chief.
-        """
-        self._check_open()
-        if not isinstance(checkpoint, Checkpoint):
-            raise ArgumentTypeError(f"resumed_from() takes a Checkpoint, got {checkpoint!r}")
-        if self._ctx.is_writer:
-            self._loader.note_resume(checkpoint)
-
-    def _agree(self, local: BaseException | None, *, what: str = "agree") -> None:
-        """Raise on every rank if any rank failed a local step of its own; collective.
-
-        For integrations whose framework runs a step on every rank before a
-        boundary (checking its own arguments, loading a checkpoint the ledger
-        chose): a rank that fails alone must not leave the others waiting in
-        the next collective. Every rank calls it, whatever happened locally:
-        the rank that failed raises ``local`` itself; every other rank raises
-        :class:`~ckptdb.errors.RankFailedError` naming the failed ranks
-        (``ranks``), with their error, rebuilt, as ``__cause__``. In one
-        process ``local`` is raised as itself. ``what`` names the collective
-        in errors and in the coordinator's log.
-        """
-        self._check_open()
-        agreed = self._coord.failure(what, local)
-        if local is not None:
-            raise local
-        if agreed is not None:
-            ranks = list(getattr(agreed, "ranks", None) or [])
-            # a foreign error travels as PublishError, its own type named in its message
-            kind = type(agreed).__name__
-            shown = str(agreed) if kind == "PublishError" else f"{kind}: {agreed}"
-            where = ", ".join(map(str, ranks))
-            error = RankFailedError(f"{what} failed on rank {where}: {shown}")
-            error.ranks = ranks
-            raise error from agreed
-
     @property
     def is_chief(self) -> bool:
         """Whether this process is the chief: the rank that opened the ledger (rank 0 of
@@ -738,19 +682,6 @@ class CheckpointManager:
         files (aliases, pointers) from the chief only."""
         self._check_open()
         return self._coord.is_chief
-
-    def _from_chief(self, value: T, *, what: str = "share") -> T:
-        """The chief's ``value``, on every rank; collective.
-
-        For integrations whose framework decides on rank 0 alone what the next
-        boundary is (DeePMD-kit's step and file names, its validation metric):
-        every rank calls it at the same point, the chief's ``value`` (picklable)
-        is returned everywhere and the others' is ignored. In one process it is
-        ``value`` itself. ``what`` names the collective in errors and in the
-        coordinator's log.
-        """
-        self._check_open()
-        return self._coord.shared(what, lambda: value)
 
     def preemption(
         self,
@@ -873,6 +804,98 @@ class CheckpointManager:
             return keeper.register(wanted, replace=replace)
 
         return self._coord.shared("derive_aliases", on_chief)
+
+    # ------------------------------------------ for the integration contract
+    # (ckptdb/integrations/contract.py: what integrations do, not training loops)
+
+    def _holds(self, name: str) -> bool:
+        """Whether a live row of this run owns ``name`` (relative to the save directory).
+
+        Pending, committed, being deleted, lost or corrupt: such a name is the
+        row's, and a boundary refuses to publish over it (a lost checkpoint's
+        too, so that the file never comes back under another checkpoint's row).
+        For integrations that choose a free name before they write.
+        Collective under torch.distributed (the chief answers).
+        """
+        self._check_open()
+        if not isinstance(name, str):
+            raise ArgumentTypeError(
+                f"holds() takes a name relative to the save directory, got {name!r}"
+            )
+        return self._coord.shared("holds", lambda: self._ctx.queries().name_in_use(name))
+
+    def _resumed_from(self, checkpoint: Checkpoint) -> None:
+        """Record that this attempt resumed from ``checkpoint``, which something else loaded.
+
+        For frameworks that load checkpoints themselves (Lightning's
+        ``fit(ckpt_path=...)``): the same record a ``load`` makes, a
+        ``resumed`` event and the attempt's ``resumed_from_id``, once per
+        attempt. Nothing to do on a rank other than the chief.
+        """
+        self._check_open()
+        if not isinstance(checkpoint, Checkpoint):
+            raise ArgumentTypeError(f"resumed_from() takes a Checkpoint, got {checkpoint!r}")
+        if self._ctx.is_writer:
+            self._loader.note_resume(checkpoint)
+
+    def _agree(self, local: BaseException | None, *, what: str = "agree") -> None:
+        """Raise on every rank if any rank failed a local step of its own; collective.
+
+        For integrations whose framework runs a step on every rank before a
+        boundary (checking its own arguments, loading a checkpoint the ledger
+        chose): a rank that fails alone must not leave the others waiting in
+        the next collective. Every rank calls it, whatever happened locally:
+        the rank that failed raises ``local`` itself; every other rank raises
+        :class:`~ckptdb.errors.RankFailedError` naming the failed ranks
+        (``ranks``), with their error, rebuilt, as ``__cause__``. In one
+        process ``local`` is raised as itself. ``what`` names the collective
+        in errors and in the coordinator's log.
+        """
+        self._check_open()
+        agreed = self._coord.failure(what, local)
+        if local is not None:
+            raise local
+        if agreed is not None:
+            ranks = list(getattr(agreed, "ranks", None) or [])
+            # a foreign error travels as PublishError, its own type named in its message
+            kind = type(agreed).__name__
+            shown = str(agreed) if kind == "PublishError" else f"{kind}: {agreed}"
+            where = ", ".join(map(str, ranks))
+            error = RankFailedError(f"{what} failed on rank {where}: {shown}")
+            error.ranks = ranks
+            raise error from agreed
+
+    def _from_chief(self, value: T, *, what: str = "share") -> T:
+        """The chief's ``value``, on every rank; collective.
+
+        For integrations whose framework decides on rank 0 alone what the next
+        boundary is (DeePMD-kit's step and file names, its validation metric):
+        every rank calls it at the same point, the chief's ``value`` (picklable)
+        is returned everywhere and the others' is ignored. In one process it is
+        ``value`` itself. ``what`` names the collective in errors and in the
+        coordinator's log.
+        """
+        self._check_open()
+        return self._coord.shared(what, lambda: value)
+
+    def _committed_at(self, stream: str, step: int) -> Checkpoint | None:
+        """The committed checkpoint of ``stream`` at ``step``, if any (one indexed query).
+        Collective under torch.distributed (the chief answers)."""
+        self._check_open()
+
+        def ask() -> Checkpoint | None:
+            try:
+                return self._ctx.queries().resolve(step, stream)
+            except CheckpointNotFoundError:
+                return None
+
+        return self._coord.shared("committed_at", ask)
+
+    def _newest_row_at(self, rel: str) -> tuple[str, str | None] | None:
+        """The state and error text of the newest row, in any state, at ``rel`` (relative
+        to the save directory). Collective under torch.distributed."""
+        self._check_open()
+        return self._coord.shared("row_at", lambda: self._ctx.queries().newest_row_at(rel))
 
     # ------------------------------------------------------------------ metrics
 

@@ -338,12 +338,7 @@ class IntegrationLedger:
     def committed_at(self, stream: str, step: int) -> Checkpoint | None:
         """The committed checkpoint of ``stream`` at ``step``, if any (one indexed query).
         Collective (the chief answers)."""
-        try:
-            return self.manager._coord.shared(
-                "committed_at", lambda: self.manager._ctx.queries().resolve(step, stream)
-            )
-        except CheckpointNotFoundError:
-            return None
+        return self.manager._committed_at(stream, step)
 
     def spoiled_at(self, stream: str, step: int) -> bool:
         """Whether a checkpoint of ``stream`` at ``step`` was committed and has since been
@@ -354,9 +349,7 @@ class IntegrationLedger:
         """Why ``path`` (inside the save directory) names no committed checkpoint, as the
         ledger knows it: for the error a framework's resume argument gets."""
         rel = os.path.relpath(path, self.save_dir)
-        found = self.manager._coord.shared(
-            "why_not", lambda: self.manager._ctx.queries().newest_row_at(rel)
-        )
+        found = self.manager._newest_row_at(rel)
         if found is None:
             return "the ledger has no record of it (not written by this run)"
         state, error = found
