@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import re
 import sys
 from dataclasses import FrozenInstanceError
@@ -103,6 +104,7 @@ def test_ledger_options_are_checked_once_and_frozen() -> None:
         options.guard = True  # type: ignore[misc]
     with pytest.raises(TypeError):
         options.remote_options["region"] = "x"  # type: ignore[index]
+    assert pickle.loads(pickle.dumps(options)) == options  # callbacks are pickled
     assert (
         options.remote_key()
         == LedgerOptions.of(remote="s3://b/p", remote_options={"region": "eu"}).remote_key()
@@ -128,6 +130,19 @@ def test_bad_ledger_options_are_refused_with_one_wording(
     if "preemption" not in kwargs:  # the same check when the value is made directly
         with pytest.raises(error, match=re.escape(text)):
             LedgerOptions(**kwargs)
+
+
+def test_ledger_options_never_show_a_secret(tmp_path: Path) -> None:
+    options = LedgerOptions.of(
+        db_url="postgresql+psycopg://trainer:hunter2@db.example/runs",
+        remote="s3://bucket/run",
+        remote_options={"aws_secret_access_key": "s3cr3t", "region_name": "eu"},
+    )
+    shown = repr(options)
+    assert "hunter2" not in shown and "s3cr3t" not in shown
+    assert "trainer:***@db.example" in shown and "aws_secret_access_key" in shown
+    with opened(tmp_path / "run") as ledger:
+        assert "s3cr3t" not in repr(IntegrationLedger(ledger.manager, options))
 
 
 def test_the_contract_takes_a_manager_and_options_only(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from ..errors import (
 )
 from ..guard import NonFiniteGradGuard
 from ..ledger import models as m
+from ..ledger.engine import safe_url
 from ..manager import CheckpointManager
 from ..policies import Policy
 from ..preemption import OnPreemption, Preemption, on_preemption
@@ -132,6 +133,23 @@ class LedgerOptions:
             remote=check_remote(remote),
             remote_options=remote_options,  # type: ignore[arg-type]  # checked in __post_init__
             preemption=on_preemption(preemption),
+        )
+
+    def __reduce__(self) -> tuple[type[LedgerOptions], tuple[object, ...]]:
+        """Picklable (a read-only mapping is not): frameworks pickle their callbacks to
+        start other processes."""
+        options = dict(self.remote_options) if self.remote_options is not None else None
+        return (type(self), (self.db_url, self.guard, self.remote, options, self.preemption))
+
+    def __repr__(self) -> str:
+        """Without secrets: the ledger URL's password hidden, ``remote_options`` by key
+        (they hold credentials), so the options can be logged."""
+        url = safe_url(self.db_url) if self.db_url is not None else None
+        keys = sorted(self.remote_options) if self.remote_options is not None else None
+        return (
+            f"LedgerOptions(db_url={url!r}, guard={self.guard!r}, remote={self.remote!r}, "
+            f"remote_options={'keys ' + repr(keys) if keys is not None else None}, "
+            f"preemption={self.preemption!r})"
         )
 
     def remote_key(self) -> str:
