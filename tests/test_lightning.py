@@ -43,7 +43,7 @@ from ckptdb.errors import (
     UnsupportedVersionError,
 )
 from ckptdb.integrations.lightning import ModelCheckpoint, default_ledger, newest_committed
-from ckptdb.integrations.lightning.compat import LAST_ONLY_AFTER_A_SAVE
+from ckptdb.integrations.lightning.compat import LAST_ONLY_AFTER_A_SAVE, TAKES_SAVE_ON_EXCEPTION
 from ckptdb.reader import RunReader
 
 pytestmark = [
@@ -120,7 +120,7 @@ def stock_and_ours(tmp_path: Path, model: Any, **options: Any) -> tuple[Any, Any
     root of its own; ``dirpath`` (if given) is relative to that root."""
     from lightning.pytorch.callbacks import ModelCheckpoint as Stock
 
-    fitting = ("max_epochs", "limit_train_batches", "val_check_interval")
+    fitting = ("max_epochs", "limit_train_batches", "val_check_interval", "check_val_every_n_epoch")
     fit_options = {k: options.pop(k) for k in fitting if k in options}
     done = []
     for kind, cls in (("stock", Stock), ("ours", ModelCheckpoint)):
@@ -157,6 +157,7 @@ def checkpoint_files(directory: Path) -> list[str]:
         {"monitor": None, "save_top_k": -1, "every_n_train_steps": 3},
         {"monitor": "val_loss", "save_top_k": 2, "save_last": "link"},
         {"monitor": "step", "mode": "max", "save_top_k": -1, "val_check_interval": 0.5},
+        {"monitor": "val_loss", "save_top_k": 2, "check_val_every_n_epoch": 2},
     ],
     ids=[
         "top2",
@@ -166,6 +167,7 @@ def checkpoint_files(directory: Path) -> list[str]:
         "every-3-steps",
         "last-link",
         "twice-an-epoch",
+        "validated-every-2-epochs",
     ],
 )
 def test_the_same_checkpoints_and_top_k_as_lightnings_own(
@@ -205,6 +207,37 @@ def test_save_weights_only_writes_what_lightning_writes(tmp_path: Path) -> None:
     mine = torch.load(tmp_path / "ours" / "ckpts" / name, weights_only=False)
     theirs = torch.load(tmp_path / "stock" / "ckpts" / name, weights_only=False)
     assert "optimizer_states" not in mine and set(mine) == set(theirs)
+
+
+def test_an_error_in_another_callback_at_the_end_still_leaves_a_loadable_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """``save_on_exception`` and a callback that raises in ``on_train_end``: as with
+    Lightning's own callback, a checkpoint of the last step that loads, with weights."""
+
+    class Fails(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            raise RuntimeError("a callback failed")
+
+    from lightning.pytorch.callbacks import ModelCheckpoint as Stock
+
+    found = []
+    kinds = (("stock", Stock), ("ours", ModelCheckpoint))
+    if not TAKES_SAVE_ON_EXCEPTION:  # before Lightning 2.5.3: what 2.5.3 saves (its name
+        # formats the epoch as that release counts it at on_train_end)
+        found.append((None, 16, sorted(Tiny().state_dict())))
+        kinds = kinds[1:]
+    for kind, cls in kinds:
+        d = tmp_path / kind / "ckpts"
+        cb = cls(dirpath=d, every_n_epochs=7, save_on_exception=True)
+        with pytest.raises(RuntimeError, match="a callback failed"):
+            trainer(tmp_path / kind, [cb, Fails()], max_epochs=4).fit(Tiny())
+        [name] = files(d)
+        state = torch.load(d / name, weights_only=False)
+        found.append((name, state["global_step"], sorted(state["state_dict"])))
+    (stock_name, *stock_rest), (name, *rest) = found
+    assert rest == stock_rest and name == (stock_name or name)
+    assert committed(tmp_path / "ours" / "ckpts") == [("checkpoints.last", 16, name)]
 
 
 def test_fast_dev_run_saves_nothing_not_even_on_an_exception(tmp_path: Path) -> None:
