@@ -14,10 +14,14 @@ text) and the storage layer (which writes the objects) both build on it.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path, PosixPath, PurePosixPath
 from typing import Any
 
 from .errors import ArgumentTypeError, InvalidArgumentError
+
+#: The ``user:password@`` of a URL, kept out of messages.
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s\"']*@")
 
 #: The object-store schemes: every function here that tells an object location
 #: from a local path reads this table, and :func:`~ckptdb.storage.open_store`
@@ -92,6 +96,21 @@ def is_object_url(text: object) -> bool:
     """Whether ``text`` (a string or a path) names an object-store location."""
     return isinstance(text, ObjectPath) or (
         isinstance(text, str) and text.startswith(_URL_PREFIXES)
+    )
+
+
+def check_remote_url(remote: object) -> None:
+    """``remote=``: None or an object-storage URL, else :class:`InvalidArgumentError`
+    (shown without the ``user:password@`` a URL may carry)."""
+    if remote is None or (isinstance(remote, str) and is_object_url(remote)):
+        return
+    shown = (
+        repr(_USERINFO.sub(r"\1", remote))
+        if isinstance(remote, str)
+        else "a " + type(remote).__name__
+    )
+    raise InvalidArgumentError(
+        f"remote must be an object-storage URL (s3://bucket/prefix), got {shown}"
     )
 
 

@@ -53,7 +53,13 @@ from .ledger.lock import writer_lock
 from .ledger.models import MAX_METRIC_NAME, MAX_STEP
 from .ledger.netfs import check_ledger_location
 from .ledger.runs import open_as_writer
-from .location import ObjectPath, is_object_url, looks_like_object_url, object_path
+from .location import (
+    ObjectPath,
+    check_remote_url,
+    is_object_url,
+    looks_like_object_url,
+    object_path,
+)
 from .policies import Keep, Policy, validate_policies
 from .preemption import DEFAULT_SIGNALS, Preemption
 from .protocol import restore as restoring
@@ -209,10 +215,7 @@ class CheckpointManager:
         remote: str | None = None,
         remote_options: Mapping[str, object] | None = None,
     ) -> None:
-        if remote is not None and (not isinstance(remote, str) or not is_object_url(remote)):
-            raise InvalidArgumentError(
-                f"remote must be an object-storage URL (s3://bucket/prefix), got {remote!r}"
-            )
+        check_remote_url(remote)
         if remote is None and remote_options is not None:
             raise InvalidArgumentError("remote_options= goes with remote=")
         self._remote = (remote, remote_options)
@@ -878,12 +881,15 @@ class CheckpointManager:
         self._check_open()
         return self._coord.shared(what, lambda: value)
 
-    def _committed_at(self, stream: str, step: int) -> Checkpoint | None:
-        """The committed checkpoint of ``stream`` at ``step``, if any (one indexed query).
-        Collective under torch.distributed (the chief answers)."""
+    def _committed_at(self, stream: str, step: int | None) -> Checkpoint | None:
+        """The committed checkpoint of ``stream`` at ``step``, if any (one indexed query;
+        None for no step). Collective under torch.distributed, whatever ``step`` is (the
+        chief's is asked)."""
         self._check_open()
 
         def ask() -> Checkpoint | None:
+            if step is None:
+                return None
             try:
                 return self._ctx.queries().resolve(step, stream)
             except CheckpointNotFoundError:

@@ -200,7 +200,8 @@ class Preemption:
         putting back what ours replaced would undo that.
 
         A signal received that no agreement acted on (it came after the last
-        :meth:`requested`, or while the ledger was closing) is not acted on:
+        :meth:`requested`, its pipelined agreement was still in flight, or it came
+        while the ledger was closing) is not acted on:
         training is over, and the run ends as it would have (a job that
         finished does not exit 143, which a scheduler would retry). It is said
         in a warning, never dropped silently.
@@ -227,8 +228,9 @@ class Preemption:
         told = self.received
         if told is not None and self.agreed_step is None:
             log.warning(
-                "ckptdb: %s came after the last preemption check, when no checkpoint could "
-                "answer it any more; the run ended as it would have",
+                "ckptdb: %s was received but no preemption agreement acted on it (it came "
+                "after the last check, or its agreement was still in flight); the run ended "
+                "as it would have",
                 told.signal.name,
             )
 

@@ -20,6 +20,8 @@ import torch
 import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
+from ckptdb.integrations.common import release_of
+
 VOCAB = 64
 SEQ = 16
 
@@ -27,7 +29,7 @@ SEQ = 16
 HAS_JIT_CHECKPOINT = "enable_jit_checkpoint" in TrainingArguments.__dataclass_fields__
 #: transformers 4.57 cannot resume under CPU DDP, stock Trainer included: it loads the
 #: optimizer with ``map_location="cpu:0"``, which torch refuses (fixed in 5.0).
-RESUMES_UNDER_CPU_DDP = int(transformers.__version__.split(".")[0]) >= 5
+RESUMES_UNDER_CPU_DDP = (release_of(transformers.__version__) or (0, 0)) >= (5, 0)
 
 
 def tiny_model(seed: int = 0) -> GPT2LMHeadModel:

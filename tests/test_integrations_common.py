@@ -145,6 +145,34 @@ def test_ledger_options_never_show_a_secret(tmp_path: Path) -> None:
         assert "s3cr3t" not in repr(IntegrationLedger(ledger.manager, options))
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "secret"),
+    [
+        ({"remote": "https://AKIA:s3cr3t@store.example/bucket"}, "s3cr3t"),
+        ({"remote": "s3://b/p", "remote_options": [("aws_secret_access_key", "s3cr3t")]}, "s3cr3t"),
+        ({"db_url": b"postgresql://u:s3cr3t@h/db"}, "s3cr3t"),
+    ],
+    ids=["remote-url", "remote-options", "db-url"],
+)
+def test_a_refused_option_never_shows_a_secret(kwargs: dict[str, Any], secret: str) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        LedgerOptions.of(**kwargs)
+    assert secret not in str(caught.value)
+    with pytest.raises(ArgumentTypeError) as typed:
+        IntegrationLedger.open("run", {"db_url": "postgresql://u:s3cr3t@h/db"})  # type: ignore[arg-type]
+    assert "s3cr3t" not in str(typed.value)
+
+
+def test_equal_options_compare_and_hash_equal_whatever_their_order() -> None:
+    one = LedgerOptions.of(remote="s3://b/p", remote_options={"x": 1, "y": 2})
+    two = LedgerOptions.of(remote="s3://b/p", remote_options={"y": 2, "x": 1})
+    assert one == two and hash(one) == hash(two) and one.remote_key() == two.remote_key()
+    assert (
+        one.remote_key()
+        != LedgerOptions.of(remote="s3://b/p", remote_options={"x": 2}).remote_key()
+    )
+
+
 def test_the_contract_takes_a_manager_and_options_only(tmp_path: Path) -> None:
     with pytest.raises(ArgumentTypeError, match="options must be a LedgerOptions"):
         IntegrationLedger.open(tmp_path / "run", {"guard": True})  # type: ignore[arg-type]
@@ -444,6 +472,11 @@ def _agree_on_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
         seen["is_chief"] = mgr.is_chief
         seen["from_chief"] = mgr.from_chief({"step": 10 + rank, "names": [f"r{rank}"]})
         seen["none_from_chief"] = mgr.from_chief(None if rank == 0 else "mine", what="end")
+        # collective whatever each rank asks: the chief's question, answered everywhere
+        found = mgr.committed_at("model", 3 if rank == 0 else None)
+        seen["committed_at"] = found.step if found is not None else None
+        seen["spoiled_at"] = mgr.spoiled_at("model", None if rank == 0 else 3)
+        seen["after"] = mgr.from_chief("in step", what="after")
     return seen
 
 
@@ -461,6 +494,9 @@ def test_agree_on_two_ranks_names_the_failed_rank_and_hangs_nobody(tmp_path: Pat
     assert (chief["is_chief"], other["is_chief"]) == (True, False)
     assert chief["from_chief"] == other["from_chief"] == {"step": 10, "names": ["r0"]}
     assert chief["none_from_chief"] is None and other["none_from_chief"] is None
+    assert chief["committed_at"] == other["committed_at"] == 3
+    assert chief["spoiled_at"] == other["spoiled_at"] == []
+    assert chief["after"] == other["after"] == "in step"
 
 
 def test_rank_failed_error_is_the_typed_error_users_catch() -> None:

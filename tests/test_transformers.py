@@ -382,6 +382,28 @@ def test_the_best_of_an_evaluation_that_was_not_saved_stays_the_trainers(tmp_pat
     check_clean(out)
 
 
+def test_an_earlier_runs_checkpoint_at_the_best_step_never_replaces_the_best(
+    tmp_path: Path,
+) -> None:
+    """Run 1 saved steps 4 (0.5) and 8 (0.9). Run 2 trains again in the same directory,
+    evaluating every 2 steps and saving every 6: its best is 0.95 at step 8, never saved.
+    Run 1's checkpoint at step 8 is not run 2's step-8 evaluation: the Trainer's best
+    stands, and run 2's later 0.92 is not a new best."""
+    out = tmp_path / "out"
+    first = with_scores(out, max_steps=8, greater_is_better=True)
+    trainer(
+        out, first, eval_dataset=dataset(8), compute_metrics=scripted_scores([0.5, 0.9])
+    ).train()
+    args = with_scores(out, max_steps=12, eval_steps=2, save_steps=6, greater_is_better=True)
+    scores = scripted_scores([0.1, 0.2, 0.3, 0.95, 0.4, 0.92])  # steps 2, 4, ..., 12
+    t = trainer(out, args, eval_dataset=dataset(8), compute_metrics=scores)
+    t.train()
+    assert (t.state.best_metric, t.state.best_global_step) == (0.95, 8)
+    with RunReader(out) as reader:
+        paths = {str(c.path) for c in reader.checkpoints(STREAM)}
+    assert t.state.best_model_checkpoint in paths
+
+
 def test_save_strategy_best_saves_only_new_bests_as_the_stock_trainer_does(
     tmp_path: Path,
 ) -> None:

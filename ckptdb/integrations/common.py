@@ -42,7 +42,7 @@ from ..errors import (
     InvalidArgumentError,
 )
 from ..ledger.engine import LEDGER_FILE
-from ..location import is_object_url
+from ..location import check_remote_url
 from ..manager import refuse_object_root
 from ..policies import Policy, TopK, validate_stream_name
 from ..reader import RunReader, ledger_url, run_exists
@@ -95,18 +95,15 @@ def check_local_root(value: object, what: str) -> None:
 def check_db_url(db_url: object) -> str | None:
     """``db_url=``: a SQLAlchemy URL string (or None: SQLite in the run root)."""
     if db_url is not None and not isinstance(db_url, str):
-        raise ArgumentTypeError(f"db_url must be a str, got {db_url!r}")
+        raise ArgumentTypeError(f"db_url must be a str, got a {type(db_url).__name__}")
     return db_url
 
 
 def check_remote(remote: object) -> str | None:
     """``remote=``: where a replicator copies the run (an object-storage URL), or None;
     checked when the integration is made, not at its first checkpoint."""
-    if remote is not None and (not isinstance(remote, str) or not is_object_url(remote)):
-        raise InvalidArgumentError(
-            f"remote must be an object-storage URL (s3://bucket/prefix), got {remote!r}"
-        )
-    return remote
+    check_remote_url(remote)
+    return remote if isinstance(remote, str) else None
 
 
 def check_stream(stream: object, *, suffix: str = "") -> str | None:

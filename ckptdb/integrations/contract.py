@@ -97,12 +97,13 @@ class LedgerOptions:
         check_remote(self.remote)
         if self.remote_options is not None:
             if not isinstance(self.remote_options, Mapping):
-                raise ArgumentTypeError(
-                    f"remote_options must be a mapping, got {self.remote_options!r}"
+                raise ArgumentTypeError(  # its values may be credentials: the type only
+                    f"remote_options must be a mapping, got a {type(self.remote_options).__name__}"
                 )
             if self.remote is None:
                 raise InvalidArgumentError("remote_options= goes with remote=")
-            # frozen all the way down: a caller's later change to its dict changes nothing
+            # a read-only copy: a caller's later change to its dict changes nothing here
+            # (values inside are the caller's, as given)
             object.__setattr__(self, "remote_options", MappingProxyType(dict(self.remote_options)))
         if self.preemption is not None and not isinstance(self.preemption, OnPreemption):
             raise ArgumentTypeError(
@@ -152,9 +153,14 @@ class LedgerOptions:
             f"preemption={self.preemption!r})"
         )
 
+    def __hash__(self) -> int:
+        keys = tuple(sorted(self.remote_options)) if self.remote_options is not None else None
+        return hash((self.db_url, self.guard, self.remote, keys, self.preemption))
+
     def remote_key(self) -> str:
-        """A comparable text of ``remote``/``remote_options`` (peers sharing a run agree on it)."""
-        options = dict(self.remote_options) if self.remote_options is not None else None
+        """A comparable text of ``remote``/``remote_options``, whatever the order of the
+        options' keys (peers sharing a run must agree on it)."""
+        options = sorted(self.remote_options.items()) if self.remote_options is not None else None
         return repr((self.remote, options))
 
 
@@ -170,9 +176,13 @@ class IntegrationLedger:
 
     def __init__(self, manager: CheckpointManager, options: LedgerOptions) -> None:
         if not isinstance(manager, CheckpointManager):
-            raise ArgumentTypeError(f"manager must be a CheckpointManager, got {manager!r}")
+            raise ArgumentTypeError(
+                f"manager must be a CheckpointManager, got a {type(manager).__name__}"
+            )
         if not isinstance(options, LedgerOptions):
-            raise ArgumentTypeError(f"options must be a LedgerOptions, got {options!r}")
+            raise ArgumentTypeError(
+                f"options must be a LedgerOptions, got a {type(options).__name__}"
+            )
         #: The training-loop surface (latest, best, verify, log_metrics, derive_aliases).
         self.manager = manager
         self.options = options
@@ -194,7 +204,9 @@ class IntegrationLedger:
                 unreachable ledger, a bad ``save_dir``): nothing is left open.
         """
         if not isinstance(options, LedgerOptions):
-            raise ArgumentTypeError(f"options must be a LedgerOptions, got {options!r}")
+            raise ArgumentTypeError(
+                f"options must be a LedgerOptions, got a {type(options).__name__}"
+            )
         manager = CheckpointManager(
             root,
             streams=streams,
@@ -353,15 +365,25 @@ class IntegrationLedger:
         takes it out of its stream; the file then stays, no longer ckptdb's)."""
         self.manager.protect(checkpoint)
 
-    def committed_at(self, stream: str, step: int) -> Checkpoint | None:
-        """The committed checkpoint of ``stream`` at ``step``, if any (one indexed query).
-        Collective (the chief answers)."""
+    def committed_at(self, stream: str, step: int | None) -> Checkpoint | None:
+        """The newest committed checkpoint of ``stream`` at ``step``, if any (one indexed
+        query; None for no step). Collective whatever ``step`` is: the chief's question
+        is answered on every rank."""
         return self.manager._committed_at(stream, step)
 
-    def spoiled_at(self, stream: str, step: int) -> bool:
-        """Whether a checkpoint of ``stream`` at ``step`` was committed and has since been
-        found lost or corrupt."""
-        return any(c.step == step for c in self.manager.checkpoints(stream, states=_SPOILED))
+    def spoiled_at(self, stream: str, step: int | None) -> list[Checkpoint]:
+        """The checkpoints of ``stream`` at ``step`` that were committed and have since
+        been found lost or corrupt (none for no step). Collective whatever ``step`` is."""
+        found = self.manager.checkpoints(stream, states=_SPOILED)
+        return [c for c in found if step is not None and c.step == step]
+
+    def on_this_timeline(self, checkpoint: Checkpoint, resumed: Checkpoint | None) -> bool:
+        """Whether ``checkpoint`` belongs to the timeline this attempt continues: saved by
+        this attempt, or at or before the step it resumed from (an earlier run's or an
+        abandoned branch's checkpoint at a later step is not this run's)."""
+        if checkpoint.attempt_id == self.manager.attempt_id:
+            return True
+        return resumed is not None and checkpoint.step <= resumed.step
 
     def why_not(self, path: Path) -> str:
         """Why ``path`` (inside the save directory) names no committed checkpoint, as the

@@ -51,7 +51,7 @@ from ...storage.alias import point_alias, remove_alias
 from ...storage.external import External
 from ...storage.files import FileInfo, write_stream
 from ..contract import IntegrationLedger, LedgerOptions
-from .compat import LightningHooks, dump_checkpoint
+from .compat import LightningHooks, dump_checkpoint, positional_like_this_release
 from .layout import LAST_SUFFIX, stream_for_monitor
 
 __all__ = ["ModelCheckpoint", "default_ledger", "newest_committed"]
@@ -116,6 +116,7 @@ class ModelCheckpoint(LightningHooks):
     when it is missing or corrupt here; see :meth:`_find_last_checkpoints`).
     """
 
+    @positional_like_this_release
     def __init__(
         self,
         dirpath: Union[str, Path] | None = None,  # noqa: UP007 (Lightning's CLI reads these)

@@ -20,7 +20,9 @@ The callback module itself uses only Lightning's public names and these.
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
 from torch import Tensor
 
-from ...errors import UnsupportedVersionError
+from ...errors import ArgumentTypeError, UnsupportedVersionError
 from ..common import release_of
 
 #: The tested range: the oldest release supported, and the first one that is not.
@@ -58,9 +60,29 @@ TAKES_SAVE_ON_EXCEPTION = (
 )
 #: Lightning 2.6 writes ``last`` at an epoch or validation end only when a top-k or
 #: every-n checkpoint was saved at that step (before: at every one of them).
-LAST_ONLY_AFTER_A_SAVE = "_last_global_step_saved == trainer.global_step" in inspect.getsource(
-    _LightningModelCheckpoint.on_train_epoch_end
-)
+LAST_ONLY_AFTER_A_SAVE = (release_of(lightning.__version__) or (0, 0)) >= (2, 6)
+#: How many leading arguments of ``ModelCheckpoint`` come before ``save_on_exception``.
+_BEFORE_SAVE_ON_EXCEPTION = 6
+
+
+def positional_like_this_release(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` (ckptdb's ``__init__``, in 2.5.3's order: ``save_on_exception`` seventh),
+    refusing a seventh positional argument on a release before 2.5.3, where the seventh
+    is ``save_weights_only``: the same call must never mean something else here."""
+    if TAKES_SAVE_ON_EXCEPTION:
+        return init
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        if len(args) > _BEFORE_SAVE_ON_EXCEPTION:
+            raise ArgumentTypeError(
+                f"on lightning {lightning.__version__}, ModelCheckpoint's seventh argument is "
+                "save_weights_only and ckptdb's is save_on_exception (as from 2.5.3): pass "
+                "the arguments after save_top_k by keyword"
+            )
+        init(self, *args, **kwargs)
+
+    return checked
 
 
 class LightningHooks(_LightningModelCheckpoint):

@@ -504,25 +504,26 @@ class _LedgerTrainerMixin(compat.TrainerHooks):
         is no longer committed as the Trainer saw it (lost, corrupt, re-saved
         on a new timeline). ``best_model_checkpoint`` is only ever a committed
         checkpoint's path (a re-saved step's ``-v1`` name included).
+
+        Every rank runs the same queries whatever its own state says, and takes
+        the chief's answer: ranks never part ways in a collective here.
         """
-        metric = best_metric_name(self.args)
-        if metric is None:
+        if best_metric_name(self.args) is None:
             return
-        ranked = [c for c in run.ledger.manager.best(STREAM) if c.metric is not None]
-        ledger_best = ranked[0] if ranked else None
+        ledger = run.ledger
+        ranked = [c for c in ledger.manager.best(STREAM) if c.metric is not None]
         own = _TrainerBest.of(self.state)
-        saved = run.ledger.committed_at(STREAM, own.step) if own.step is not None else None
-        stale = (saved is not None and saved.metric not in (None, own.metric)) or (
-            saved is None and own.step is not None and run.ledger.spoiled_at(STREAM, own.step)
+        saved = ledger.committed_at(STREAM, own.step)
+        spoiled = ledger.spoiled_at(STREAM, own.step)
+        if saved is not None and not ledger.on_this_timeline(saved, run.resumed):
+            saved = None  # an earlier run's, or an abandoned branch's: not the Trainer's
+        decided = own.reconciled(
+            ledger_best=ranked[0] if ranked else None,
+            saved=saved,
+            spoiled=any(ledger.on_this_timeline(c, run.resumed) for c in spoiled),
+            greater_is_better=bool(self.args.greater_is_better),
         )
-        greater = bool(self.args.greater_is_better)
-        if ledger_best is not None and (stale or own.outranked_by(ledger_best, greater)):
-            own = _TrainerBest(str(ledger_best.path), ledger_best.metric, ledger_best.step)
-        elif saved is not None:
-            own = _TrainerBest(str(saved.path), own.metric, own.step)
-        elif ledger_best is not None:  # the best evaluation was not saved: the best saved is
-            own = _TrainerBest(str(ledger_best.path), own.metric, own.step)
-        own.apply(self.state)
+        ledger.from_chief(decided, what="best").apply(self.state)
 
     # ------------------------------------------------------------ end of training
 
@@ -572,6 +573,33 @@ class _TrainerBest:
     @classmethod
     def of(cls, state: Any) -> _TrainerBest:
         return cls(state.best_model_checkpoint, state.best_metric, state.best_global_step)
+
+    def reconciled(
+        self,
+        *,
+        ledger_best: Checkpoint | None,
+        saved: Checkpoint | None,
+        spoiled: bool,
+        greater_is_better: bool,
+    ) -> _TrainerBest:
+        """This best, as the ledger corrects it.
+
+        ``saved``: the committed checkpoint of this run's timeline at this best's
+        step (if any); ``spoiled``: one of this timeline at that step was found
+        lost or corrupt since. The ledger's best replaces this one when it is
+        better, or when this one is stale (its step's checkpoint holds another
+        metric, or went bad). Otherwise the metric and step stay the Trainer's,
+        and the path is the committed checkpoint of that step, or, for an
+        evaluation that was not saved, the ledger's best.
+        """
+        stale = spoiled or (saved is not None and saved.metric not in (None, self.metric))
+        if ledger_best is not None and (stale or self.outranked_by(ledger_best, greater_is_better)):
+            return _TrainerBest(str(ledger_best.path), ledger_best.metric, ledger_best.step)
+        if saved is not None:
+            return _TrainerBest(str(saved.path), self.metric, self.step)
+        if ledger_best is not None:
+            return _TrainerBest(str(ledger_best.path), self.metric, self.step)
+        return self
 
     def outranked_by(self, other: Checkpoint, greater_is_better: bool) -> bool:
         """Whether the committed ``other`` is strictly better than this best (or this is
