@@ -37,10 +37,7 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import Tensor
 
-from ..errors import (
-    ArgumentTypeError,
-    InvalidArgumentError,
-)
+from ..errors import ArgumentTypeError, InvalidArgumentError, UnsupportedVersionError
 from ..ledger.engine import LEDGER_FILE
 from ..location import check_remote_url
 from ..manager import refuse_object_root
@@ -59,6 +56,29 @@ def release_of(version: str) -> tuple[int, int] | None:
     """``(major, minor)`` of a version string (``"2.6.0rc1"`` is ``(2, 6)``), else None."""
     match = re.match(r"(\d+)\.(\d+)", version)
     return (int(match[1]), int(match[2])) if match is not None else None
+
+
+def check_release(
+    found: str,
+    tested: tuple[tuple[int, int], tuple[int, int]],
+    *,
+    framework: str,
+    integration: str,
+    extra: str,
+) -> str:
+    """``found``, or :class:`~ckptdb.errors.UnsupportedVersionError` (one line, the range
+    named) when it is outside ``tested``: the oldest release supported and the first one
+    that is not. An integration that overrides a framework's private methods refuses
+    the releases it was not checked against rather than run with them unguarded."""
+    oldest, first_unsupported = tested
+    release = release_of(found)
+    if release is None or not oldest <= release < first_unsupported:
+        low, high = (".".join(map(str, r)).removesuffix(".0") for r in tested)
+        raise UnsupportedVersionError(
+            f"{integration} supports {framework} >={low},<{high}; this is {framework} "
+            f"{found}: pip install 'ckptdb[{extra}]'"
+        )
+    return found
 
 
 def framework_missing(module: str, framework: str, extra: str) -> ImportError:

@@ -14,8 +14,7 @@ from typing import Any
 
 import accelerate
 
-from ...errors import UnsupportedVersionError
-from ..common import release_of
+from ..common import check_release
 
 #: The tested range: the oldest release supported, and the first one that is not.
 OLDEST, FIRST_UNSUPPORTED = (1, 15), (2, 0)
@@ -25,13 +24,14 @@ def check_version(version: str | None = None) -> str:
     """Accelerate's version, or :class:`~ckptdb.errors.UnsupportedVersionError` outside
     the tested range."""
     found = str(accelerate.__version__ if version is None else version)
-    release = release_of(found)
-    if release is None or not OLDEST <= release < FIRST_UNSUPPORTED:
-        raise UnsupportedVersionError(
-            f"ckptdb's Checkpoints supports accelerate >=1.15,<2 (tested on 1.15 and the "
-            f"newest 1.x); this is accelerate {found}: pip install 'ckptdb[accelerate]'"
-        )
-    return found
+    tested = (OLDEST, FIRST_UNSUPPORTED)
+    return check_release(
+        found,
+        tested,
+        framework="accelerate",
+        integration="ckptdb's Checkpoints",
+        extra="accelerate",
+    )
 
 
 check_version()

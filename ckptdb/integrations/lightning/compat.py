@@ -31,8 +31,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
 from torch import Tensor
 
-from ...errors import ArgumentTypeError, UnsupportedVersionError
-from ..common import release_of
+from ...errors import ArgumentTypeError
+from ..common import check_release, release_of
 
 #: The tested range: the oldest release supported, and the first one that is not.
 OLDEST, FIRST_UNSUPPORTED = (2, 4), (2, 7)
@@ -43,13 +43,14 @@ def check_version(version: str | None = None) -> str:
     the tested range (the callback overrides Lightning's private save hooks; in an
     untested release they may mean something else)."""
     found = str(lightning.__version__ if version is None else version)
-    release = release_of(found)
-    if release is None or not OLDEST <= release < FIRST_UNSUPPORTED:
-        raise UnsupportedVersionError(
-            f"ckptdb's ModelCheckpoint supports lightning >=2.4,<2.7 (tested on 2.4 and 2.6); "
-            f"this is lightning {found}: pip install 'ckptdb[lightning]'"
-        )
-    return found
+    tested = (OLDEST, FIRST_UNSUPPORTED)
+    return check_release(
+        found,
+        tested,
+        framework="lightning",
+        integration="ckptdb's ModelCheckpoint",
+        extra="lightning",
+    )
 
 
 check_version()

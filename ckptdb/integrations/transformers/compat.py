@@ -25,8 +25,7 @@ from typing import Any
 
 import transformers
 
-from ...errors import UnsupportedVersionError
-from ..common import release_of
+from ..common import check_release
 
 #: The tested range: the oldest release supported, and the first one that is not.
 OLDEST, FIRST_UNSUPPORTED = (4, 57), (6, 0)
@@ -37,13 +36,14 @@ def check_version(version: str | None = None) -> str:
     outside the tested range (the ledger Trainer overrides the Trainer's private save
     methods; in an untested release they may mean something else)."""
     found = str(transformers.__version__ if version is None else version)
-    release = release_of(found)
-    if release is None or not OLDEST <= release < FIRST_UNSUPPORTED:
-        raise UnsupportedVersionError(
-            f"ckptdb's Trainer supports transformers >=4.57,<6 (tested on 4.57 and 5.x); "
-            f"this is transformers {found}: pip install 'ckptdb[transformers]'"
-        )
-    return found
+    tested = (OLDEST, FIRST_UNSUPPORTED)
+    return check_release(
+        found,
+        tested,
+        framework="transformers",
+        integration="ckptdb's Trainer",
+        extra="transformers",
+    )
 
 
 check_version()
