@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,7 @@ def checkpoint_files(directory: Path) -> list[str]:
         {"monitor": "val_loss", "save_top_k": 2, "save_last": "link"},
         {"monitor": "step", "mode": "max", "save_top_k": -1, "val_check_interval": 0.5},
         {"monitor": "val_loss", "save_top_k": 2, "check_val_every_n_epoch": 2},
+        {"monitor": None, "save_top_k": -1, "train_time_interval": timedelta(microseconds=1)},
     ],
     ids=[
         "top2",
@@ -169,6 +171,7 @@ def checkpoint_files(directory: Path) -> list[str]:
         "last-link",
         "twice-an-epoch",
         "validated-every-2-epochs",
+        "train-time-interval",
     ],
 )
 def test_the_same_checkpoints_and_top_k_as_lightnings_own(
@@ -239,6 +242,44 @@ def test_an_error_in_another_callback_at_the_end_still_leaves_a_loadable_checkpo
     (stock_name, *stock_rest), (name, *rest) = found
     assert rest == stock_rest and name == (stock_name or name)
     assert committed(tmp_path / "ours" / "ckpts") == [("checkpoints.last", 16, name)]
+
+
+def test_the_same_trainer_fitted_twice_names_its_files_as_lightning_does(
+    tmp_path: Path,
+) -> None:
+    """A fixed ``filename`` and ``STARTING_VERSION``, one Trainer fitted twice (2, then 4
+    epochs), every checkpoint kept by its monitor: the same versioned names and top-k as
+    Lightning's own."""
+    from lightning.pytorch.callbacks import ModelCheckpoint as Stock
+
+    found = []
+    for kind, cls in (("stock", Stock), ("ours", ModelCheckpoint)):
+        cls_versioned = type(f"{kind}Versioned", (cls,), {"STARTING_VERSION": 9})
+        d = tmp_path / kind / "ckpts"
+        cb = cls_versioned(dirpath=d, filename="test", monitor="epoch", mode="max", save_top_k=-1)
+        t = trainer(tmp_path / kind, [cb], max_epochs=2)
+        t.fit(Tiny())
+        t.fit_loop.max_epochs = 4
+        t.fit(Tiny())
+        found.append((files(d), sorted(Path(p).name for p in cb.best_k_models)))
+    assert found[1] == found[0]
+    assert len(found[1][0]) == 4 and "test.ckpt" in found[1][0]  # one per epoch, versioned
+    check_clean(tmp_path / "ours" / "ckpts")
+
+
+def test_resuming_into_another_dirpath_leaves_the_old_files_as_they_are(tmp_path: Path) -> None:
+    """Fit into ``a/``, then a new run into ``b/`` from ``a/``'s last checkpoint (a warm
+    start from another run's file): ``a/`` stays as it was, ``b/`` gets the new ones."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    first = ModelCheckpoint(dirpath=a, save_top_k=-1, save_last=True)
+    trainer(tmp_path / "one", [first], max_epochs=2).fit(Tiny())
+    before = {name: (a / name).read_bytes() for name in files(a)}
+    second = ModelCheckpoint(dirpath=b, save_top_k=1)
+    trainer(tmp_path / "two", [second], max_epochs=4).fit(Tiny(), ckpt_path=str(a / "last.ckpt"))
+    assert {name: (a / name).read_bytes() for name in files(a)} == before
+    assert files(b) == ["epoch=3-step=16.ckpt"]
+    check_clean(a)
+    check_clean(b)
 
 
 def test_fast_dev_run_saves_nothing_not_even_on_an_exception(tmp_path: Path) -> None:

@@ -139,6 +139,25 @@ def test_resume_from_the_newest_committed_checkpoint_reproduces_an_uninterrupted
     assert source.step == 8
 
 
+def test_a_resume_with_another_batch_size_ends_as_the_stock_trainer_does(
+    tmp_path: Path,
+) -> None:
+    """Resumed with ``per_device_train_batch_size`` changed: the step reached and the batch
+    size in force (and in the saved state) are the stock Trainer's."""
+    outcomes = []
+    for kind, cls in (("stock", transformers.Trainer), ("ours", Trainer)):
+        out = tmp_path / kind
+        cls(
+            model=tiny_model(), args=training_args(out, max_steps=8), train_dataset=dataset()
+        ).train()
+        args = training_args(out, per_device_train_batch_size=2)
+        t = cls(model=tiny_model(), args=args, train_dataset=dataset())
+        t.train(resume_from_checkpoint=str(out / "checkpoint-8"))
+        saved = json.loads((out / "checkpoint-12" / "trainer_state.json").read_text())
+        outcomes.append((t.state.global_step, t.state.train_batch_size, saved["train_batch_size"]))
+    assert outcomes[1] == outcomes[0] and outcomes[0][0] == 12
+
+
 def test_a_partial_highest_numbered_directory_is_never_resumed_from(tmp_path: Path) -> None:
     """The stock ``get_last_checkpoint`` takes the highest number, complete or not."""
     out = tmp_path / "out"
