@@ -206,6 +206,13 @@ def test_why_not_says_what_the_ledger_knows_of_a_path(tmp_path: Path) -> None:
         assert "no longer match its ledger row" in ledger.why_not(save_dir / "ckpt-2.pt")
         assert ledger.spoiled_at("model", 2) and not ledger.spoiled_at("model", 1)
 
+        def broken(path: Path) -> None:
+            raise OSError(28, "No space left on device")
+
+        with pytest.raises(Exception, match="No space left"):
+            ledger.publish(3, "model", External(broken, "ckpt-3.pt"), metrics=None, log=LOG)
+        assert "its save never completed" in ledger.why_not(save_dir / "ckpt-3.pt")
+
 
 # ---------------------------------------------------------- publish, refusals
 
