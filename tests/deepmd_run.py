@@ -34,7 +34,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ckptdb import faults
-from ckptdb.integrations.deepmd import train
+from ckptdb.integrations.deepmd import session, train
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -46,7 +46,7 @@ def say(line: str) -> None:
 
 
 def _nan_at(step: int, rank: int) -> None:
-    observe = train.LedgerTrainer._observe
+    observe = session.LedgerTraining._observe
     seen = [0]
 
     def poisoned(self: Any, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -63,7 +63,7 @@ def _nan_at(step: int, rank: int) -> None:
             observe(self, optimizer, args, kwargs)
         seen[0] += 1
 
-    train.LedgerTrainer._observe = poisoned  # type: ignore[method-assign]
+    session.LedgerTraining._observe = poisoned  # type: ignore[method-assign]
 
 
 def _kill_at(point: str, visit: int) -> None:
@@ -80,11 +80,11 @@ def _kill_at(point: str, visit: int) -> None:
 
 
 def _fail_write(rank: int, visit: int) -> None:
-    make_writer = train.LedgerTrainer._writer
+    make_writer = session.LedgerTraining._writer
     seen = [0]
 
-    def failing_writer(self: Any, data: Any) -> Any:
-        write = make_writer(self, data)
+    def failing_writer(self: Any, own: Any) -> Any:
+        write = make_writer(self, own)
 
         def maybe_fail(target: Any) -> None:
             seen[0] += 1
@@ -95,13 +95,13 @@ def _fail_write(rank: int, visit: int) -> None:
 
         return maybe_fail
 
-    train.LedgerTrainer._writer = failing_writer  # type: ignore[method-assign]
+    session.LedgerTraining._writer = failing_writer  # type: ignore[method-assign]
 
 
 def _signal_at(step: int, rank: int) -> None:
     """SIGTERM after the optimizer step of DeePMD's step ``step``, counted on its own
     (a global optimizer hook from the attempt's start step), not by ckptdb's counter."""
-    run = train.LedgerTrainer.run
+    run = session.LedgerTraining.run
     done = [0]
 
     def counting_run(self: Any) -> None:
@@ -114,7 +114,7 @@ def _signal_at(step: int, rank: int) -> None:
             say(f"TEST: SIGTERM at step {step} on rank {RANK}")
             os.kill(os.getpid(), signal.SIGTERM)
 
-    train.LedgerTrainer.run = counting_run  # type: ignore[method-assign]
+    session.LedgerTraining.run = counting_run  # type: ignore[method-assign]
     register_optimizer_step_post_hook(after_step)
 
 

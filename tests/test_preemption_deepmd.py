@@ -46,13 +46,18 @@ def attempts(root: Path) -> list[str]:
         return [a.end_state for a in reader.attempts()]
 
 
+#: DeePMD-kit's two PyTorch backends, as ``dp`` takes them.
+BACKENDS = [pytest.param("--pt", id="pt"), pytest.param("--pt-expt", id="pt-expt")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_sigterm_checkpoints_that_step_exits_143_and_restart_latest_resumes_from_it(
-    tmp_path: Path,
+    tmp_path: Path, backend: str
 ) -> None:
     root = make_run_dir(tmp_path / "run", enable_ema=True)
     # the signal comes after step 33's check (torch runs global optimizer hooks after an
     # optimizer's own): it is seen at the next one, step 34
-    proc = dp(root, "--pt", "train", "input.json", *PREEMPT, env={"CKPTDB_TEST_SIGNAL_AT": "33"})
+    proc = dp(root, backend, "train", "input.json", *PREEMPT, env={"CKPTDB_TEST_SIGNAL_AT": "33"})
     assert proc.returncode == 143, output(proc)
     assert committed(root) == [20, 34] and committed(root, "model_ema") == [20, 34]
     assert os.readlink(root / "model.ckpt.pt") == "model.ckpt-34.pt"  # DeePMD's own names
@@ -61,7 +66,7 @@ def test_a_sigterm_checkpoints_that_step_exits_143_and_restart_latest_resumes_fr
     assert events(root, "preemption_saved") == [(34, {"saved": True})]
     assert attempts(root) == ["preempted"]
 
-    again = dp(root, "--pt", "train", "input.json", "--restart", "latest")
+    again = dp(root, backend, "train", "input.json", "--restart", "latest")
     assert again.returncode == 0, output(again)
     assert [s for s, _ in events(root, "resumed")] == [34]
     assert committed(root)[-1] == 100
@@ -96,10 +101,13 @@ def test_a_signal_at_the_last_step_lets_the_finished_run_end_as_it_does(tmp_path
     assert events(root, "preempted") == [] and attempts(root) == ["closed"]
 
 
-def test_two_ranks_a_signal_on_rank_1_only_checkpoints_one_agreed_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_ranks_a_signal_on_rank_1_only_checkpoints_one_agreed_step(
+    tmp_path: Path, backend: str
+) -> None:
     root = make_run_dir(tmp_path / "run")
     env = {"CKPTDB_TEST_SIGNAL_AT": "33:1"}
-    proc = torchrun(root, "--pt", "train", "input.json", *PREEMPT, env=env)
+    proc = torchrun(root, backend, "train", "input.json", *PREEMPT, env=env)
     assert proc.returncode != 0, output(proc)  # torchrun reports its ranks' exit 143
     pattern = (
         r"TEST: rank (\d) raised (Preempted: preempted at step \d+ \(exit status \d+\); saved: \S+)"

@@ -16,6 +16,7 @@ Only this module imports DeePMD-kit.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -41,10 +42,14 @@ from ...errors import UnsupportedVersionError
 
 __all__ = [
     "CHECKED_WITH",
+    "PYTORCH",
+    "PYTORCH_EXPORTABLE",
     "SUPPORTED",
     "SUPPORTED_RANGE",
+    "DeepmdExptTrainer",
     "DeepmdTrainer",
     "DeepmdValidator",
+    "HookedExptTrainer",
     "HookedTrainer",
     "HookedValidator",
     "check_version",
@@ -58,7 +63,6 @@ __all__ = [
     "run_dp",
     "swapped_attribute",
     "sync_topk_state",
-    "train_infos",
     "trainer_replaced_by",
     "validator_appends",
 ]
@@ -135,13 +139,19 @@ load_without_op_library()
 import deepmd.main as dp_main  # noqa: E402
 import deepmd.pt.train.training as training  # noqa: E402
 import deepmd.pt.utils.env as pt_env  # noqa: E402
+import deepmd.pt_expt.train.training as expt_training  # noqa: E402
 import deepmd.pt_expt.train.validation as validation  # noqa: E402
 
 #: DeePMD's own ``Trainer`` and ``FullValidator``, as imported: the module attributes
 #: are swapped while ``dp`` runs (:func:`trainer_replaced_by`) and while the
 #: validators are built (:meth:`HookedTrainer._create_full_validators`).
 DeepmdTrainer: Any = training.Trainer
+DeepmdExptTrainer: Any = expt_training.Trainer
 DeepmdValidator: Any = validation.FullValidator
+
+#: ``dp``'s names of the two PyTorch backends (``--pt``, ``--pt-expt``), as parsed.
+PYTORCH = "pytorch"
+PYTORCH_EXPORTABLE = "pytorch-exportable"
 
 # ------------------------------------------------------- swapping attributes
 
@@ -173,16 +183,18 @@ def run_dp(args: list[str]) -> None:
 
 
 @contextmanager
-def trainer_replaced_by(factory: Callable[..., Any]) -> Iterator[None]:
-    """DeePMD's ``dp train`` builds ``factory(...)`` instead of its ``Trainer``.
+def trainer_replaced_by(factory: Callable[..., Any], backend: str = PYTORCH) -> Iterator[None]:
+    """DeePMD's ``dp train`` with ``backend`` builds ``factory(...)`` instead of its ``Trainer``.
 
-    Borrowed: the module attribute ``deepmd.pt.train.training.Trainer``; checked
-    with 3.2.0, where ``deepmd.pt.entrypoints.main.get_trainer`` looks it up at
-    call time (``training.Trainer(config, ...)``). Why: ``dp``'s entry point has
-    no way to be handed another trainer, and ckptdb runs DeePMD's own entry
-    point (its configuration handling, its data loading) unchanged.
+    Borrowed: the module attributes ``deepmd.pt.train.training.Trainer`` and
+    ``deepmd.pt_expt.train.training.Trainer``; checked with 3.2.0, where each
+    backend's ``entrypoints.main.get_trainer`` looks it up at call time
+    (``training.Trainer(config, ...)``). Why: ``dp``'s entry point has no way to
+    be handed another trainer, and ckptdb runs DeePMD's own entry point (its
+    configuration handling, its data loading) unchanged.
     """
-    with swapped_attribute(training, "Trainer", factory):
+    module = expt_training if backend == PYTORCH_EXPORTABLE else training
+    with swapped_attribute(module, "Trainer", factory):
         yield
 
 
@@ -252,7 +264,25 @@ def _cpu_ddp(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
 # ------------------------------------------------------------------ trainer
 
 
-class HookedTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
+class _ValidatorHook:
+    """Both backends build their full validators the same way (3.2.0)."""
+
+    def _create_full_validators(self, **kwargs: Any) -> Any:
+        """Borrowed: ``Trainer._create_full_validators(**kwargs)`` (3.2.0, both
+        backends), which builds the live and EMA validators through
+        ``deepmd.pt_expt.train.validation.build_full_validators``; that looks up
+        the module attribute ``validation.FullValidator`` at call time, which is
+        swapped for :meth:`ckptdb_full_validator_class` meanwhile. Why: DeePMD
+        offers no other way to choose the validator's class."""
+        with swapped_attribute(validation, "FullValidator", self.ckptdb_full_validator_class()):
+            return super()._create_full_validators(**kwargs)  # type: ignore[misc]
+
+    def ckptdb_full_validator_class(self) -> Any:
+        """The class DeePMD's full validators are built from: by default DeePMD's."""
+        return DeepmdValidator
+
+
+class HookedTrainer(_ValidatorHook, DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
     """DeePMD-kit's ``Trainer`` (``deepmd.pt.train.training.Trainer``; 3.2.0) whose
     private hooks ckptdb overrides, each forwarded to a ckptdb-named method.
 
@@ -280,28 +310,99 @@ class HookedTrainer(DeepmdTrainer):  # type: ignore[misc]  # DeePMD is untyped
         ``checkpoint_data`` to ``path``, then calls ``store.prune(path)``)."""
         super()._write_checkpoint(path, checkpoint_data, store=store)
 
-    def _create_full_validators(self, **kwargs: Any) -> Any:
-        """Borrowed: ``Trainer._create_full_validators(**kwargs)`` (3.2.0), which
-        builds the live and EMA validators through
-        ``deepmd.pt_expt.train.validation.build_full_validators``; that looks up
-        the module attribute ``validation.FullValidator`` at call time, which is
-        swapped for :meth:`ckptdb_full_validator_class` meanwhile. Why: DeePMD
-        offers no other way to choose the validator's class."""
-        with swapped_attribute(validation, "FullValidator", self.ckptdb_full_validator_class()):
-            return super()._create_full_validators(**kwargs)
+    def deepmd_train_infos(self) -> dict[str, Any]:
+        """The trainer's ``train_infos`` (``lr``, ``step``... as DeePMD saves them).
 
-    def ckptdb_full_validator_class(self) -> Any:
-        """The class DeePMD's full validators are built from: by default DeePMD's."""
-        return DeepmdValidator
+        Borrowed: ``Trainer._get_inner_module()`` (3.2.0): the model wrapper with
+        DDP unwrapped, which holds ``train_infos``."""
+        infos: dict[str, Any] = self._get_inner_module().train_infos
+        return infos
+
+    def deepmd_save_at(self, step: int) -> None:
+        """DeePMD's loop saves a periodic checkpoint at the end of ``step``.
+
+        Borrowed: ``Trainer.save_freq`` (3.2.0), which the loop reads at every step."""
+        self.save_freq = step
 
 
-def train_infos(trainer: Any) -> dict[str, Any]:
-    """The trainer's ``train_infos`` (``lr``, ``step``... as DeePMD saves them).
+class HookedExptTrainer(_ValidatorHook, DeepmdExptTrainer):  # type: ignore[misc]
+    """DeePMD-kit's ``pytorch-exportable`` ``Trainer`` (``deepmd.pt_expt.train.training``;
+    3.2.0) whose private checkpoint write ckptdb overrides, forwarded to a
+    ckptdb-named method. On its own it behaves as DeePMD's.
 
-    Borrowed: ``Trainer._get_inner_module()`` (3.2.0): the model wrapper with
-    DDP unwrapped, which holds ``train_infos``."""
-    infos: dict[str, Any] = trainer._get_inner_module().train_infos
-    return infos
+    Its periodic checkpoints go through the public ``save_checkpoint(step)``
+    (DeePMD's backend-independent loop calls it), which a subclass overrides;
+    the validation-best ones reach only the private write below.
+    """
+
+    _ckptdb_writing = False  # inside deepmd_save_to: DeePMD's own write goes ahead
+
+    def _write_checkpoint(
+        self,
+        ckpt_path: Any,
+        *,
+        step: int,
+        include_optimizer: bool = True,
+        include_ema_state: bool = True,
+    ) -> None:
+        """Borrowed: ``Trainer._write_checkpoint(ckpt_path, *, step, include_optimizer,
+        include_ema_state)`` (3.2.0): the one method that serializes a checkpoint
+        (periodic, EMA with the shadow weights applied around it, validation-best);
+        every rank collects the state, rank 0 writes ``torch.save`` to ``ckpt_path``.
+        Outside :meth:`deepmd_save_to` it is a best checkpoint, handed to
+        :meth:`ckptdb_write_checkpoint` with its own write to another path."""
+        options = {
+            "step": step,
+            "include_optimizer": include_optimizer,
+            "include_ema_state": include_ema_state,
+        }
+        if self._ckptdb_writing:
+            super()._write_checkpoint(ckpt_path, **options)
+            return
+
+        def write(target: Path) -> None:
+            self._ckptdb_writing = True
+            try:
+                super(HookedExptTrainer, self)._write_checkpoint(target, **options)
+            finally:
+                self._ckptdb_writing = False
+
+        self.ckptdb_write_checkpoint(Path(ckpt_path), write)
+
+    def ckptdb_write_checkpoint(self, path: Path, write: Callable[[Path], None]) -> None:
+        """Where DeePMD writes a checkpoint outside ``save_checkpoint``: by default, to
+        ``path``."""
+        write(path)
+
+    def deepmd_save_to(self, target: Path, *, step: int, ema: bool) -> None:
+        """DeePMD's own serialization of the checkpoint of ``step`` to ``target`` (the EMA
+        twin with ``ema``: the shadow weights, no optimizer state).
+
+        Borrowed: ``Trainer._save_checkpoint_to_path(path, *, step, use_ema_weights)``
+        (3.2.0), what DeePMD's ``save_checkpoint`` calls for each file."""
+        self._ckptdb_writing = True
+        try:
+            self._save_checkpoint_to_path(target, step=step, use_ema_weights=ema)
+        finally:
+            self._ckptdb_writing = False
+
+    def deepmd_train_infos(self) -> dict[str, Any]:
+        """The trainer's ``train_infos`` (``lr``, ``step``...).
+
+        Borrowed: ``Trainer._unwrapped`` (3.2.0): the model wrapper with DDP
+        unwrapped, which holds ``train_infos``."""
+        infos: dict[str, Any] = self._unwrapped.train_infos
+        return infos
+
+    def deepmd_save_at(self, step: int) -> None:
+        """DeePMD's loop saves a periodic checkpoint at the end of ``step`` (its
+        ``save_freq`` becomes ``step``).
+
+        Borrowed: ``AbstractTrainer.trainer_config`` (``deepmd.dpmodel.train.trainer``;
+        3.2.0), a frozen ``TrainerConfig`` whose ``save_freq`` the loop reads at
+        every step."""
+        current: Any = getattr(self, "trainer_config")  # noqa: B009  # DeePMD's, untyped
+        self.trainer_config = dataclasses.replace(current, save_freq=step)
 
 
 # --------------------------------------------------------------- validator
