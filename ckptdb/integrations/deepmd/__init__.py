@@ -1,9 +1,12 @@
-"""DeePMD-kit (PyTorch backend): ``dp --pt train`` through a ckptdb ledger.
+"""DeePMD-kit (both PyTorch backends): ``dp --pt train`` / ``dp --pt-expt train``
+through a ckptdb ledger.
 
 ``python -m ckptdb.integrations.deepmd --pt train input.json`` takes ``dp``'s
 arguments and runs DeePMD-kit's own entry point, with its ``Trainer``
-replaced by :class:`LedgerTrainer`; every other ``dp`` command (``freeze``,
-``test``, ...) is DeePMD's own, unchanged. DeePMD's habits stay (its file
+replaced by :class:`LedgerTrainer` (``--pt-expt``: :class:`ExptLedgerTrainer`);
+every other ``dp`` command (``freeze``, ``test``, ...) is DeePMD's own,
+unchanged. The checkpoints stay in the directories DeePMD's configuration
+names (:mod:`.config`). DeePMD's habits stay (its file
 names ``model.ckpt-<N>.pt`` and ``model_ema.ckpt-<N>.pt``, its
 ``model.ckpt.pt`` symlink and ``checkpoint`` pointer, ``--restart``), and the
 ledger decides:
@@ -30,9 +33,9 @@ from typing import TYPE_CHECKING
 
 from .. import lazy
 
-__all__ = ["LedgerTrainer", "check_version", "main", "resolve_restart"]
+__all__ = ["ExptLedgerTrainer", "LedgerTrainer", "check_version", "main", "resolve_restart"]
 
 if TYPE_CHECKING:
-    from .train import LedgerTrainer, check_version, main, resolve_restart
+    from .train import ExptLedgerTrainer, LedgerTrainer, check_version, main, resolve_restart
 else:
     __getattr__, __dir__ = lazy.names(__name__, "train", __all__)

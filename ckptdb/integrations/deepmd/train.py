@@ -33,6 +33,7 @@ from .session import PREEMPTION_OPTION, LedgerTraining, Options, Writer, resolve
 __all__ = [
     "SUPPORTED",
     "SUPPORTED_RANGE",
+    "ExptLedgerTrainer",
     "LedgerTrainer",
     "LogTail",
     "Options",
@@ -93,8 +94,6 @@ def _trainer_factory(backend: str, options: Options) -> Callable[..., Any]:
     if backend == compat.PYTORCH:
         return partial(LedgerTrainer, ckptdb=options)
     if backend == compat.PYTORCH_EXPORTABLE:
-        from .train_expt import ExptLedgerTrainer
-
         return partial(ExptLedgerTrainer, ckptdb=options)
     raise InvalidArgumentError(
         f"ckptdb trains DeePMD-kit's PyTorch backends only (--pt, --pt-expt), not "
@@ -232,3 +231,5 @@ class _KeepAll:
 
 
 _KEEP_ALL = _KeepAll()
+
+from .train_expt import ExptLedgerTrainer  # noqa: E402  # the other backend's, re-exported
