@@ -115,13 +115,18 @@ def suite(profile: dict[str, Any], work: Path) -> dict[str, Case]:
         "deepmd": lambda: _unless_missing(
             "DeePMD-kit",
             deepmd_case.available(),
-            lambda: deepmd_case.deepmd_training(
-                work / "deepmd",
-                deepmd["steps"],
-                deepmd["save_freq"],
-                deepmd["reps"],
-                deepmd["warmup"],
-            ),
+            lambda: [
+                result
+                for backend in deepmd_case.BACKENDS
+                for result in deepmd_case.deepmd_training(
+                    work / "deepmd",
+                    deepmd["steps"],
+                    deepmd["save_freq"],
+                    deepmd["reps"],
+                    deepmd["warmup"],
+                    backend,
+                )
+            ],
         ),
     }
 

@@ -1,7 +1,8 @@
-"""The DeePMD-kit case: a whole ``dp --pt train`` through ckptdb beside stock ``dp``.
+"""The DeePMD-kit case: a whole ``dp --pt train`` (and ``dp --pt-expt train``) through
+ckptdb beside stock ``dp``.
 
 Every contender is a subprocess that runs a complete DeePMD-kit 3.2 training
-(the PyTorch backend, CPU, one thread) in a fresh directory of its own, on
+(one PyTorch backend, CPU, one thread) in a fresh directory of its own, on
 the same tiny generated system and the same configuration, which checkpoints
 often so that the checkpoints' cost shows: a periodic checkpoint and its EMA
 twin every ``save_freq`` steps, and a full validation at the same steps with
@@ -16,6 +17,8 @@ The contenders:
   its ratio is the noise floor of the run (:data:`harness.AGAIN`);
 - **ckptdb**: ``python -m ckptdb.integrations.deepmd --pt train input.json``,
   its defaults (the guard on, every checkpoint a ledger boundary).
+
+Each backend (``--pt``, ``--pt-expt``) is a comparison of its own.
 
 Two figures of the same runs, each its own comparison:
 
@@ -101,7 +104,13 @@ COMMANDS = {
     STOCK: [sys.executable, "-c", _driver(STOCK_DP)],
     OURS: [sys.executable, "-c", _driver(OURS_DP)],
 }
-ARGS = ["--pt", "train", "input.json"]
+#: ``dp``'s backends the case trains with, each a comparison of its own.
+BACKENDS = ("--pt", "--pt-expt")
+
+
+def dp_args(backend: str) -> list[str]:
+    return [backend, "train", "input.json"]
+
 
 # DeePMD's log lines start with their time: "[2026-12-05 09:03:34,485] DEEPMD INFO ..."
 LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] DEEPMD ", re.M)
@@ -172,9 +181,14 @@ def _saved(where: Path, text: str) -> dict[str, int]:
 
 
 def train_once(
-    where: Path, command: list[str], steps: int, save_freq: int, timeout: float = 600
+    where: Path,
+    command: list[str],
+    steps: int,
+    save_freq: int,
+    backend: str = "--pt",
+    timeout: float = 600,
 ) -> Run:
-    """One ``dp --pt train`` by ``command`` in a fresh ``where`` (removed afterwards)."""
+    """One ``dp BACKEND train`` by ``command`` in a fresh ``where`` (removed afterwards)."""
     make_run_dir(where, steps, save_freq)
     env = {**os.environ, **SPEED_ENV}
     env.pop("CKPTDB_DB_URL", None)  # the run's own SQLite ledger
@@ -183,7 +197,7 @@ def train_once(
     started = time.time()
     start = time.perf_counter()
     proc = subprocess.run(
-        [*command, *ARGS],
+        [*command, *dp_args(backend)],
         cwd=where,
         env=env,
         stdout=subprocess.PIPE,
@@ -195,7 +209,7 @@ def train_once(
     whole = time.perf_counter() - start
     if proc.returncode != 0 or f"Saved model to model.ckpt-{steps}.pt" not in proc.stdout:
         raise RuntimeError(
-            f"dp {' '.join(ARGS)} failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}"
+            f"dp {' '.join(dp_args(backend))} failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}"
         )
     first, returned = _times(proc.stdout)
     run = Run(
@@ -210,9 +224,10 @@ def train_once(
 
 
 def deepmd_training(
-    work: Path, steps: int, save_freq: int, reps: int, warmup: int = 1
+    work: Path, steps: int, save_freq: int, reps: int, warmup: int = 1, backend: str = "--pt"
 ) -> list[Comparison]:
-    """The after-import and the whole-process comparisons of the same interleaved runs."""
+    """The after-import and the whole-process comparisons of the same interleaved runs
+    of ``dp BACKEND train``."""
     counter = itertools.count()
     runs: dict[str, list[Run]] = {}
 
@@ -220,7 +235,7 @@ def deepmd_training(
         runs[key] = []
 
         def run() -> float:
-            done = train_once(work / str(next(counter)), command, steps, save_freq)
+            done = train_once(work / str(next(counter)), command, steps, save_freq, backend)
             runs[key].append(done)
             return done.after_import_s
 
@@ -233,7 +248,7 @@ def deepmd_training(
         OURS: contender(OURS, COMMANDS[OURS]),
         STOCK + AGAIN: contender(STOCK + AGAIN, COMMANDS[STOCK]),
     }
-    what = f"DeePMD-kit dp --pt train, {steps} steps, checkpoints every {save_freq}"
+    what = f"DeePMD-kit dp {backend} train, {steps} steps, checkpoints every {save_freq}"
     work.mkdir(parents=True, exist_ok=True)
     try:
         after = compare(

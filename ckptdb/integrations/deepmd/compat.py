@@ -386,6 +386,11 @@ class HookedExptTrainer(_ValidatorHook, DeepmdExptTrainer):  # type: ignore[misc
         finally:
             self._ckptdb_writing = False
 
+    def deepmd_log_saved(self, path: Path) -> None:
+        """DeePMD's own ``Saved model to <path>`` line, on DeePMD's logger (what its
+        ``save_checkpoint`` prints after each periodic checkpoint; 3.2.0)."""
+        expt_training.log.info(f"Saved model to {path}")
+
     def deepmd_train_infos(self) -> dict[str, Any]:
         """The trainer's ``train_infos`` (``lr``, ``step``...).
 

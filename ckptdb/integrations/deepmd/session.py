@@ -281,15 +281,18 @@ class LedgerTraining:
 
     # -------------------------------------------------------------- saving
 
-    def _ckptdb_publish_periodic(self, step: int, writers: Mapping[str, Writer]) -> None:
+    def _ckptdb_publish_periodic(
+        self, step: int, writers: Mapping[str, Writer]
+    ) -> dict[str, Checkpoint] | None:
         """The periodic boundary of ``step`` (rank 0's ``writers``: the regular
-        checkpoint's and its EMA twin's, DeePMD's names from its stores)."""
+        checkpoint's and its EMA twin's, DeePMD's names from its stores); what it
+        published (None: refused)."""
         names = {
             stream: self._ckptdb_name(store.path_for(step))
             for stream, store in self._ckptdb_stores()
+            if stream in writers
         }
-        plan = Plan(step, {s: n for s, n in names.items() if s in writers}, self._ckptdb_metrics())
-        self._ckptdb_boundary(plan, writers)
+        return self._ckptdb_boundary(Plan(step, names, self._ckptdb_metrics()), writers)
 
     def _ckptdb_follow(self) -> None:
         """A rank other than 0, where it joins the periodic boundary: this rank's

@@ -13,6 +13,7 @@ point. A validation-best checkpoint reaches DeePMD's private write, which
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,9 @@ class ExptLedgerTrainer(LedgerTraining, compat.HookedExptTrainer):
         writers: dict[str, Writer] = {STREAM: partial(self._ckptdb_save_to, step=step, ema=False)}
         if self.model_ema is not None:
             writers[EMA_STREAM] = partial(self._ckptdb_save_to, step=step, ema=True)
-        self._ckptdb_publish_periodic(step, writers)
+        saved = self._ckptdb_publish_periodic(step, writers)
+        if saved is not None and STREAM in saved:  # DeePMD's line, with the name published
+            self.deepmd_log_saved(Path(os.path.relpath(saved[STREAM].path, self.run_root)))
 
     def _ckptdb_save_to(self, target: Path, *, step: int, ema: bool) -> None:
         self.deepmd_save_to(target, step=step, ema=ema)
