@@ -1,15 +1,18 @@
-"""DeePMD-kit's ``dp --pt train`` through ckptdb, with the real DeePMD-kit on the CPU.
+"""DeePMD-kit's ``dp train`` through ckptdb, both PyTorch backends (``--pt``,
+``--pt-expt``), with the real DeePMD-kit on the CPU.
 
 Every training run is a subprocess of ``tests/deepmd_run.py`` (ckptdb's entry
 point plus test-only faults: a NaN gradient, a SIGKILL at a fault point) on
-the tiny system of :mod:`deepmdlib`. Runs cost mostly DeePMD's import, so
-there are seven: one trained run shared by the tests that only read it (EMA,
-full validation with best checkpoints, a NaN gradient at step 46 whose
-boundaries at 60 are refused; its ``lcurve.out`` and ``val.log`` as metrics),
-``dp freeze`` on it, a crash and its restart, and a stock DeePMD-kit run
-(``tests/deepmd_stock.py``) adopted, trained on through ckptdb, then
-restarted by stock DeePMD-kit. Restart resolution, names, the version check,
-the refused configurations and the log reader are tested in-process.
+the tiny system of :mod:`deepmdlib`. Runs cost mostly DeePMD's import. Per
+backend: one trained run shared by the tests that only read it (EMA, full
+validation with best checkpoints, a NaN gradient at step 46 whose boundaries
+at 60 are refused; its ``lcurve.out`` and ``val.log`` as metrics; ``dp
+freeze`` on it), a crash and its restart, DeePMD's stock layout (periodic
+checkpoints in ``save_dir``, best ones beside ``save_ckpt``) trained,
+reconciled and resumed, and a stock DeePMD-kit run (``tests/deepmd_stock.py``)
+adopted, trained on through ckptdb, then restarted by stock DeePMD-kit.
+Restart resolution, names, the save directory of a layout, the version
+check, the refused configurations and the log reader are tested in-process.
 """
 
 from __future__ import annotations
@@ -226,6 +229,11 @@ def test_lcurve_and_validation_logs_are_the_ledgers_metrics(trained: Path) -> No
         got = {step: [v for v, _ in pts] for step, pts in points[name].items()}
         assert got == {step: [value] for step, value in by_step.items()}, name
     assert 1 not in points["lr"]  # lcurve's lr is not recorded, the checkpoints' is
+    lcurve = column_log(trained / "lcurve.out")
+    with RunReader(trained) as reader:
+        saved = reader.checkpoints("model", states=("committed", "deleted"))
+    for c in saved:  # each checkpoint's learning rate, lcurve's (rounded) at its step
+        assert c.metrics["lr"] == pytest.approx(lcurve[c.step]["lr"], rel=0.05), c
 
 
 def test_ckptdb_history_and_sql_read_deepmds_metrics(trained: Path) -> None:
@@ -362,6 +370,16 @@ def test_restart_refuses_a_path_without_a_committed_row(
     """A file with no row (the remnant), an evicted one, one that was never published."""
     with pytest.raises(CheckpointNotFoundError, match="has no committed row"):
         train.resolve_restart(ledger, spec, root=trained, aliases=ALIASES)
+
+
+@pytest.mark.parametrize("name", ["frozen.pte", "frozen.pt2"])
+def test_restart_names_a_pt_expt_file_as_given(
+    ledger: IntegrationLedger, trained: Path, name: str
+) -> None:
+    """``--pt-expt`` takes ``.pte``/``.pt2`` files as they are (no ``.pt`` added): the
+    refusal names the file the user gave."""
+    with pytest.raises(CheckpointNotFoundError, match=rf"{trained / name} has no committed row"):
+        train.resolve_restart(ledger, name, root=trained, aliases=ALIASES)
 
 
 def test_restart_refuses_another_directory(
@@ -659,19 +677,61 @@ def test_a_runs_save_directory_holds_every_streams_directory(
 
 def test_a_run_whose_streams_move_out_of_its_save_directory_is_refused(tmp_path: Path) -> None:
     """Its rows are named relative to the save directory the ledger records: another
-    one would make every checkpoint of the run unreachable, so it is refused before
-    anything opens; a run that holds no checkpoint yet may move."""
+    one would make every checkpoint of the run unreachable, so the open refuses it
+    (inside its transaction, nothing changed); a recorded save directory that still
+    holds every stream's directory is kept; a run that holds no checkpoint may move."""
     root = tmp_path / "run"
     with CheckpointManager(root, save_dir=root / "ckpts") as manager:
-        manager.save(20, model={"w": torch.zeros(1)})
+        (kept,) = manager.save(20, model={"w": torch.zeros(1)}).values()
     config: dict[str, Any] = {"training": {"save_dir": "ckpts"}, "validating": VALIDATING}
-    directories = deepmd_config.stream_directories(config, root)
+    directories = deepmd_config.stream_directories(config, root)  # best files: the root
+    assert session._recorded_save_dir(root, LedgerOptions(), directories) is None
+    moved = deepmd_config.ledger_save_dir(directories, root, None)
+    assert moved == root
     with pytest.raises(InvalidArgumentError, match="records 1 checkpoint"):
-        session._recorded_save_dir(root, LedgerOptions(), directories)
+        CheckpointManager(root, save_dir=moved)
+    with RunReader(root) as reader:
+        assert reader.save_dir == root / "ckpts" and reader.latest("model") == kept
     config["validating"] = {**VALIDATING, "save_best_dir": "ckpts/best"}
     inside = deepmd_config.stream_directories(config, root)
     assert session._recorded_save_dir(root, LedgerOptions(), inside) == root / "ckpts"
     assert session._recorded_save_dir(tmp_path / "new", LedgerOptions(), directories) is None
+    empty = tmp_path / "empty"
+    CheckpointManager(empty, save_dir=empty / "a").close()
+    with CheckpointManager(empty, save_dir=empty / "b") as manager:
+        assert manager.save_dir == empty / "b"
+
+
+def test_a_checkpoint_under_a_linked_save_dir_is_named_inside_the_save_directory(
+    tmp_path: Path,
+) -> None:
+    """``save_dir`` through a symlink (a scratch filesystem linked into the run): the
+    save directory is the link's target, and DeePMD's path through the link is named
+    inside it, never as a path climbing out (which the ledger refuses)."""
+    root, scratch = tmp_path / "run", tmp_path / "scratch" / "ckpts"
+    scratch.mkdir(parents=True)
+    root.mkdir()
+    (root / "ckpts").symlink_to(scratch)
+    directories = deepmd_config.stream_directories({"training": {"save_dir": "ckpts"}}, root)
+    save_dir = deepmd_config.ledger_save_dir(directories, root, None)
+    assert save_dir == scratch.resolve()
+    trainer: Any = SimpleNamespace(run_root=root, manager=SimpleNamespace(save_dir=save_dir))
+    name = session.LedgerTraining._ckptdb_name(trainer, Path("ckpts/model.ckpt-20.pt"))
+    assert name == "model.ckpt-20.pt"
+
+
+@pytest.mark.parametrize("save_ckpt", ["../model.ckpt", "{outside}/model.ckpt"])
+def test_a_save_ckpt_outside_the_working_directory_is_refused(
+    tmp_path: Path, save_ckpt: str
+) -> None:
+    """DeePMD writes its ``model.ckpt.pt`` alias beside ``save_ckpt``; the ledger writes
+    the aliases inside the run only, so such a prefix is refused before anything opens."""
+    root = tmp_path / "run"
+    root.mkdir()
+    config = {"training": {"save_ckpt": save_ckpt.format(outside=tmp_path / "else")}}
+    with pytest.raises(InvalidArgumentError, match=r"save_ckpt .* is outside the working"):
+        deepmd_config.refuse_unsupported(config, root)
+    deepmd_config.refuse_unsupported({"training": {"save_ckpt": "sub/model.ckpt"}}, root)
 
 
 def test_another_backend_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -177,7 +177,9 @@ def test_one_ranks_failed_write_publishes_nothing_then_both_ranks_resume(
     check_clean(root)
 
 
-def test_sharded_training_on_several_ranks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sharded_training_on_several_ranks_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """ZeRO/FSDP (``zero_stage`` > 0) saves on every rank: not guarded yet, refused
     before anything is opened; with one rank DeePMD drops the stage itself."""
     dist: Any = deepmd_config.torch.distributed
@@ -185,7 +187,7 @@ def test_sharded_training_on_several_ranks_is_refused(monkeypatch: pytest.Monkey
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     config = {"training": {"zero_stage": 1}}
     with pytest.raises(InvalidArgumentError, match="zero_stage=1"):
-        deepmd_config.refuse_unsupported(config)
-    deepmd_config.refuse_unsupported({"training": {"zero_stage": 0}})
+        deepmd_config.refuse_unsupported(config, tmp_path)
+    deepmd_config.refuse_unsupported({"training": {"zero_stage": 0}}, tmp_path)
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
-    deepmd_config.refuse_unsupported(config)
+    deepmd_config.refuse_unsupported(config, tmp_path)

@@ -310,13 +310,14 @@ class HookedTrainer(_ValidatorHook, DeepmdTrainer):  # type: ignore[misc]  # Dee
         ``checkpoint_data`` to ``path``, then calls ``store.prune(path)``)."""
         super()._write_checkpoint(path, checkpoint_data, store=store)
 
-    def deepmd_train_infos(self) -> dict[str, Any]:
-        """The trainer's ``train_infos`` (``lr``, ``step``... as DeePMD saves them).
+    def deepmd_learning_rate(self, step: int) -> float | None:
+        """The learning rate of the checkpoint of ``step``, as DeePMD saves it in the
+        checkpoint's ``train_infos`` (set at each checkpoint).
 
         Borrowed: ``Trainer._get_inner_module()`` (3.2.0): the model wrapper with
         DDP unwrapped, which holds ``train_infos``."""
-        infos: dict[str, Any] = self._get_inner_module().train_infos
-        return infos
+        lr = self._get_inner_module().train_infos.get("lr")
+        return float(lr) if isinstance(lr, (int, float)) else None
 
     def deepmd_save_at(self, step: int) -> None:
         """DeePMD's loop saves a periodic checkpoint at the end of ``step``.
@@ -391,13 +392,12 @@ class HookedExptTrainer(_ValidatorHook, DeepmdExptTrainer):  # type: ignore[misc
         ``save_checkpoint`` prints after each periodic checkpoint; 3.2.0)."""
         expt_training.log.info(f"Saved model to {path}")
 
-    def deepmd_train_infos(self) -> dict[str, Any]:
-        """The trainer's ``train_infos`` (``lr``, ``step``...).
+    def deepmd_learning_rate(self, step: int) -> float | None:
+        """The learning rate of DeePMD's (one-based) ``step``, the one its
+        ``lcurve.out`` shows there: this backend keeps none in ``train_infos``.
 
-        Borrowed: ``Trainer._unwrapped`` (3.2.0): the model wrapper with DDP
-        unwrapped, which holds ``train_infos``."""
-        infos: dict[str, Any] = self._unwrapped.train_infos
-        return infos
+        Public: ``Trainer.learning_rate(step)`` (zero-based; 3.2.0)."""
+        return float(self.learning_rate(step - 1))
 
     def deepmd_save_at(self, step: int) -> None:
         """DeePMD's loop saves a periodic checkpoint at the end of ``step`` (its

@@ -34,13 +34,23 @@ __all__ = [
 ]
 
 
-def refuse_unsupported(config: dict[str, Any]) -> None:
+def refuse_unsupported(config: dict[str, Any], root: Path) -> None:
     """What this integration does not guard yet is refused before anything is opened.
 
     Sharded training (``zero_stage`` above 0 on several ranks) assembles a
     checkpoint from every rank's shard inside DeePMD's own write, which a
-    ckptdb boundary does not drive yet.
+    ckptdb boundary does not drive yet. A ``save_ckpt`` outside the working
+    directory (``root``) would put DeePMD's aliases (``model.ckpt.pt``) where
+    the ledger, which writes them after each commit, keeps no file of the run.
     """
+    prefix = Path(config["training"].get("save_ckpt", "model.ckpt"))
+    if not (root / prefix.parent).resolve().is_relative_to(root):
+        raise InvalidArgumentError(
+            f"training.save_ckpt ({prefix}) is outside the working directory ({root}): "
+            "DeePMD writes its model.ckpt.pt alias there, which ckptdb re-points after each "
+            "commit inside the run only; keep save_ckpt a name in the working directory "
+            "and put the checkpoints elsewhere with training.save_dir"
+        )
     dist = torch.distributed
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     stage = int(config["training"].get("zero_stage", 0) or 0)
@@ -71,9 +81,10 @@ def ledger_save_dir(directories: Mapping[str, Path], root: Path, stored: Path | 
     (None for a new one); it stays when it holds every stream's directory, so
     the names of the run's checkpoints keep meaning the same files. Otherwise it
     is the nearest directory holding them all: the periodic directory when the
-    best one is inside it, else their common directory, which must lie in the
-    run's working directory (``root``): a save directory of ``/`` or ``/scratch``
-    would make the ledger answer for files that are not the run's.
+    best one is inside it (wherever ``save_dir`` is), else their common
+    directory, which must lie in the run's working directory (``root``): the
+    common directory of ``/scratch/ckpts`` and the working directory could be
+    ``/``, and the ledger would answer for files that are not the run's.
     """
     if stored is not None and all(d.is_relative_to(stored) for d in directories.values()):
         return stored

@@ -57,6 +57,9 @@ PREEMPTION_OPTION = "--ckptdb-preemption"
 VAL_PREFIX = {BEST_STREAM: "val_", BEST_EMA_STREAM: "val_ema_"}
 #: The name of the collective that shares rank 0's plan of a boundary.
 PLAN = "deepmd checkpoint"
+#: What DeePMD takes as a file name for ``--restart`` (else a prefix, ``.pt`` added):
+#: ``.pt``, and ``--pt-expt``'s ``.pte``/``.pt2``.
+RESTART_SUFFIXES = (".pt", ".pte", ".pt2")
 
 #: A write of one checkpoint file to a path ckptdb chooses.
 Writer = Callable[[Path], None]
@@ -105,7 +108,7 @@ class LedgerTraining:
     start_step: int
     num_steps: int
     # each backend's compat class (:class:`.compat.HookedTrainer`, ``HookedExptTrainer``)
-    deepmd_train_infos: Callable[[], dict[str, Any]]
+    deepmd_learning_rate: Callable[[int], float | None]
     deepmd_save_at: Callable[[int], None]
 
     #: Whether a rank other than 0 joins the periodic boundary in DeePMD's guard check
@@ -122,9 +125,9 @@ class LedgerTraining:
     ) -> None:
         """Open the ledger, resolve ``--restart`` through it, ``construct`` DeePMD's
         trainer (with the checkpoint to load), then take over its checkpoints."""
-        config.refuse_unsupported(cfg)
         self.ckptdb = options
         self.run_root = Path.cwd().resolve()  # where DeePMD writes its `checkpoint` pointer
+        config.refuse_unsupported(cfg, self.run_root)
         directories = config.stream_directories(cfg, self.run_root)
         save_dir = config.ledger_save_dir(
             directories,
@@ -239,8 +242,10 @@ class LedgerTraining:
 
     def _ckptdb_name(self, path: Path) -> str:
         """DeePMD's path of a checkpoint (relative to the working directory, or
-        absolute) as the ledger names it: relative to the run's save directory."""
-        return os.path.relpath(os.path.abspath(self.run_root / path), self.manager.save_dir)
+        absolute) as the ledger names it: relative to the run's save directory (its
+        directory resolved as the save directory is: a link in the way stays out)."""
+        where = self.run_root / path
+        return os.path.relpath(where.parent.resolve() / where.name, self.manager.save_dir)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -292,7 +297,7 @@ class LedgerTraining:
             for stream, store in self._ckptdb_stores()
             if stream in writers
         }
-        return self._ckptdb_boundary(Plan(step, names, self._ckptdb_metrics()), writers)
+        return self._ckptdb_boundary(Plan(step, names, self._ckptdb_metrics(step)), writers)
 
     def _ckptdb_follow(self) -> None:
         """A rank other than 0, where it joins the periodic boundary: this rank's
@@ -326,7 +331,7 @@ class LedgerTraining:
             metric = self.manager.policies[stream].ranking_metric
             assert metric is not None
             metrics = common.rankable_metrics(
-                {**(self._ckptdb_metrics() or {}), metric: value},
+                {**(self._ckptdb_metrics(step) or {}), metric: value},
                 self.manager.policies[stream],
                 step=step,
                 log=log,
@@ -403,9 +408,10 @@ class LedgerTraining:
             self._ckptdb_point_aliases()
         return saved
 
-    def _ckptdb_metrics(self) -> dict[str, float] | None:
-        lr = self.deepmd_train_infos().get("lr")
-        return {"lr": float(lr)} if isinstance(lr, (int, float)) else None
+    def _ckptdb_metrics(self, step: int) -> dict[str, float] | None:
+        """The metrics of the checkpoint of ``step``: its learning rate."""
+        lr = self.deepmd_learning_rate(step)
+        return {"lr": lr} if lr is not None else None
 
     def _writer(self, write: Writer | None) -> Writer:
         """This rank's write of one payload: DeePMD's own (``write``), or nothing on a
@@ -499,27 +505,18 @@ class LedgerTraining:
 def _recorded_save_dir(
     root: Path, options: LedgerOptions, directories: Mapping[str, Path]
 ) -> Path | None:
-    """The save directory the ledger records for the run at ``root`` (None for a new run),
-    or a refusal when the configuration now writes outside it while it holds
-    checkpoints: their names are relative to it, so another save directory would
-    lose them all."""
+    """The save directory the ledger records for the run at ``root`` when it still holds
+    every stream's directory (the names of the run's checkpoints keep meaning the same
+    files), else None. A run whose configuration now writes outside it is refused
+    by the open itself, inside its transaction, if the run holds checkpoints."""
     try:
         with RunReader(root, db_url=options.db_url) as reader:
-            stored, counts = reader.save_dir, reader.state_counts()
-    except LedgerError:  # no ledger, or no run at this root in it
+            stored = reader.save_dir
+    except LedgerError:  # no ledger or no run here yet, or one the open must migrate first
         return None
     if not isinstance(stored, Path):
         return None  # a run on object storage is not a DeePMD layout: opening refuses it
-    outside = {s: d for s, d in directories.items() if not d.is_relative_to(stored)}
-    held = sum(n for state, n in counts.items() if state not in ("deleted", "aborted"))
-    if outside and held:
-        named = ", ".join(f"{stream} in {d}" for stream, d in sorted(outside.items()))
-        raise InvalidArgumentError(
-            f"this run's ledger records {held} checkpoint(s) in {stored}, and the configuration "
-            f"now writes outside it ({named}): keep validating.save_best_dir and "
-            f"training.save_dir inside {stored} for this run, or train in a new directory"
-        )
-    return stored if not outside else None
+    return stored if all(d.is_relative_to(stored) for d in directories.values()) else None
 
 
 class _DeepmdGuard:
@@ -636,7 +633,7 @@ def resolve_restart(
             f"--restart {spec}: not this run's directory ({root}, checkpoints in "
             f"{manager.save_dir}); ckptdb resumes from this run's ledger only"
         )
-    if path.suffix != ".pt":
+    if path.suffix not in RESTART_SUFFIXES:  # a prefix: DeePMD adds ``.pt``
         path = path.with_name(path.name + ".pt")
     for name, stream in aliases.items():
         if path == Path(os.path.abspath(root / name)):

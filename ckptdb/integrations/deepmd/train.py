@@ -13,6 +13,7 @@ backends share is :mod:`.session`; the ``--pt-expt`` trainer is
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -51,8 +52,10 @@ GUARD_CHOICES: dict[str, common.GuardSetting] = {"warn": True, "raise": "raise",
 GRACE_OPTION = "--ckptdb-grace"
 #: Where a replicator copies the run (``s3://bucket/prefix``): see CheckpointManager(remote=).
 REMOTE_OPTION = "--ckptdb-remote"
-#: The ledger's URL (PostgreSQL for several machines); default: the run's own SQLite file.
+#: The ledger's URL (PostgreSQL for several machines); default: ``CKPTDB_DB_URL``, else
+#: the run's own SQLite file.
 DB_URL_OPTION = "--ckptdb-db-url"
+DB_URL_ENV = "CKPTDB_DB_URL"
 
 
 # --------------------------------------------------------------- entry point
@@ -78,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args, preemption = _take_preemption(args)
     args, remote = _take_option(args, REMOTE_OPTION, "an object-storage URL, s3://bucket/prefix")
     args, db_url = _take_option(args, DB_URL_OPTION, "a ledger URL, postgresql://...")
+    db_url = db_url or os.environ.get(DB_URL_ENV) or None  # as the ckptdb command reads it
     ledger = LedgerOptions.of(guard=guard, preemption=preemption, remote=remote, db_url=db_url)
     flags = compat.parse_dp_args(args)
     if flags.command != "train":
