@@ -187,9 +187,7 @@ class CheckpointManager:
     explicitly, maybe as a dry run) and the attempt is recorded as kind
     ``maintenance``, so it does not count as a training restart.
     Without ``save_dir`` an existing run keeps the save directory it was
-    created with (following the root if the run directory was moved); another
-    ``save_dir`` for a run that holds checkpoints is refused (their rows name
-    their files relative to it).
+    created with (following the root if the run directory was moved).
 
     ``db_url`` puts the ledger elsewhere, e.g. ``postgresql+psycopg://user@host/db``:
     many runs then share one database, each identified by its resolved root,

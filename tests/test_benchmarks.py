@@ -169,14 +169,19 @@ def assert_stopped_and_cleaned(started: list[s3server.S3Server], scratch: Path) 
 @pytest.mark.timeout(240)
 def test_the_deepmd_case_alone_times_both_contenders_twice(tmp_path: Path, capsys) -> None:
     """``--case deepmd``: stock dp and ckptdb's, each a whole training subprocess, and the
-    stock one again (the noise floor); after import and whole process, from the same runs."""
+    stock one again (the noise floor); after import and whole process, from the same runs;
+    one such pair of comparisons for each backend (``--pt``, ``--pt-expt``)."""
     missing = deepmd_case.available()
     if missing is not None:
         pytest.skip(missing)
     out = tmp_path / "deepmd.json"
     assert main(["--quick", "--case", "deepmd", "--out", str(out), "--work", str(tmp_path)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert [r["name"].rsplit(": ", 1)[1] for r in results] == ["after import", "whole process"]
+    figures = ["after import", "whole process"]
+    assert [r["name"].rsplit(": ", 1)[1] for r in results] == figures * len(deepmd_case.BACKENDS)
+    assert [r["name"].split(" train,")[0].rsplit(" ", 1)[1] for r in results] == [
+        backend for backend in deepmd_case.BACKENDS for _ in figures
+    ]
     contenders = [deepmd_case.STOCK, deepmd_case.OURS, deepmd_case.STOCK + AGAIN]
     quick = PROFILES["quick"]["deepmd"]
     for result in results:
@@ -188,10 +193,10 @@ def test_the_deepmd_case_alone_times_both_contenders_twice(tmp_path: Path, capsy
         saved = result["notes"]["checkpoints per run"]  # the same for both, or the case raised
         assert saved["periodic (+ its EMA twin)"] == quick["steps"] // quick["save_freq"]
         assert saved["best"] >= 1 and saved["best_ema"] >= 1, saved
-    after, whole = (r["median_s"] for r in results)
-    # one run each: the window after the imports lies inside its process's lifetime
-    assert all(after[k] < whole[k] for k in contenders), (after, whole)
-    assert set(results[1]["notes"]["imports, median s"]) == set(contenders)
+    for after, whole in zip(results[::2], results[1::2], strict=True):
+        # one run each: the window after the imports lies inside its process's lifetime
+        assert all(after["median_s"][k] < whole["median_s"][k] for k in contenders), (after, whole)
+        assert set(whole["notes"]["imports, median s"]) == set(contenders)
     table = capsys.readouterr().out
     assert f"| {results[0]['name']} | {deepmd_case.OURS} |" in table
     assert not list(tmp_path.rglob("input.json"))  # every run directory removed

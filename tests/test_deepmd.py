@@ -677,29 +677,40 @@ def test_a_runs_save_directory_holds_every_streams_directory(
 
 def test_a_run_whose_streams_move_out_of_its_save_directory_is_refused(tmp_path: Path) -> None:
     """Its rows are named relative to the save directory the ledger records: another
-    one would make every checkpoint of the run unreachable, so the open refuses it
-    (inside its transaction, nothing changed); a recorded save directory that still
-    holds every stream's directory is kept; a run that holds no checkpoint may move."""
+    one would make every checkpoint of the run unreachable, so it is refused before
+    anything opens; a recorded save directory that still holds every stream's
+    directory is kept; a run that holds no checkpoint may move; a run opened with
+    its recorded one (a ledger the open had to migrate first) is refused once open."""
     root = tmp_path / "run"
     with CheckpointManager(root, save_dir=root / "ckpts") as manager:
-        (kept,) = manager.save(20, model={"w": torch.zeros(1)}).values()
+        manager.save(20, model={"w": torch.zeros(1)})
     config: dict[str, Any] = {"training": {"save_dir": "ckpts"}, "validating": VALIDATING}
     directories = deepmd_config.stream_directories(config, root)  # best files: the root
-    assert session._recorded_save_dir(root, LedgerOptions(), directories) is None
-    moved = deepmd_config.ledger_save_dir(directories, root, None)
-    assert moved == root
     with pytest.raises(InvalidArgumentError, match="records 1 checkpoint"):
-        CheckpointManager(root, save_dir=moved)
-    with RunReader(root) as reader:
-        assert reader.save_dir == root / "ckpts" and reader.latest("model") == kept
+        session._save_dir_to_open(root, LedgerOptions(), directories)
+    with (
+        CheckpointManager(root, maintenance=True) as manager,
+        pytest.raises(InvalidArgumentError, match="records 1 checkpoint"),
+    ):
+        session._check_save_dir(manager, directories)
     config["validating"] = {**VALIDATING, "save_best_dir": "ckpts/best"}
     inside = deepmd_config.stream_directories(config, root)
-    assert session._recorded_save_dir(root, LedgerOptions(), inside) == root / "ckpts"
-    assert session._recorded_save_dir(tmp_path / "new", LedgerOptions(), directories) is None
+    assert session._save_dir_to_open(root, LedgerOptions(), inside) == root / "ckpts"
+    new = tmp_path / "new"
+    stock = {"training": {"save_dir": "ckpts"}, "validating": VALIDATING}
+    fresh = deepmd_config.stream_directories(stock, new)
+    assert session._save_dir_to_open(new, LedgerOptions(), fresh) == new.resolve()
     empty = tmp_path / "empty"
-    CheckpointManager(empty, save_dir=empty / "a").close()
-    with CheckpointManager(empty, save_dir=empty / "b") as manager:
-        assert manager.save_dir == empty / "b"
+    CheckpointManager(empty, save_dir=empty / "ckpts").close()
+    moved = deepmd_config.stream_directories(config, empty)
+    assert session._save_dir_to_open(empty, LedgerOptions(), moved) == (empty / "ckpts").resolve()
+    config["validating"] = VALIDATING
+    assert (
+        session._save_dir_to_open(
+            empty, LedgerOptions(), deepmd_config.stream_directories(config, empty)
+        )
+        == empty.resolve()
+    )  # nothing held: it may move
 
 
 def test_a_checkpoint_under_a_linked_save_dir_is_named_inside_the_save_directory(

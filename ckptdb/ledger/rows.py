@@ -71,29 +71,9 @@ def open_run(session: Session, root: Path, save_dir: Path | None, *, adopt_singl
         session.add(run)
         session.flush()
         return run
-    current = rebased_save_dir(run, root)
-    target = save_dir or current
-    if str(target) != str(current):
-        _refuse_moving_checkpoints(session, run, current, target)
+    target = save_dir or rebased_save_dir(run, root)
     run.root, run.save_dir = str(root), str(target)
     return run
-
-
-def _refuse_moving_checkpoints(session: Session, run: m.Run, current: Path, target: Path) -> None:
-    """A run's rows name their files relative to its save directory: another one while
-    it holds checkpoints would make every one of them unreachable (and the open's
-    reconcile would mark them lost), so it is refused before anything changes."""
-    held = session.scalar(
-        select(func.count())
-        .select_from(m.Checkpoint)
-        .where(m.Checkpoint.run_id == run.id, m.Checkpoint.state.not_in(("deleted", "aborted")))
-    )
-    if held:
-        raise InvalidArgumentError(
-            f"save_dir {target}: this run's ledger records {held} checkpoint(s) relative to its "
-            f"save directory {current}, which another save directory would make unreachable: "
-            f"keep save_dir={current} (or leave it out) for this run, or start a new run"
-        )
 
 
 def policy_from_row(row: m.Stream) -> Policy:

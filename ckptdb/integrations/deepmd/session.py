@@ -34,6 +34,7 @@ from ...errors import (
     NoCheckpointToResumeError,
     NonFiniteGradientError,
     RunDirectoryError,
+    SchemaVersionError,
     note_on,
 )
 from ...guard import NonFiniteGradGuard
@@ -129,11 +130,7 @@ class LedgerTraining:
         self.run_root = Path.cwd().resolve()  # where DeePMD writes its `checkpoint` pointer
         config.refuse_unsupported(cfg, self.run_root)
         directories = config.stream_directories(cfg, self.run_root)
-        save_dir = config.ledger_save_dir(
-            directories,
-            self.run_root,
-            _recorded_save_dir(self.run_root, options.ledger, directories),
-        )
+        save_dir = _save_dir_to_open(self.run_root, options.ledger, directories)
         #: The run this trainer holds (the integration contract).
         self.ledger = IntegrationLedger.open(
             self.run_root, options.ledger, streams=config.streams(cfg), save_dir=save_dir
@@ -148,6 +145,7 @@ class LedgerTraining:
         self._ckptdb_steps_done = 0  # this attempt's optimizer steps, counted from start_step
         self._ckptdb_tails: list[LogTail] = []
         try:
+            _check_save_dir(self.manager, directories)
             if restart_model is not None:
                 spec = options.restart if options.restart is not None else restart_model
                 self.resumed = resolve_restart(
@@ -502,21 +500,55 @@ class LedgerTraining:
             guard.observe(common.optimizer_params(optimizer))
 
 
-def _recorded_save_dir(
+def _save_dir_to_open(
     root: Path, options: LedgerOptions, directories: Mapping[str, Path]
 ) -> Path | None:
-    """The save directory the ledger records for the run at ``root`` when it still holds
-    every stream's directory (the names of the run's checkpoints keep meaning the same
-    files), else None. A run whose configuration now writes outside it is refused
-    by the open itself, inside its transaction, if the run holds checkpoints."""
+    """The save directory to open the run at ``root`` with (None: the one its ledger
+    records), before anything is opened.
+
+    An existing run keeps its recorded save directory while that holds every
+    stream's directory: the names of its checkpoints keep meaning the same
+    files. A configuration that now writes outside it is refused while the run
+    holds checkpoints (another save directory would make every one of them
+    unreachable, and the open's reconcile would mark them lost); a run that holds
+    none may move. A ledger the open must migrate first cannot be read here:
+    the recorded save directory is kept, and checked once the run is open
+    (:func:`_check_save_dir`).
+    """
     try:
         with RunReader(root, db_url=options.db_url) as reader:
-            stored = reader.save_dir
-    except LedgerError:  # no ledger or no run here yet, or one the open must migrate first
+            stored, counts = reader.save_dir, reader.state_counts()
+    except SchemaVersionError:
         return None
+    except LedgerError:  # no ledger or no run here yet (an unreachable one: the open says so)
+        return config.ledger_save_dir(directories, root, None)
     if not isinstance(stored, Path):
         return None  # a run on object storage is not a DeePMD layout: opening refuses it
-    return stored if all(d.is_relative_to(stored) for d in directories.values()) else None
+    outside = {s: d for s, d in directories.items() if not d.is_relative_to(stored)}
+    if not outside:
+        return stored
+    held = sum(n for state, n in counts.items() if state not in ("deleted", "aborted"))
+    if held:
+        raise _moved_out(stored, held, outside)
+    return config.ledger_save_dir(directories, root, None)
+
+
+def _check_save_dir(manager: Any, directories: Mapping[str, Path]) -> None:
+    """Once the run is open: every stream's directory lies in its save directory."""
+    outside = {s: d for s, d in directories.items() if not d.is_relative_to(manager.save_dir)}
+    if outside:
+        held = sum(1 for _ in manager.checkpoints())
+        raise _moved_out(manager.save_dir, held, outside)
+
+
+def _moved_out(stored: Path, held: int, outside: Mapping[str, Path]) -> InvalidArgumentError:
+    named = ", ".join(f"{stream} in {d}" for stream, d in sorted(outside.items()))
+    return InvalidArgumentError(
+        f"this run's ledger records {held} checkpoint(s) relative to its save directory "
+        f"{stored}, and the configuration now writes outside it ({named}): keep "
+        f"validating.save_best_dir and training.save_dir inside {stored} for this run, "
+        "or train in a new directory"
+    )
 
 
 class _DeepmdGuard:
