@@ -17,6 +17,7 @@ from .protocol.asyncsave import SaveHandle
 from .protocol.reconcile import Action, ReconcileReport
 from .reader import RunReader, resolve
 from .record import Checkpoint, DerivedAlias, Replica
+from .recovery import RunRestore, restore_run
 from .replication import Replicator
 from .storage.dcp import Sharded
 from .storage.external import External
@@ -39,9 +40,11 @@ __all__ = [
     "Replica",
     "Replicator",
     "RunReader",
+    "RunRestore",
     "SaveHandle",
     "Sharded",
     "TopK",
     "__version__",
     "resolve",
+    "restore_run",
 ]

@@ -307,6 +307,19 @@ class CorruptCheckpointError(CkptDBError, OSError):
     """A checkpoint file's size or hash differs from its ledger row."""
 
 
+class LedgerReplicaNotFoundError(CkptDBError, FileNotFoundError):
+    """A remote tier holds no copy of the ledger to restore (of the run asked for)."""
+
+
+class CorruptLedgerReplicaError(CkptDBError, OSError):
+    """A copy of the ledger on a remote tier is damaged: not the bytes its manifest
+    records, or not a sound SQLite database. A restore never uses one."""
+
+
+class RestoreTargetError(CkptDBError, FileExistsError):
+    """A restore from a URL alone would write into a directory that is not empty."""
+
+
 class ObjectStoreError(CkptDBError, OSError):
     """An object-store request failed after its retries (or the store cannot be used).
 
@@ -464,6 +477,7 @@ __all__ = [
     "CleanupWarning",
     "ConditionalWritesUnsupportedError",
     "CorruptCheckpointError",
+    "CorruptLedgerReplicaError",
     "DatabaseError",
     "ForeignEntryError",
     "InvalidArgumentError",
@@ -471,6 +485,7 @@ __all__ = [
     "LayoutMismatchError",
     "LedgerError",
     "LedgerLockedError",
+    "LedgerReplicaNotFoundError",
     "MissingExtraError",
     "NetworkFilesystemError",
     "NonFiniteGradientError",
@@ -478,6 +493,7 @@ __all__ = [
     "PublishError",
     "RankAgreementError",
     "RankFailedError",
+    "RestoreTargetError",
     "RunDirectoryError",
     "SchemaVersionError",
     "UnknownStreamError",

@@ -48,11 +48,12 @@ from .guard import NonFiniteGradGuard
 from .ledger import OpenedRun, after_commit, open_ledger, pins
 from .ledger import models as m
 from .ledger import rows as ledger_rows
-from .ledger.engine import default_sqlite_url, normalize_url
+from .ledger.engine import LEDGER_FILE, default_sqlite_url, normalize_url
 from .ledger.lock import writer_lock
 from .ledger.models import MAX_METRIC_NAME, MAX_STEP
 from .ledger.netfs import check_ledger_location
 from .ledger.runs import open_as_writer
+from .ledgercopy import FetchedLedger, bring_back, choose_run, record_ledger_restore
 from .location import (
     ObjectPath,
     check_remote_url,
@@ -221,6 +222,8 @@ class CheckpointManager:
         self._remote = (remote, remote_options)
         #: What the open brought back from the remote tier (``remote=``), if anything.
         self.restored_at_open: list[Checkpoint] = []
+        #: The ledger an open with ``remote=`` brought back to a root that had none.
+        self.ledger_restored: FetchedLedger | None = None
         if guard is not None and not isinstance(guard, NonFiniteGradGuard):
             raise ArgumentTypeError(f"guard must be a NonFiniteGradGuard, got {guard!r}")
         refuse_object_root(root, "root")
@@ -292,6 +295,13 @@ class CheckpointManager:
             db.dispose()
             raise
         try:
+            if db_url is None:  # a lost machine's run comes back with its ledger first
+                self.ledger_restored = self._bring_back_ledger()
+        except BaseException:
+            db.dispose()
+            lock.release()
+            raise
+        try:
             run: OpenedRun = open_as_writer(
                 db,
                 self.root,
@@ -331,6 +341,7 @@ class CheckpointManager:
         self._assemble(ctx)
         self._closed = False
         try:
+            record_ledger_restore(ctx)
             ctx.remote, ctx.remote_tier = self._remote_tier(run.save_dir), REMOTE
             if not maintenance:
                 if ctx.remote is not None:
@@ -340,6 +351,28 @@ class CheckpointManager:
         except BaseException:
             self._close("failed")
             raise
+
+    def _bring_back_ledger(self) -> FetchedLedger | None:
+        """With ``remote=`` and no ledger in the root: the ledger of the run named as the
+        root, from its replica on the remote tier, if there is one (see
+        :mod:`ckptdb.ledgercopy`); a run never replicated there starts anew."""
+        url, options = self._remote
+        db_path = self.root / LEDGER_FILE
+        if url is None or db_path.exists():
+            return None
+        remote = remote_store(url, options, probe=False)
+        token = choose_run(remote, self.root.name)
+        if token is None:
+            return None
+        fetched = bring_back(remote, self.root, db_path, token)
+        log.warning(
+            "ckptdb: %s had no ledger; brought back the copy of %s made at %s (%s)",
+            self.root,
+            fetched.run,
+            fetched.copied_at,
+            fetched.location,
+        )
+        return fetched
 
     def _remote_tier(self, save_dir: Path | ObjectPath) -> Any:
         """The store of ``remote=`` (the tier a replicator copies to), read only: a load

@@ -20,6 +20,12 @@ its objects and marks the row ``failed``, then copies the checkpoint again
 under a new key. So a copy is resumed by redoing it, never duplicated, and
 never recorded as replicated unless it is.
 
+A run on a SQLite ledger has its ledger copied too, beside the copies
+(:mod:`ckptdb.ledgercopy`): after every pass that copied or removed a
+checkpoint, and otherwise at most every ``ledger_interval`` seconds while it
+changes. So a lost machine comes back from the URL alone (``ckptdb restore
+URL DIR``, or an open with ``remote=`` on a directory without a ledger).
+
 Restoring (a new machine, a corrupt local copy) is the writer's:
 :meth:`ckptdb.CheckpointManager.restore`.
 """
@@ -56,9 +62,10 @@ from .ledger import rows as ledger_rows
 from .ledger import tiers as ledger_tiers
 from .ledger.engine import backend_name
 from .ledger.lock import AdvisoryWriterLock, replicator_lock
-from .ledger.netfs import check_ledger_location
+from .ledger.netfs import check_ledger_location, sqlite_path
 from .ledger.rows import to_record
 from .ledger.runs import ledger_url
+from .ledgercopy import DEFAULT_INTERVAL, LedgerCopier, LedgerCopy
 from .location import ObjectPath, is_object_url
 from .policies import POLICY_KINDS, Entry, Policy, replayed_evictions
 from .reader import RunReader
@@ -83,6 +90,8 @@ class Replicator:
     ``streams``: only these streams (default: all). ``storage_options`` as for
     a save directory on object storage (see docs/s3.md). Opening takes the
     run's replicator lock and cleans up after a replicator that died mid-copy.
+    A SQLite ledger is copied too (:mod:`ckptdb.ledgercopy`), at most every
+    ``ledger_interval`` seconds while only metrics change.
     """
 
     def __init__(
@@ -94,7 +103,9 @@ class Replicator:
         storage_options: Mapping[str, object] | None = None,
         streams: Iterable[str] | None = None,
         keep: Mapping[str, Policy] | None = None,
+        ledger_interval: float = DEFAULT_INTERVAL,
     ) -> None:
+        _check_poll(ledger_interval, "ledger_interval")
         if not isinstance(to, str) or not is_object_url(to):
             raise InvalidArgumentError("to must be an object-storage URL (s3://bucket/prefix)")
         self._reader = RunReader(root, db_url=db_url, storage_options=storage_options)
@@ -120,6 +131,10 @@ class Replicator:
         self.error: BaseException | None = None  # what stopped the background thread
         self.expired: list[Replica] = []  # the copies the last pass removed (keep=)
         self._unranked_said: set[str] = set()  # streams whose unranked copies were logged
+        self._ledger_copier: LedgerCopier | None = None  # a SQLite ledger's replica
+        #: The last copy of the ledger, and what made the last try fail (a later pass retries).
+        self.ledger_copy: LedgerCopy | None = None
+        self.ledger_error: Exception | None = None
         try:
             self._lock.acquire()
         except Timeout:
@@ -137,6 +152,9 @@ class Replicator:
             created = self._reader.run_created_at
             assert created is not None
             self._token = run_token(self._reader.run_name, self._reader.run_id, created)
+            self._ledger_copier = _ledger_copier(
+                self._remote, self.root, url, self._token, self._reader.run_name, ledger_interval
+            )
             self.swept = self._sweep_interrupted()
             self._register()
         except BaseException:
@@ -174,7 +192,24 @@ class Replicator:
                 done.append(copied)
         if not self._stopping():
             self.expired = self._expire()
+        self._copy_ledger(force=bool(done or self.expired))  # the first copy is never delayed
         return done
+
+    def _copy_ledger(self, *, force: bool) -> None:
+        """Copy the ledger if it changed (``force``: now, else when its interval is up);
+        a failure is logged and kept in :attr:`ledger_error`, and the next pass retries:
+        the checkpoints' copies go on all the same."""
+        if self._ledger_copier is None:
+            return
+        try:
+            made = self._ledger_copier.copy(force=force)
+        except Exception as exc:
+            self.ledger_error = exc
+            log.warning("copying the ledger of %s to %s failed: %s", self.root, self.location, exc)
+            return
+        self.ledger_error = None
+        if made is not None:
+            self.ledger_copy = made
 
     def follow(self, *, poll: float = 1.0, stop: threading.Event | None = None) -> None:
         """Pass after pass, ``poll`` seconds apart, until ``stop`` is set (or :meth:`stop`
@@ -450,6 +485,8 @@ class Replicator:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._ledger is not None:  # the ledger as the last pass left it
+            self._copy_ledger(force=True)
         self._release()
         if self.error is not None:
             error, self.error = self.error, None
@@ -517,6 +554,16 @@ def detach(root: str | os.PathLike[str], *, db_url: str | None = None) -> int:
             lock.release()
 
 
+def _ledger_copier(
+    remote: Any, root: Path, url: str, token: str, run_name: str, interval: float
+) -> LedgerCopier | None:
+    """The copier of a SQLite ledger (a PostgreSQL ledger is the server's to keep)."""
+    path = sqlite_path(url)
+    if path is None:
+        return None
+    return LedgerCopier(remote, root, path, token=token, run_name=run_name, interval=interval)
+
+
 def _machines_lock(root: Path, url: str) -> AdvisoryWriterLock | None:
     """On a PostgreSQL ledger, the run's replicator lock across machines, taken (the
     lock file covers this machine only); ``LedgerLockedError`` if another holds it."""
@@ -576,9 +623,9 @@ def _bad_here(exc: BaseException, path: Path) -> bool:
     return isinstance(cause, FileNotFoundError)
 
 
-def _check_poll(poll: object) -> None:
-    if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not poll > 0:
-        raise InvalidArgumentError(f"poll must be a positive number of seconds, got {poll!r}")
+def _check_poll(poll: object, name: str = "poll") -> None:
+    if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0 < poll < math.inf:
+        raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {poll!r}")
 
 
 __all__ = ["MAX_FAILURES", "Replica", "Replicator", "detach"]

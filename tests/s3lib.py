@@ -36,13 +36,19 @@ def unique_prefix() -> str:
     return f"s3://{BUCKET}/t-{secrets.token_hex(6)}"
 
 
-def keys_under(client: Any, url: str) -> list[str]:
-    """Every object key under the prefix of ``url`` (``s3://bucket/prefix``)."""
+#: The folder of a remote tier that holds the copies of a SQLite ledger (ckptdb.ledgercopy).
+LEDGER_FOLDER = "/.ckptdb-ledger/"
+
+
+def keys_under(client: Any, url: str, *, ledger: bool = False) -> list[str]:
+    """Every object key under the prefix of ``url`` (``s3://bucket/prefix``); the copies
+    of a SQLite ledger a replicator makes there only with ``ledger`` (tests of the
+    checkpoints' copies count those; tests/test_ledger_replica.py counts the ledger's)."""
     prefix = url.split("/", 3)[3] + "/"
     found: list[str] = []
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
         found.extend(o["Key"] for o in page.get("Contents", []))
-    return sorted(found)
+    return sorted(k for k in found if ledger or LEDGER_FOLDER not in f"/{k}")
 
 
 def delete_objects_under(client: Any, url: str, containing: str = "") -> None:

@@ -121,6 +121,10 @@ def status(root: Path, db_url: str | None, as_json: bool) -> None:
         if tier["waiting"]:
             size = clifmt.human_size(tier["waiting_bytes"])
             click.echo(f"  {tier['waiting']} evicted local file(s), {size}, wait for their copy")
+        click.echo(f"  {tier['uncopied']} committed checkpoint(s) have no whole copy yet")
+        if tier["ledger_copy"] is not None:
+            ledger = tier["ledger_copy"]
+            click.echo(f"  ledger last copied at {ledger['copied_at']} ({ledger['location']})")
     for tier, copies in data["replicas"].items():
         states = ", ".join(f"{n} {s}" for s, n in sorted(copies["states"].items()))
         newest = ", ".join(f"{s} {step}" for s, step in sorted(copies["newest"].items()))
@@ -158,9 +162,12 @@ def _tier_summary(reader: RunReader) -> list[dict[str, Any]]:
     """Per registered tier: where, which streams, each stream's retention there, and
     the evicted local files still waiting for their copy."""
     waiting = reader.waiting_for_copy()
+    whole = {(r.tier, r.checkpoint_id) for r in reader.replicas() if r.state == "replicated"}
+    committed = reader.checkpoints()
     summary = []
     for t in reader.tiers():
         mine = [c for c, tier in waiting if tier == t.tier]
+        copied = [c for c in committed if t.streams is None or c.stream in t.streams]
         keep = {s: policy_from_record(r).describe() for s, r in sorted(t.policies.items())}
         summary.append(
             {
@@ -170,9 +177,21 @@ def _tier_summary(reader: RunReader) -> list[dict[str, Any]]:
                 "keep": keep,
                 "waiting": len(mine),
                 "waiting_bytes": sum(c.size or 0 for c in mine),
+                "uncopied": sum((t.tier, c.id) not in whole for c in copied),
+                "ledger_copy": _ledger_copy(reader),
             }
         )
     return summary
+
+
+def _ledger_copy(reader: RunReader) -> dict[str, Any] | None:
+    """The last copy of the run's SQLite ledger this machine made (its replicator's)."""
+    from ..ledgercopy import read_state
+
+    last = (read_state(reader.root) or {}).get("last_copy")
+    if not isinstance(last, dict):
+        return None
+    return {k: last.get(k) for k in ("copied_at", "location", "epoch", "seq", "size")}
 
 
 def _preemption_row(p: dict[str, Any]) -> list[Any]:

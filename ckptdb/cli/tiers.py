@@ -17,8 +17,11 @@ from typing import Any, Literal
 import click
 
 from ..errors import InvalidArgumentError
+from ..ledgercopy import DEFAULT_INTERVAL
+from ..location import is_object_url
 from ..policies import Keep, Policy, TopK
 from ..record import Checkpoint, Replica
+from ..recovery import restore_run
 from ..replication import Replicator
 from ..replication import detach as detach_tier
 from . import DB_URL, JSON, ROOT, _writer, main
@@ -59,6 +62,14 @@ FAILED = "failed"
     is_flag=True,
     help="Stop replicating the run instead: local retention stops waiting for copies.",
 )
+@click.option(
+    "--ledger-interval",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_INTERVAL,
+    show_default=True,
+    help="A SQLite ledger is copied too: at most this often (seconds) while only metrics "
+    "change, at once after a pass that copied a checkpoint.",
+)
 @DB_URL
 @JSON
 def replicate(
@@ -70,6 +81,7 @@ def replicate(
     poll: float,
     retry_failed: bool,
     detach: bool,
+    ledger_interval: float,
     db_url: str | None,
     as_json: bool,
 ) -> None:
@@ -107,7 +119,14 @@ def replicate(
         policies[stream] = policy
     stop = threading.Event()
     failed = False
-    with Replicator(root, to, db_url=db_url, streams=streams or None, keep=policies) as replicator:
+    with Replicator(
+        root,
+        to,
+        db_url=db_url,
+        streams=streams or None,
+        keep=policies,
+        ledger_interval=ledger_interval,
+    ) as replicator:
         _show([*replicator.swept], as_json)
 
         def stopping(*_: object) -> None:  # after the copy in progress
@@ -202,32 +221,81 @@ def _replica_dict(r: Replica) -> dict[str, Any]:
 
 
 @main.command()
-@ROOT
+@click.argument("first", metavar="ROOT | URL")
+@click.argument("target", metavar="[DIR]", required=False, type=click.Path(path_type=Path))
 @click.option(
     "--from",
     "source",
-    required=True,
     metavar="URL",
-    help="Where the copies are: the URL given to ckptdb replicate --to.",
+    help="Where the copies are (the URL given to ckptdb replicate --to), for a run whose "
+    "ledger is here (ROOT, or --db-url).",
+)
+@click.option(
+    "--run",
+    "run",
+    metavar="NAME",
+    help="With URL DIR: the run to bring back, when URL holds the ledgers of several.",
 )
 @click.option(
     "--all", "every", is_flag=True, help="Every checkpoint with a copy, not only the newest."
 )
 @DB_URL
 @JSON
-def restore(root: Path, source: str, every: bool, db_url: str | None, as_json: bool) -> None:
-    """Bring checkpoints back from their copies (a new machine, a corrupt local copy).
+def restore(
+    first: str,
+    target: Path | None,
+    source: str | None,
+    run: str | None,
+    every: bool,
+    db_url: str | None,
+    as_json: bool,
+) -> None:
+    """Bring a run back from its copies: a lost machine, a corrupt local copy.
 
-    The newest checkpoint of each stream with a whole copy is downloaded,
-    verified and put in place if its local copy is missing or damaged; run it
-    before training opens the run on a machine whose disk is empty.
+    URL DIR: a new machine. The newest sound copy of the run's SQLite ledger
+    and the newest whole copy of every stream come back into DIR (new or
+    empty); checkpoints whose copy never completed are marked lost. Then train
+    with CheckpointManager(DIR, remote=URL).
+
+    ROOT --from URL: the run's ledger is here (ROOT's, or --db-url); the newest
+    checkpoint of each stream with a whole copy is downloaded, verified and put
+    in place if its local copy is missing or damaged.
 
     \b
-    Example:
+    Examples:
+      ckptdb restore s3://bucket/replicas runs/exp1
       ckptdb restore runs/exp1 --from s3://bucket/replicas --db-url postgresql+psycopg://db/ckpt
     """
+    if is_object_url(first):
+        if target is None:
+            raise click.UsageError("ckptdb restore URL DIR: DIR is missing")
+        if source is not None:
+            raise click.UsageError("ckptdb restore URL DIR takes no --from")
+        if db_url is not None:
+            raise click.UsageError(
+                "ckptdb restore URL DIR brings back a SQLite ledger; with --db-url (or "
+                "CKPTDB_DB_URL) the ledger is elsewhere: ckptdb restore ROOT --from URL"
+            )
+        outcome = restore_run(first, target, run=run, every=every)
+        _show_restored(outcome.restored, as_json)
+        if not as_json:
+            ledger = outcome.ledger
+            click.echo(
+                f"ledger: the copy of {ledger.run} made at {ledger.copied_at} ({ledger.location}); "
+                f"{outcome.lost} committed checkpoint(s) had no whole copy and are lost"
+            )
+        return
+    if target is not None or run is not None:
+        raise click.UsageError("DIR and --run go with a URL: ckptdb restore URL DIR")
+    if source is None:
+        raise click.UsageError("ckptdb restore ROOT needs --from URL (or: ckptdb restore URL DIR)")
+    root = Path(first)
     with _writer(root, db_url) as mgr:
         restored = mgr.restore(source, every=every)
+    _show_restored(restored, as_json)
+
+
+def _show_restored(restored: list[Checkpoint], as_json: bool) -> None:
     if as_json:
         click.echo(clifmt.to_json([clifmt.checkpoint_dict(c) for c in restored]))
         return

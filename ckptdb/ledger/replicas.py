@@ -250,16 +250,24 @@ def replicated(session: Session, checkpoint_id: int, tier: str, within: str) -> 
 
 
 def restorable(
-    session: Session, run_id: int, tier: str, within: str, *, newest_only: bool
+    session: Session,
+    run_id: int,
+    tier: str,
+    within: str,
+    *,
+    newest_only: bool,
+    evicted: bool = False,
 ) -> list[tuple[m.Checkpoint, m.Replica]]:
-    """Checkpoints that may need bringing back (committed, lost or corrupt) with their
-    whole copy on ``tier`` under ``within`` (a destination's URL prefix), newest first
-    in each stream; ``newest_only``: one per stream."""
+    """Checkpoints that may need bringing back (committed, lost or corrupt; ``evicted``:
+    those the local window dropped too) with their whole copy on ``tier`` under
+    ``within`` (a destination's URL prefix), newest first in each stream;
+    ``newest_only``: one per stream."""
+    states = (m.COMMITTED, m.LOST, m.CORRUPT) + ((m.DELETED,) if evicted else ())
     found = session.execute(
         select(m.Checkpoint, m.Replica)
         .join(m.Replica, m.Replica.checkpoint_id == m.Checkpoint.id)
         .where(m.Checkpoint.run_id == run_id)
-        .where(m.Checkpoint.state.in_((m.COMMITTED, m.LOST, m.CORRUPT)))
+        .where(m.Checkpoint.state.in_(states))
         .where(m.Replica.tier == tier, m.Replica.state == REPLICATED)
         .where(_under(within))
         .order_by(m.Checkpoint.stream, m.Checkpoint.id.desc(), m.Replica.id.desc())

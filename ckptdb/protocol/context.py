@@ -21,7 +21,7 @@ from ..ledger import Ledger, RunQueries
 from ..ledger import rows as ledger_rows
 from ..ledger.lock import RunLock
 from ..policies import Policy
-from ..record import Checkpoint
+from ..record import COMMITTED, Checkpoint
 from ..storage.base import PayloadStore
 
 METRIC_FLUSH_THRESHOLD = 100_000  # points, not calls
@@ -177,7 +177,8 @@ class RunContext:
         re-pointed and ``event`` recorded, in one transaction: what a load that finds a
         bad payload and a restore that brings one back both do."""
         with self.ledger.transaction() as session:
-            ledger_rows.set_state(session, [target.id], state, error=error)
+            cleared = {"deleted_at": None} if state == COMMITTED else {}  # evicted, brought back
+            ledger_rows.set_state(session, [target.id], state, error=error, **cleared)
             ledger_rows.repoint_latest(session, self.run_id, target.stream)
             ledger_rows.add_event(
                 session,

@@ -34,7 +34,7 @@ from ..errors import (
 )
 from ..ledger import replicas as ledger_replicas
 from ..ledger import rows as ledger_rows
-from ..ledger.models import COMMITTED
+from ..ledger.models import COMMITTED, DELETED
 from ..record import Checkpoint
 from ..storage.base import FileInfo
 from ..storage.external import temp_for
@@ -74,7 +74,10 @@ def restore(
     before: Callable[[], None] | None = None,
 ) -> Outcome:
     """Bring back what needs it: the newest checkpoint of each stream that has a whole
-    copy under ``remote`` (``every``: each one that has).
+    copy under ``remote`` (``every``: each one that has). The newest may be one the
+    local window evicted (a replicator that lagged, a machine lost since): it is
+    brought back, and committed again, when no newer checkpoint of its stream is
+    whole here, so a run resumes from the newest copy there is.
 
     ``at_open`` (an open with ``remote=``): only a copy that would become its
     stream's latest (no newer committed checkpoint is here), and a committed row's
@@ -84,7 +87,7 @@ def restore(
     once, before anything is written, when there is something to bring back."""
     with ctx.ledger.transaction() as session:
         found = ledger_replicas.restorable(
-            session, ctx.run_id, tier, remote.url_prefix, newest_only=False
+            session, ctx.run_id, tier, remote.url_prefix, newest_only=False, evicted=not every
         )
         wanted = [
             _Wanted(ledger_rows.to_record(row, ctx.save_dir), r.id, r.location, r.manifest)
@@ -93,8 +96,11 @@ def restore(
         ]
     if not every:
         wanted = _newest_of_each_stream(wanted)
-    if at_open:
-        wanted = [w for w in wanted if _would_be_latest(ctx, w.checkpoint)]
+    wanted = [
+        w
+        for w in wanted
+        if not (at_open or w.checkpoint.state == DELETED) or _would_be_latest(ctx, w.checkpoint)
+    ]
     if wanted and before is not None:
         before()
     outcome = Outcome()

@@ -323,6 +323,13 @@ class S3Store:
         made by the replicator); idempotent."""
         return self._remove_prefix(f"{self.key(rel)}/")
 
+    def list_under(self, rel: str) -> list[str]:
+        """Every object under ``rel/``, each as a name inside this store (the ledger's
+        replicas: :mod:`ckptdb.ledgercopy`)."""
+        head = f"{self.key(rel)}/"
+        start = len(self.prefix) + 1 if self.prefix else 0
+        return [key[start:] for key in self._list_keys(head)]
+
     def url_of(self, rel: str) -> str:
         """The URL of ``rel`` inside this store."""
         return self.url(self.key(rel))
