@@ -221,6 +221,8 @@ class LedgerCopier:
         self._token, self._run_name, self._interval = token, run_name, interval
         state = read_state(root) or {}
         self.epoch = int(state.get("epoch", 1))
+        # a copy a killed replicator left half uploaded (one replicator per run at a time)
+        self.aborted = remote.abort_uploads_under(_rel(token, self.epoch, "")[:-1])
         epochs = _listing(remote).get(token, {})
         mine = epochs.get(self.epoch, _Epoch())
         self._seq = max(mine.seqs | mine.orphans, default=0)
@@ -263,6 +265,7 @@ class LedgerCopier:
         seq = self._seq + 1
         db_name, manifest_name = _snapshot_names(seq)
         tmp = self._root / f".{STATE_NAME}.snapshot"
+        tmp.unlink(missing_ok=True)  # a killed copy's: a backup writes into a fresh file
         try:
             local = snapshot(self._db_path, tmp)
             sent = self._upload(_rel(self._token, self.epoch, db_name), tmp)
@@ -386,11 +389,12 @@ def choose_run(remote: Any, run: str | None) -> str | None:
     return next(iter(runs), None)
 
 
-def fetch_ledger(remote: Any, token: str, into: Path) -> FetchedLedger:
+def fetch_ledger(remote: Any, token: str, into: Path, *, claim: bool = True) -> FetchedLedger:
     """The newest sound snapshot of the run ``token`` downloaded to ``into`` (verified
     against its manifest, then by SQLite's integrity check), and the next epoch claimed
-    for this machine. A damaged newer snapshot is skipped with a warning; none sound
-    raises :class:`CorruptLedgerReplicaError`, and ``into`` is removed."""
+    for this machine (``claim``; without it, a look that takes nothing over: its
+    ``claimed_epoch`` is 0). A damaged newer snapshot is skipped with a warning; none
+    sound raises :class:`CorruptLedgerReplicaError`, and ``into`` is removed."""
     epochs = _listing(remote).get(token, {})
     candidates = sorted(((e, s) for e, epoch in epochs.items() for s in epoch.seqs), reverse=True)
     if not candidates:
@@ -407,7 +411,7 @@ def fetch_ledger(remote: Any, token: str, into: Path) -> FetchedLedger:
             )
             into.unlink(missing_ok=True)
             continue
-        claimed = _claim(remote, token, max(epochs) + 1)
+        claimed = _claim(remote, token, max(epochs) + 1) if claim else 0
         return FetchedLedger(
             run=str(manifest["run"]),
             token=token,

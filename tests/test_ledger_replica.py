@@ -33,12 +33,13 @@ from ckptdb.errors import (
     LedgerReplicaNotFoundError,
     RestoreTargetError,
 )
-from ckptdb.ledgercopy import PREFIX, STATE_NAME, iter_copies
+from ckptdb.ledgercopy import PREFIX, STATE_NAME, LedgerCopier, fetch_ledger, iter_copies
+from ckptdb.policies import Policy
 from ckptdb.storage.remote import remote_store
 
 pytestmark = pytest.mark.timeout(120)
 
-STREAMS = {"model": Keep(last=3)}
+STREAMS: dict[str, Policy] = {"model": Keep(last=3)}
 
 
 def state(step: int) -> dict[str, Any]:
@@ -72,12 +73,14 @@ def test_a_lost_machine_comes_back_from_the_url_alone(
     deleted); a new empty directory is restored from the URL, resumes from the newest
     copied checkpoint bit-identical, trains on, and its history is there."""
     root = tmp_path / "exp1"
-    with Replicator(root_with_run(root), s3_url) as replicator:
-        with CheckpointManager(root, streams=STREAMS) as mgr:
-            for step in range(1, 11):
-                mgr.log_metrics(step, {"lr": 0.1 * step})
-                mgr.save(step, model=state(step), metrics={"loss": 1.0 / step})
-                replicator.replicate()
+    with (
+        Replicator(root_with_run(root), s3_url) as replicator,
+        CheckpointManager(root, streams=STREAMS) as mgr,
+    ):
+        for step in range(1, 11):
+            mgr.log_metrics(step, {"lr": 0.1 * step})
+            mgr.save(step, model=state(step), metrics={"loss": 1.0 / step})
+            replicator.replicate()
     assert replicator.ledger_copy is not None
     assert ledger_keys(client, s3_url)  # the ledger went beside the copies
     shutil.rmtree(root)  # the machine is gone: only the bucket is left
@@ -101,7 +104,356 @@ def test_a_lost_machine_comes_back_from_the_url_alone(
     assert "ledger_restored" in kinds
 
 
-def root_with_run(root: Path) -> Path:
+def root_with_run(root: Path, streams: dict[str, Policy] = STREAMS) -> Path:
     """An empty run at ``root`` (a replicator needs the run to exist)."""
-    CheckpointManager(root, streams=STREAMS).close()
+    CheckpointManager(root, streams=streams).close()
     return root
+
+
+# ---------------------------------------------------------------------- a replicator killed
+
+
+def _copy_until_killed(root: str, url: str, marker: str) -> None:
+    """A replicator whose ledger copy stops after its first part (for the parent to kill)."""
+
+    def slow(self: LedgerCopier, rel: str, path: Path) -> Any:
+        def copy(writer: Any) -> None:
+            with open(path, "rb") as f:
+                writer.write(f.read(6 << 20))
+                writer.flush()
+                while not writer.upload_id or not writer._parts[0].done():
+                    time.sleep(0.01)
+                Path(marker).write_text(rel)
+                time.sleep(60)
+
+        return self._remote.write_object(rel, copy)
+
+    LedgerCopier._upload = slow  # type: ignore[method-assign]  # a forked child's own class
+    with Replicator(root, url, storage_options={"part_size": 5 << 20}) as replicator:
+        replicator.replicate()
+
+
+def test_a_replicator_killed_mid_copy_leaves_the_last_whole_ledger_and_the_next_catches_up(
+    tmp_path: Path, s3_url: str, client: Any
+) -> None:
+    root = tmp_path / "exp1"
+    train(root, range(1, 4))
+    with Replicator(root, s3_url) as replicator:
+        replicator.replicate()
+    first = replicator.ledger_copy
+    assert first is not None and first.seq == 1
+    with CheckpointManager(root, streams=STREAMS) as mgr:  # the ledger grows past 6 MB
+        for step in range(4, 6):
+            mgr.save(step, model=state(step))
+        for point in range(3000):
+            mgr.log_metrics(100 + point, {f"m{i}": float(i * point) for i in range(40)})
+    assert (root / "ckptdb.sqlite").stat().st_size > 6 << 20
+    marker = tmp_path / "uploading"
+    child = multiprocessing.get_context("fork").Process(
+        target=_copy_until_killed, args=(str(root), s3_url, str(marker))
+    )
+    child.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert child.is_alive() and time.monotonic() < deadline, "the copy never started"
+            time.sleep(0.05)
+        assert [k for k in s3lib.uploads_under(client, s3_url) if f"/{PREFIX}/" in k]
+        os.kill(child.pid or 0, signal.SIGKILL)
+    finally:
+        child.join(10)
+    token = replicator._token
+    remote = remote_store(s3_url, None, probe=False)
+    assert list(iter_copies(remote, token)) == [(1, 1)]  # the half copy is not a copy
+    looked = fetch_ledger(remote, token, tmp_path / "look.sqlite", claim=False)
+    assert (looked.epoch, looked.seq) == (1, 1)
+    steps = rows(tmp_path / "look.sqlite", "SELECT step FROM checkpoints ORDER BY step")
+    assert steps == [(1,), (2,), (3,)]  # consistent, and as of the last whole copy
+
+    with Replicator(root, s3_url) as replicator:  # the next start catches up
+        assert replicator._ledger_copier is not None
+        assert replicator._ledger_copier.aborted == 1  # the dead upload is gone
+        replicator.replicate()
+    caught_up = replicator.ledger_copy
+    assert caught_up is not None and caught_up.seq > first.seq
+    assert s3lib.uploads_under(client, s3_url) == []
+    fetch_ledger(remote, token, tmp_path / "now.sqlite", claim=False)
+    points = "SELECT count(*) FROM metrics WHERE name LIKE 'm%'"
+    assert rows(tmp_path / "now.sqlite", points) == [(3000 * 40,)]
+    assert rows(tmp_path / "now.sqlite", "SELECT max(step) FROM checkpoints") == [(5,)]
+
+
+# ---------------------------------------------------------------------- never back in time
+
+
+def test_a_zombie_replicator_on_the_old_machine_never_rolls_the_restored_run_back(
+    tmp_path: Path, s3_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = tmp_path / "old" / "exp1"
+    train(old, range(1, 4))
+    zombie = Replicator(old, s3_url)
+    try:
+        zombie.replicate()
+        new = tmp_path / "new" / "exp1"
+        restore_run(s3_url, new)  # the old machine is believed lost: it is not
+        with Replicator(new, s3_url) as replicator:
+            train(new, range(4, 6))
+            replicator.replicate()
+        assert replicator.ledger_copy is not None and replicator.ledger_copy.epoch == 2
+        train(old, range(4, 9))  # the zombie trains on and copies on
+        zombie.replicate()
+        assert "restored on another machine" in caplog.text
+    finally:
+        zombie.close()
+    assert zombie.ledger_copy is not None and zombie.ledger_copy.epoch == 1  # its first only
+    again = restore_run(s3_url, tmp_path / "third" / "exp1")
+    assert (again.ledger.epoch, again.ledger.claimed_epoch) == (2, 3)
+    with RunReader(tmp_path / "third" / "exp1") as reader:
+        every = reader.checkpoints("model", states=("committed", "lost", "deleted"))
+        assert max(c.step for c in every) == 5  # the new machine's; none of the zombie's 6-8
+        latest = reader.latest("model")
+        assert latest is not None and latest.step == 5
+
+
+def test_a_replicator_started_on_the_old_machine_after_the_restore_copies_no_ledger(
+    tmp_path: Path, s3_url: str
+) -> None:
+    old = tmp_path / "old" / "exp1"
+    train(old, range(1, 3))
+    with Replicator(old, s3_url) as replicator:
+        replicator.replicate()
+    restore_run(s3_url, tmp_path / "new" / "exp1")
+    train(old, range(3, 5))
+    with Replicator(old, s3_url) as zombie:
+        assert zombie._ledger_copier is not None and zombie._ledger_copier.superseded
+        zombie.replicate()
+    assert zombie.ledger_copy is None
+    remote = remote_store(s3_url, None, probe=False)
+    assert list(iter_copies(remote, zombie._token)) == [(1, 1)]
+
+
+# ---------------------------------------------------------------------- damaged copies
+
+
+def copied_three_times(root: Path, url: str) -> Replicator:
+    train(root, range(1, 2))
+    with Replicator(root, url, ledger_interval=1e-3) as replicator:
+        replicator.replicate()
+        for step in (2, 3):
+            train(root, range(step, step + 1))
+            replicator.replicate()
+    return replicator
+
+
+def damage(client: Any, url: str, token: str, epoch: int, seq: int) -> None:
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    key = f"{prefix}/{PREFIX}/{token}/e{epoch:06d}/{seq:012d}.sqlite"
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+
+
+def test_a_damaged_newest_copy_falls_back_to_an_earlier_one_with_a_warning(
+    tmp_path: Path, s3_url: str, client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    replicator = copied_three_times(tmp_path / "exp1", s3_url)
+    assert replicator.ledger_copy is not None and replicator.ledger_copy.seq == 3
+    damage(client, s3_url, replicator._token, 1, 3)
+    outcome = restore_run(s3_url, tmp_path / "new" / "exp1")
+    assert (outcome.ledger.epoch, outcome.ledger.seq) == (1, 2)
+    assert len(outcome.ledger.damaged) == 1 and "000000000003.sqlite" in outcome.ledger.damaged[0]
+    assert "is damaged" in caplog.text
+    with RunReader(tmp_path / "new" / "exp1") as reader:
+        assert reader.latest("model") is not None
+        assert [e.kind for e in reader.events(limit=1000)].count("ledger_restored") == 1
+
+
+def test_every_copy_damaged_is_a_typed_error_and_nothing_is_written(
+    tmp_path: Path, s3_url: str, client: Any
+) -> None:
+    replicator = copied_three_times(tmp_path / "exp1", s3_url)
+    for seq in (1, 2, 3):
+        damage(client, s3_url, replicator._token, 1, seq)
+    target = tmp_path / "new" / "exp1"
+    with pytest.raises(CorruptLedgerReplicaError, match="every ledger copy"):
+        restore_run(s3_url, target)
+    assert not target.exists()
+    remote = remote_store(s3_url, None, probe=False)
+    assert list(iter_copies(remote, replicator._token)) == [(1, 1), (1, 2), (1, 3)]
+
+
+def test_older_copies_beyond_the_newest_three_are_removed(tmp_path: Path, s3_url: str) -> None:
+    root = tmp_path / "exp1"
+    train(root, range(1, 2))
+    with Replicator(root, s3_url, ledger_interval=1e-3) as replicator:
+        for step in range(2, 7):
+            train(root, range(step, step + 1))
+            replicator.replicate()
+        unchanged = replicator.ledger_copy
+        replicator.replicate()  # nothing changed: no copy
+        assert replicator.ledger_copy == unchanged
+    remote = remote_store(s3_url, None, probe=False)
+    assert unchanged is not None
+    assert list(iter_copies(remote, replicator._token)) == [
+        (1, unchanged.seq - 2),
+        (1, unchanged.seq - 1),
+        (1, unchanged.seq),
+    ]
+
+
+def test_the_interval_holds_back_a_ledger_where_only_metrics_changed(
+    tmp_path: Path, s3_url: str
+) -> None:
+    root = tmp_path / "exp1"
+    train(root, range(1, 2))
+    with Replicator(root, s3_url, ledger_interval=3600) as replicator:
+        replicator.replicate()
+        first = replicator.ledger_copy
+        with CheckpointManager(root, streams=STREAMS) as mgr:
+            mgr.log_metrics(5, {"lr": 0.5})
+        replicator.replicate()
+        assert replicator.ledger_copy == first  # metrics only: within the interval
+        train(root, range(2, 3))
+        replicator.replicate()  # a checkpoint was copied: the ledger goes at once
+        assert replicator.ledger_copy is not None and first is not None
+        assert replicator.ledger_copy.seq == first.seq + 1
+        with CheckpointManager(root, streams=STREAMS) as mgr:
+            mgr.log_metrics(6, {"lr": 0.6})
+    # closing copies the ledger as it was left
+    assert replicator.ledger_copy is not None and replicator.ledger_copy.seq == first.seq + 2
+
+
+# ---------------------------------------------------------------------- what the bucket holds
+
+
+def test_a_lost_machine_resumes_from_the_newest_copy_the_local_window_had_dropped(
+    tmp_path: Path, s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps 1-3 copied; then the uplink fails while training runs past the local
+    window (Keep(last=2) evicts step 3) and only the ledger still gets through; the
+    machine is lost. Step 3 comes back (committed again) and the run resumes from it."""
+    root = tmp_path / "exp1"
+    streams: dict[str, Policy] = {"model": Keep(last=2)}
+    with Replicator(root_with_run(root, streams), s3_url) as replicator:
+        with CheckpointManager(root, streams=streams) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, model=state(step))
+            replicator.replicate()
+            assert [c.step for c in mgr.checkpoints("model")] == [2, 3]
+
+            def uplink_down(self: Replicator, path: Path, rel: str) -> Any:
+                raise ConnectionError("the uplink is down")
+
+            monkeypatch.setattr(Replicator, "_upload_file", uplink_down)
+            for step in (4, 5):
+                mgr.save(step, model=state(step))
+            replicator.replicate()  # the copies of 4 and 5 fail; the ledger's goes
+        monkeypatch.undo()
+    shutil.rmtree(root)
+
+    outcome = restore_run(s3_url, tmp_path / "new" / "exp1")
+    assert [c.step for c in outcome.restored] == [3]
+    assert outcome.lost == 2  # 4 and 5: committed, never copied
+    with CheckpointManager(tmp_path / "new" / "exp1", remote=s3_url) as mgr:
+        latest = mgr.latest("model")
+        assert latest is not None and latest.step == 3
+        assert torch.equal(mgr.load("latest")["w"], state(3)["w"])
+
+
+# ---------------------------------------------------------------------- open with remote=
+
+
+def test_an_open_with_remote_on_a_directory_without_a_ledger_brings_the_run_back(
+    tmp_path: Path, s3_url: str
+) -> None:
+    root = tmp_path / "exp1"
+    train(root, range(1, 4))
+    with Replicator(root, s3_url) as replicator:
+        replicator.replicate()
+    shutil.rmtree(root)
+    with CheckpointManager(root, streams=STREAMS, remote=s3_url) as mgr:
+        assert mgr.ledger_restored is not None and mgr.ledger_restored.run == "exp1"
+        assert [c.step for c in mgr.restored_at_open] == [3]
+        assert torch.equal(mgr.load("latest")["w"], state(3)["w"])
+    # another name under the same prefix starts anew: never someone else's run
+    with CheckpointManager(tmp_path / "exp2", streams=STREAMS, remote=s3_url) as mgr:
+        assert mgr.ledger_restored is None and mgr.latest("model") is None
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def test_a_url_without_a_ledger_copy_is_a_typed_error_and_nothing_is_written(
+    tmp_path: Path, s3_url: str
+) -> None:
+    target = tmp_path / "new"
+    with pytest.raises(LedgerReplicaNotFoundError, match="no ledger copy"):
+        restore_run(s3_url, target)
+    assert not target.exists()
+    result = CliRunner().invoke(main, ["restore", s3_url, str(target)])
+    assert result.exit_code == 1
+    assert result.output.count("\n") == 1 and "no ledger copy" in result.output
+    assert not target.exists()
+
+
+def test_a_bucket_holding_another_runs_ledger_is_refused(tmp_path: Path, s3_url: str) -> None:
+    for name in ("exp1", "exp2"):
+        train(tmp_path / name, range(1, 2))
+        with Replicator(tmp_path / name, s3_url) as replicator:
+            replicator.replicate()
+    target = tmp_path / "new"
+    with pytest.raises(InvalidArgumentError, match=r"several runs.*exp1.*exp2"):
+        restore_run(s3_url, target)
+    with pytest.raises(LedgerReplicaNotFoundError, match=r"of the run 'exp3'.*exp1, exp2"):
+        restore_run(s3_url, target, run="exp3")
+    assert not target.exists()
+    outcome = restore_run(s3_url, target, run="exp2")
+    assert outcome.ledger.run == "exp2"
+
+
+def test_a_target_that_is_not_empty_is_refused_and_left_as_it_was(
+    tmp_path: Path, s3_url: str
+) -> None:
+    train(tmp_path / "exp1", range(1, 2))
+    with Replicator(tmp_path / "exp1", s3_url) as replicator:
+        replicator.replicate()
+    target = tmp_path / "busy"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(RestoreTargetError, match="not empty"):
+        restore_run(s3_url, target)
+    assert [p.name for p in target.iterdir()] == ["notes.txt"]
+    result = CliRunner().invoke(main, ["restore", s3_url, str(target)])
+    assert result.exit_code == 1 and "not empty" in result.output
+    assert [p.name for p in target.iterdir()] == ["notes.txt"]
+    with pytest.raises(RestoreTargetError):
+        restore_run(s3_url, tmp_path / "exp1")  # never over the live run either
+
+
+@pytest.mark.parametrize("interval", [0, -1.0, float("nan"), float("inf"), True, "60"])
+def test_a_bad_ledger_interval_is_refused(tmp_path: Path, s3_url: str, interval: Any) -> None:
+    train(tmp_path / "exp1", range(1, 2))
+    with pytest.raises(InvalidArgumentError, match="ledger_interval"):
+        Replicator(tmp_path / "exp1", s3_url, ledger_interval=interval)
+    assert not (tmp_path / "exp1" / STATE_NAME).exists()
+
+
+def test_status_says_when_the_ledger_was_copied_and_what_has_no_copy(
+    tmp_path: Path, s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "exp1"
+    train(root, range(1, 3))
+    with Replicator(root, s3_url) as replicator:
+        replicator.replicate()
+    train(root, range(3, 4))  # not copied yet
+    result = CliRunner().invoke(main, ["status", str(root), "--json"])
+    assert result.exit_code == 0, result.output
+    (tier,) = json.loads(result.output)["tiers"]
+    assert tier["uncopied"] == 1
+    copy = replicator.ledger_copy
+    assert copy is not None
+    assert tier["ledger_copy"]["copied_at"] == copy.copied_at
+    assert tier["ledger_copy"]["location"] == copy.location
+    text = CliRunner().invoke(main, ["status", str(root)]).output
+    assert "1 committed checkpoint(s) have no whole copy yet" in text
+    assert f"ledger last copied at {copy.copied_at}" in text

@@ -330,6 +330,17 @@ class S3Store:
         start = len(self.prefix) + 1 if self.prefix else 0
         return [key[start:] for key in self._list_keys(head)]
 
+    def abort_uploads_under(self, rel: str) -> int:
+        """Abort every multipart upload in progress under ``rel/`` (a copy of the ledger
+        whose writer died: :mod:`ckptdb.ledgercopy`); how many were aborted."""
+        uploads = self._uploads_under(f"{self.key(rel)}/")
+        aborted = 0
+        for key, ids in sorted(uploads.items()):
+            for upload_id in dict.fromkeys(ids):
+                self._abort(key, upload_id)
+                aborted += 1
+        return aborted
+
     def url_of(self, rel: str) -> str:
         """The URL of ``rel`` inside this store."""
         return self.url(self.key(rel))
