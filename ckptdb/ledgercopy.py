@@ -8,7 +8,7 @@ new machine brings it back from the URL alone (:func:`fetch_ledger`, used by
 ``ckptdb restore URL DIR`` and by an open with ``remote=`` on a directory
 without a ledger).
 
-Each copy is a consistent snapshot made with SQLite's online backup API (never
+Each copy is a consistent snapshot made by SQLite itself (``VACUUM INTO``: never
 a byte copy of a live WAL database), hashed, and uploaded under a key no other
 copy uses::
 
@@ -169,17 +169,14 @@ def _fingerprint(db_path: Path) -> list[int]:
 
 
 def snapshot(db_path: Path, into: Path) -> FileInfo:
-    """A consistent copy of the ledger at ``db_path`` in ``into`` (one file, rollback
-    journal), made with SQLite's online backup API inside one read transaction."""
+    """A consistent copy of the ledger at ``db_path`` in ``into``, made by SQLite itself
+    inside one read transaction (``VACUUM INTO``: never a byte copy of a live WAL
+    database). The copy is one compact file in rollback-journal mode, so it needs no
+    ``-wal`` or ``-shm`` beside it; it is fsynced before it is hashed."""
     source = sqlite3.connect(db_path, timeout=30)
     try:
         source.execute("PRAGMA query_only = ON")
-        target = sqlite3.connect(into)
-        try:
-            source.backup(target)
-            target.execute("PRAGMA journal_mode = DELETE")
-        finally:
-            target.close()
+        source.execute("VACUUM INTO ?", (str(into),))
     finally:
         source.close()
     with open(into, "rb") as f:
