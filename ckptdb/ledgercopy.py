@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import sqlite3
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -145,7 +146,9 @@ def read_state(root: Path) -> dict[str, Any] | None:
 
 
 def write_state(root: Path, state: dict[str, Any]) -> None:
-    """The state file replaced whole (written aside, fsynced, renamed over)."""
+    """The state file replaced whole (written aside, fsynced, renamed over): the epoch
+    it holds must survive a power cut, else this machine's copies would go to an epoch
+    no restore prefers."""
     tmp = root / f".{STATE_NAME}.tmp"
     with open(tmp, "w") as f:
         json.dump(state, f, indent=1, sort_keys=True)
@@ -173,9 +176,8 @@ def snapshot(db_path: Path, into: Path) -> FileInfo:
     inside one read transaction (``VACUUM INTO``: never a byte copy of a live WAL
     database). The copy is one compact file in rollback-journal mode, so it needs no
     ``-wal`` or ``-shm`` beside it; it is fsynced before it is hashed."""
-    source = sqlite3.connect(db_path, timeout=30)
+    source = sqlite3.connect(db_path, timeout=30)  # not query_only: that refuses VACUUM INTO
     try:
-        source.execute("PRAGMA query_only = ON")
         source.execute("VACUUM INTO ?", (str(into),))
     finally:
         source.close()
@@ -247,9 +249,6 @@ class LedgerCopier:
             return None
         if not force and time.monotonic() - self._last_at < self._interval:
             return None
-        if self._newer_epoch() is not None:
-            self._supersede(self._newer_epoch() or 0)
-            return None
         done = self._copy_now()
         self._last_fingerprint, self._last_at = fingerprint, time.monotonic()
         state = read_state(self._root) or {}
@@ -258,17 +257,16 @@ class LedgerCopier:
         return done
 
     def _copy_now(self) -> LedgerCopy:
-        """Snapshot, upload, manifest; then the epoch's snapshots beyond the newest few go."""
-        seq = self._seq + 1
+        """Snapshot, upload, manifest; then the epoch's snapshots beyond the newest few go
+        (and a newer epoch found then stops the copies that would follow)."""
+        seq = self._seq = self._seq + 1  # taken, whatever happens next: a key is written once
         db_name, manifest_name = _snapshot_names(seq)
-        tmp = self._root / f".{STATE_NAME}.snapshot"
-        tmp.unlink(missing_ok=True)  # a killed copy's: a backup writes into a fresh file
-        try:
+        # in the temporary directory, not the run's: a scratch file nobody ever reads
+        # back, so nothing in the run's own tree changes but the state file
+        with tempfile.TemporaryDirectory(prefix="ckptdb-ledger-") as scratch:
+            tmp = Path(scratch) / db_name
             local = snapshot(self._db_path, tmp)
             sent = self._upload(_rel(self._token, self.epoch, db_name), tmp)
-        finally:
-            tmp.unlink(missing_ok=True)
-        self._seq = seq  # taken, whatever happens next: a key is never written twice
         if sent != local:
             raise CorruptLedgerReplicaError(
                 f"the ledger copy sent ({sent.size} bytes, {sent.hash}) is not the snapshot "
@@ -297,28 +295,25 @@ class LedgerCopier:
                 while chunk := f.read(8 << 20):
                     writer.write(chunk)
 
-        try:
-            info: FileInfo = self._remote.write_object(rel, copy)
-        except PhaseError:
-            if self._newer_epoch() is not None or self._remote.exists(rel):
-                self._seq += 1  # someone else's object at our key: never ours to reuse
-            raise
+        info: FileInfo = self._remote.write_object(rel, copy)
         return info
 
     def _prune(self, newest: int) -> None:
         """Remove this epoch's snapshots older than the newest :data:`KEEP_PER_EPOCH`
-        (their manifest first, so a restore never picks a half-removed one)."""
-        mine = _listing(self._remote).get(self._token, {}).get(self.epoch, _Epoch())
+        (their manifest first, so a restore never picks a half-removed one; a snapshot
+        whose manifest never came, or whose upload landed after it failed, goes too).
+        The same listing says whether another machine took the run over."""
+        epochs = _listing(self._remote).get(self._token, {})
+        newer = [e for e in epochs if e > self.epoch]
+        if newer:
+            self._supersede(max(newer))
+        mine = epochs.get(self.epoch, _Epoch())
         for seq in sorted(mine.seqs | mine.orphans):
             if seq > newest - KEEP_PER_EPOCH:
                 break
             db_name, manifest_name = _snapshot_names(seq)
             for name in (manifest_name, db_name):
                 self._remote.remove(_rel(self._token, self.epoch, name))
-
-    def _newer_epoch(self) -> int | None:
-        epochs = _listing(self._remote).get(self._token, {})
-        return max((e for e in epochs if e > self.epoch), default=None)
 
     def _supersede(self, epoch: int) -> None:
         self.superseded = True

@@ -203,9 +203,13 @@ def test_a_zombie_replicator_on_the_old_machine_never_rolls_the_restored_run_bac
         train(old, range(4, 9))  # the zombie trains on and copies on
         zombie.replicate()
         assert "restored on another machine" in caplog.text
+        stopped = zombie.ledger_copy
+        train(old, range(9, 10))
+        zombie.replicate()
+        assert zombie.ledger_copy == stopped  # it sees the new epoch and copies no more
     finally:
         zombie.close()
-    assert zombie.ledger_copy is not None and zombie.ledger_copy.epoch == 1  # its first only
+    assert zombie.ledger_copy is not None and zombie.ledger_copy.epoch == 1  # its own epoch
     again = restore_run(s3_url, tmp_path / "third" / "exp1")
     assert (again.ledger.epoch, again.ledger.claimed_epoch) == (2, 3)
     with RunReader(tmp_path / "third" / "exp1") as reader:

@@ -172,6 +172,12 @@ def test_no_power_cut_loses_an_acknowledged_save_on_s3(
     assert not result.violations, result.report()
 
 
+#: The replication explorations run a replicator's pass (its checkpoints' copies and the
+#: ledger's) in every crash state: about 75 s on a quiet 2-core machine, 3x under this.
+REPLICATION_TIMEOUT = DEEP_TIMEOUT if DEEP else 240
+
+
+@pytest.mark.timeout(REPLICATION_TIMEOUT)
 @pytest.mark.parametrize("scenario", sorted(REPLICATION_SCENARIOS))
 def test_no_power_cut_loses_a_copy_or_what_a_restore_brought_back(
     tmp_path_factory: pytest.TempPathFactory, s3_env: object, scenario: str
@@ -490,6 +496,7 @@ REPLICATION_MUTATIONS: dict[str, tuple[str, Callable[[pytest.MonkeyPatch], None]
 REPLICATION_AT_REOPEN = {"sweep_leaves_objects", "new_machine_forgotten"}
 
 
+@pytest.mark.timeout(REPLICATION_TIMEOUT)
 @pytest.mark.parametrize("mutation", sorted(REPLICATION_MUTATIONS))
 def test_the_explorer_catches_a_broken_replicator_or_restore_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_env: object, mutation: str

@@ -56,6 +56,8 @@ from helpers import flip_byte
 
 from ckptdb import CheckpointManager, Keep, Replicator
 from ckptdb.ledger.tiers import holder
+from ckptdb.ledgercopy import KEEP_PER_EPOCH
+from ckptdb.ledgercopy import PREFIX as LEDGER
 from ckptdb.storage.remote import REMOTE
 from ckptdb.storage.s3client import PROBE_DIR
 
@@ -138,9 +140,45 @@ def store_leftovers(url: str, found: list[Copy]) -> list[str]:
         split(c.location)[1][len(prefix) + 1 :] + "/" for c in found if c.state == "replicated"
     ]
     problems = [f"multipart upload of {rel} left in progress" for rel in sorted(uploads.values())]
+    problems += ledger_copy_problems(url, [k for k in keys if k.startswith(f"{LEDGER}/")])
     for rel in keys:
-        if not rel.startswith(f"{PROBE_DIR}/") and not any(rel.startswith(w) for w in whole):
+        if rel.startswith((f"{PROBE_DIR}/", f"{LEDGER}/")):
+            continue
+        if not any(rel.startswith(w) for w in whole):
             problems.append(f"object {rel} belongs to no whole copy")
+    return problems
+
+
+def ledger_copy_problems(url: str, keys: list[str]) -> list[str]:
+    """The copies of the run's SQLite ledger (:mod:`ckptdb.ledgercopy`), after a pass:
+    at least one; each manifest's snapshot there with the bytes it records, and a sound
+    SQLite database; no more snapshots per epoch than the copier keeps (a snapshot whose
+    manifest a power cut prevented is removed in time, never left for good)."""
+    if not keys:
+        return ["no copy of the ledger after a pass"]
+    bucket, prefix = split(url)
+    s3, problems = client(), []
+    epochs: dict[str, list[str]] = {}
+    for rel in keys:
+        epochs.setdefault(rel.rsplit("/", 1)[0], []).append(rel)
+    for folder, found in sorted(epochs.items()):
+        snapshots = [k for k in found if k.endswith(".sqlite")]
+        if len(snapshots) > KEEP_PER_EPOCH:
+            problems.append(
+                f"{folder}: {len(snapshots)} snapshots left, more than {KEEP_PER_EPOCH}"
+            )
+        for rel in (k for k in found if k.endswith(".json") and not k.endswith("claim.json")):
+            manifest = json.loads(
+                s3.get_object(Bucket=bucket, Key=f"{prefix}/{rel}")["Body"].read()
+            )
+            snapshot = rel.removesuffix(".json") + ".sqlite"
+            try:
+                data = s3.get_object(Bucket=bucket, Key=f"{prefix}/{snapshot}")["Body"].read()
+            except Exception as exc:  # the finding itself: a manifest without its snapshot
+                problems.append(f"ledger copy {snapshot}: {exc}")
+                continue
+            if (len(data), xxhash.xxh3_128_hexdigest(data)) != (manifest["size"], manifest["hash"]):
+                problems.append(f"ledger copy {snapshot} is not the bytes its manifest records")
     return problems
 
 
