@@ -40,7 +40,7 @@ import re
 import sqlite3
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -381,6 +381,14 @@ def choose_run(remote: Any, run: str | None) -> str | None:
     return next(iter(runs), None)
 
 
+def replica_for(remote_url: str, options: Mapping[str, object] | None, root: Path) -> str | None:
+    """The token of the run whose ledger an open of ``root`` with ``remote=`` would bring
+    back (None: none); for a framework that must look before it opens."""
+    from .storage.remote import remote_store
+
+    return choose_run(remote_store(remote_url, options, probe=False), root.name)
+
+
 def fetch_ledger(remote: Any, token: str, into: Path, *, claim: bool = True) -> FetchedLedger:
     """The newest sound snapshot of the run ``token`` downloaded to ``into`` (verified
     against its manifest, then by SQLite's integrity check), and the next epoch claimed
@@ -549,5 +557,6 @@ __all__ = [
     "pending_restore",
     "read_state",
     "record_ledger_restore",
+    "replica_for",
     "snapshot",
 ]

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, UnsupportedVersionError
 from ..ledger.engine import LEDGER_FILE
+from ..ledgercopy import replica_for
 from ..location import check_remote_url
 from ..manager import refuse_object_root
 from ..policies import Policy, TopK, validate_stream_name
@@ -148,6 +149,16 @@ def run_recorded(root: Path, db_url: str | None) -> bool:
     if db_url is None and not (root / LEDGER_FILE).exists():
         return False
     return run_exists(root, ledger_url(root, db_url, readonly=True))
+
+
+def ledger_copied(
+    root: Path, db_url: str | None, remote: str | None, options: Mapping[str, object] | None
+) -> bool:
+    """Whether a lost machine's SQLite ledger waits under ``remote`` for ``root`` (an open
+    with ``remote=`` brings it back first: :mod:`ckptdb.ledgercopy`); creates nothing."""
+    if db_url is not None or remote is None or (root / LEDGER_FILE).exists():
+        return False
+    return replica_for(remote, options, root.resolve()) is not None
 
 
 def newest_whole_read_only(

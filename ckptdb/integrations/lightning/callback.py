@@ -484,7 +484,9 @@ class ModelCheckpoint(LightningHooks):
                 self.remote,
             )
             return
-        if not common.run_recorded(Path(root), db_url):
+        if not common.run_recorded(Path(root), db_url) and not common.ledger_copied(
+            Path(root), db_url, self.remote, self.remote_options
+        ):
             return  # a first run: nothing to restore
         dirpath = Path(self.resolved_dirpath(trainer)).resolve()
         with CheckpointManager(
