@@ -82,6 +82,7 @@ from .protocol.loading import Loader
 from .protocol.reconcile import Action, Reconciler, ReconcileReport
 from .protocol.resume import restore_at_open, settle
 from .record import Checkpoint, DerivedAlias
+from .replication import failed_copy_leftovers
 from .storage.base import PayloadStore
 from .storage.files import fsync_dir, make_dir
 from .storage.naming import run_token
@@ -1027,11 +1028,15 @@ class CheckpointManager:
     def check(self, *, load: bool = False) -> list[str]:
         """Violations of the run's consistency invariants, one line each.
 
-        See :mod:`ckptdb.protocol.check` for the invariants.
+        See :mod:`ckptdb.protocol.check` for the invariants. With ``remote=``, also
+        the objects failed copies left on the remote tier (a sweep removes them).
         """
         ctx = self._require_chief("check()")
         self._inflight.wait()  # its pending rows are not a crash
-        return Checker(ctx.ledger, ctx.run_id, ctx.root, ctx.store, ctx.policies).run(load=load)
+        found = Checker(ctx.ledger, ctx.run_id, ctx.root, ctx.store, ctx.policies).run(load=load)
+        if ctx.remote is not None:  # remote=: what failed copies left there too
+            found += failed_copy_leftovers(ctx.ledger, ctx.run_id, ctx.remote)
+        return found
 
 
 def _plain_metrics(values: object) -> TypeGuard[dict[str, float]]:

@@ -33,6 +33,7 @@ Restoring (a new machine, a corrupt local copy) is the writer's:
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import logging
 import math
@@ -78,6 +79,13 @@ log = logging.getLogger(__name__)
 
 #: Copies of one checkpoint that may fail before the replicator stops trying.
 MAX_FAILURES = 3
+#: Seconds after a copy failed during which objects of it may still land (a PUT the
+#: server completes after the client gave up): its prefix is swept until then ...
+LATE_LANDING_S = 600.0
+#: ... at most this often (and once more at the next replicator's start).
+SWEEP_EVERY_S = 60.0
+#: What a failed sweep adds to its copy's error (replaced, never repeated, by the next one).
+SWEEP_FAILED = "; sweeping it failed: "
 #: The lock file (in the run's root) that keeps a run to one replicator at a time.
 LOCK_NAME = ".ckptdb.replicator.lock"
 #: Bytes read from a local file per write into the upload.
@@ -156,6 +164,8 @@ class Replicator:
                 self._remote, self.root, url, self._token, self._reader.run_name, ledger_interval
             )
             self.swept = self._sweep_interrupted()
+            #: The failed copies whose late objects the last sweep removed.
+            self.leftovers: list[Replica] = self._sweep_failed(at_start=True)
             self._register()
         except BaseException:
             self._release()
@@ -192,6 +202,7 @@ class Replicator:
                 done.append(copied)
         if not self._stopping():
             self.expired = self._expire()
+            self.leftovers = self._sweep_failed(at_start=False)
         self._copy_ledger(force=bool(done or self.expired))  # the first copy is never delayed
         return done
 
@@ -390,6 +401,49 @@ class Replicator:
                 ledger_replicas.fail(session, replica_id, ledger_replicas.INTERRUPTED)
         return [self._one(replica_id) for replica_id, _ in found]
 
+    def _sweep_failed(self, *, at_start: bool) -> list[Replica]:
+        """Remove what failed copies left under their prefixes: objects that landed after
+        the copy was marked ``failed``. Each failed copy is swept until
+        :data:`LATE_LANDING_S` after it failed, at most every :data:`SWEEP_EVERY_S`
+        (``at_start``: every one never swept, whenever it failed). The copies whose
+        objects were removed, each said in a warning."""
+        now = m.utcnow()
+        with self._writable().transaction() as session:
+            due = [
+                (row.id, prefix)
+                for row in ledger_replicas.failed(session, self._reader.run_id, REMOTE)
+                if _sweep_due(row.finished_at, row.swept_at, now, at_start)
+                and (prefix := self._remote.rel_of(row.location)) is not None
+            ]
+        removed = []
+        for replica_id, prefix in due:
+            if self._stopping():
+                break
+            try:
+                left = self._remote.list_under(prefix)
+                if left:
+                    self._remote.remove_tree(prefix)
+            except Exception as exc:  # recorded on the row and logged; the next sweep retries
+                where = self._remote.url_of(prefix)
+                log.warning("sweeping the failed copy at %s failed: %s", where, exc)
+                with self._writable().transaction() as session:
+                    row = session.get(m.Replica, replica_id)
+                    reason = (row.error or "").split(SWEEP_FAILED)[0] if row is not None else ""
+                    # the copy's own failure stays first; the sweep's replaces the last one's
+                    ledger_replicas.note_error(session, replica_id, f"{reason}{SWEEP_FAILED}{exc}")
+                continue
+            if left:
+                log.warning(
+                    "ckptdb: removed %d object(s) a failed copy left at %s (they landed after "
+                    "it failed)",
+                    len(left),
+                    self._remote.url_of(prefix),
+                )
+                removed.append(replica_id)
+            with self._writable().transaction() as session:
+                ledger_replicas.mark_swept(session, replica_id, now)
+        return [self._one(replica_id) for replica_id in removed]
+
     # ------------------------------------------------------------------ the tier's retention
 
     def _register(self) -> None:
@@ -552,6 +606,38 @@ def detach(root: str | os.PathLike[str], *, db_url: str | None = None) -> int:
                     elsewhere.release()
         finally:
             lock.release()
+
+
+def _sweep_due(
+    failed_at: dt.datetime | None, swept_at: dt.datetime | None, now: dt.datetime, at_start: bool
+) -> bool:
+    """Whether a failed copy's prefix is swept now (see :meth:`Replicator._sweep_failed`)."""
+    if swept_at is None:
+        return True
+    late = dt.timedelta(seconds=LATE_LANDING_S)
+    if failed_at is not None and swept_at - failed_at >= late:
+        return False  # swept after the window closed: nothing can land any more
+    return at_start or (now - swept_at).total_seconds() >= SWEEP_EVERY_S
+
+
+def failed_copy_leftovers(ledger: Ledger, run_id: int, remote: Any) -> list[str]:
+    """One line per failed copy under ``remote`` whose prefix still holds objects (for
+    ``check``): what a sweep has not removed yet."""
+    with ledger.transaction(read=True) as session:
+        found = [
+            (row.id, prefix)
+            for row in ledger_replicas.failed(session, run_id, REMOTE)
+            if (prefix := remote.rel_of(row.location)) is not None
+        ]
+    problems = []
+    for replica_id, prefix in found:
+        left = remote.list_under(prefix)
+        if left:
+            problems.append(
+                f"failed copy {replica_id} left {len(left)} object(s) at {remote.url_of(prefix)} "
+                "(a replicator's sweep removes them)"
+            )
+    return problems
 
 
 def _ledger_copier(

@@ -608,6 +608,14 @@ def test_a_copy_whose_objects_cannot_be_removed_says_where_they_are(
     with Replicator(root, s3_url, db_url=db_url) as replicator:
         monkeypatch.setattr(type(replicator._remote), "remove_tree", refused)
         (copy,) = replicator.replicate()
+        # the failed copy's sweep fails too, pass after pass: said once, after its reason
+        monkeypatch.setattr(ckptdb.replication, "SWEEP_EVERY_S", 0.0)
+        replicator._remote.list_under = lambda rel: ["left"]  # type: ignore[method-assign]
+        replicator.replicate()
+        replicator.replicate()
+        row = replicator.replicas()[0]  # the first copy (the passes tried again)
+    assert row.error is not None and row.error.startswith(copy.error or "?")
+    assert row.error.count("sweeping it failed") == 1 and row.error.endswith("AccessDenied")
     assert copy.state == "failed" and copy.error is not None
     assert "does not match its ledger row" in copy.error  # the copy's own failure first
     assert f"removing the partial copy at {copy.location} failed too" in copy.error
@@ -630,3 +638,76 @@ def test_only_the_streams_asked_for_are_copied_and_the_command_fails_on_a_failed
     assert [line.split()[:3] for line in failed.output.splitlines()[1:]] == [
         ["model", "1", "failed"]
     ]
+
+
+# ------------------------------------------------------------------- late objects of failed copies
+
+
+def failed_copy_landing_late(root: Path, url: str, client: Any) -> Replica:
+    """A run whose one copy failed (its upload refused), then an object of it landed at
+    the server anyway (as a PUT the server completes after the client gave up does)."""
+    with CheckpointManager(root, streams=STREAMS) as mgr:
+        mgr.save(1, model=state(1))
+
+    def refused(self: Replicator, path: Path, rel: str) -> Any:
+        raise ConnectionError("timed out")
+
+    original = Replicator._upload_file
+    Replicator._upload_file = refused  # type: ignore[method-assign]
+    try:
+        with Replicator(root, url) as replicator:
+            (failed,) = replicator.replicate()
+    finally:
+        Replicator._upload_file = original  # type: ignore[method-assign]
+    assert failed.state == "failed"
+    bucket, key = failed.location.removeprefix("s3://").split("/", 1)
+    client.put_object(Bucket=bucket, Key=f"{key}/step-000000001.pt", Body=b"late")
+    return failed
+
+
+def test_a_failed_copy_whose_object_lands_late_is_reported_then_swept(
+    tmp_path: Path, s3_url: str, client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "run"
+    failed = failed_copy_landing_late(root, s3_url, client)
+    late = [k for k in s3lib.keys_under(client, s3_url) if f"r{failed.id}/" in k]
+    assert len(late) == 1
+    with CheckpointManager(root, remote=s3_url, maintenance=True) as mgr:
+        (problem,) = mgr.check()
+    assert f"failed copy {failed.id} left 1 object(s) at {failed.location}" in problem
+    result = CliRunner().invoke(main, ["check", str(root), "--remote", s3_url])
+    assert result.exit_code == 1 and f"failed copy {failed.id}" in result.output
+    with CheckpointManager(root, maintenance=True) as mgr:
+        assert mgr.check() == []  # without remote=: the bucket is not looked at
+
+    with Replicator(root, s3_url) as replicator:  # the sweep at its start removes it
+        assert [r.id for r in replicator.leftovers] == [failed.id]
+        assert not [k for k in s3lib.keys_under(client, s3_url) if f"r{failed.id}/" in k]
+        # another late object within the window: swept by a pass once the next sweep is due
+        client.put_object(Bucket=s3lib.BUCKET, Key=late[0], Body=b"later")
+        replicator.replicate()
+        assert replicator.leftovers == []  # swept a moment ago: not yet due
+        monkeypatch.setattr(ckptdb.replication, "SWEEP_EVERY_S", 0.0)
+        replicator.replicate()
+        assert [r.id for r in replicator.leftovers] == [failed.id]
+    with CheckpointManager(root, remote=s3_url, maintenance=True) as mgr:
+        assert mgr.check() == []
+
+
+def test_a_failed_copy_is_swept_no_more_once_its_window_closed(
+    tmp_path: Path, s3_url: str, client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failing pass swept the copy's prefix once, when it failed; with a window of
+    0 s nothing can land after that, so the late object is never swept: check says so."""
+    root = tmp_path / "run"
+    failed = failed_copy_landing_late(root, s3_url, client)
+    monkeypatch.setattr(ckptdb.replication, "LATE_LANDING_S", 0.0)
+    with Replicator(root, s3_url) as replicator:
+        assert replicator.leftovers == []
+        monkeypatch.setattr(ckptdb.replication, "SWEEP_EVERY_S", 0.0)
+        replicator.replicate()
+        assert replicator.leftovers == []
+    assert [k for k in s3lib.keys_under(client, s3_url) if f"r{failed.id}/" in k]
+    with CheckpointManager(root, remote=s3_url, maintenance=True) as mgr:
+        (problem,) = mgr.check()  # what no sweep will remove is reported
+    assert f"failed copy {failed.id}" in problem

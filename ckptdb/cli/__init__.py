@@ -570,12 +570,12 @@ def sql(root: Path, statement: str, fmt: str, db_url: str | None) -> None:
         click.echo(clifmt.table(headers, rows))
 
 
-def _writer(root: Path, db_url: str | None) -> Any:
+def _writer(root: Path, db_url: str | None, *, remote: str | None = None) -> Any:
     from ..maintenance import require_run
     from ..manager import CheckpointManager
 
     require_run(root, db_url)
-    return CheckpointManager(root, db_url=db_url, maintenance=True)
+    return CheckpointManager(root, db_url=db_url, maintenance=True, remote=remote)
 
 
 @main.command()
@@ -638,15 +638,21 @@ def _with_progress(show: bool, work: Callable[[Callable[[int, int], None] | None
     is_flag=True,
     help="Also unpickle every committed file (weights_only=True).",
 )
+@click.option(
+    "--remote",
+    metavar="URL",
+    default=None,
+    help="Where a replicator copies the run: also report the objects failed copies left there.",
+)
 @DB_URL
-def check(root: Path, load_files: bool, db_url: str | None) -> None:
+def check(root: Path, load_files: bool, remote: str | None, db_url: str | None) -> None:
     """Check the run's consistency invariants; exit 1 and one line per violation.
 
     \b
     Example:
       ckptdb check runs/exp1 --load
     """
-    with _writer(root, db_url) as mgr:
+    with _writer(root, db_url, remote=remote) as mgr:
         problems = mgr.check(load=load_files)
     for problem in problems:
         click.echo(problem)

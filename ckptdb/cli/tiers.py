@@ -262,7 +262,7 @@ def restore(
     in place if its local copy is missing or damaged.
 
     \b
-    Examples:
+    Example:
       ckptdb restore s3://bucket/replicas runs/exp1
       ckptdb restore runs/exp1 --from s3://bucket/replicas --db-url postgresql+psycopg://db/ckpt
     """

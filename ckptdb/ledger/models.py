@@ -288,6 +288,8 @@ class Replica(Base):
     started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
     finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     error: Mapped[str | None] = mapped_column(Text)
+    # a failed copy's prefix, last swept for objects that landed after it failed
+    swept_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
 
 
 class Tier(Base):

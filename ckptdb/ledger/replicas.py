@@ -11,6 +11,7 @@ never counted before it is whole.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -93,6 +94,22 @@ def fail(session: Session, replica_id: int, error: str) -> None:
         .where(m.Replica.id == replica_id, m.Replica.state == UPLOADING)
         .values(state=FAILED, error=error, finished_at=m.utcnow())
     )
+
+
+def failed(session: Session, run_id: int, tier: str) -> list[m.Replica]:
+    """Every failed copy of the run on ``tier``, oldest first."""
+    return list(
+        session.scalars(
+            select(m.Replica)
+            .where(m.Replica.run_id == run_id, m.Replica.tier == tier)
+            .where(m.Replica.state == FAILED)
+            .order_by(m.Replica.id)
+        )
+    )
+
+
+def mark_swept(session: Session, replica_id: int, when: dt.datetime) -> None:
+    session.execute(update(m.Replica).where(m.Replica.id == replica_id).values(swept_at=when))
 
 
 def unfinished(session: Session, run_id: int, tier: str) -> list[m.Replica]:
