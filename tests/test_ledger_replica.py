@@ -461,3 +461,19 @@ def test_status_says_when_the_ledger_was_copied_and_what_has_no_copy(
     text = CliRunner().invoke(main, ["status", str(root)]).output
     assert "1 committed checkpoint(s) have no whole copy yet" in text
     assert f"ledger last copied at {copy.copied_at}" in text
+
+
+def test_a_copy_swapped_for_another_sound_database_is_never_used(
+    tmp_path: Path, s3_url: str, client: Any
+) -> None:
+    """The newest copy's object replaced by an older, sound SQLite file: SQLite's
+    integrity check passes, the manifest's size and hash do not, so the restore says
+    so and uses the copy that is what it claims."""
+    replicator = copied_three_times(tmp_path / "exp1", s3_url)
+    bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
+    folder = f"{prefix}/{PREFIX}/{replicator._token}/e000001"
+    older = client.get_object(Bucket=bucket, Key=f"{folder}/000000000001.sqlite")["Body"].read()
+    client.put_object(Bucket=bucket, Key=f"{folder}/000000000003.sqlite", Body=older)
+    outcome = restore_run(s3_url, tmp_path / "new" / "exp1")
+    assert (outcome.ledger.epoch, outcome.ledger.seq) == (1, 2)
+    assert "its manifest says" in outcome.ledger.damaged[0]
