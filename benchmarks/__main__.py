@@ -20,7 +20,15 @@ from typing import Any
 
 import torch
 
-from . import cases, deepmd_case, lightning_case, preemption_case, s3_case, transformers_case
+from . import (
+    cases,
+    deepmd_case,
+    ledgercopy_case,
+    lightning_case,
+    preemption_case,
+    s3_case,
+    transformers_case,
+)
 from .harness import Comparison, markdown
 
 # (publish sizes MB, repetitions, restart sizes, metric points, guard steps, load MB, ...;
@@ -37,6 +45,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "s3_mb": 12,  # two 8 MiB parts: the multipart path
         "deepmd": {"steps": 10, "save_freq": 2, "reps": 1, "warmup": 0},
         "preemption_steps": 20,
+        "ledger_copy": [(100, 2_000)],
     },
     "default": {
         "publish_mb": [1, 10, 100],
@@ -49,6 +58,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "s3_mb": 100,
         "deepmd": {"steps": 200, "save_freq": 20, "reps": 7, "warmup": 1},
         "preemption_steps": 1000,
+        "ledger_copy": [(10_000, 1_000_000), (100_000, 1_000_000)],
     },
     "full": {
         "publish_mb": [1, 10, 100, 1024],
@@ -61,6 +71,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "s3_mb": 100,
         "deepmd": {"steps": 200, "save_freq": 20, "reps": 7, "warmup": 1},
         "preemption_steps": 1000,
+        "ledger_copy": [(10_000, 1_000_000), (100_000, 1_000_000)],
     },
 }
 
@@ -111,6 +122,11 @@ def suite(profile: dict[str, Any], work: Path) -> dict[str, Case]:
         ],
         "s3": lambda: _unless_missing(
             "S3", s3_case.available(), lambda: s3_case.run(work / "s3", profile["s3_mb"], reps)
+        ),
+        "ledgercopy": lambda: _unless_missing(
+            "S3",
+            s3_case.available(),
+            lambda: ledgercopy_case.run(work / "ledgercopy", profile["ledger_copy"], reps),
         ),
         "deepmd": lambda: _unless_missing(
             "DeePMD-kit",

@@ -61,6 +61,7 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
         "S3 replication",
         "DeePMD-kit dp --pt train",
         "preemption check per step",
+        "ledger copy: 100 checkpoints",
     ):
         assert any(n.startswith(expected) for n in names), (expected, names)
     for result in report["results"]:
@@ -75,6 +76,9 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
     assert floor["notes"]["transactions_per_boundary"] == 3
     assert floor["notes"]["statements_per_boundary"] == STEADY_STATEMENTS["sqlite"]
     assert report["machine"]["torch"]
+    ledger = next(r for r in report["results"] if r["name"].startswith("ledger copy"))
+    assert len(ledger["median_s"]) == 3  # the byte upload, the copy, the restore
+    assert 0 < ledger["notes"]["snapshot_mb"] <= ledger["notes"]["ledger_mb"]
     preemption = next(r for r in report["results"] if r["name"].startswith("preemption check"))
     assert len(preemption["median_s"]) == 4  # no check, ckptdb, ckptdb every=10, blocking
     assert sorted(preemption["notes"]["per_step_us"]) == sorted(
