@@ -885,3 +885,29 @@ def test_a_failed_last_log_read_is_reported_never_in_place_of_the_outcome(
         assert "lcurve.out: input/output error" in caplog.text
     ended = LedgerClient(tmp_path).rows("SELECT end_state FROM attempts")
     assert ended == [("failed",) if training_failed else ("closed",)]
+
+
+def test_the_entry_point_reads_the_ledger_url_from_ckptdb_db_url(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``CKPTDB_DB_URL``, as the ckptdb command reads it; ``--ckptdb-db-url`` wins."""
+    from ckptdb.integrations.deepmd import train
+
+    seen: list[str | None] = []
+
+    def factory(backend: str, options: Any) -> Any:
+        seen.append(options.ledger.db_url)
+        return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(train, "_trainer_factory", factory)
+    monkeypatch.setattr(train.compat, "run_dp", lambda args: None)
+    monkeypatch.delenv("CKPTDB_DB_URL", raising=False)
+    train.main(["--pt", "train", "input.json"])
+    monkeypatch.setenv("CKPTDB_DB_URL", "postgresql+psycopg://trainer@db.example/ckpt")
+    train.main(["--pt", "train", "input.json"])
+    train.main(["--pt", "train", "input.json", "--ckptdb-db-url", "sqlite:////tmp/l.sqlite"])
+    assert seen == [
+        None,
+        "postgresql+psycopg://trainer@db.example/ckpt",
+        "sqlite:////tmp/l.sqlite",
+    ]
