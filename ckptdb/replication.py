@@ -411,7 +411,9 @@ class Replicator:
         with self._writable().transaction() as session:
             due = [
                 (row.id, prefix)
-                for row in ledger_replicas.failed(session, self._reader.run_id, REMOTE)
+                for row in ledger_replicas.in_state(
+                    session, self._reader.run_id, REMOTE, ledger_replicas.FAILED
+                )
                 if _sweep_due(row.finished_at, row.swept_at, now, at_start)
                 and (prefix := self._remote.rel_of(row.location)) is not None
             ]
@@ -626,7 +628,7 @@ def failed_copy_leftovers(ledger: Ledger, run_id: int, remote: Any) -> list[str]
     with ledger.transaction(read=True) as session:
         found = [
             (row.id, prefix)
-            for row in ledger_replicas.failed(session, run_id, REMOTE)
+            for row in ledger_replicas.in_state(session, run_id, REMOTE, ledger_replicas.FAILED)
             if (prefix := remote.rel_of(row.location)) is not None
         ]
     problems = []

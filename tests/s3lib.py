@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from benchmarks.s3server import (
@@ -82,3 +84,29 @@ def environment(values: dict[str, str]) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def stalled_after_first_part(path: Path, rel: str, marker: Path) -> Callable[[Any], None]:
+    """What an upload of ``path`` writes when it stops after its first part is up
+    (6 MiB, with a part size of 5 MiB): it says so in ``marker`` and waits for the
+    test to kill its process."""
+
+    def copy(writer: Any) -> None:
+        with open(path, "rb") as f:
+            writer.write(f.read(6 << 20))
+            writer.flush()
+            while not writer.upload_id or not writer._parts[0].done():
+                time.sleep(0.01)
+            marker.write_text(rel)
+            time.sleep(60)
+
+    return copy
+
+
+def wait_for_marker(marker: Path, child: Any, timeout: float = 60) -> None:
+    """Until the killable child wrote ``marker`` (:func:`stalled_after_first_part`);
+    fails if it died first or took longer than ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        assert child.is_alive() and time.monotonic() < deadline, "the copy never started"
+        time.sleep(0.05)

@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import sqlite3
-import time
 from pathlib import Path
 from typing import Any
 
@@ -117,16 +116,9 @@ def _copy_until_killed(root: str, url: str, marker: str) -> None:
     """A replicator whose ledger copy stops after its first part (for the parent to kill)."""
 
     def slow(self: LedgerCopier, rel: str, path: Path) -> Any:
-        def copy(writer: Any) -> None:
-            with open(path, "rb") as f:
-                writer.write(f.read(6 << 20))
-                writer.flush()
-                while not writer.upload_id or not writer._parts[0].done():
-                    time.sleep(0.01)
-                Path(marker).write_text(rel)
-                time.sleep(60)
-
-        return self._remote.write_object(rel, copy)
+        return self._remote.write_object(
+            rel, s3lib.stalled_after_first_part(path, rel, Path(marker))
+        )
 
     LedgerCopier._upload = slow  # type: ignore[method-assign]  # a forked child's own class
     with Replicator(root, url, storage_options={"part_size": 5 << 20}) as replicator:
@@ -154,10 +146,7 @@ def test_a_replicator_killed_mid_copy_leaves_the_last_whole_ledger_and_the_next_
     )
     child.start()
     try:
-        deadline = time.monotonic() + 60
-        while not marker.exists():
-            assert child.is_alive() and time.monotonic() < deadline, "the copy never started"
-            time.sleep(0.05)
+        s3lib.wait_for_marker(marker, child)
         assert [k for k in s3lib.uploads_under(client, s3_url) if f"/{PREFIX}/" in k]
         os.kill(child.pid or 0, signal.SIGKILL)
     finally:

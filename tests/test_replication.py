@@ -210,16 +210,9 @@ def _replicate_until_killed(root: str, url: str, db_url: str, marker: str) -> No
     original = ckptdb.replication.Replicator._upload_file
 
     def slow(self: Replicator, path: Path, rel: str) -> Any:
-        def copy(writer: Any) -> None:
-            with open(path, "rb") as f:
-                writer.write(f.read(6 << 20))
-                writer.flush()
-                while not writer.upload_id or not writer._parts[0].done():
-                    time.sleep(0.01)
-                Path(marker).write_text(rel)
-                time.sleep(60)
-
-        return self._remote.write_object(rel, copy)
+        return self._remote.write_object(
+            rel, s3lib.stalled_after_first_part(path, rel, Path(marker))
+        )
 
     ckptdb.replication.Replicator._upload_file = slow  # type: ignore[method-assign]
     try:
@@ -243,10 +236,7 @@ def test_a_replicator_killed_mid_upload_is_redone_never_duplicated(
     )
     child.start()
     try:
-        deadline = time.monotonic() + 60
-        while not marker.exists():
-            assert child.is_alive() and time.monotonic() < deadline, "the copy never started"
-            time.sleep(0.05)
+        s3lib.wait_for_marker(marker, child)
         assert s3lib.uploads_under(client, s3_url) != []  # a part is up, nothing completed
         os.kill(child.pid or 0, signal.SIGKILL)
     finally:

@@ -96,18 +96,6 @@ def fail(session: Session, replica_id: int, error: str) -> None:
     )
 
 
-def failed(session: Session, run_id: int, tier: str) -> list[m.Replica]:
-    """Every failed copy of the run on ``tier``, oldest first."""
-    return list(
-        session.scalars(
-            select(m.Replica)
-            .where(m.Replica.run_id == run_id, m.Replica.tier == tier)
-            .where(m.Replica.state == FAILED)
-            .order_by(m.Replica.id)
-        )
-    )
-
-
 def mark_swept(session: Session, replica_id: int, when: dt.datetime) -> None:
     session.execute(update(m.Replica).where(m.Replica.id == replica_id).values(swept_at=when))
 
