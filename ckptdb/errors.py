@@ -108,6 +108,12 @@ class LedgerLockedError(LedgerError):
         return cls(message, holder=fields.get("holder"))
 
 
+class RunTakenOverError(LedgerLockedError):
+    """The run was restored on another machine: a replicator on this one stops, since
+    its copies would collide with the new machine's and its removals could remove
+    them (see docs/replication.md, "Never back in time")."""
+
+
 class WriterLockLostError(LedgerError):
     """The connection holding a PostgreSQL run's writer lock was lost; reopen the run."""
 
@@ -495,6 +501,7 @@ __all__ = [
     "RankFailedError",
     "RestoreTargetError",
     "RunDirectoryError",
+    "RunTakenOverError",
     "SchemaVersionError",
     "UnknownStreamError",
     "UnsupportedVersionError",

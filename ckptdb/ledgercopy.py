@@ -25,8 +25,9 @@ takes the newest snapshot of the highest epoch that has one. A replicator left
 running on the old machine (a zombie) keeps writing its own, older epoch, which
 no restore prefers; once it sees a newer epoch it stops copying the ledger.
 
-Why snapshots and not Litestream: see docs/replication.md ("The ledger's
-replica"); the measured cost of a copy is in docs/performance.md.
+Why snapshots and not Litestream: see docs/replication.md ("The ledger's own
+copy"); the measured cost of a copy is in docs/performance.md ("Copying the
+ledger").
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ import os
 import re
 import sqlite3
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from filelock import FileLock
 
 from .errors import (
     CorruptLedgerReplicaError,
@@ -51,6 +55,8 @@ from .errors import (
     LedgerReplicaNotFoundError,
     ObjectStoreError,
     PhaseError,
+    RunDirectoryError,
+    RunTakenOverError,
     note_on,
 )
 from .ledger import rows as ledger_rows
@@ -94,10 +100,11 @@ class _Epoch:
     claimed: bool = False
 
 
-def _listing(remote: Any) -> dict[str, dict[int, _Epoch]]:
-    """Every run token's epochs under ``remote``'s ledger folder."""
+def _listing(remote: Any, token: str | None = None) -> dict[str, dict[int, _Epoch]]:
+    """Every run token's epochs under ``remote``'s ledger folder (``token``: that run's
+    only, one listing of its own folder)."""
     found: dict[str, dict[int, _Epoch]] = {}
-    for rel in remote.list_under(PREFIX):
+    for rel in remote.list_under(PREFIX if token is None else f"{PREFIX}/{token}"):
         match = _KEY.fullmatch(rel[len(PREFIX) + 1 :])
         if match is None:
             continue
@@ -133,28 +140,43 @@ def _write_bytes(remote: Any, rel: str, data: bytes) -> FileInfo:
 
 
 def read_state(root: Path) -> dict[str, Any] | None:
-    """What this machine knows of its ledger's replica (None: never copied nor restored)."""
+    """What this machine knows of its ledger's copies (None: never copied nor restored).
+
+    A file that is there and cannot be read is :class:`RunDirectoryError`: guessing
+    epoch 1 would send a restored machine's copies where no restore looks."""
     path = root / STATE_NAME
     try:
         value = json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        log.warning("ckptdb: %s is unreadable (%s); starting over from epoch 1", path, exc)
-        return None
-    return value if isinstance(value, dict) else None
+        raise RunDirectoryError(
+            f"{path} is unreadable ({exc}): it says which epoch this machine copies the "
+            "ledger to. If this machine never restored the run, remove it (copies go to "
+            "epoch 1); else restore the run again"
+        ) from exc
+    if not isinstance(value, dict):
+        raise RunDirectoryError(f"{path} is not a JSON object")
+    return value
 
 
-def write_state(root: Path, state: dict[str, Any]) -> None:
-    """The state file replaced whole (written aside, fsynced, renamed over): the epoch
-    it holds must survive a power cut, else this machine's copies would go to an epoch
-    no restore prefers."""
-    tmp = root / f".{STATE_NAME}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(state, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    rename_durably(tmp, root / STATE_NAME)
+def update_state(root: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Read, ``change`` and write the state file whole under its lock (the writer's open
+    and the replicator both update it): written aside under a name of this process's
+    own, fsynced, renamed over, so the epoch survives a power cut."""
+    with FileLock(str(root / f".{STATE_NAME}.lock"), timeout=30):
+        state = read_state(root) or {}
+        change(state)
+        tmp = root / f".{STATE_NAME}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(state, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            rename_durably(tmp, root / STATE_NAME)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 def _fingerprint(db_path: Path) -> list[int]:
@@ -222,7 +244,7 @@ class LedgerCopier:
         self.epoch = int(state.get("epoch", 1))
         # a copy a killed replicator left half uploaded (one replicator per run at a time)
         self.aborted = remote.abort_uploads_under(_rel(token, self.epoch, "")[:-1])
-        epochs = _listing(remote).get(token, {})
+        epochs = _listing(remote, token).get(token, {})
         mine = epochs.get(self.epoch, _Epoch())
         self._seq = max(mine.seqs | mine.orphans, default=0)
         last = state.get("last_copy") or {}
@@ -251,9 +273,8 @@ class LedgerCopier:
             return None
         done = self._copy_now()
         self._last_fingerprint, self._last_at = fingerprint, time.monotonic()
-        state = read_state(self._root) or {}
-        state.update(epoch=self.epoch, last_copy={**done.__dict__, "fingerprint": fingerprint})
-        write_state(self._root, state)
+        last = {**done.__dict__, "fingerprint": fingerprint}
+        update_state(self._root, lambda state: state.update(epoch=self.epoch, last_copy=last))
         return done
 
     def _copy_now(self) -> LedgerCopy:
@@ -303,7 +324,7 @@ class LedgerCopier:
         (their manifest first, so a restore never picks a half-removed one; a snapshot
         whose manifest never came, or whose upload landed after it failed, goes too).
         The same listing says whether another machine took the run over."""
-        epochs = _listing(self._remote).get(self._token, {})
+        epochs = _listing(self._remote, self._token).get(self._token, {})
         newer = [e for e in epochs if e > self.epoch]
         if newer:
             self._supersede(max(newer))
@@ -314,6 +335,23 @@ class LedgerCopier:
             db_name, manifest_name = _snapshot_names(seq)
             for name in (manifest_name, db_name):
                 self._remote.remove(_rel(self._token, self.epoch, name))
+
+    def check_still_ours(self, *, look: bool = True) -> None:
+        """:class:`RunTakenOverError` if a restore on another machine claimed a newer
+        epoch: as last seen, or (``look``) after one listing of the run's folder, which
+        the replicator asks for before it removes anything."""
+        if look and not self.superseded:
+            epochs = _listing(self._remote, self._token).get(self._token, {})
+            newer = [e for e in epochs if e > self.epoch]
+            if newer:
+                self._supersede(max(newer))
+        if self.superseded:
+            raise RunTakenOverError(
+                f"the run {self._run_name} was restored on another machine (its ledger "
+                f"copies go to a newer epoch under {self.location}): this machine's "
+                "replicator stops, so that nothing it copies or removes touches the new "
+                "machine's copies"
+            )
 
     def _supersede(self, epoch: int) -> None:
         self.superseded = True
@@ -368,12 +406,12 @@ def choose_run(remote: Any, run: str | None) -> str | None:
     None when nothing there is of ``run``; several runs and no ``run``, or several of
     that name, are refused (which one is the user's to say)."""
     runs = replicated_runs(remote)
-    if run is not None:
-        runs = {t: n for t, n in runs.items() if n == run}
+    if run is not None:  # a name, or the token that tells runs of one name apart
+        runs = {t: n for t, n in runs.items() if run in (n, t)}
     if len(runs) > 1:
         shown = ", ".join(f"{n} ({t})" for t, n in sorted(runs.items(), key=lambda i: i[1]))
         named = f" named {run}" if run else ""
-        how = "(run=NAME, --run NAME)" if run is None else "by a prefix of its own"
+        how = "(run=NAME, --run NAME)" if run is None else "by its token (--run TOKEN)"
         raise InvalidArgumentError(
             f"{remote.url_of(PREFIX)} holds the ledgers of several runs{named}: {shown}; "
             f"name the one to restore {how}"
@@ -395,7 +433,7 @@ def fetch_ledger(remote: Any, token: str, into: Path, *, claim: bool = True) -> 
     for this machine (``claim``; without it, a look that takes nothing over: its
     ``claimed_epoch`` is 0). A damaged newer snapshot is skipped with a warning; none
     sound raises :class:`CorruptLedgerReplicaError`, and ``into`` is removed."""
-    epochs = _listing(remote).get(token, {})
+    epochs = _listing(remote, token).get(token, {})
     candidates = sorted(((e, s) for e, epoch in epochs.items() for s in epoch.seqs), reverse=True)
     if not candidates:
         raise LedgerReplicaNotFoundError(f"no ledger replica under {remote.url_of(PREFIX)}/{token}")
@@ -403,7 +441,13 @@ def fetch_ledger(remote: Any, token: str, into: Path, *, claim: bool = True) -> 
     for epoch, seq in candidates:
         try:
             manifest = _fetch_one(remote, token, epoch, seq, into)
-        except (CorruptLedgerReplicaError, ObjectStoreError, ValueError, KeyError) as exc:
+        except ObjectStoreError as exc:  # gone since the listing (pruned): else not damage
+            into.unlink(missing_ok=True)
+            if _still_there(remote, token, epoch, seq):
+                raise  # a timeout, a refusal: never a reason to take an older ledger
+            damaged.append(f"{remote.url_of(_rel(token, epoch, str(seq)))}: gone ({exc})")
+            continue
+        except (CorruptLedgerReplicaError, ValueError, KeyError) as exc:
             where = remote.url_of(_rel(token, epoch, _snapshot_names(seq)[0]))
             damaged.append(f"{where}: {exc}")
             log.warning(
@@ -430,6 +474,10 @@ def fetch_ledger(remote: Any, token: str, into: Path, *, claim: bool = True) -> 
     raise error
 
 
+def _still_there(remote: Any, token: str, epoch: int, seq: int) -> bool:
+    return all(remote.exists(_rel(token, epoch, name)) for name in _snapshot_names(seq))
+
+
 def _fetch_one(remote: Any, token: str, epoch: int, seq: int, into: Path) -> dict[str, Any]:
     db_name, manifest_name = _snapshot_names(seq)
     manifest = _read_json(remote, _rel(token, epoch, manifest_name))
@@ -452,7 +500,8 @@ def _fetch_one(remote: Any, token: str, epoch: int, seq: int, into: Path) -> dic
 
 def _integrity(path: Path) -> str | None:
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        uri = f"{path.resolve().as_uri()}?mode=ro"  # escaped: a ? or % in the path
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
             rows = db.execute("PRAGMA integrity_check").fetchall()
     except sqlite3.DatabaseError as exc:
         return str(exc)
@@ -482,13 +531,13 @@ def place_ledger(fetched: FetchedLedger, downloaded: Path, db_path: Path) -> Non
     """Put the downloaded ledger in place and note, in the state file, the epoch this
     machine copies to (and that the restore is yet to be recorded as an event)."""
     root = db_path.parent
-    write_state(
-        root,
-        {
-            "epoch": fetched.claimed_epoch,
-            "restored": {**fetched.__dict__, "damaged": list(fetched.damaged), "recorded": False},
-        },
-    )
+    restored = {**fetched.__dict__, "damaged": list(fetched.damaged), "recorded": False}
+
+    def noted(state: dict[str, Any]) -> None:
+        state.clear()
+        state.update(epoch=fetched.claimed_epoch, restored=restored)
+
+    update_state(root, noted)
     rename_durably(downloaded, db_path)
     fsync_dir(root)
 
@@ -501,10 +550,11 @@ def pending_restore(root: Path) -> dict[str, Any] | None:
 
 
 def mark_recorded(root: Path) -> None:
-    state = read_state(root) or {}
-    if isinstance(state.get("restored"), dict):
-        state["restored"]["recorded"] = True
-        write_state(root, state)
+    def recorded(state: dict[str, Any]) -> None:
+        if isinstance(state.get("restored"), dict):
+            state["restored"]["recorded"] = True
+
+    update_state(root, recorded)
 
 
 def record_ledger_restore(ctx: Any) -> None:
@@ -533,13 +583,15 @@ def bring_back(
         place_ledger(fetched, tmp, db_path)
     except BaseException:
         tmp.unlink(missing_ok=True)
+        if not db_path.exists():  # the note of a restore that did not happen goes too
+            (root / STATE_NAME).unlink(missing_ok=True)
         raise
     return fetched
 
 
 def iter_copies(remote: Any, token: str) -> Iterator[tuple[int, int]]:
     """Every snapshot (epoch, seq) of the run ``token`` with its manifest, oldest first."""
-    epochs = _listing(remote).get(token, {})
+    epochs = _listing(remote, token).get(token, {})
     yield from sorted((e, s) for e, epoch in epochs.items() for s in epoch.seqs)
 
 

@@ -99,16 +99,17 @@ def is_object_url(text: object) -> bool:
     )
 
 
+def redacted(url: str) -> str:
+    """``url`` without the ``user:password@`` it may carry (for errors and logs)."""
+    return _USERINFO.sub(r"\1", url)
+
+
 def check_remote_url(remote: object) -> None:
     """``remote=``: None or an object-storage URL, else :class:`InvalidArgumentError`
     (shown without the ``user:password@`` a URL may carry)."""
     if remote is None or (isinstance(remote, str) and is_object_url(remote)):
         return
-    shown = (
-        repr(_USERINFO.sub(r"\1", remote))
-        if isinstance(remote, str)
-        else "a " + type(remote).__name__
-    )
+    shown = repr(redacted(remote)) if isinstance(remote, str) else "a " + type(remote).__name__
     raise InvalidArgumentError(
         f"remote must be an object-storage URL (s3://bucket/prefix), got {shown}"
     )

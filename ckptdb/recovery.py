@@ -27,7 +27,7 @@ from .errors import (
 )
 from .ledger.engine import LEDGER_FILE
 from .ledgercopy import STATE_NAME, FetchedLedger, bring_back, choose_run, replicated_runs
-from .location import is_object_url
+from .location import is_object_url, redacted
 from .manager import CheckpointManager, refuse_object_root
 from .record import Checkpoint
 from .storage.files import make_dir
@@ -65,7 +65,8 @@ def restore_run(
     ``CheckpointManager(root, remote=source)``.
     """
     if not isinstance(source, str) or not is_object_url(source):
-        raise InvalidArgumentError(f"source must be an object-storage URL, got {source!r}")
+        shown = repr(redacted(source)) if isinstance(source, str) else type(source).__name__
+        raise InvalidArgumentError(f"source must be an object-storage URL, got {shown}")
     refuse_object_root(root, "root")
     target = Path(root).resolve()
     _check_empty(target)
@@ -107,7 +108,7 @@ def _nothing_there(source: str, run: str | None, runs: dict[str, str]) -> str:
     what = f"of the run {run!r} " if run is not None else ""
     there = f"; the ledgers there are of: {', '.join(sorted(set(runs.values())))}" if runs else ""
     return (
-        f"no ledger copy {what}under {source}{there}. A ledger is copied by a replicator "
+        f"no ledger copy {what}under {redacted(source)}{there}. A ledger is copied by a replicator "
         "(ckptdb replicate, Replicator) of a run on a SQLite ledger; a PostgreSQL run "
         "needs none (ckptdb restore ROOT --from URL --db-url ...)"
     )

@@ -163,6 +163,7 @@ class Replicator:
             self._ledger_copier = _ledger_copier(
                 self._remote, self.root, url, self._token, self._reader.run_name, ledger_interval
             )
+            self._still_ours(look=False)  # a zombie on the old machine copies, removes nothing
             self.swept = self._sweep_interrupted()
             #: The failed copies whose late objects the last sweep removed.
             self.leftovers: list[Replica] = self._sweep_failed(at_start=True)
@@ -182,6 +183,7 @@ class Replicator:
         all; ``retry_failed``: this pass tries those that used their tries once more."""
         limit = None if retry_failed else MAX_FAILURES
         self.expired = []
+        self._still_ours(look=False)
         with self._writable().transaction() as session:
             todo = ledger_replicas.to_copy(
                 session,
@@ -193,6 +195,8 @@ class Replicator:
                 self._remote.url_prefix,
             )
             checkpoints = [to_record(row, self._reader.save_dir) for row in todo]
+        if checkpoints:
+            self._still_ours()  # a zombie's copies would collide with the new machine's
         done = []
         for checkpoint in checkpoints:
             if self._stopping():
@@ -204,7 +208,15 @@ class Replicator:
             self.expired = self._expire()
             self.leftovers = self._sweep_failed(at_start=False)
         self._copy_ledger(force=bool(done or self.expired))  # the first copy is never delayed
+        self._still_ours(look=False)  # as the ledger copy's listing saw it
         return done
+
+    def _still_ours(self, *, look: bool = True) -> None:
+        """:class:`RunTakenOverError` if the run (a SQLite ledger's) was restored on another
+        machine (``look``: asking the bucket now, else as last seen); a PostgreSQL run has
+        one ledger for every machine: nothing to check."""
+        if self._ledger_copier is not None:
+            self._ledger_copier.check_still_ours(look=look)
 
     def _copy_ledger(self, *, force: bool) -> None:
         """Copy the ledger if it changed (``force``: now, else when its interval is up);
@@ -417,6 +429,8 @@ class Replicator:
                 if _sweep_due(row.finished_at, row.swept_at, now, at_start)
                 and (prefix := self._remote.rel_of(row.location)) is not None
             ]
+        if due:
+            self._still_ours()  # a failed copy's prefix may be the new machine's copy
         removed = []
         for replica_id, prefix in due:
             if self._stopping():
@@ -480,6 +494,8 @@ class Replicator:
                 )
                 if (prefix := self._remote.rel_of(row.location)) is not None
             ]
+        if found:
+            self._still_ours()  # never remove copies the new machine's ledger counts on
         removed = []
         for replica_id, prefix in found:
             try:
@@ -541,9 +557,11 @@ class Replicator:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._ledger is not None:  # the ledger as the last pass left it
-            self._copy_ledger(force=True)
-        self._release()
+        try:
+            if self._ledger is not None:  # the ledger as the last pass left it
+                self._copy_ledger(force=True)
+        finally:
+            self._release()
         if self.error is not None:
             error, self.error = self.error, None
             raise error

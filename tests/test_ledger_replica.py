@@ -23,6 +23,7 @@ import pytest
 import s3lib
 import torch
 from click.testing import CliRunner
+from filelock import FileLock
 
 from ckptdb import CheckpointManager, Keep, Replicator, RunReader, restore_run
 from ckptdb.cli import main
@@ -30,11 +31,15 @@ from ckptdb.errors import (
     CorruptLedgerReplicaError,
     InvalidArgumentError,
     LedgerReplicaNotFoundError,
+    ObjectStoreError,
     RestoreTargetError,
+    RunDirectoryError,
+    RunTakenOverError,
 )
 from ckptdb.ledgercopy import PREFIX, STATE_NAME, LedgerCopier, fetch_ledger, iter_copies
 from ckptdb.policies import Policy
 from ckptdb.storage.remote import remote_store
+from ckptdb.storage.s3 import S3Store
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -176,7 +181,7 @@ def test_a_replicator_killed_mid_copy_leaves_the_last_whole_ledger_and_the_next_
 
 
 def test_a_zombie_replicator_on_the_old_machine_never_rolls_the_restored_run_back(
-    tmp_path: Path, s3_url: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, s3_url: str, client: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     old = tmp_path / "old" / "exp1"
     train(old, range(1, 4))
@@ -189,16 +194,18 @@ def test_a_zombie_replicator_on_the_old_machine_never_rolls_the_restored_run_bac
             train(new, range(4, 6))
             replicator.replicate()
         assert replicator.ledger_copy is not None and replicator.ledger_copy.epoch == 2
-        train(old, range(4, 9))  # the zombie trains on and copies on
-        zombie.replicate()
+        first = zombie.ledger_copy
+        train(old, range(4, 9))  # the zombie trains on; its replicator stops, copying nothing
+        with pytest.raises(RunTakenOverError, match="restored on another machine"):
+            zombie.replicate()
         assert "restored on another machine" in caplog.text
-        stopped = zombie.ledger_copy
-        train(old, range(9, 10))
-        zombie.replicate()
-        assert zombie.ledger_copy == stopped  # it sees the new epoch and copies no more
+        with pytest.raises(RunTakenOverError):
+            zombie.replicate()  # and stays stopped
     finally:
         zombie.close()
-    assert zombie.ledger_copy is not None and zombie.ledger_copy.epoch == 1  # its own epoch
+    assert zombie.ledger_copy == first and first is not None and first.epoch == 1
+    for step in (6, 7, 8):  # none of the zombie's checkpoints went to the bucket
+        assert not [k for k in s3lib.keys_under(client, s3_url) if f"step-{step:09d}" in k]
     again = restore_run(s3_url, tmp_path / "third" / "exp1")
     assert (again.ledger.epoch, again.ledger.claimed_epoch) == (2, 3)
     with RunReader(tmp_path / "third" / "exp1") as reader:
@@ -215,14 +222,16 @@ def test_a_replicator_started_on_the_old_machine_after_the_restore_copies_no_led
     train(old, range(1, 3))
     with Replicator(old, s3_url) as replicator:
         replicator.replicate()
+    token = replicator._token
     restore_run(s3_url, tmp_path / "new" / "exp1")
     train(old, range(3, 5))
-    with Replicator(old, s3_url) as zombie:
-        assert zombie._ledger_copier is not None and zombie._ledger_copier.superseded
-        zombie.replicate()
-    assert zombie.ledger_copy is None
+    with pytest.raises(RunTakenOverError, match="this machine's replicator stops"):
+        Replicator(old, s3_url)
     remote = remote_store(s3_url, None, probe=False)
-    assert list(iter_copies(remote, zombie._token)) == [(1, 1)]
+    assert list(iter_copies(remote, token)) == [(1, 1)]
+    lock = FileLock(str(old / ".ckptdb.replicator.lock"), timeout=0)
+    lock.acquire()  # the refused replicator let go of the run's lock
+    lock.release()
 
 
 # ---------------------------------------------------------------------- damaged copies
@@ -353,6 +362,39 @@ def test_a_lost_machine_resumes_from_the_newest_copy_the_local_window_had_droppe
         assert torch.equal(mgr.load("latest")["w"], state(3)["w"])
 
 
+def test_a_copy_of_an_abandoned_timeline_is_never_brought_back(
+    tmp_path: Path, s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps 10, 20, 30 copied; the run resumes from 10 and saves 20 again (the
+    timeline rule evicts the old 20 and 30), whose copy never completes; the machine
+    is lost. The old 30 has a whole copy but is of the abandoned timeline: step 10
+    comes back, never 30."""
+    root = tmp_path / "exp1"
+    streams: dict[str, Policy] = {"model": Keep(last=None)}
+    with Replicator(root_with_run(root, streams), s3_url) as replicator:
+        with CheckpointManager(root, streams=streams) as mgr:
+            for step in (10, 20, 30):
+                mgr.save(step, model=state(step))
+        replicator.replicate()
+
+        def uplink_down(self: Replicator, path: Path, rel: str) -> Any:
+            raise ConnectionError("the uplink is down")
+
+        monkeypatch.setattr(Replicator, "_upload_file", uplink_down)
+        with CheckpointManager(root, streams=streams) as mgr:
+            mgr.save(20, model=state(2000))  # the resumed timeline's step 20
+            assert [c.step for c in mgr.checkpoints("model")] == [10, 20]
+        replicator.replicate()
+        monkeypatch.undo()
+    shutil.rmtree(root)
+    outcome = restore_run(s3_url, tmp_path / "new" / "exp1")
+    assert [c.step for c in outcome.restored] == [10]
+    with CheckpointManager(tmp_path / "new" / "exp1", remote=s3_url) as mgr:
+        latest = mgr.latest("model")
+        assert latest is not None and latest.step == 10
+        assert torch.equal(mgr.load("latest")["w"], state(10)["w"])
+
+
 # ---------------------------------------------------------------------- open with remote=
 
 
@@ -402,6 +444,49 @@ def test_a_bucket_holding_another_runs_ledger_is_refused(tmp_path: Path, s3_url:
     assert not target.exists()
     outcome = restore_run(s3_url, target, run="exp2")
     assert outcome.ledger.run == "exp2"
+    other = tmp_path / "by-token"
+    by_token = restore_run(s3_url, other, run=outcome.ledger.token)  # runs of one name apart
+    assert by_token.ledger.run == "exp2"
+
+
+def test_a_url_that_is_not_one_is_refused_without_its_credentials(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="object-storage URL") as caught:
+        restore_run("https://AKIAEXAMPLE:hunter2secret@minio.internal/bucket", tmp_path / "x")
+    assert "hunter2secret" not in str(caught.value) and "AKIAEXAMPLE" not in str(caught.value)
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_unreadable_state_file_is_an_error_not_epoch_one(tmp_path: Path, s3_url: str) -> None:
+    root = tmp_path / "exp1"
+    train(root, range(1, 2))
+    (root / STATE_NAME).write_text("{ torn")
+    with pytest.raises(RunDirectoryError, match="unreadable"):
+        Replicator(root, s3_url)
+    assert (root / STATE_NAME).read_text() == "{ torn"
+
+
+def test_a_copy_that_cannot_be_read_now_is_an_error_never_an_older_ledger(
+    tmp_path: Path, s3_url: str, client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A timeout reading the newest copy is not damage: the restore fails, claims no
+    epoch and writes nothing, rather than bring back an older ledger."""
+    copied_three_times(tmp_path / "exp1", s3_url)
+    original = S3Store.download
+
+    def timing_out(self: S3Store, rel: str, sink: Any) -> Any:
+        if rel.endswith("000000000003.sqlite"):
+            raise ObjectStoreError("GetObject timed out (read timeout=60)")
+        return original(self, rel, sink)
+
+    monkeypatch.setattr(S3Store, "download", timing_out)
+    target = tmp_path / "new" / "exp1"
+    with pytest.raises(ObjectStoreError, match="timed out"):
+        restore_run(s3_url, target)
+    assert not target.exists()
+    monkeypatch.undo()
+    listing = s3lib.keys_under(client, s3_url, ledger=True)
+    assert not [k for k in listing if "claim.json" in k]  # nothing taken over
+    assert restore_run(s3_url, target).ledger.seq == 3
 
 
 def test_a_target_that_is_not_empty_is_refused_and_left_as_it_was(
@@ -428,7 +513,8 @@ def test_a_bad_ledger_interval_is_refused(tmp_path: Path, s3_url: str, interval:
     train(tmp_path / "exp1", range(1, 2))
     with pytest.raises(InvalidArgumentError, match="ledger_interval"):
         Replicator(tmp_path / "exp1", s3_url, ledger_interval=interval)
-    assert not (tmp_path / "exp1" / STATE_NAME).exists()
+    with Replicator(tmp_path / "exp1", s3_url) as replicator:  # nothing held, nothing copied
+        assert replicator.ledger_copy is None
 
 
 def test_status_says_when_the_ledger_was_copied_and_what_has_no_copy(

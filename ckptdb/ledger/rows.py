@@ -507,6 +507,20 @@ def committed_after(
     return list(session.scalars(query))
 
 
+def left_behind(session: Session, run_id: int, stream: str, checkpoint_id: int, step: int) -> bool:
+    """Whether a later commit of the stream at a step at or before ``step`` made the
+    checkpoint part of an abandoned timeline (the timeline rule evicted it): such a
+    checkpoint is never the stream's newest again, whatever copies it has."""
+    query = (
+        select(m.Checkpoint.id)
+        .where(m.Checkpoint.run_id == run_id, m.Checkpoint.stream == stream)
+        .where(m.Checkpoint.id > checkpoint_id, m.Checkpoint.step <= step)
+        .where(m.Checkpoint.committed_at.is_not(None))
+        .limit(1)
+    )
+    return session.scalars(query).first() is not None
+
+
 def committed_entries(
     session: Session,
     run_id: int,

@@ -95,7 +95,7 @@ def restore(
             if remote.rel_of(r.location) is not None  # another destination's: not ours
         ]
     if not every:
-        wanted = _newest_of_each_stream(wanted)
+        wanted = _newest_of_each_stream(ctx, wanted)
     wanted = [
         w
         for w in wanted
@@ -132,16 +132,27 @@ def restore_one(ctx: RunContext, remote: Any, tier: str, checkpoint: Checkpoint)
     return True
 
 
-def _newest_of_each_stream(wanted: list[_Wanted]) -> list[_Wanted]:
+def _newest_of_each_stream(ctx: RunContext, wanted: list[_Wanted]) -> list[_Wanted]:
     """The first of each stream (:func:`ledger_replicas.restorable` orders each stream's
-    checkpoints newest first)."""
+    checkpoints newest first) that is not an evicted one of an abandoned timeline."""
     seen: set[str] = set()
     chosen = []
     for w in wanted:
-        if w.checkpoint.stream not in seen:
-            seen.add(w.checkpoint.stream)
-            chosen.append(w)
+        if w.checkpoint.stream in seen:
+            continue
+        if w.checkpoint.state == DELETED and not _still_its_timeline(ctx, w):
+            continue
+        seen.add(w.checkpoint.stream)
+        chosen.append(w)
     return chosen
+
+
+def _still_its_timeline(ctx: RunContext, w: _Wanted) -> bool:
+    """Whether an evicted checkpoint was dropped by the window alone, not left behind by
+    a resume from an earlier step (then it belongs to an abandoned timeline)."""
+    c = w.checkpoint
+    with ctx.ledger.transaction(read=True) as session:
+        return not ledger_rows.left_behind(session, ctx.run_id, c.stream, c.id, c.step)
 
 
 def _would_be_latest(ctx: RunContext, checkpoint: Checkpoint) -> bool:

@@ -328,7 +328,8 @@ class S3Store:
         replicas: :mod:`ckptdb.ledgercopy`)."""
         head = f"{self.key(rel)}/"
         start = len(self.prefix) + 1 if self.prefix else 0
-        return [key[start:] for key in self._list_keys(head)]
+        # a key found taken by someone else is never ours to report, nor to remove
+        return [key[start:] for key in self._list_keys(head) if key not in self._foreign]
 
     def abort_uploads_under(self, rel: str) -> int:
         """Abort every multipart upload in progress under ``rel/`` (a copy of the ledger
