@@ -151,9 +151,9 @@ def store_leftovers(url: str, found: list[Copy]) -> list[str]:
 
 def ledger_copy_problems(url: str, keys: list[str]) -> list[str]:
     """The copies of the run's SQLite ledger (:mod:`ckptdb.ledgercopy`), after a pass:
-    at least one; each manifest's snapshot there with the bytes it records, and a sound
-    SQLite database; no more snapshots per epoch than the copier keeps (a snapshot whose
-    manifest a power cut prevented is removed in time, never left for good)."""
+    at least one; each manifest's snapshot there with the bytes it records; no more
+    snapshots per epoch than the copier keeps (a snapshot whose manifest a power cut
+    prevented is removed in time, never left for good)."""
     if not keys:
         return ["no copy of the ledger after a pass"]
     bucket, prefix = split(url)
