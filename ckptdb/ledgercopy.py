@@ -570,16 +570,12 @@ def record_ledger_restore(ctx: Any) -> None:
     mark_recorded(ctx.root)
 
 
-def bring_back(
-    remote: Any, root: Path, db_path: Path, token: str, *, before: Callable[[], None] | None = None
-) -> FetchedLedger:
+def bring_back(remote: Any, root: Path, db_path: Path, token: str) -> FetchedLedger:
     """Fetch the run ``token``'s ledger and put it at ``db_path``; nothing is left in
-    ``root`` if it fails. ``before``: called once the download is verified."""
+    ``root`` if it fails (the download, the state file's note of the restore)."""
     tmp = root / f".{STATE_NAME}.restoring"
     try:
         fetched = fetch_ledger(remote, token, tmp)
-        if before is not None:
-            before()
         place_ledger(fetched, tmp, db_path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -24,6 +24,7 @@ from .errors import (
     LedgerReplicaNotFoundError,
     RestoreTargetError,
     RunDirectoryError,
+    note_on,
 )
 from .ledger.engine import LEDGER_FILE
 from .ledgercopy import STATE_NAME, FetchedLedger, bring_back, choose_run, replicated_runs
@@ -78,8 +79,8 @@ def restore_run(
     make_dir(target)
     try:
         fetched = bring_back(remote, target, target / LEDGER_FILE, token)
-    except BaseException:
-        _undo(target, created)
+    except BaseException as exc:
+        _undo(target, created, exc)
         raise
     with CheckpointManager(target, remote=source, remote_options=storage_options) as mgr:
         restored = list(mgr.restored_at_open)
@@ -114,13 +115,17 @@ def _nothing_there(source: str, run: str | None, runs: dict[str, str]) -> str:
     )
 
 
-def _undo(target: Path, created: bool) -> None:
-    """What a failed restore wrote, removed: the directory if it made it, else its files."""
-    if created:
-        shutil.rmtree(target, ignore_errors=True)
-        return
-    for name in (LEDGER_FILE, STATE_NAME, f".{STATE_NAME}.tmp", f".{STATE_NAME}.restoring"):
-        (target / name).unlink(missing_ok=True)
+def _undo(target: Path, created: bool, failure: BaseException) -> None:
+    """What a failed restore wrote, removed: the directory if it made it, else its files
+    (a removal that fails is noted on ``failure``, the error the caller gets)."""
+    try:
+        if created:
+            shutil.rmtree(target)
+            return
+        for name in (LEDGER_FILE, STATE_NAME, f".{STATE_NAME}.restoring"):
+            (target / name).unlink(missing_ok=True)
+    except OSError as cleanup:
+        note_on(failure, f"removing what the restore wrote in {target} failed too: {cleanup}")
 
 
 __all__ = ["RunRestore", "restore_run"]
