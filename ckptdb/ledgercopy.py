@@ -60,7 +60,7 @@ from .errors import (
     note_on,
 )
 from .ledger import rows as ledger_rows
-from .storage.files import FileInfo, fsync_dir, hash_file, rename_durably
+from .storage.files import FileInfo, fsync_dir, hash_file, remove, rename_durably
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def update_state(root: Path, change: Callable[[dict[str, Any]], None]) -> None:
                 os.fsync(f.fileno())
             rename_durably(tmp, root / STATE_NAME)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            remove(tmp)
             raise
 
 
@@ -197,15 +197,13 @@ def snapshot(db_path: Path, into: Path) -> FileInfo:
     """A consistent copy of the ledger at ``db_path`` in ``into``, made by SQLite itself
     inside one read transaction (``VACUUM INTO``: never a byte copy of a live WAL
     database). The copy is one compact file in rollback-journal mode, so it needs no
-    ``-wal`` or ``-shm`` beside it; it is fsynced before it is hashed."""
+    ``-wal`` or ``-shm`` beside it."""
     source = sqlite3.connect(db_path, timeout=30)  # not query_only: that refuses VACUUM INTO
     try:
         source.execute("VACUUM INTO ?", (str(into),))
     finally:
         source.close()
-    with open(into, "rb") as f:
-        os.fsync(f.fileno())
-    return hash_file(into)
+    return hash_file(into)  # a scratch file: what is uploaded is what was hashed, no fsync
 
 
 # ---------------------------------------------------------------------- copying
@@ -442,7 +440,7 @@ def fetch_ledger(remote: Any, token: str, into: Path, *, claim: bool = True) -> 
         try:
             manifest = _fetch_one(remote, token, epoch, seq, into)
         except ObjectStoreError as exc:  # gone since the listing (pruned): else not damage
-            into.unlink(missing_ok=True)
+            remove(into)
             if _still_there(remote, token, epoch, seq):
                 raise  # a timeout, a refusal: never a reason to take an older ledger
             damaged.append(f"{remote.url_of(_rel(token, epoch, str(seq)))}: gone ({exc})")
@@ -453,7 +451,7 @@ def fetch_ledger(remote: Any, token: str, into: Path, *, claim: bool = True) -> 
             log.warning(
                 "ckptdb: the ledger copy %s is damaged (%s); trying an earlier one", where, exc
             )
-            into.unlink(missing_ok=True)
+            remove(into)
             continue
         claimed = _claim(remote, token, max(epochs) + 1) if claim else 0
         return FetchedLedger(
@@ -578,9 +576,9 @@ def bring_back(remote: Any, root: Path, db_path: Path, token: str) -> FetchedLed
         fetched = fetch_ledger(remote, token, tmp)
         place_ledger(fetched, tmp, db_path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        remove(tmp)
         if not db_path.exists():  # the note of a restore that did not happen goes too
-            (root / STATE_NAME).unlink(missing_ok=True)
+            remove(root / STATE_NAME)
         raise
     return fetched
 

@@ -75,14 +75,13 @@ from .protocol.asyncsave import (
     group_timeout,
 )
 from .protocol.boundary import Publisher
-from .protocol.check import Checker
+from .protocol.check import Checker, failed_copy_leftovers
 from .protocol.context import METRIC_FLUSH_THRESHOLD, RunContext
 from .protocol.inputs import validate_metrics, validate_step
 from .protocol.loading import Loader
 from .protocol.reconcile import Action, Reconciler, ReconcileReport
 from .protocol.resume import restore_at_open, settle
 from .record import Checkpoint, DerivedAlias
-from .replication import failed_copy_leftovers
 from .storage.base import PayloadStore
 from .storage.files import fsync_dir, make_dir
 from .storage.naming import run_token
@@ -1035,7 +1034,7 @@ class CheckpointManager:
         self._inflight.wait()  # its pending rows are not a crash
         found = Checker(ctx.ledger, ctx.run_id, ctx.root, ctx.store, ctx.policies).run(load=load)
         if ctx.remote is not None:  # remote=: what failed copies left there too
-            found += failed_copy_leftovers(ctx.ledger, ctx.run_id, ctx.remote)
+            found += failed_copy_leftovers(ctx.ledger, ctx.run_id, ctx.remote, ctx.remote_tier)
         return found
 
 

@@ -14,7 +14,6 @@ the ledger's last copy is not restorable by this path (docs/replication.md,
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from .ledgercopy import STATE_NAME, FetchedLedger, bring_back, choose_run, repli
 from .location import is_object_url, redacted
 from .manager import CheckpointManager, refuse_object_root
 from .record import Checkpoint
-from .storage.files import make_dir
+from .storage.files import make_dir, remove
 from .storage.remote import remote_store
 
 
@@ -120,10 +119,10 @@ def _undo(target: Path, created: bool, failure: BaseException) -> None:
     (a removal that fails is noted on ``failure``, the error the caller gets)."""
     try:
         if created:
-            shutil.rmtree(target)
+            remove(target)  # a directory it made: removed with what is in it
             return
         for name in (LEDGER_FILE, STATE_NAME, f".{STATE_NAME}.restoring"):
-            (target / name).unlink(missing_ok=True)
+            remove(target / name)
     except OSError as cleanup:
         note_on(failure, f"removing what the restore wrote in {target} failed too: {cleanup}")
 

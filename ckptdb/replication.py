@@ -640,26 +640,6 @@ def _sweep_due(
     return at_start or (now - swept_at).total_seconds() >= SWEEP_EVERY_S
 
 
-def failed_copy_leftovers(ledger: Ledger, run_id: int, remote: Any) -> list[str]:
-    """One line per failed copy under ``remote`` whose prefix still holds objects (for
-    ``check``): what a sweep has not removed yet."""
-    with ledger.transaction(read=True) as session:
-        found = [
-            (row.id, prefix)
-            for row in ledger_replicas.in_state(session, run_id, REMOTE, ledger_replicas.FAILED)
-            if (prefix := remote.rel_of(row.location)) is not None
-        ]
-    problems = []
-    for replica_id, prefix in found:
-        left = remote.list_under(prefix)
-        if left:
-            problems.append(
-                f"failed copy {replica_id} left {len(left)} object(s) at {remote.url_of(prefix)} "
-                "(a replicator's sweep removes them)"
-            )
-    return problems
-
-
 def _ledger_copier(
     remote: Any, root: Path, url: str, token: str, run_name: str, interval: float
 ) -> LedgerCopier | None:

@@ -54,10 +54,24 @@ ALLOWED = {
         "coord",
         "protocol",
         "preemption",
+        "ledgercopy",  # an open with remote= on a root without a ledger brings it back
     },
     "pinning": {"record"},
+    # a SQLite ledger's copies on a remote tier: files out, objects in, one event
+    "ledgercopy": {"errors", "ledger", "storage"},
+    # a lost machine's run back from a URL: the ledger, then an open of the run
+    "recovery": {"errors", "ledger", "ledgercopy", "location", "manager", "record", "storage"},
     # a replicator: a reader of the run that also writes its copies' rows
-    "replication": {"errors", "location", "policies", "record", "ledger", "storage", "reader"},
+    "replication": {
+        "errors",
+        "location",
+        "policies",
+        "record",
+        "ledger",
+        "ledgercopy",
+        "storage",
+        "reader",
+    },
     "maintenance": {"errors", "ledger"},
     "reader": {
         "errors",
@@ -78,6 +92,7 @@ ALLOWED = {
         "manager",
         "policies",
         "preemption",  # their preemption= settings and the Preempted they raise
+        "ledgercopy",  # whether a lost machine's ledger waits under remote= (Lightning)
         "protocol",  # adopt layouts produce the protocol's candidates
         "reader",
         "record",

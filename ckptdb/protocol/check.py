@@ -25,6 +25,7 @@ from typing import Any
 from ..errors import RunDirectoryError
 from ..ledger import Ledger
 from ..ledger import models as m
+from ..ledger import replicas as ledger_replicas
 from ..ledger import rows as ledger_rows
 from ..policies import Entry, Policy, TopK
 from ..storage.base import LOST, PayloadStore
@@ -170,3 +171,24 @@ class Checker:
                     f"{stream}: step {gone.step} was evicted while among the {policy.k} best"
                 )
         return problems
+
+
+def failed_copy_leftovers(ledger: Ledger, run_id: int, remote: Any, tier: str) -> list[str]:
+    """One line per failed copy on ``tier`` under ``remote`` whose prefix still holds
+    objects (a copy that landed after it failed): what the replicator's sweep has not
+    removed yet (``check`` with ``remote=``)."""
+    with ledger.transaction(read=True) as session:
+        found = [
+            (row.id, prefix)
+            for row in ledger_replicas.in_state(session, run_id, tier, ledger_replicas.FAILED)
+            if (prefix := remote.rel_of(row.location)) is not None
+        ]
+    problems = []
+    for replica_id, prefix in found:
+        left = remote.list_under(prefix)
+        if left:
+            problems.append(
+                f"failed copy {replica_id} left {len(left)} object(s) at {remote.url_of(prefix)} "
+                "(a replicator's sweep removes them)"
+            )
+    return problems
