@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeGuard, TypeVar, overload
 
 import torch.distributed as dist
 
+from . import goodput
 from .coord import Coordinator, coordinator_for
 from .errors import (
     ArgumentTypeError,
@@ -44,14 +45,18 @@ from .errors import (
     RunDirectoryError,
     note_on,
 )
+from .goodput import DEFAULT_MAX_INTERVAL, DEFAULT_MIN_INTERVAL, IntervalChoice
 from .guard import NonFiniteGradGuard
+from .interval import Interval, Pacing, pacing_of
 from .ledger import OpenedRun, after_commit, open_ledger, pins
 from .ledger import models as m
+from .ledger import progress as progress_rows
 from .ledger import rows as ledger_rows
 from .ledger.engine import LEDGER_FILE, default_sqlite_url, normalize_url
 from .ledger.lock import writer_lock
 from .ledger.models import MAX_METRIC_NAME, MAX_STEP
 from .ledger.netfs import check_ledger_location
+from .ledger.progress import Heartbeat, launch_of_first_attempt
 from .ledger.runs import open_as_writer
 from .ledgercopy import FetchedLedger, bring_back, choose_run, record_ledger_restore
 from .location import (
@@ -62,7 +67,7 @@ from .location import (
     object_path,
 )
 from .policies import Keep, Policy, validate_policies
-from .preemption import DEFAULT_SIGNALS, Preemption
+from .preemption import DEFAULT_SIGNALS, PipelinedFlag, Preemption
 from .protocol import restore as restoring
 from .protocol.adopt import Adopter, Candidate
 from .protocol.adopt import Outcome as AdoptOutcome
@@ -79,6 +84,7 @@ from .protocol.check import Checker, failed_copy_leftovers
 from .protocol.context import METRIC_FLUSH_THRESHOLD, RunContext
 from .protocol.inputs import validate_metrics, validate_step
 from .protocol.loading import Loader
+from .protocol.progress import HEARTBEAT_S
 from .protocol.reconcile import Action, Reconciler, ReconcileReport
 from .protocol.resume import restore_at_open, settle
 from .record import Checkpoint, DerivedAlias
@@ -215,8 +221,13 @@ class CheckpointManager:
         storage_options: Mapping[str, object] | None = None,
         remote: str | None = None,
         remote_options: Mapping[str, object] | None = None,
+        interval: float | str | None = None,
+        min_interval: float = DEFAULT_MIN_INTERVAL,
+        max_interval: float = DEFAULT_MAX_INTERVAL,
+        heartbeat: float = HEARTBEAT_S,
     ) -> None:
         check_remote_url(remote)
+        pacing = pacing_of(interval, min_interval, max_interval, heartbeat)
         if remote is None and remote_options is not None:
             raise InvalidArgumentError("remote_options= goes with remote=")
         self._remote = (remote, remote_options)
@@ -231,6 +242,12 @@ class CheckpointManager:
         self.root = Path(root).resolve()
         self._guard = guard
         self._closed = True
+        self._interval: Interval | None = None
+        self._maintenance = maintenance
+        if maintenance and pacing.interval is not None:
+            raise InvalidArgumentError(
+                "interval= is for training; a maintenance manager never saves"
+            )
         self._coord: Coordinator = coordinator_for(process_group)
         self._writer = BackgroundWriter()
         self._snapshots = Snapshotter()
@@ -252,21 +269,78 @@ class CheckpointManager:
 
         info = self._coord.shared("open", open_as_chief)
         if not self._coord.is_chief:
-            self.last_reconcile = info.last_reconcile
-            store = self._storage.store(info.save_dir, probe=False)
-            self._assemble(
-                RunContext(
-                    self.root,
-                    info.save_dir,
-                    info.run_id,
-                    info.attempt_id,
-                    info.policies,
-                    store,
-                    is_writer=False,
-                    world_size=self._coord.size,
-                )
+            self._open_follower(info)
+        try:
+            self._interval = self._start_pacing(pacing)
+        except BaseException:
+            self._close("failed")
+            raise
+
+    def _open_follower(self, info: _RunInfo) -> None:
+        """A rank other than the chief: the run as the chief opened it, no ledger."""
+        self.last_reconcile = info.last_reconcile
+        store = self._storage.store(info.save_dir, probe=False)
+        self._assemble(
+            RunContext(
+                self.root,
+                info.save_dir,
+                info.run_id,
+                info.attempt_id,
+                info.policies,
+                store,
+                is_writer=False,
+                world_size=self._coord.size,
             )
-            self._closed = False
+        )
+        self._closed = False
+
+    def _start_pacing(self, pacing: Pacing) -> Interval | None:
+        """Heartbeats on (the chief writes them) and, with ``interval=``, the clock of
+        ``due`` (collective under torch.distributed: its agreement's gloo group)."""
+        ctx = self._ctx
+        ctx.progress.every = pacing.heartbeat
+        if ctx.is_writer and not self._maintenance:
+            ctx.progress.write_with(self._write_heartbeat)
+        if pacing.interval is None:
+            return None
+        group = self._gloo_group()
+        return Interval(
+            pacing.interval,
+            ctx.progress,
+            is_chief=ctx.is_writer,
+            flag=PipelinedFlag(group) if group is not None else None,
+            history=lambda: goodput.history(ctx.ledger, ctx.run_id, ctx.attempt_id),
+            record=self._record_interval,
+        )
+
+    def _gloo_group(self) -> Any:
+        """A small gloo group of this manager's ranks (collective), or None in one process:
+        the agreements of preemption and ``due`` run on it, one byte per rank."""
+        if self._coord.group is None:
+            return None
+        return dist.new_group(
+            ranks=dist.get_process_group_ranks(self._coord.group),
+            backend="gloo",
+            timeout=group_timeout(self._coord.group),
+            use_local_synchronization=True,
+        )
+
+    def _write_heartbeat(self, beat: Heartbeat) -> None:
+        ctx = self._ctx
+        with ctx.ledger.transaction(durable=False) as session:
+            progress_rows.write_heartbeat(session, ctx.attempt_id, beat)
+
+    def _record_interval(self, choice: IntervalChoice, step: int) -> None:
+        """The chief records each change of the interval (never raising: every rank must
+        return the same answer from ``due``, so a failure to record is logged)."""
+        if not self._ctx.is_writer:
+            return
+        try:
+            self._ctx.event("interval", step=step, detail=choice.as_dict())
+        except Exception:
+            log.error(
+                "ckptdb: the interval change at step %d was not recorded", step, exc_info=True
+            )
 
     # ------------------------------------------------------------------ opening
 
@@ -311,6 +385,7 @@ class CheckpointManager:
                 kind="maintenance" if maintenance else "train",
                 default_streams=DEFAULT_STREAMS,
                 world_size=self._coord.size,
+                launched_at=None if maintenance else launch_of_first_attempt(),
             )
         except BaseException:
             db.dispose()
@@ -495,9 +570,14 @@ class CheckpointManager:
             end_state = "preempted"
         try:
             try:
-                self._inflight.wait()
+                with self._ctx.progress.saving(
+                    counts=False
+                ):  # the loop waits for the save in flight
+                    self._inflight.wait()
             finally:
                 self._closed = True
+                if self._interval is not None:
+                    self._interval.close()
                 self._inflight.handle = None
                 self._snapshots.release()
                 try:
@@ -549,7 +629,7 @@ class CheckpointManager:
             self._settle_before_close()
             with ctx.ledger.transaction() as session:
                 flushed = ctx.metrics.insert_into(session, ctx.run_id, ctx.attempt_id, None)
-                ledger_rows.end_attempt(session, ctx.attempt_id, end_state)
+                ledger_rows.end_attempt(session, ctx.attempt_id, end_state, ctx.progress.beat())
                 # files whose pins went since the last commit go now, not at the next open
                 released = self._publisher.unpinned(session, [])
                 pins.clear_stale(session, ctx.run_id, m.utcnow())
@@ -695,7 +775,48 @@ class CheckpointManager:
         """
         self._check_open()
         deadline = self._deadline if blocking else None
-        return self._publisher.save(step, metrics, payloads, blocking, deadline=deadline)
+        with self._ctx.progress.saving():
+            return self._publisher.save(step, metrics, payloads, blocking, deadline=deadline)
+
+    def heartbeat(self, step: int) -> None:
+        """Report that training finished ``step``: goodput's measure of progress.
+
+        Cheap (two assignments; at most every ``heartbeat`` seconds one small
+        UPDATE, without fsync). :meth:`due` reports it too; call this one when
+        something else decides when to checkpoint. The first report ends the
+        attempt's restart time; the last one before a crash is its end.
+        """
+        self._check_open()
+        if self._maintenance:
+            raise InvalidArgumentError("heartbeat() is for training; this manager is maintenance")
+        self._ctx.progress.step(validate_step(step))
+
+    def due(self, step: int) -> bool:
+        """Whether to checkpoint at ``step``: ``interval=`` seconds (or the automatic
+        interval) have passed since the last save, or since training began.
+
+        Call it once per step, on every rank, with the same ``step``; every
+        rank gets the same answer at the same call (see :mod:`ckptdb.interval`).
+        It reports the step like :meth:`heartbeat`.
+
+        Raises:
+            InvalidArgumentError: the manager was made without ``interval=``, or
+                ``step`` is not a valid step.
+        """
+        self._check_open()
+        if self._interval is None:
+            raise InvalidArgumentError(
+                "due() needs interval= (seconds, or 'auto') when the CheckpointManager is made"
+            )
+        at = validate_step(step)
+        self._ctx.progress.step(at)
+        return self._interval.due(at)
+
+    @property
+    def interval(self) -> IntervalChoice | None:
+        """The interval ``due`` uses now and why (the chief's; None before the first
+        ``due``, and on other ranks, which follow the chief's answers)."""
+        return self._interval.current if self._interval is not None else None
 
     def protect(self, checkpoint: Checkpoint) -> None:
         """Never remove ``checkpoint``'s file while this manager is open.
@@ -743,14 +864,7 @@ class CheckpointManager:
         self._check_open()
         if self._preemption is not None:
             raise InvalidArgumentError("this CheckpointManager already handles preemption")
-        group = None
-        if self._coord.group is not None:
-            group = dist.new_group(
-                ranks=dist.get_process_group_ranks(self._coord.group),
-                backend="gloo",
-                timeout=group_timeout(self._coord.group),
-                use_local_synchronization=True,
-            )
+        group = self._gloo_group()
         self._preemption = Preemption(
             self.save,
             self._record_preemption,

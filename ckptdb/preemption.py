@@ -160,7 +160,7 @@ class Preemption:
         self.agreed_step: int | None = None
         self.agreed_signal: signal.Signals | None = None  # the lowest signalled rank's
         self.ranks: list[int] = []  # the ranks that received a signal before the agreement
-        self._flag = _PipelinedFlag(group) if group is not None else None
+        self._flag = PipelinedFlag(group) if group is not None else None
         self._calls = 0
         self._previous: dict[signal.Signals, Any] = {}
         self._install()
@@ -370,7 +370,7 @@ class Preemption:
         return 128 + int(sig) if sig is not None else 0
 
 
-class _PipelinedFlag:
+class PipelinedFlag:
     """Every rank's signal number (0: none), all-reduced with MAX one call late.
 
     Call ``k`` launches the all-reduce of the flag as it is now, without

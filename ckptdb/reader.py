@@ -23,6 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+from . import goodput
 from .errors import (
     ArgumentTypeError,
     CheckpointLostError,
@@ -32,6 +33,7 @@ from .errors import (
     LedgerError,
     note_on,
 )
+from .goodput import GoodputReport
 from .ledger import Ledger, RunQueries, evaluations, open_ledger, pins, replicas, rows, tiers
 from .ledger import models as m
 from .ledger.engine import LEDGER_FILE
@@ -400,6 +402,14 @@ class RunReader:
 
     def state_counts(self) -> dict[str, int]:
         return self._open().state_counts()
+
+    def goodput(self) -> GoodputReport:
+        """Where the run's wall-clock time went, over all its attempts: productive,
+        saving, lost (redone), restart and idle seconds, per attempt and in total,
+        and the checkpoint interval ``interval="auto"`` would choose next (see
+        :mod:`ckptdb.goodput` and docs/goodput.md)."""
+        queries = self._open()
+        return goodput.report(queries.db, self.run_id, self.run_name)
 
     def attempts(self) -> list[m.Attempt]:
         return self._open().attempts()

@@ -227,6 +227,8 @@ READ_COMMANDS = [
     ["pins"],
     ["history", "--metric", "loss"],
     ["sql", "SELECT 1"],
+    ["goodput"],
+    ["goodput", "--json"],
     ["db", "current"],
 ]
 WRITE_COMMANDS = [
@@ -282,7 +284,13 @@ def test_a_directory_that_is_not_a_run_is_one_line_and_untouched(
     assert target.exists() == (where != "missing")
 
 
-READERS_OF_A_LEDGER = [["status"], ["latest"], ["sql", "SELECT 1"], ["history", "--metric", "x"]]
+READERS_OF_A_LEDGER = [
+    ["status"],
+    ["latest"],
+    ["sql", "SELECT 1"],
+    ["history", "--metric", "x"],
+    ["goodput"],
+]
 
 
 @pytest.mark.parametrize(

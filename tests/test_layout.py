@@ -55,7 +55,11 @@ ALLOWED = {
         "protocol",
         "preemption",
         "ledgercopy",  # an open with remote= on a root without a ledger brings it back
+        "goodput",  # interval="auto" reads the run's save cost and failure rate
+        "interval",
     },
+    "goodput": {"errors", "ledger"},
+    "interval": {"errors", "goodput", "protocol"},
     "pinning": {"record"},
     # a SQLite ledger's copies on a remote tier: files out, objects in, one event
     "ledgercopy": {"errors", "ledger", "storage"},
@@ -74,6 +78,7 @@ ALLOWED = {
     },
     "maintenance": {"errors", "ledger"},
     "reader": {
+        "goodput",
         "errors",
         "location",
         "policies",

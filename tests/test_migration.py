@@ -49,7 +49,18 @@ def snapshot(url: str) -> dict[str, list[tuple[Any, ...]]]:
 
 
 #: The columns revisions after 0001 added to 0001's tables.
-COLUMNS_AFTER_0001 = {"attempts": {"world_size"}, "checkpoints": {"world_size", "topology"}}
+COLUMNS_AFTER_0001 = {
+    "attempts": {
+        "world_size",
+        "launched_at",
+        "first_step_at",
+        "last_step",
+        "seen_at",
+        "saving_s",
+        "saves",
+    },
+    "checkpoints": {"world_size", "topology", "saving_before_s"},
+}
 
 
 def _plain(value: Any) -> Any:

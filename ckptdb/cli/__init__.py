@@ -7,6 +7,7 @@ stderr and exit 1 (``--debug`` shows the traceback); usage errors exit 2.
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from collections.abc import Callable
@@ -114,6 +115,8 @@ def status(root: Path, db_url: str | None, as_json: bool) -> None:
     click.echo(f"\ncheckpoints by state: {counts}")
     ends = ", ".join(f"{a['id']}:{a['end_state']}" for a in data["attempts"])
     click.echo(f"attempts: {len(data['attempts'])} ({ends})")
+    if data["interval"] is not None:
+        click.echo(_interval_line(data["interval"]))
     for tier in data["tiers"]:
         copied = ", ".join(tier["streams"]) if tier["streams"] is not None else "every stream"
         kept = "; ".join(f"{s}: {p}" for s, p in tier["keep"].items()) or "every copy"
@@ -200,6 +203,26 @@ def _preemption_row(p: dict[str, Any]) -> list[Any]:
     return [p["attempt"], p["step"], p["signal"], ranks, saved, p["resumed_from"], p["lost"]]
 
 
+def _interval_now(reader: RunReader) -> dict[str, Any] | None:
+    """The interval ``due`` uses, as its newest ``interval`` event recorded it."""
+    found = reader.events_of("interval")
+    if not found:
+        return None
+    newest = found[-1]
+    detail = newest.detail or "{}"
+    return {**json.loads(detail), "since_step": newest.step, "attempt": newest.attempt_id}
+
+
+def _interval_line(chosen: dict[str, Any]) -> str:
+    cost, mtbf = chosen.get("cost_s"), chosen.get("mtbf_s")
+    why = chosen["why"]
+    if cost is not None or mtbf is not None:
+        c = f"{cost:.3g} s" if cost is not None else "-"
+        m = f"{mtbf:.4g} s" if mtbf is not None else "-"
+        why = f"{why}; C {c}, M {m}, {chosen['failures']} failure(s)"
+    return f"interval: {chosen['seconds']:.4g} s ({why}) since step {chosen['since_step']}"
+
+
 def _status_data(reader: RunReader) -> dict[str, Any]:
     streams, best = [], {}
     for name, policy in reader.policies.items():
@@ -233,6 +256,7 @@ def _status_data(reader: RunReader) -> dict[str, Any]:
             for a in reader.attempts()
         ],
         "preemptions": reader.preemptions(),
+        "interval": _interval_now(reader),
         "tiers": _tier_summary(reader),
         "replicas": _replica_summary(reader),
         "events": [
@@ -863,7 +887,7 @@ def demo(directory: Path, steps: int, fresh: bool) -> None:
     click.echo(f"\nnext: ckptdb history {directory} --metric loss --plot loss.png")
 
 
-# registers replicate and restore on main (it uses the options above)
-from . import tiers  # noqa: E402
+# registers replicate, restore and goodput on main (they use the options above)
+from . import goodput, tiers  # noqa: E402
 
-__all__ = ["main", "tiers"]
+__all__ = ["goodput", "main", "tiers"]

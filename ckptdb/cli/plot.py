@@ -1,4 +1,5 @@
-"""``ckptdb history --plot``: a metric curve with the run's story marked on it.
+"""``ckptdb history --plot``: a metric curve with the run's story marked on it;
+``ckptdb goodput --plot``: each attempt's time as a stacked bar.
 
 Markers: committed checkpoints (dots), current top-K members (stars), guard
 trips (red crosses) and restarts (dashed vertical lines, one per attempt after
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptDBError
+from ..goodput import GoodputReport
 from ..reader import RunReader
 from ..record import COMMITTED, DELETED, DELETING
 
@@ -22,13 +24,7 @@ class PlotUnavailableError(CkptDBError, ImportError):
 def plot_history(
     reader: RunReader, metric: str, points: list[tuple[int, float, int]], out: Path
 ) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise PlotUnavailableError("plotting needs matplotlib: pip install 'ckptdb[plot]'") from exc
+    plt = _pyplot()
     value_at = {s: v for s, v, _ in points}
     fig, ax = plt.subplots(figsize=(9, 4.5))
     by_attempt: dict[int, list[tuple[int, float]]] = {}
@@ -54,6 +50,17 @@ def plot_history(
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise PlotUnavailableError("plotting needs matplotlib: pip install 'ckptdb[plot]'") from exc
+    return plt
 
 
 def _mark(ax: Any, reader: RunReader, value_at: dict[int, float]) -> None:
@@ -100,3 +107,32 @@ def _mark(ax: Any, reader: RunReader, value_at: dict[int, float]) -> None:
         zorder=5,
         label="guard tripped",
     )
+
+
+def plot_goodput(report: GoodputReport, out: Path) -> None:
+    """A stacked bar per attempt: its restart, productive, saving, lost seconds and the
+    idle gap before it, so a run's waste is seen attempt by attempt."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(report.attempts) + 3), 4.5))
+    labels = [str(a.attempt_id) for a in report.attempts]
+    bottoms = [0.0] * len(labels)
+    for field, colour in _GOODPUT_COLOURS:
+        heights = [getattr(a.breakdown, field) for a in report.attempts]
+        ax.bar(labels, heights, bottom=bottoms, color=colour, label=field.removesuffix("_s"))
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    ax.set_xlabel("attempt")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"{report.run}: goodput {report.total.goodput:.1%}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+_GOODPUT_COLOURS = (
+    ("idle_s", "#bbbbbb"),
+    ("restart_s", "#f0a030"),
+    ("productive_s", "#3a923a"),
+    ("saving_s", "#3070c0"),
+    ("lost_s", "#d03030"),
+)

@@ -124,9 +124,9 @@ def stamp(session: Session, when: dt.datetime) -> Any:
 
 _INSERT = (
     "INSERT INTO checkpoints (run_id, stream, step, attempt_id, path, state, metric, metrics,"
-    " created_at, world_size, topology)"
+    " created_at, world_size, topology, saving_before_s)"
 )
-_INSERT_ROW = "(?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?)"
+_INSERT_ROW = "(?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?)"
 
 
 def add_pending(
@@ -138,11 +138,13 @@ def add_pending(
     metric_of: dict[str, float | None],
     world_size: int,
     topology_of: dict[str, str | None],
+    saving_before: float | None = None,
 ) -> dict[str, int]:
     """Insert one ``pending`` row per stream of ``metric_of`` (its ranking value) in one
     statement (one per :data:`MAX_BOUND` values: a boundary of very many streams); their
     ids by stream (a boundary has each stream at most once). Each row records the
-    ``world_size`` that saves it and its stream's ``topology_of`` (JSON, or None)."""
+    ``world_size`` that saves it, its stream's ``topology_of`` (JSON, or None) and
+    ``saving_before``, the attempt's blocked seconds so far (goodput)."""
     if not metric_of:
         return {}
     encoded = json.dumps(metrics) if metrics else None
@@ -159,6 +161,7 @@ def add_pending(
             now,
             world_size,
             topology_of.get(stream),
+            saving_before,
         )
         for stream, metric in metric_of.items()
     ]

@@ -117,6 +117,16 @@ class Attempt(Base):
     kind: Mapped[str] = mapped_column(String(16), default="train")
     # The number of ranks the attempt ran on (NULL: opened before revision 0005).
     world_size: Mapped[int | None] = mapped_column(Integer)
+    # Goodput (revision 0009; NULL: not measured). When the process started (its
+    # restart includes its imports), when it reported its first step, the newest step
+    # it reported, when it was last seen alive (its heartbeat; a crash's ended_at is
+    # the next open's time), and how long and how often its loop was blocked in saves.
+    launched_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    first_step_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    last_step: Mapped[int | None] = mapped_column(INT64)
+    seen_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    saving_s: Mapped[float | None] = mapped_column(Float)
+    saves: Mapped[int | None] = mapped_column(Integer)
 
 
 class Stream(Base):
@@ -164,6 +174,9 @@ class Checkpoint(Base):
     # DTensors, as the chief saw them (see docs/distributed.md).
     world_size: Mapped[int | None] = mapped_column(Integer)
     topology: Mapped[str | None] = mapped_column(Text)
+    # The seconds its attempt's loop had been blocked in saves when this boundary began
+    # (goodput: the saving that follows a resume point is not work redone).
+    saving_before_s: Mapped[float | None] = mapped_column(Float)
 
 
 class Pointer(Base):

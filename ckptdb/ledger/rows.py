@@ -6,6 +6,7 @@ never commits: the caller decides what one transaction contains.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from ..record import Checkpoint
 from . import driver
 from . import models as m
 from .held import connection_of
+from .progress import Heartbeat
 
 LIVE_STATES = (m.PENDING, m.COMMITTED, m.DELETING, m.LOST, m.CORRUPT)
 #: The event kind that records a name another writer took first (see disowned_paths).
@@ -141,7 +143,11 @@ def _rerank(session: Session, run_id: int, stream: str, metric: str, required: b
 
 
 def start_attempt(
-    session: Session, run_id: int, kind: str = "train", world_size: int = 1
+    session: Session,
+    run_id: int,
+    kind: str = "train",
+    world_size: int = 1,
+    launched_at: dt.datetime | None = None,
 ) -> m.Attempt:
     """Close attempts a crash left running, then open this process's attempt.
 
@@ -176,18 +182,28 @@ def start_attempt(
         end_state="running",
         kind=kind,
         world_size=world_size,
+        launched_at=launched_at,
     )
     session.add(attempt)
     session.flush()
     return attempt
 
 
-def end_attempt(session: Session, attempt_id: int, state: str) -> None:
-    session.execute(
-        update(m.Attempt)
-        .where(m.Attempt.id == attempt_id)
-        .values(end_state=state, ended_at=m.utcnow())
-    )
+def end_attempt(
+    session: Session, attempt_id: int, state: str, beat: Heartbeat | None = None
+) -> None:
+    """End the attempt as ``state``; ``beat`` is its last heartbeat (its end, for goodput)."""
+    now = m.utcnow()
+    values: dict[str, Any] = {"end_state": state, "ended_at": now}
+    if beat is not None:
+        values.update(
+            first_step_at=beat.first_step_at,
+            last_step=beat.last_step,
+            seen_at=now,
+            saving_s=beat.saving_s,
+            saves=beat.saves,
+        )
+    session.execute(update(m.Attempt).where(m.Attempt.id == attempt_id).values(**values))
 
 
 def newest_event_of(session: Session, run_id: int, kinds: tuple[str, ...]) -> str | None:

@@ -64,14 +64,16 @@ def open_as_writer(
     kind: str,
     default_streams: dict[str, Policy],
     world_size: int = 1,
+    launched_at: dt.datetime | None = None,
 ) -> OpenedRun:
-    """Migrate, then find or create the run and start an attempt, in one transaction."""
+    """Migrate, then find or create the run and start an attempt, in one transaction
+    (``launched_at``: when the attempt's process started, for its restart time)."""
     with translated(f"cannot use the ledger of {root}"):
         db.migrate()
         with db.transaction() as session:
             run = rows.open_run(session, root, save_dir, adopt_single=adopt_single)
             policies = rows.sync_streams(session, run.id, requested, default_streams)
-            attempt = rows.start_attempt(session, run.id, kind, world_size)
+            attempt = rows.start_attempt(session, run.id, kind, world_size, launched_at)
             rows.add_event(session, run.id, attempt.id, "attempt_started")
             return OpenedRun(
                 run.id,
@@ -85,18 +87,7 @@ def open_as_writer(
 
 def open_as_reader(db: Ledger, root: Path, *, adopt_single: bool) -> OpenedRun:
     """The run rooted at ``root``, read without writing; refuses an empty or old schema."""
-    schema = db.schema()
-    if schema == "empty":
-        raise LedgerError(
-            f"no ckptdb run at {root}: the ledger {db.safe_url} has no ckptdb schema yet "
-            "(a CheckpointManager creates it)"
-        )
-    if schema != "current":
-        raise SchemaVersionError(
-            f"the ledger of {root} uses an older schema ({', '.join(db.heads())}; this "
-            f"ckptdb reads {newest_revision()}), and a reader never migrates: run "
-            f"`ckptdb db upgrade {root}` (or open the run with a CheckpointManager)"
-        )
+    check_readable(db, str(root))
     with db.transaction(read=True) as session:
         run = rows.find_run(session, str(root), adopt_single=adopt_single)
         if run is None:
@@ -105,6 +96,23 @@ def open_as_reader(db: Ledger, root: Path, *, adopt_single: bool) -> OpenedRun:
         policies = {r.name: rows.policy_from_row(r) for r in found}
         return OpenedRun(
             run.id, run.name, rows.rebased_save_dir(run, root), policies, None, run.created_at
+        )
+
+
+def check_readable(db: Ledger, where: str) -> None:
+    """Refuse a ledger a reader cannot read: no schema yet, or an older one (a reader
+    never migrates). ``where`` names the run (its root) or the ledger in the errors."""
+    schema = db.schema()
+    if schema == "empty":
+        raise LedgerError(
+            f"no ckptdb run at {where}: the ledger {db.safe_url} has no ckptdb schema yet "
+            "(a CheckpointManager creates it)"
+        )
+    if schema != "current":
+        raise SchemaVersionError(
+            f"the ledger of {where} uses an older schema ({', '.join(db.heads())}; this "
+            f"ckptdb reads {newest_revision()}), and a reader never migrates: run "
+            f"`ckptdb db upgrade {where}` (or open the run with a CheckpointManager)"
         )
 
 

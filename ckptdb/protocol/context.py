@@ -23,6 +23,7 @@ from ..ledger.lock import RunLock
 from ..policies import Policy
 from ..record import COMMITTED, Checkpoint
 from ..storage.base import PayloadStore
+from .progress import Progress
 
 METRIC_FLUSH_THRESHOLD = 100_000  # points, not calls
 
@@ -148,6 +149,8 @@ class RunContext:
     remote: Any = None
     #: The tier name the remote's copies are recorded under (``replicas.tier``).
     remote_tier: str = "remote"
+    #: This attempt's reported steps and blocked time (goodput, ``due``).
+    progress: Progress = field(default_factory=Progress)
 
     @property
     def ledger(self) -> Ledger:
