@@ -236,18 +236,57 @@ def breakdown(
         when = mark.committed_at or mark.created_at
         if mark.attempt_id not in signs or signs[mark.attempt_id] < when:
             signs[mark.attempt_id] = when
+    cut_short = _interrupted_saves(attempts, marks)
     found: list[AttemptGoodput] = []
     previous_end: dt.datetime | None = None
-    for attempt in attempts:
+    for i, attempt in enumerate(attempts):
         start, end = _start_of(attempt), _end_of(attempt, signs)
         if previous_end is not None:
             start = min(max(start, previous_end), attempt.started_at)
-        end = max(end, start)
+        end, unfinished = max(end, start), 0.0
+        began = cut_short.get(attempt.id)
+        if began is not None:  # killed in a save: it ran about half a mean save
+            later = _start_of(attempts[i + 1]) if i + 1 < len(attempts) else None
+            end, unfinished = _end_in_save(attempt, began, end, later)
         idle = (start - previous_end).total_seconds() if previous_end is not None else 0.0
         previous_end = end
-        found.append(_share(attempt, start, end, max(idle, 0.0), kept.get(attempt.id, _NONE)))
+        cut = kept.get(attempt.id, _NONE)
+        found.append(_share(attempt, start, end, max(idle, 0.0), cut, unfinished))
     total = Breakdown(*(sum(getattr(a.breakdown, f) for a in found) for f in _FIELDS))
     return total, found
+
+
+def _interrupted_saves(
+    attempts: Sequence[AttemptTimes], marks: Sequence[BoundaryMark]
+) -> dict[int, dt.datetime]:
+    """Per attempt that did not close, when the save a crash cut short began: its newest
+    row never committed and began after its last heartbeat (a heartbeat is written
+    between steps, never inside a save)."""
+    open_ended = {a.id: a.seen_at for a in attempts if a.end_state != "closed" and a.seen_at}
+    found: dict[int, dt.datetime] = {}
+    for mark in marks:
+        seen = open_ended.get(mark.attempt_id)
+        if seen is None or mark.created_at <= seen:
+            continue
+        if mark.committed_at is None:
+            found[mark.attempt_id] = max(mark.created_at, found.get(mark.attempt_id, seen))
+        else:  # committed after the last heartbeat: the save finished, a later one may not
+            found.pop(mark.attempt_id, None)
+    return found
+
+
+def _end_in_save(
+    attempt: AttemptTimes, began: dt.datetime, end: dt.datetime, later: dt.datetime | None
+) -> tuple[dt.datetime, float]:
+    """The end of an attempt killed in a save that began at ``began``, and the seconds
+    of that save it spent: the kill is equally likely anywhere in a save, so half the
+    attempt's mean save (never past the next attempt's start)."""
+    mean = (attempt.saving_s or 0.0) / attempt.saves if attempt.saves else 0.0
+    guess = began + dt.timedelta(seconds=mean / 2)
+    if later is not None:
+        guess = min(guess, later)
+    guess = max(guess, began, end)
+    return guess, (guess - began).total_seconds()
 
 
 _FIELDS = ("productive_s", "saving_s", "lost_s", "restart_s", "idle_s")
@@ -261,13 +300,14 @@ def _share(
     end: dt.datetime,
     idle: float,
     cut: BoundaryMark | str,
+    unfinished: float = 0.0,
 ) -> AttemptGoodput:
     measured = attempt.first_step_at is not None
     first = attempt.first_step_at if measured else max(start, attempt.started_at)
     assert first is not None
     first = min(max(first, start), end)
     active = (end - first).total_seconds()
-    saving = min(max(attempt.saving_s or 0.0, 0.0), active)
+    saving = min(max(attempt.saving_s or 0.0, 0.0) + unfinished, active)
     training = active - saving
     if cut == _ALL:
         productive = training

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,32 +94,35 @@ def process_started_at() -> dt.datetime | None:
     """When this process started (Linux: ``/proc``), else None.
 
     A restart's cost begins when the scheduler starts the process, not when
-    it opens the ledger: importing torch alone takes seconds. Field 22 of
-    ``/proc/self/stat`` is the start in clock ticks after boot, ``btime`` in
-    ``/proc/stat`` the boot in seconds since the epoch.
+    it opens the ledger: importing torch alone takes seconds. The process's
+    age is the system's uptime (``/proc/uptime``) less its start in clock
+    ticks after boot (field 22 of ``/proc/self/stat``), both on the boot
+    clock; subtracted from now. (``btime`` of ``/proc/stat`` plus the start
+    is off by seconds on machines whose wall clock was stepped since boot.)
     """
     try:
         with open("/proc/self/stat", encoding="ascii") as f:
             stat = f.read()
-        with open("/proc/stat", encoding="ascii") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
         ticks = int(stat.rpartition(")")[2].split()[19])  # after "(comm)": field 22
-        started = boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
         return None
-    return dt.datetime.fromtimestamp(started, dt.timezone.utc)
+    return dt.datetime.fromtimestamp(time.time() - max(age, 0.0), dt.timezone.utc)
 
 
-_launch_claimed = False
+_claimed_by: int | None = None  # the process whose first attempt took its start
 
 
 def launch_of_first_attempt() -> dt.datetime | None:
     """The process's start for the first attempt this process opens, None for the next
-    ones (a process that opens a run again restarts nothing: its start is its open)."""
-    global _launch_claimed
-    if _launch_claimed:
+    ones (a process that opens a run again restarts nothing: its start is its open). A
+    forked child is a new process: its first attempt has its own start."""
+    global _claimed_by
+    if _claimed_by == os.getpid():
         return None
-    _launch_claimed = True
+    _claimed_by = os.getpid()
     return process_started_at()
 
 

@@ -1,0 +1,257 @@
+"""Goodput and the automatic interval, against real processes killed at random times.
+
+The truth is what the test measured with its own clock and the children's
+(tests/goodputlib.py); the ledger's figures come from ``ckptdb goodput
+--json``, a separate process reading the ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import time
+from pathlib import Path
+
+import goodputlib as gp
+import pytest
+import torch
+from distlib import run_ranks
+from helpers import cli_subprocess, rows
+
+from ckptdb import CheckpointManager, RunReader
+from ckptdb.errors import CkptDBError, InvalidArgumentError
+from ckptdb.goodput import young_daly
+
+pytestmark = pytest.mark.timeout(180)
+
+#: What a ledger can know of a kill's time: it lands up to one step and one heartbeat
+#: after the last heartbeat written.
+RESOLUTION = gp.STEP_S + gp.HEARTBEAT_S
+
+FIGURES = ("productive_s", "saving_s", "lost_s", "restart_s", "idle_s", "total_s")
+
+
+def goodput_json(root: Path) -> dict:
+    result = cli_subprocess("goodput", str(root), "--json")
+    assert result.returncode == 0, result.stderr
+    found: dict = json.loads(result.stdout)
+    return found
+
+
+def test_every_figure_matches_the_wall_clock_of_a_killed_preempted_and_finished_run(
+    tmp_path: Path,
+) -> None:
+    seed = random.randrange(2**32)
+    chance = random.Random(seed)
+    root = tmp_path / "run"
+    attempts = []
+    # 1: SIGKILLed at a random time; 2: preempted (SIGTERM, agreed save); 3: finishes
+    for i, (startup, gap) in enumerate([(0.6, 1.6), (0.4, 1.2), (0.5, 0.0)]):
+        proc, attempt = gp.start(root, tmp_path / f"a{i}.log", startup, final_step=150)
+        attempts.append(attempt)
+        if i < 2:
+            gp.wait_for(attempt, "resumed")
+            time.sleep(chance.uniform(1.2, 2.2))
+            gp.kill(proc, attempt, signal.SIGKILL if i == 0 else signal.SIGTERM)
+            time.sleep(gap)
+        else:
+            assert gp.finish(proc) == 0
+    assert rows(root, "SELECT end_state FROM attempts ORDER BY id") == [
+        ("crashed",),
+        ("preempted",),
+        ("closed",),
+    ]
+    truth = gp.truth(attempts)
+    found = goodput_json(root)
+    # within 3% of the truth; a figure so small that 3% of it is below what the ledger can
+    # know (a kill lands up to one step and one heartbeat after the last heartbeat) within
+    # that resolution (the seed, for a rerun, is in the message)
+    for figure in FIGURES:
+        assert found[figure] == pytest.approx(truth[figure], rel=0.03, abs=RESOLUTION), (
+            figure,
+            seed,
+            found,
+            truth,
+        )
+    assert found["goodput"] == pytest.approx(truth["productive_s"] / truth["total_s"], rel=0.03)
+    assert [a["end_state"] for a in found["attempts"]] == ["crashed", "preempted", "closed"]
+    assert all(a["measured"] for a in found["attempts"])
+    # the preempted attempt saved its last step: it lost (almost) nothing; the kill lost work
+    assert found["attempts"][1]["lost_s"] < found["attempts"][0]["lost_s"]
+    assert sum(a["total_s"] for a in found["attempts"]) == pytest.approx(found["total_s"])
+
+
+def test_a_crash_before_any_save_loses_the_whole_attempt(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    first, attempt = gp.start(root, tmp_path / "a.log", 0.0, final_step=10**6)
+    gp.wait_for(attempt, "resumed")
+    time.sleep(0.15)  # fewer steps than SAVE_EVERY: nothing committed
+    gp.kill(first, attempt, signal.SIGKILL)
+    second, again = gp.start(root, tmp_path / "b.log", 0.0, final_step=5)
+    assert gp.finish(second) == 0
+    truth = gp.truth([attempt, again])
+    with RunReader(root) as reader:
+        report = reader.goodput()
+    crashed, closed = report.attempts
+    assert crashed.breakdown.productive_s == 0.0
+    assert crashed.breakdown.lost_s == pytest.approx(truth["lost_s"], abs=0.05)
+    assert closed.breakdown.lost_s == 0.0 and closed.breakdown.productive_s > 0
+
+
+def test_auto_interval_approaches_young_daly_for_failures_at_a_known_rate(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    mtbf = 1.5  # every attempt is killed this long after it started
+    attempts = []
+    for i in range(6):
+        proc, attempt = gp.start(root, tmp_path / f"a{i}.log", 0.0, final_step=10**6)
+        attempts.append(attempt)
+        gp.wait_for(attempt, "resumed")
+        time.sleep(max(0.0, attempt.launched + mtbf - time.time()))
+        gp.kill(proc, attempt, signal.SIGKILL)
+    for a in attempts:
+        a.read()
+    durations = [s["end"] - s["start"] for a in attempts for s in a.of("save")]
+    cost = sum(durations) / len(durations)  # C, as the test measured every save
+    true_mtbf = sum(a.ended - a.launched for a in attempts if a.ended) / len(attempts)
+    expected = young_daly(cost, true_mtbf)
+    with CheckpointManager(
+        root, interval="auto", min_interval=0.001, max_interval=100.0, heartbeat=0.02
+    ) as mgr:
+        assert mgr.interval is None  # nothing chosen before the first due()
+        mgr.due(1)
+        chosen = mgr.interval
+        assert chosen is not None and chosen.why == "sqrt(2*C*M)"
+        assert chosen.failures == 6
+        assert chosen.seconds == pytest.approx(expected, rel=0.30), (chosen, cost, true_mtbf)
+    events = rows(root, "SELECT detail FROM events WHERE kind = 'interval'")
+    assert json.loads(events[-1][0])["seconds"] == pytest.approx(chosen.seconds)
+    status = cli_subprocess("status", str(root))
+    assert f"interval: {chosen.seconds:.4g} s (sqrt(2*C*M)" in status.stdout
+
+
+def test_with_no_failure_the_interval_stays_at_max_and_due_follows_it(tmp_path: Path) -> None:
+    with CheckpointManager(
+        tmp_path / "run", interval="auto", min_interval=0.01, max_interval=0.25
+    ) as mgr:
+        answers, saved_at = [], []
+        started = time.monotonic()
+        for step in range(1, 80):
+            time.sleep(0.01)
+            answers.append(mgr.due(step))
+            if answers[-1]:
+                mgr.save(step, model={"w": torch.zeros(4)})
+                saved_at.append(time.monotonic() - started)
+        assert mgr.interval is not None
+        assert mgr.interval.seconds == 0.25 and mgr.interval.why.startswith("no failure")
+    assert len(saved_at) >= 2
+    gaps = [b - a for a, b in zip([0.0, *saved_at], saved_at, strict=False)]
+    assert all(g >= 0.25 for g in gaps), gaps  # never before the interval has passed
+
+
+def test_a_fixed_interval_is_due_once_its_seconds_passed(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run", interval=0.2) as mgr:
+        assert mgr.due(1) is False
+        time.sleep(0.22)
+        assert mgr.due(2) is True
+        mgr.save(2, model={"w": torch.zeros(4)})
+        assert mgr.due(3) is False
+        assert mgr.interval is not None and mgr.interval.why == "fixed"
+
+
+def _due_on_ranks(rank: int, world: int, root: str) -> list[bool]:
+    with CheckpointManager(root, interval="auto", min_interval=0.01, max_interval=0.1) as mgr:
+        answers = []
+        for step in range(1, 60):
+            time.sleep(0.005 * (rank + 1))  # ranks run at different speeds
+            answers.append(mgr.due(step))
+            if answers[-1]:
+                mgr.save(step, model={"w": torch.zeros(4)})
+        return answers
+
+
+def test_two_gloo_ranks_always_get_the_same_answer(tmp_path: Path) -> None:
+    outcomes = run_ranks(_due_on_ranks, 2, tmp_path, str(tmp_path / "run"), timeout=60)
+    assert all(o.error is None for o in outcomes), [o.trace for o in outcomes]
+    first, second = (o.value for o in outcomes)
+    assert first == second and sum(first) >= 2
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"interval": "auto", "min_interval": -1.0}, "min_interval must be a positive"),
+        ({"interval": "auto", "max_interval": 0}, "max_interval must be a positive"),
+        ({"interval": "auto", "min_interval": 10.0, "max_interval": 5.0}, "larger than"),
+        ({"interval": "sometimes"}, "interval must be a number"),
+        ({"interval": -5}, "interval must be a positive"),
+        ({"interval": math.inf}, "interval must be a positive"),
+        ({"interval": "auto", "min_interval": "1"}, "min_interval must be a number"),
+        ({"heartbeat": 0.0}, "heartbeat must be a positive"),
+        ({"interval": 5.0, "maintenance": True}, "maintenance"),
+    ],
+)
+def test_bad_pacing_is_refused_before_anything_is_created(
+    tmp_path: Path, options: dict, match: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=match) as caught:
+        CheckpointManager(tmp_path / "run", **options)
+    assert isinstance(caught.value, (CkptDBError, ValueError))
+    assert not (tmp_path / "run").exists()
+
+
+def test_due_without_an_interval_or_on_a_maintenance_manager_is_a_typed_error(
+    tmp_path: Path,
+) -> None:
+    with CheckpointManager(tmp_path / "run") as mgr:
+        with pytest.raises(InvalidArgumentError, match="due\\(\\) needs interval="):
+            mgr.due(1)
+        with pytest.raises(CkptDBError):
+            mgr.due(-3)
+    with CheckpointManager(tmp_path / "run", maintenance=True) as tool:
+        with pytest.raises(InvalidArgumentError, match="due\\(\\) needs interval="):
+            tool.due(1)
+        with pytest.raises(InvalidArgumentError, match="maintenance"):
+            tool.heartbeat(1)
+    with RunReader(tmp_path / "run") as reader:  # a reader never decides when to save
+        assert not hasattr(reader, "due")
+
+
+def test_a_run_without_heartbeats_is_counted_and_said_unmeasured(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run") as mgr:  # a loop that never reports steps
+        mgr.save(1, model={"w": torch.zeros(4)})
+    with RunReader(tmp_path / "run") as reader:
+        report = reader.goodput()
+    (attempt,) = report.attempts
+    assert attempt.measured is False
+    assert report.total.total_s > 0 and report.total.productive_s > 0
+    assert report.total.saving_s > 0  # the save was still timed
+
+
+def test_goodput_all_lists_every_run_of_a_shared_ledger(tmp_path: Path, pg_url: str) -> None:
+    for name in ("a", "b"):
+        with CheckpointManager(tmp_path / name, db_url=pg_url) as mgr:
+            mgr.heartbeat(1)
+            mgr.save(1, model={"w": torch.zeros(4)})
+    result = cli_subprocess("goodput", "--all", "--db-url", pg_url, "--json")
+    assert result.returncode == 0, result.stderr
+    found = {r["root"]: r for r in json.loads(result.stdout)}
+    for name in ("a", "b"):
+        run = found[str((tmp_path / name).resolve())]
+        assert run["total_s"] > 0 and len(run["attempts"]) == 1
+    table = cli_subprocess("goodput", "--all", "--db-url", pg_url)
+    assert str((tmp_path / "a").resolve()) in table.stdout
+    bad = cli_subprocess("goodput", str(tmp_path / "a"), "--all", "--db-url", pg_url)
+    assert bad.returncode == 2 and "give no ROOT" in bad.stderr
+
+
+def test_the_plot_is_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.heartbeat(1)
+        mgr.save(1, model={"w": torch.zeros(4)})
+    out = tmp_path / "goodput.png"
+    result = cli_subprocess("goodput", str(tmp_path / "run"), "--plot", str(out))
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
