@@ -98,6 +98,8 @@ ALLOWED = {
         "policies",
         "preemption",  # their preemption= settings and the Preempted they raise
         "ledgercopy",  # whether a lost machine's ledger waits under remote= (Lightning)
+        "goodput",  # the interval's default bounds
+        "interval",  # interval= in each framework's idiom
         "protocol",  # adopt layouts produce the protocol's candidates
         "reader",
         "record",

@@ -26,10 +26,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..errors import (
     ArgumentTypeError,
@@ -39,7 +40,9 @@ from ..errors import (
     InvalidArgumentError,
     NonFiniteGradientError,
 )
+from ..goodput import DEFAULT_MAX_INTERVAL, DEFAULT_MIN_INTERVAL
 from ..guard import NonFiniteGradGuard
+from ..interval import AUTO, IntervalSetting
 from ..ledger import models as m
 from ..ledger.engine import safe_url
 from ..manager import CheckpointManager
@@ -78,7 +81,10 @@ class LedgerOptions:
     - ``remote``/``remote_options``: where a replicator copies the run; a
       resume whose checkpoint is missing or corrupt here brings its copy back;
     - ``preemption``: an :class:`~ckptdb.OnPreemption` (or None). Build with
-      :meth:`of` to pass ``True``/``False`` as the integrations' arguments do.
+      :meth:`of` to pass ``True``/``False`` as the integrations' arguments do;
+    - ``interval``: when to checkpoint, seconds or ``"auto"`` within bounds
+      (:class:`~ckptdb.interval.IntervalSetting`, or None: the framework's own
+      schedule); each framework exposes it in its own idiom.
 
     Raises:
         InvalidArgumentError: a value outside what the option accepts.
@@ -90,6 +96,7 @@ class LedgerOptions:
     remote: str | None = None
     remote_options: Mapping[str, object] | None = None
     preemption: OnPreemption | None = None
+    interval: IntervalSetting | None = None
 
     def __post_init__(self) -> None:
         check_db_url(self.db_url)
@@ -105,6 +112,11 @@ class LedgerOptions:
             # a read-only copy: a caller's later change to its dict changes nothing here
             # (values inside are the caller's, as given)
             object.__setattr__(self, "remote_options", MappingProxyType(dict(self.remote_options)))
+        if self.interval is not None and not isinstance(self.interval, IntervalSetting):
+            raise ArgumentTypeError(
+                f"interval must be an IntervalSetting (LedgerOptions.of takes seconds or "
+                f"'auto'), got {self.interval!r}"
+            )
         if self.preemption is not None and not isinstance(self.preemption, OnPreemption):
             raise ArgumentTypeError(
                 f"preemption must be an OnPreemption (LedgerOptions.of takes True/False), "
@@ -120,9 +132,14 @@ class LedgerOptions:
         remote: object = None,
         remote_options: object = None,
         preemption: object = None,
+        interval: object = None,
+        min_interval: object = DEFAULT_MIN_INTERVAL,
+        max_interval: object = DEFAULT_MAX_INTERVAL,
     ) -> LedgerOptions:
         """The options as an integration's keyword arguments give them (``preemption``
-        may be ``True``, ``False``, None or an :class:`~ckptdb.OnPreemption`).
+        may be ``True``, ``False``, None or an :class:`~ckptdb.OnPreemption`;
+        ``interval`` seconds, ``"auto"`` or None, within ``min_interval`` and
+        ``max_interval`` seconds).
 
         Raises:
             InvalidArgumentError: a value outside what the option accepts.
@@ -134,13 +151,21 @@ class LedgerOptions:
             remote=check_remote(remote),
             remote_options=remote_options,  # type: ignore[arg-type]  # checked in __post_init__
             preemption=on_preemption(preemption),
+            interval=(
+                IntervalSetting.of(interval, min_interval, max_interval)
+                if interval is not None
+                else None
+            ),
         )
 
     def __reduce__(self) -> tuple[type[LedgerOptions], tuple[object, ...]]:
         """Picklable (a read-only mapping is not): frameworks pickle their callbacks to
         start other processes."""
         options = dict(self.remote_options) if self.remote_options is not None else None
-        return (type(self), (self.db_url, self.guard, self.remote, options, self.preemption))
+        return (
+            type(self),
+            (self.db_url, self.guard, self.remote, options, self.preemption, self.interval),
+        )
 
     def __repr__(self) -> str:
         """Without secrets: the ledger URL's password hidden, ``remote_options`` by key
@@ -150,18 +175,26 @@ class LedgerOptions:
         return (
             f"LedgerOptions(db_url={url!r}, guard={self.guard!r}, remote={self.remote!r}, "
             f"remote_options={'keys ' + repr(keys) if keys is not None else None}, "
-            f"preemption={self.preemption!r})"
+            f"preemption={self.preemption!r}, interval={self.interval!r})"
         )
 
     def __hash__(self) -> int:
         keys = tuple(sorted(self.remote_options)) if self.remote_options is not None else None
-        return hash((self.db_url, self.guard, self.remote, keys, self.preemption))
+        return hash((self.db_url, self.guard, self.remote, keys, self.preemption, self.interval))
 
     def remote_key(self) -> str:
         """A comparable text of ``remote``/``remote_options``, whatever the order of the
         options' keys (peers sharing a run must agree on it)."""
         options = sorted(self.remote_options.items()) if self.remote_options is not None else None
         return repr((self.remote, options))
+
+
+def _pacing(setting: IntervalSetting | None) -> dict[str, Any]:
+    """The manager's ``interval``/``min_interval``/``max_interval`` for ``setting``."""
+    if setting is None:
+        return {}
+    interval: float | str = AUTO if setting.fixed is None else setting.fixed
+    return {"interval": interval, "min_interval": setting.low, "max_interval": setting.high}
 
 
 class IntegrationLedger:
@@ -215,6 +248,7 @@ class IntegrationLedger:
             guard=guard,
             remote=options.remote,
             remote_options=options.remote_options,
+            **_pacing(options.interval),
         )
         return cls(manager, options)
 
@@ -243,6 +277,25 @@ class IntegrationLedger:
                 its error (only when ``failed`` is None: it is logged otherwise).
         """
         self.manager._close("closed" if failed is None else "failed")
+
+    def due(self, step: int) -> bool:
+        """Whether to checkpoint at ``step`` (``options.interval``); the same answer on
+        every rank at the same call. Reports the step for goodput too.
+
+        Raises:
+            InvalidArgumentError: the options have no interval.
+        """
+        return self.manager.due(step)
+
+    def heartbeat(self, step: int) -> None:
+        """Report that training finished ``step`` (goodput), where the framework's own
+        schedule decides when to checkpoint."""
+        self.manager.heartbeat(step)
+
+    def saving(self) -> AbstractContextManager[None]:
+        """The training loop is blocked in a save meanwhile: wraps a framework's own
+        writing around its publish, so goodput counts all of it as saving."""
+        return self.manager._ctx.progress.saving()
 
     def preemption(self) -> Preemption | None:
         """The preemption handlers ``options.preemption`` asks for (collective), else None."""

@@ -29,6 +29,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ...errors import ArgumentTypeError, CkptDBError, InvalidArgumentError
+from ...goodput import DEFAULT_MAX_INTERVAL, DEFAULT_MIN_INTERVAL
 from ...guard import NonFiniteGradGuard
 from ...policies import Keep, Policy, TopK
 from ...preemption import DEFAULT_SIGNALS, Preemption
@@ -56,6 +57,10 @@ class Checkpoints:
     never the best. ``guard``: ``True`` (a NaN/Inf gradient refuses the
     next checkpoint: ``save`` returns None), ``"raise"`` (``save`` raises
     :class:`~ckptdb.errors.NonFiniteGradientError`) or ``False``.
+    ``interval``: seconds between checkpoints, or ``"auto"`` (the Young/Daly
+    interval from this run's save cost and failure rate, within
+    ``min_interval``/``max_interval`` seconds); then ``if checkpoints.due(step):
+    checkpoints.save(step)`` in the loop (see docs/goodput.md).
 
     Construct it after ``accelerator.prepare(...)`` on every rank; a context
     manager (leaving it by an exception ends the ledger's attempt as failed).
@@ -72,6 +77,9 @@ class Checkpoints:
         guard: common.GuardSetting = True,
         remote: str | None = None,
         remote_options: Mapping[str, object] | None = None,
+        interval: float | str | None = None,
+        min_interval: float = DEFAULT_MIN_INTERVAL,
+        max_interval: float = DEFAULT_MAX_INTERVAL,
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise ArgumentTypeError(
@@ -80,7 +88,13 @@ class Checkpoints:
         if common.check_path(root, "root") is None:
             raise ArgumentTypeError(f"root must be a path, got {root!r}")
         options = LedgerOptions.of(
-            db_url=db_url, guard=guard, remote=remote, remote_options=remote_options
+            db_url=db_url,
+            guard=guard,
+            remote=remote,
+            remote_options=remote_options,
+            interval=interval,
+            min_interval=min_interval,
+            max_interval=max_interval,
         )
         common.check_local_root(root, "root")  # Accelerate writes its own files under root
         policy = _policy(keep_last, best)
@@ -153,6 +167,19 @@ class Checkpoints:
         return self._preemption
 
     # ------------------------------------------------------------------- saving
+
+    def due(self, step: int) -> bool:
+        """Whether to save at ``step`` (``interval=``): every rank, every step, the same
+        answer at the same call; it reports the step for ``ckptdb goodput`` too.
+
+        Raises:
+            InvalidArgumentError: made without ``interval=``.
+        """
+        return self.ledger.due(step)
+
+    def heartbeat(self, step: int) -> None:
+        """Report that ``step`` is done (goodput) when your own schedule decides saves."""
+        self.ledger.heartbeat(step)
 
     def save(
         self, step: int, *, metrics: Mapping[str, float] | None = None, **save_state_kwargs: Any

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,6 +42,7 @@ from ...errors import (
     RunDirectoryError,
     note_on,
 )
+from ...goodput import DEFAULT_MAX_INTERVAL, DEFAULT_MIN_INTERVAL
 from ...guard import NonFiniteGradGuard
 from ...ledger.runs import ledger_beside
 from ...manager import CheckpointManager
@@ -130,7 +132,7 @@ class ModelCheckpoint(LightningHooks):
         mode: str = "min",
         auto_insert_metric_name: bool = True,
         every_n_train_steps: int | None = None,
-        train_time_interval: timedelta | None = None,
+        train_time_interval: timedelta | Literal["auto"] | None = None,
         every_n_epochs: int | None = None,
         save_on_train_epoch_end: bool | None = None,
         enable_version_counter: bool = True,
@@ -142,11 +144,23 @@ class ModelCheckpoint(LightningHooks):
         preemption: Union[bool, OnPreemption] | None = None,  # noqa: UP007
         remote: str | None = None,
         remote_options: Mapping[str, object] | None = None,
+        min_interval: float = DEFAULT_MIN_INTERVAL,
+        max_interval: float = DEFAULT_MAX_INTERVAL,
     ) -> None:
         if dirpath is not None and "://" in str(dirpath):
             raise InvalidArgumentError(
                 f"dirpath {str(dirpath)!r}: the ckptdb ModelCheckpoint keeps checkpoints on a "
                 "local or network filesystem path; pass it as a plain path"
+            )
+        auto = isinstance(train_time_interval, str)
+        if auto and train_time_interval != "auto":
+            raise InvalidArgumentError(
+                f"train_time_interval is a timedelta or 'auto', got {train_time_interval!r}"
+            )
+        if auto and (every_n_train_steps or every_n_epochs):
+            raise InvalidArgumentError(  # Lightning's own rule for a timed interval
+                "train_time_interval='auto' with every_n_train_steps or every_n_epochs: "
+                "the three are mutually exclusive"
             )
         super().__init__(
             dirpath=dirpath,
@@ -160,7 +174,7 @@ class ModelCheckpoint(LightningHooks):
             mode=mode,
             auto_insert_metric_name=auto_insert_metric_name,
             every_n_train_steps=every_n_train_steps,
-            train_time_interval=train_time_interval,
+            train_time_interval=None if auto else train_time_interval,
             every_n_epochs=every_n_epochs,
             save_on_train_epoch_end=save_on_train_epoch_end,
             enable_version_counter=enable_version_counter,
@@ -172,7 +186,12 @@ class ModelCheckpoint(LightningHooks):
             remote=remote,
             remote_options=remote_options,
             preemption=preemption,
+            interval="auto" if auto else None,
+            min_interval=min_interval,
+            max_interval=max_interval,
         )
+        if auto:  # as Lightning's timed interval: no epoch-end saves of their own
+            self._every_n_epochs = self._every_n_train_steps = 0
         self.ledger = common.check_path(ledger, "ledger")
         self.stream = common.check_stream(stream, suffix=LAST_SUFFIX)
         common.check_local_root(ledger, "ledger")
@@ -294,8 +313,18 @@ class ModelCheckpoint(LightningHooks):
         guard = None
         if self.guard:
             guard = NonFiniteGradGuard(trainer.lightning_module)
+        if sum(cb.ledger_options.interval is not None for cb in peers) > 1:
+            raise InvalidArgumentError(
+                f"two ckptdb ModelCheckpoint callbacks sharing the ledger {key[0]} both ask "
+                "for train_time_interval='auto'; the run has one clock: give it to one"
+            )
         asking = [cb.preemption for cb in peers if cb.preemption is not None]
-        options = dataclasses.replace(self.ledger_options, preemption=asking[0] if asking else None)
+        pacing = [cb.ledger_options.interval for cb in peers if cb.ledger_options.interval]
+        options = dataclasses.replace(
+            self.ledger_options,
+            preemption=asking[0] if asking else None,
+            interval=pacing[0] if pacing else None,
+        )
         ledger = IntegrationLedger.open(
             key[0], options, streams=streams, save_dir=dirpath, guard=guard
         )
@@ -409,14 +438,29 @@ class ModelCheckpoint(LightningHooks):
         status, as Lightning ends on SIGTERM): ``fit(ckpt_path="last")``
         resumes from it.
         """
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         key = self._ckptdb_session_key
         session = _SESSIONS.get(key) if key is not None else None
+        if session is not None:
+            self._ckptdb_pace(session, trainer.global_step)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.preemption is None or session is None or session.preemption is None:
             return
         stop, step = session.preemption, trainer.global_step
         if stop.requested(step):
             raise stop.stop(step, self._ckptdb_preemption_checkpoint(trainer, session, stop, step))
+
+    def _ckptdb_pace(self, session: _Session, step: int) -> None:
+        """Report the step (goodput); with ``train_time_interval="auto"``, ask the ledger
+        whether it is due and let Lightning's timed save take it (a zero interval for
+        this batch only; every rank has the same answer, so Lightning's broadcast of it
+        runs on due steps alone)."""
+        if self.ledger_options.interval is None:
+            session.ledger.heartbeat(step)
+            return
+        due = session.ledger.due(step)
+        self._train_time_interval = timedelta(0) if due else None
+        if due and self._last_time_checked is None:
+            self._last_time_checked = time.monotonic()
 
     def _ckptdb_preemption_checkpoint(
         self, trainer: pl.Trainer, session: _Session, stop: Preemption, step: int

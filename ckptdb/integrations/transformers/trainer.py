@@ -36,6 +36,7 @@ from ...errors import (
     NoCheckpointToResumeError,
     NonFiniteGradientError,
 )
+from ...goodput import DEFAULT_MAX_INTERVAL, DEFAULT_MIN_INTERVAL
 from ...guard import NonFiniteGradGuard
 from ...policies import Keep, Policy, TopK
 from ...preemption import OnPreemption, Preemption
@@ -138,6 +139,12 @@ class _LedgerCallback(TrainerCallback):
         stop = run.preemption if run is not None else None
         if stop is not None and stop.requested(state.global_step):
             self.trainer._ckptdb_preempted(run, state.global_step)
+        if run is None:
+            return
+        if self.trainer.ckptdb_options.interval is None:
+            run.ledger.heartbeat(state.global_step)
+        elif run.ledger.due(state.global_step):  # checkpoint_interval: the Trainer saves now
+            control.should_save = True
 
     def on_evaluate(
         self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None, **kw: Any
@@ -162,7 +169,11 @@ def ledger_trainer(cls: T) -> T:
     (the run root; default ``args.output_dir``), ``db_url=``, ``guard=`` and
     ``preemption=`` (``True`` or an :class:`~ckptdb.OnPreemption`; the
     Trainer's ``enable_jit_checkpoint=True`` means ``True``; with
-    ``preemption=False`` it is refused)."""
+    ``preemption=False`` it is refused), and ``checkpoint_interval=`` (seconds,
+    or ``"auto"``: the Young/Daly interval from the run's save cost and failure
+    rate, within ``min_interval=``/``max_interval=`` seconds), which saves
+    when due on top of ``save_strategy`` (use ``save_strategy="no"`` for the
+    interval alone; see docs/goodput.md)."""
     if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
         raise ArgumentTypeError(
             f"ledger_trainer() takes transformers.Trainer or a subclass, got {cls!r}"
@@ -202,6 +213,9 @@ class _LedgerTrainerMixin(compat.TrainerHooks):
         preemption: bool | OnPreemption | None = None,
         remote: str | None = None,
         remote_options: Mapping[str, object] | None = None,
+        checkpoint_interval: float | str | None = None,
+        min_interval: float = DEFAULT_MIN_INTERVAL,
+        max_interval: float = DEFAULT_MAX_INTERVAL,
         **kwargs: Any,
     ) -> None:
         options = LedgerOptions.of(
@@ -210,6 +224,9 @@ class _LedgerTrainerMixin(compat.TrainerHooks):
             remote=remote,
             remote_options=remote_options,
             preemption=preemption,
+            interval=checkpoint_interval,
+            min_interval=min_interval,
+            max_interval=max_interval,
         )
         common.check_path(ledger, "ledger")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
