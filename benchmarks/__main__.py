@@ -23,6 +23,7 @@ import torch
 from . import (
     cases,
     deepmd_case,
+    goodput_case,
     ledgercopy_case,
     lightning_case,
     preemption_case,
@@ -45,6 +46,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "s3_mb": 12,  # two 8 MiB parts: the multipart path
         "deepmd": {"steps": 10, "save_freq": 2, "reps": 1, "warmup": 0},
         "preemption_steps": 20,
+        "goodput": {"steps": 200, "work_h": 50.0, "reps": 3},
         "ledger_copy": [(100, 2_000)],
     },
     "default": {
@@ -58,6 +60,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "s3_mb": 100,
         "deepmd": {"steps": 200, "save_freq": 20, "reps": 7, "warmup": 1},
         "preemption_steps": 1000,
+        "goodput": {"steps": 20_000, "work_h": 500.0, "reps": 30},
         "ledger_copy": [(10_000, 1_000_000), (100_000, 1_000_000)],
     },
     "full": {
@@ -71,6 +74,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "s3_mb": 100,
         "deepmd": {"steps": 200, "save_freq": 20, "reps": 7, "warmup": 1},
         "preemption_steps": 1000,
+        "goodput": {"steps": 20_000, "work_h": 500.0, "reps": 30},
         "ledger_copy": [(10_000, 1_000_000), (100_000, 1_000_000)],
     },
 }
@@ -106,6 +110,10 @@ def suite(profile: dict[str, Any], work: Path) -> dict[str, Case]:
         "guard": lambda: [cases.guard(reps, profile["guard_steps"])],
         "preemption": lambda: [
             preemption_case.preemption_check(work / "preemption", profile["preemption_steps"], reps)
+        ],
+        "goodput": lambda: [
+            goodput_case.heartbeat(work / "goodput", profile["goodput"]["steps"], reps),
+            *goodput_case.intervals(profile["goodput"]["reps"], profile["goodput"]["work_h"]),
         ],
         "load": lambda: [cases.load(work / "load", profile["load_mb"], reps)],
         "async": lambda: [cases.async_save(work / "async", profile["load_mb"], reps)],

@@ -62,6 +62,8 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
         "DeePMD-kit dp --pt train",
         "preemption check per step",
         "ledger copy: 100 checkpoints",
+        "training loop with heartbeats",
+        "checkpoint interval",
     ):
         assert any(n.startswith(expected) for n in names), (expected, names)
     for result in report["results"]:
@@ -79,6 +81,14 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
     ledger = next(r for r in report["results"] if r["name"].startswith("ledger copy"))
     assert len(ledger["median_s"]) == 3  # the byte upload, the copy, the restore
     assert 0 < ledger["notes"]["snapshot_mb"] <= ledger["notes"]["ledger_mb"]
+    beats = next(r for r in report["results"] if r["name"].startswith("training loop with heart"))
+    assert len(beats["notes"]["per_step_us"]) == 3  # two heartbeats and the noise floor
+    for paced in (r for r in report["results"] if r["name"].startswith("checkpoint interval")):
+        goodput = paced["notes"]["goodput"]
+        assert sorted(goodput) == sorted(paced["median_s"]) and "auto" in goodput
+        assert all(0 < g < 1 for g in goodput.values())
+        # learning C and M from the failures seen beats the worst fixed guess
+        assert goodput["auto"] > min(goodput.values())
     preemption = next(r for r in report["results"] if r["name"].startswith("preemption check"))
     assert len(preemption["median_s"]) == 4  # no check, ckptdb, ckptdb every=10, blocking
     assert sorted(preemption["notes"]["per_step_us"]) == sorted(
