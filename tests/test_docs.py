@@ -31,6 +31,7 @@ WRITTEN_ELSEWHERE: set[str] = set()  # pages another change adds (none now)
 # Every page the README's Documentation section must link.
 DOC_PAGES = {
     "api.md",
+    "goodput.md",
     "cli.md",
     "ledger.md",
     "guarantees.md",
