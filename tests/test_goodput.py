@@ -7,12 +7,14 @@ The truth is what the test measured with its own clock and the children's
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import random
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import goodputlib as gp
 import pytest
@@ -22,7 +24,8 @@ from helpers import cli_subprocess, rows
 
 from ckptdb import CheckpointManager, RunReader
 from ckptdb.errors import CkptDBError, InvalidArgumentError
-from ckptdb.goodput import young_daly
+from ckptdb.goodput import breakdown, young_daly
+from ckptdb.ledger.progress import AttemptTimes, BoundaryMark
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -255,3 +258,78 @@ def test_the_plot_is_a_png(tmp_path: Path) -> None:
     result = cli_subprocess("goodput", str(tmp_path / "run"), "--plot", str(out))
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------ the timeline, in isolation
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def at(seconds: float) -> dt.datetime:
+    return T0 + dt.timedelta(seconds=seconds)
+
+
+def attempt(i: int, start: float, first: float, seen: float, end: str, **kw: Any) -> AttemptTimes:
+    values: dict[str, Any] = {
+        "id": i,
+        "run_id": 1,
+        "host": "h",
+        "kind": "train",
+        "end_state": end,
+        "started_at": at(start),
+        "ended_at": at(seen + 100),  # a crash's ended_at is the next open's: never used
+        "launched_at": at(start),
+        "first_step_at": at(first),
+        "seen_at": at(seen),
+        "last_step": None,
+        "saving_s": 0.0,
+        "saves": 0,
+        "resumed_from_id": None,
+    }
+    values.update(kw)
+    return AttemptTimes(**values)
+
+
+def mark(
+    i: int, attempt_id: int, step: int, created: float, committed: float | None
+) -> BoundaryMark:
+    state = "committed" if committed is not None else "aborted"
+    when = at(committed) if committed is not None else None
+    return BoundaryMark(i, attempt_id, step, state, at(created), when, 0.0)
+
+
+def test_an_attempt_off_the_final_timeline_lost_all_its_training() -> None:
+    # 1 saves step 10 at t=20 and crashes at 30; 2 resumes from it and crashes at 60
+    # before saving; 3 resumes from 1's checkpoint again and closes at 100
+    attempts = [
+        attempt(1, 0, 5, 30, "crashed", saving_s=1.0, saves=1),
+        attempt(2, 40, 45, 60, "crashed", resumed_from_id=1),
+        attempt(3, 70, 75, 100, "closed", resumed_from_id=1),
+    ]
+    total, per = breakdown(attempts, [mark(1, 1, 10, 20, 21)], {})
+    first, second, third = (a.breakdown for a in per)
+    assert first.productive_s == pytest.approx(15) and first.lost_s == pytest.approx(9)
+    assert second.productive_s == 0 and second.lost_s == pytest.approx(15)
+    assert third.productive_s == pytest.approx(25) and third.lost_s == 0
+    assert [b.idle_s for b in (first, second, third)] == [0, 10, 10]
+    assert total.total_s == pytest.approx(100)
+
+
+def test_a_crash_inside_a_save_counts_half_a_mean_save() -> None:
+    # mean save 2 s; a save began at 30 (after the last heartbeat, at 29) and never committed
+    attempts = [
+        attempt(1, 0, 1, 29, "crashed", saving_s=4.0, saves=2),
+        attempt(2, 50, 51, 60, "closed", resumed_from_id=1),
+    ]
+    marks = [mark(1, 1, 10, 10, 12), mark(2, 1, 20, 30, None)]
+    _, (crashed, _closed) = breakdown(attempts, marks, {})
+    assert crashed.ended_at == at(31)  # the save's start + half the mean save
+    assert crashed.breakdown.saving_s == pytest.approx(4.0 + 1.0)
+    assert crashed.breakdown.idle_s == 0
+
+
+def test_an_attempt_without_heartbeats_ends_at_its_last_sign_of_life() -> None:
+    old = attempt(1, 0, 0, 0, "crashed", first_step_at=None, seen_at=None, launched_at=None)
+    _, (found,) = breakdown([old], [mark(1, 1, 10, 20, 22)], {1: at(25)})
+    assert found.measured is False
+    assert found.ended_at == at(25) and found.breakdown.restart_s == 0
