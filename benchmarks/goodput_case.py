@@ -39,8 +39,8 @@ WORK_H = 500.0
 SCENARIOS = ((4.0, 60.0), (0.5, 10.0))
 
 NO_REPORT = "no step report"
-DEFAULT = "heartbeat() per step, every 10 s"
-EVERY_10MS = "heartbeat() per step, every 10 ms"
+DEFAULT = "heartbeat() per step (default heartbeat=10)"
+EVERY_10MS = "heartbeat() per step (heartbeat=0.01)"
 
 
 def heartbeat(work: Path, steps: int, reps: int) -> Comparison:

@@ -88,6 +88,10 @@ class Attempt:
     def read(self) -> None:
         self.lines = [json.loads(x) for x in self.log.read_text().splitlines() if x.strip()]
 
+    def last_step(self) -> int:
+        self.read()
+        return int(self.of("step")[-1]["step"])
+
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [x for x in self.lines if x["kind"] == kind]
 
