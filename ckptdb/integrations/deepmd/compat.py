@@ -325,6 +325,10 @@ class HookedTrainer(_ValidatorHook, DeepmdTrainer):  # type: ignore[misc]  # Dee
         Borrowed: ``Trainer.save_freq`` (3.2.0), which the loop reads at every step."""
         self.save_freq = step
 
+    def deepmd_save_freq(self) -> int:
+        """DeePMD's periodic checkpoint frequency now (``Trainer.save_freq``, 3.2.0)."""
+        return int(self.save_freq)
+
 
 class HookedExptTrainer(_ValidatorHook, DeepmdExptTrainer):  # type: ignore[misc]
     """DeePMD-kit's ``pytorch-exportable`` ``Trainer`` (``deepmd.pt_expt.train.training``;
@@ -408,6 +412,11 @@ class HookedExptTrainer(_ValidatorHook, DeepmdExptTrainer):  # type: ignore[misc
         every step."""
         current: Any = getattr(self, "trainer_config")  # noqa: B009  # DeePMD's, untyped
         self.trainer_config = dataclasses.replace(current, save_freq=step)
+
+    def deepmd_save_freq(self) -> int:
+        """DeePMD's periodic checkpoint frequency now (``trainer_config.save_freq``, 3.2.0)."""
+        current: Any = getattr(self, "trainer_config")  # noqa: B009  # DeePMD's, untyped
+        return int(current.save_freq)
 
 
 # --------------------------------------------------------------- validator

@@ -54,6 +54,7 @@ log = logging.getLogger("ckptdb.deepmd")
 
 #: ckptdb's preemption option (named in the refusal of an optimizer it cannot count).
 PREEMPTION_OPTION = "--ckptdb-preemption"
+INTERVAL_OPTION = "--ckptdb-interval"
 #: The metric-name prefix of each validator's log (``val.log``, ``val_ema.log``).
 VAL_PREFIX = {BEST_STREAM: "val_", BEST_EMA_STREAM: "val_ema_"}
 #: The name of the collective that shares rank 0's plan of a boundary.
@@ -111,6 +112,7 @@ class LedgerTraining:
     # each backend's compat class (:class:`.compat.HookedTrainer`, ``HookedExptTrainer``)
     deepmd_learning_rate: Callable[[int], float | None]
     deepmd_save_at: Callable[[int], None]
+    deepmd_save_freq: Callable[[], int]
 
     #: Whether a rank other than 0 joins the periodic boundary in DeePMD's guard check
     #: (``--pt``, where DeePMD calls ``save_checkpoint`` on rank 0 alone) rather than
@@ -143,6 +145,7 @@ class LedgerTraining:
         self._ckptdb_stop: Preemption | None = None
         self._ckptdb_stop_hook: Any = None
         self._ckptdb_steps_done = 0  # this attempt's optimizer steps, counted from start_step
+        self._ckptdb_paced_from: int | None = None  # DeePMD's save_freq, while a due save runs
         self._ckptdb_tails: list[LogTail] = []
         try:
             _check_save_dir(self.manager, directories)
@@ -186,23 +189,29 @@ class LedgerTraining:
         if guard_on:
             self.manager.guard = NonFiniteGradGuard(self.wrapper.named_parameters())
             self._ckptdb_hook = self.optimizer.register_step_pre_hook(self._observe)
-        if self.ckptdb.ledger.preemption is not None:
-            self._ckptdb_handle_preemption()
+        self._ckptdb_handle_steps()
         self._ckptdb_point_aliases(stale_warning=True)
         self._ckptdb_tails = self._ckptdb_log_tails()
 
-    def _ckptdb_handle_preemption(self) -> None:
-        """Install the preemption handlers (collective) and the per-step check."""
-        if getattr(self, "opt_type", None) == "LKF":
-            raise InvalidArgumentError(
-                f"{PREEMPTION_OPTION} needs a torch optimizer: the LKF optimizer's steps "
-                "cannot be counted, so no rank could agree on a step to checkpoint"
-            )
+    def _ckptdb_handle_steps(self) -> None:
+        """The per-step hook: each step reported (goodput), and with
+        ``--ckptdb-interval`` or ``--ckptdb-preemption`` the ranks' agreements on
+        when to save (the preemption handlers installed here: collective)."""
+        options = self.ckptdb.ledger
+        lkf = getattr(self, "opt_type", None) == "LKF"
+        asked = ((options.preemption, PREEMPTION_OPTION), (options.interval, INTERVAL_OPTION))
+        for wanted, option in asked:
+            if wanted is not None and lkf:
+                raise InvalidArgumentError(
+                    f"{option} needs a torch optimizer: the LKF optimizer's steps cannot be "
+                    "counted, so no rank could agree on a step to checkpoint"
+                )
+        if lkf:
+            return  # its steps cannot be counted: goodput counts the attempts unmeasured
         self._ckptdb_steps_done = int(self.start_step)
-        self._ckptdb_stop = self.ledger.preemption()
-        self._ckptdb_stop_hook = self.optimizer.register_step_post_hook(
-            self._ckptdb_check_preemption
-        )
+        if options.preemption is not None:
+            self._ckptdb_stop = self.ledger.preemption()
+        self._ckptdb_stop_hook = self.optimizer.register_step_post_hook(self._ckptdb_after_step)
 
     def _ckptdb_log_tails(self) -> list[LogTail]:
         """``lcurve.out`` (``disp_file``) and each validator's ``val.log``, read from where
@@ -460,10 +469,9 @@ class LedgerTraining:
 
     # ------------------------------------------------------ guard, preemption
 
-    def _ckptdb_check_preemption(
-        self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
-    ) -> None:
-        """After each optimizer step, on every rank: were we told to stop?
+    def _ckptdb_after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """After each optimizer step, on every rank: the step reported; is a checkpoint
+        due (``--ckptdb-interval``); were we told to stop?
 
         When every rank agrees, DeePMD is made to save a periodic checkpoint at
         the end of this step (:meth:`deepmd_save_at`): the checkpoint is written
@@ -476,8 +484,15 @@ class LedgerTraining:
         """
         self._ckptdb_steps_done += 1
         step = self._ckptdb_steps_done  # DeePMD's display step: the checkpoint's number
+        if self._ckptdb_paced_from is not None:  # the due save is done: DeePMD's own again
+            self.deepmd_save_at(self._ckptdb_paced_from)
+            self._ckptdb_paced_from = None
+        due = self._ckptdb_due(step)
         stop = self._ckptdb_stop
+        edge = step == self.start_step + 1 or step >= self.num_steps
         if stop is None:
+            if due and not edge:
+                self._ckptdb_save_now(step)
             return
         if stop.agreed_step is not None:  # agreed, and DeePMD went on without saving it
             log.error(
@@ -487,10 +502,25 @@ class LedgerTraining:
                 step,
             )
             raise stop.stop(stop.agreed_step)
-        if step == self.start_step + 1 or step >= self.num_steps:
+        if edge:
             return  # DeePMD never saves at the first step; after the last one training is over
-        if stop.requested(step):
-            self.deepmd_save_at(step)
+        if stop.requested(step) or due:
+            self._ckptdb_save_now(step)
+
+    def _ckptdb_due(self, step: int) -> bool:
+        """``--ckptdb-interval``: whether the ledger says this step is due (every rank,
+        every step, the same answer); else only the step reported (goodput)."""
+        if self.ckptdb.ledger.interval is None:
+            self.ledger.heartbeat(step)
+            return False
+        return self.ledger.due(step)
+
+    def _ckptdb_save_now(self, step: int) -> None:
+        """DeePMD saves a periodic checkpoint at the end of ``step``, its way; its own
+        ``save_freq`` comes back at the next step."""
+        if self._ckptdb_paced_from is None:
+            self._ckptdb_paced_from = self.deepmd_save_freq()
+        self.deepmd_save_at(step)
 
     def _observe(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Every optimizer step's gradients, after DeePMD's clipping, to ckptdb's guard

@@ -29,7 +29,14 @@ from . import compat  # checks DeePMD-kit's version before importing any of its 
 from .compat import SUPPORTED, SUPPORTED_RANGE, check_version
 from .layout import EMA_STREAM, STREAM
 from .logs import LogTail
-from .session import PREEMPTION_OPTION, LedgerTraining, Options, Writer, resolve_restart
+from .session import (
+    INTERVAL_OPTION,
+    PREEMPTION_OPTION,
+    LedgerTraining,
+    Options,
+    Writer,
+    resolve_restart,
+)
 
 __all__ = [
     "SUPPORTED",
@@ -55,6 +62,8 @@ REMOTE_OPTION = "--ckptdb-remote"
 #: The ledger's URL (PostgreSQL for several machines); default: ``CKPTDB_DB_URL``, else
 #: the run's own SQLite file.
 DB_URL_OPTION = "--ckptdb-db-url"
+MIN_INTERVAL_OPTION = "--ckptdb-min-interval"
+MAX_INTERVAL_OPTION = "--ckptdb-max-interval"
 DB_URL_ENV = "CKPTDB_DB_URL"
 
 
@@ -71,18 +80,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     the signal's status), ``--ckptdb-grace SECONDS``, ``--ckptdb-remote URL``
     (where a replicator copies the run: a restart whose checkpoint is missing
     or corrupt here, or a lost machine's run on an empty directory, brings back
-    its copies) and ``--ckptdb-db-url URL`` (the ledger; default the run's own
-    SQLite file, or ``CKPTDB_DB_URL``), which are taken out before DeePMD
-    parses them. ``train`` needs one of the PyTorch backends (``--pt``,
-    ``--pt-expt``): another backend would train unguarded, so it is refused.
+    its copies), ``--ckptdb-db-url URL`` (the ledger; default the run's own
+    SQLite file, or ``CKPTDB_DB_URL``) and ``--ckptdb-interval auto|SECONDS``
+    (a periodic checkpoint also whenever the ledger says one is due: the
+    Young/Daly interval from the run's save cost and failure rate, within
+    ``--ckptdb-min-interval``/``--ckptdb-max-interval`` seconds; see
+    docs/goodput.md), which are taken out before DeePMD parses them.
+    ``train`` needs one of the PyTorch backends (``--pt``, ``--pt-expt``):
+    another backend would train unguarded, so it is refused.
     """
     check_version()
     args, guard = _take_guard(list(sys.argv[1:] if argv is None else argv))
     args, preemption = _take_preemption(args)
+    args, pacing = _take_interval(args)
     args, remote = _take_option(args, REMOTE_OPTION, "an object-storage URL, s3://bucket/prefix")
     args, db_url = _take_option(args, DB_URL_OPTION, "a ledger URL, postgresql://...")
     db_url = db_url or os.environ.get(DB_URL_ENV) or None  # as the ckptdb command reads it
-    ledger = LedgerOptions.of(guard=guard, preemption=preemption, remote=remote, db_url=db_url)
+    ledger = LedgerOptions.of(
+        guard=guard, preemption=preemption, remote=remote, db_url=db_url, **pacing
+    )
     flags = compat.parse_dp_args(args)
     if flags.command != "train":
         compat.run_dp(args)
@@ -154,6 +170,33 @@ def _take_preemption(args: list[str]) -> tuple[list[str], OnPreemption | None]:
     except ValueError:
         raise InvalidArgumentError(f"{GRACE_OPTION} must be seconds, got {grace!r}") from None
     return rest, OnPreemption(signals=signals, grace=seconds)
+
+
+def _take_interval(args: list[str]) -> tuple[list[str], dict[str, object]]:
+    """``--ckptdb-interval auto|SECONDS`` and its bounds ``--ckptdb-min-interval`` /
+    ``--ckptdb-max-interval`` (seconds) out of ``args``: LedgerOptions' arguments."""
+    rest, interval = _take_option(args, INTERVAL_OPTION, "auto, or a number of seconds")
+    rest, low = _take_option(rest, MIN_INTERVAL_OPTION, "a number of seconds")
+    rest, high = _take_option(rest, MAX_INTERVAL_OPTION, "a number of seconds")
+    if interval is None:
+        if low is not None or high is not None:
+            raise InvalidArgumentError(f"the interval's bounds need {INTERVAL_OPTION}")
+        return rest, {}
+    found: dict[str, object] = {
+        "interval": interval if interval == "auto" else _seconds(interval, INTERVAL_OPTION)
+    }
+    if low is not None:
+        found["min_interval"] = _seconds(low, MIN_INTERVAL_OPTION)
+    if high is not None:
+        found["max_interval"] = _seconds(high, MAX_INTERVAL_OPTION)
+    return rest, found
+
+
+def _seconds(text: str, option: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise InvalidArgumentError(f"{option} must be seconds, got {text!r}") from None
 
 
 # ------------------------------------------------------------------- trainer
