@@ -334,3 +334,26 @@ def test_an_attempt_without_heartbeats_ends_at_its_last_sign_of_life() -> None:
     _, (found,) = breakdown([old], [mark(1, 1, 10, 20, 22)], {1: at(25)})
     assert found.measured is False
     assert found.ended_at == at(25) and found.breakdown.restart_s == 0
+
+
+def test_on_a_shared_ledger_a_new_run_learns_from_this_hosts_failures(
+    tmp_path: Path, pg_url: str
+) -> None:
+    other = tmp_path / "other"
+    proc, attempt = gp.start(other, tmp_path / "a.log", 0.0, 10**6, db_url=pg_url)
+    gp.wait_for(attempt, "resumed")
+    time.sleep(0.5)
+    gp.kill(proc, attempt, signal.SIGKILL)
+    CheckpointManager(other, db_url=pg_url).close()  # its next open marks the crash
+    with CheckpointManager(
+        tmp_path / "new", db_url=pg_url, interval="auto", min_interval=0.01, max_interval=1e6
+    ) as mgr:
+        mgr.due(1)
+        assert mgr.interval is not None and mgr.interval.failures == 1
+        assert mgr.interval.why == "no save measured yet"  # C is this run's own
+        mgr.save(1, model={"w": torch.zeros(4)})
+        mgr.due(2)
+        assert mgr.interval.why == "sqrt(2*C*M)" and mgr.interval.cost_s > 0
+    with CheckpointManager(tmp_path / "alone", interval="auto") as mgr:  # its own SQLite file
+        mgr.due(1)
+        assert mgr.interval is not None and mgr.interval.failures == 0
