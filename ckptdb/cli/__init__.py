@@ -36,6 +36,17 @@ ROOT = click.argument("root", type=click.Path(file_okay=False, path_type=Path))
 JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
 
 
+def plot_option(what: str) -> Callable[[Any], Any]:
+    """``--plot FILE`` (the ``plot_file`` parameter), ``what`` its help."""
+    return click.option(
+        "--plot",
+        "plot_file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help=what,
+    )
+
+
 class CkptDBGroup(click.Group):
     """Turns ckptdb errors into one line on stderr and exit status 1."""
 
@@ -531,13 +542,7 @@ def _interrupt(signum: int, frame: object) -> None:
 @main.command()
 @ROOT
 @click.option("--metric", required=True, help="Metric name, as given to log_metrics/save.")
-@click.option(
-    "--plot",
-    "plot_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write a PNG of the curve (needs the 'plot' extra).",
-)
+@plot_option("Write a PNG of the curve (needs the 'plot' extra).")
 @DB_URL
 @JSON
 def history(

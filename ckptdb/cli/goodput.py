@@ -13,7 +13,7 @@ import click
 from ..errors import InvalidArgumentError
 from ..goodput import GoodputReport, every_run
 from ..reader import RunReader
-from . import DB_URL, JSON, main
+from . import DB_URL, JSON, main, plot_option
 from . import fmt as clifmt
 
 FIGURES = ("productive_s", "saving_s", "lost_s", "restart_s", "idle_s", "total_s")
@@ -24,13 +24,7 @@ FIGURES = ("productive_s", "saving_s", "lost_s", "restart_s", "idle_s", "total_s
 @click.option(
     "--all", "every", is_flag=True, help="Every run of the ledger (--db-url), one line each."
 )
-@click.option(
-    "--plot",
-    "plot_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write a PNG: a stacked bar per attempt (needs the 'plot' extra).",
-)
+@plot_option("Write a PNG: a stacked bar per attempt (needs the 'plot' extra).")
 @DB_URL
 @JSON
 def goodput(
