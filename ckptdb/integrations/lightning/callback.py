@@ -451,14 +451,15 @@ class ModelCheckpoint(LightningHooks):
 
     def _ckptdb_pace(self, session: _Session, step: int) -> None:
         """Report the step (goodput); with ``train_time_interval="auto"``, ask the ledger
-        whether it is due and let Lightning's timed save take it (a zero interval for
-        this batch only; every rank has the same answer, so Lightning's broadcast of it
+        whether it is due and let Lightning's timed save take it (a one-microsecond
+        interval for this batch only; every rank has the same answer, so Lightning's broadcast of it
         runs on due steps alone)."""
         if self.ledger_options.interval is None:
             session.ledger.heartbeat(step)
             return
         due = session.ledger.due(step)
-        self._train_time_interval = timedelta(0) if due else None
+        # a microsecond, not zero: Lightning before 2.5 reads a zero timedelta as "no interval"
+        self._train_time_interval = timedelta(microseconds=1) if due else None
         if due and self._last_time_checked is None:
             self._last_time_checked = time.monotonic()
 
