@@ -156,15 +156,20 @@ def history_of(
 
 
 def check_bounds(min_interval: object, max_interval: object) -> tuple[float, float]:
-    """The bounds as floats; a negative, non-finite or crossed pair is refused."""
-    bounds = []
+    """The bounds as floats (None: the default, or the other bound where that one would
+    cross it); a negative, zero, non-finite or crossed pair is refused."""
+    given: dict[str, float] = {}
     for name, value in (("min_interval", min_interval), ("max_interval", max_interval)):
+        if value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidArgumentError(f"{name} must be a number of seconds, got {value!r}")
         if not math.isfinite(value) or value <= 0:
             raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value}")
-        bounds.append(float(value))
-    low, high = bounds
+        given[name] = float(value)
+    high = given.get("max_interval")
+    low = given.get("min_interval", min(DEFAULT_MIN_INTERVAL, high or DEFAULT_MIN_INTERVAL))
+    high = high if high is not None else max(DEFAULT_MAX_INTERVAL, low)
     if low > high:
         raise InvalidArgumentError(
             f"min_interval ({low:g} s) is larger than max_interval ({high:g} s)"
@@ -231,62 +236,87 @@ def breakdown(
 ) -> tuple[Breakdown, list[AttemptGoodput]]:
     """The run's totals and each attempt's share (``attempts`` oldest first, training only)."""
     kept = _final_timeline(attempts, marks)
-    signs = dict(alive)
-    for mark in marks:  # a checkpoint's commit is a sign of life of the attempt that saved it
-        when = mark.committed_at or mark.created_at
-        if mark.attempt_id not in signs or signs[mark.attempt_id] < when:
-            signs[mark.attempt_id] = when
-    cut_short = _interrupted_saves(attempts, marks)
+    signs = signs_of_life(alive, marks)
+    tails = _after_last_heartbeat(attempts, marks)
     found: list[AttemptGoodput] = []
     previous_end: dt.datetime | None = None
     for i, attempt in enumerate(attempts):
         start, end = _start_of(attempt), _end_of(attempt, signs)
         if previous_end is not None:
             start = min(max(start, previous_end), attempt.started_at)
-        end, unfinished = max(end, start), 0.0
-        began = cut_short.get(attempt.id)
-        if began is not None:  # killed in a save: it ran about half a mean save
+        end, extra = max(end, start), 0.0
+        tail = tails.get(attempt.id)
+        if tail is not None:
             later = _start_of(attempts[i + 1]) if i + 1 < len(attempts) else None
-            end, unfinished = _end_in_save(attempt, began, end, later)
+            end, extra = tail.end_and_saving(attempt, end, later)
         idle = (start - previous_end).total_seconds() if previous_end is not None else 0.0
         previous_end = end
         cut = kept.get(attempt.id, _NONE)
-        found.append(_share(attempt, start, end, max(idle, 0.0), cut, unfinished))
+        found.append(_share(attempt, start, end, max(idle, 0.0), cut, extra))
     total = Breakdown(*(sum(getattr(a.breakdown, f) for a in found) for f in _FIELDS))
     return total, found
 
 
-def _interrupted_saves(
-    attempts: Sequence[AttemptTimes], marks: Sequence[BoundaryMark]
+def signs_of_life(
+    alive: Mapping[int, dt.datetime], marks: Sequence[BoundaryMark]
 ) -> dict[int, dt.datetime]:
-    """Per attempt that did not close, when the save a crash cut short began: its newest
-    row never committed and began after its last heartbeat (a heartbeat is written
-    between steps, never inside a save)."""
-    open_ended = {a.id: a.seen_at for a in attempts if a.end_state != "closed" and a.seen_at}
-    found: dict[int, dt.datetime] = {}
+    """Per attempt, the newest time it is known alive: its newest event (``alive``) or
+    the newest commit (else intent) of a checkpoint it saved."""
+    signs = dict(alive)
     for mark in marks:
-        seen = open_ended.get(mark.attempt_id)
+        when = mark.committed_at or mark.created_at
+        if mark.attempt_id not in signs or signs[mark.attempt_id] < when:
+            signs[mark.attempt_id] = when
+    return signs
+
+
+@dataclass
+class _Tail:
+    """What an attempt that did not end cleanly did after its last heartbeat (written
+    between steps, never inside a save): boundaries that committed (intent -> commit,
+    each once), and the newest one, never committed, that a crash cut short."""
+
+    committed: dict[dt.datetime, dt.datetime]
+    cut_short: dt.datetime | None = None
+
+    def end_and_saving(
+        self, attempt: AttemptTimes, end: dt.datetime, later: dt.datetime | None
+    ) -> tuple[dt.datetime, float]:
+        """The attempt's end and the seconds of saving after its last heartbeat. A save
+        cut short ran about half a mean save: the kill is equally likely anywhere in
+        it (never past the next attempt's start)."""
+        extra = sum((done - began).total_seconds() for began, done in self.committed.items())
+        if self.committed:
+            end = max(end, *self.committed.values())
+        began = self.cut_short
+        if began is None:
+            return end, extra
+        mean = (attempt.saving_s or 0.0) / attempt.saves if attempt.saves else 0.0
+        guess = began + dt.timedelta(seconds=mean / 2)
+        if later is not None:
+            guess = min(guess, later)
+        guess = max(guess, began, end)
+        return guess, extra + (guess - began).total_seconds()
+
+
+def _after_last_heartbeat(
+    attempts: Sequence[AttemptTimes], marks: Sequence[BoundaryMark]
+) -> dict[int, _Tail]:
+    ended_badly = {a.id: a.seen_at for a in attempts if a.end_state not in _KEEPS_ALL and a.seen_at}
+    tails: dict[int, _Tail] = {}
+    for mark in marks:
+        seen = ended_badly.get(mark.attempt_id)
         if seen is None or mark.created_at <= seen:
             continue
-        if mark.committed_at is None:
-            found[mark.attempt_id] = max(mark.created_at, found.get(mark.attempt_id, seen))
-        else:  # committed after the last heartbeat: the save finished, a later one may not
-            found.pop(mark.attempt_id, None)
-    return found
-
-
-def _end_in_save(
-    attempt: AttemptTimes, began: dt.datetime, end: dt.datetime, later: dt.datetime | None
-) -> tuple[dt.datetime, float]:
-    """The end of an attempt killed in a save that began at ``began``, and the seconds
-    of that save it spent: the kill is equally likely anywhere in a save, so half the
-    attempt's mean save (never past the next attempt's start)."""
-    mean = (attempt.saving_s or 0.0) / attempt.saves if attempt.saves else 0.0
-    guess = began + dt.timedelta(seconds=mean / 2)
-    if later is not None:
-        guess = min(guess, later)
-    guess = max(guess, began, end)
-    return guess, (guess - began).total_seconds()
+        tail = tails.setdefault(mark.attempt_id, _Tail({}))
+        if mark.committed_at is not None:
+            tail.committed[mark.created_at] = mark.committed_at
+        elif tail.cut_short is None or mark.created_at > tail.cut_short:
+            tail.cut_short = mark.created_at
+    for tail in tails.values():  # only the newest boundary can have been cut short
+        if tail.cut_short is not None and tail.committed and max(tail.committed) > tail.cut_short:
+            tail.cut_short = None
+    return tails
 
 
 _FIELDS = ("productive_s", "saving_s", "lost_s", "restart_s", "idle_s")
@@ -300,14 +330,14 @@ def _share(
     end: dt.datetime,
     idle: float,
     cut: BoundaryMark | str,
-    unfinished: float = 0.0,
+    extra_saving: float = 0.0,
 ) -> AttemptGoodput:
     measured = attempt.first_step_at is not None
     first = attempt.first_step_at if measured else max(start, attempt.started_at)
     assert first is not None
     first = min(max(first, start), end)
     active = (end - first).total_seconds()
-    saving = min(max(attempt.saving_s or 0.0, 0.0) + unfinished, active)
+    saving = min(max(attempt.saving_s or 0.0, 0.0) + extra_saving, active)
     training = active - saving
     if cut == _ALL:
         productive = training
@@ -384,7 +414,7 @@ def report(db: Ledger, run_id: int, run: str) -> GoodputReport:
         host = attempts[-1].host if attempts else socket.gethostname()
         seen = progress_rows.failure_history(session, run_id, host)
     total, per_attempt = breakdown(attempts, marks, alive)
-    past = history_of(attempts, seen, alive)
+    past = history_of(attempts, seen, signs_of_life(alive, marks))
     cost = past.saving_s / past.saves if past.saves else None
     return GoodputReport(
         run, total, per_attempt, choose_interval(cost, past.failures, past.training_s)
@@ -397,7 +427,8 @@ def history(db: Ledger, run_id: int, attempt_id: int) -> History:
         own = progress_rows.attempts_of(session, run_id)
         seen = progress_rows.failure_history(session, run_id, socket.gethostname())
         alive = progress_rows.last_signs_of_life(session, run_id)
-    return history_of(own, seen, alive, attempt_id)
+        marks = progress_rows.marks_of(session, run_id)
+    return history_of(own, seen, signs_of_life(alive, marks), attempt_id)
 
 
 def every_run(db_url: str) -> list[tuple[str, GoodputReport]]:

@@ -48,7 +48,7 @@ class IntervalSetting:
     @classmethod
     def of(cls, interval: object, min_interval: object, max_interval: object) -> IntervalSetting:
         low, high = check_bounds(min_interval, max_interval)
-        if interval is None or interval == AUTO:
+        if interval == AUTO:
             return cls(None, low, high)
         if isinstance(interval, bool) or not isinstance(interval, (int, float)):
             raise InvalidArgumentError(
@@ -59,6 +59,23 @@ class IntervalSetting:
                 f"interval must be a positive number of seconds, got {interval}"
             )
         return cls(float(interval), low, high)
+
+
+def interval_of(
+    interval: object, min_interval: object, max_interval: object
+) -> IntervalSetting | None:
+    """``interval=`` and its bounds, checked (None: no interval, and then no bounds).
+
+    Raises:
+        InvalidArgumentError: a non-positive or non-finite number of seconds, an
+            interval that is neither seconds nor ``"auto"``, crossed bounds, or
+            bounds without an interval.
+    """
+    if interval is None:
+        if min_interval is not None or max_interval is not None:
+            raise InvalidArgumentError("min_interval= and max_interval= go with interval=")
+        return None
+    return IntervalSetting.of(interval, min_interval, max_interval)
 
 
 @dataclass(frozen=True)
@@ -78,14 +95,14 @@ def pacing_of(
         InvalidArgumentError: a non-positive or non-finite number of seconds, an
             interval that is neither seconds nor ``"auto"``, or bounds that cross.
     """
+    setting = interval_of(interval, min_interval, max_interval)
     if isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)):
         raise InvalidArgumentError(f"heartbeat must be a number of seconds, got {heartbeat!r}")
     if not math.isfinite(heartbeat) or heartbeat <= 0:
         raise InvalidArgumentError(
             f"heartbeat must be a positive number of seconds, got {heartbeat}"
         )
-    setting = IntervalSetting.of(interval, min_interval, max_interval)
-    return Pacing(setting if interval is not None else None, float(heartbeat))
+    return Pacing(setting, float(heartbeat))
 
 
 class Interval:
@@ -108,6 +125,7 @@ class Interval:
         self._started: float | None = None  # the first due(): training began
         #: The interval in force (the chief's; None before the first ``due``).
         self.current: IntervalChoice | None = None
+        self._recorded: IntervalChoice | None = None  # the last one an event recorded
 
     def due(self, step: int) -> bool:
         """Whether every rank checkpoints at this call (the same answer everywhere)."""
@@ -133,7 +151,7 @@ class Interval:
             choice = IntervalChoice(self.setting.fixed, None, None, 0, 0.0, "fixed")
         else:
             if self._past is None:
-                self._past = self._history()
+                self._past = self._read_history()
             past, progress = self._past, self.progress
             saves = past.saves + progress.saves
             cost = (past.saving_s + progress.saving_s) / saves if saves else None
@@ -141,13 +159,27 @@ class Interval:
             choice = choose_interval(
                 cost, past.failures, training, self.setting.low, self.setting.high
             )
-        if self._changed(choice):  # what is used is always fresh; events only on a change
-            self.current = choice
+        self.current = choice
+        if self._changed(choice):  # an event on a change worth saying, not at every save
+            self._recorded = choice
             self._record(choice, step)
         return choice
 
+    def _read_history(self) -> History:
+        """The earlier attempts' measures; none where the ledger cannot be read now. Never
+        raises: the chief alone reads it, and every rank must answer ``due`` alike."""
+        try:
+            return self._history()
+        except Exception:
+            log.error(
+                "ckptdb: the run's save cost and failures could not be read; the interval "
+                "starts from this attempt's own measures",
+                exc_info=True,
+            )
+            return History()
+
     def _changed(self, choice: IntervalChoice) -> bool:
-        old = self.current
+        old = self._recorded
         if old is None or old.why != choice.why:
             return True
         return abs(choice.seconds - old.seconds) > CHANGE * old.seconds

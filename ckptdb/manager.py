@@ -45,7 +45,7 @@ from .errors import (
     RunDirectoryError,
     note_on,
 )
-from .goodput import DEFAULT_MAX_INTERVAL, DEFAULT_MIN_INTERVAL, IntervalChoice
+from .goodput import IntervalChoice
 from .guard import NonFiniteGradGuard
 from .interval import Interval, Pacing, pacing_of
 from .ledger import OpenedRun, after_commit, open_ledger, pins
@@ -56,7 +56,7 @@ from .ledger.engine import LEDGER_FILE, default_sqlite_url, normalize_url
 from .ledger.lock import writer_lock
 from .ledger.models import MAX_METRIC_NAME, MAX_STEP
 from .ledger.netfs import check_ledger_location
-from .ledger.progress import Heartbeat, launch_of_first_attempt
+from .ledger.progress import Heartbeat
 from .ledger.runs import open_as_writer
 from .ledgercopy import FetchedLedger, bring_back, choose_run, record_ledger_restore
 from .location import (
@@ -222,8 +222,8 @@ class CheckpointManager:
         remote: str | None = None,
         remote_options: Mapping[str, object] | None = None,
         interval: float | str | None = None,
-        min_interval: float = DEFAULT_MIN_INTERVAL,
-        max_interval: float = DEFAULT_MAX_INTERVAL,
+        min_interval: float | None = None,
+        max_interval: float | None = None,
         heartbeat: float = HEARTBEAT_S,
     ) -> None:
         check_remote_url(remote)
@@ -300,7 +300,7 @@ class CheckpointManager:
         ctx = self._ctx
         ctx.progress.every = pacing.heartbeat
         if ctx.is_writer and not self._maintenance:
-            ctx.progress.write_with(self._write_heartbeat)
+            ctx.progress.write_with(self._write_heartbeat, busy=self._inflight.busy)
         if pacing.interval is None:
             return None
         group = self._gloo_group()
@@ -385,7 +385,6 @@ class CheckpointManager:
                 kind="maintenance" if maintenance else "train",
                 default_streams=DEFAULT_STREAMS,
                 world_size=self._coord.size,
-                launched_at=None if maintenance else launch_of_first_attempt(),
             )
         except BaseException:
             db.dispose()
@@ -570,10 +569,7 @@ class CheckpointManager:
             end_state = "preempted"
         try:
             try:
-                with self._ctx.progress.saving(
-                    counts=False
-                ):  # the loop waits for the save in flight
-                    self._inflight.wait()
+                self._inflight.wait()
             finally:
                 self._closed = True
                 if self._interval is not None:
@@ -775,8 +771,10 @@ class CheckpointManager:
         """
         self._check_open()
         deadline = self._deadline if blocking else None
-        with self._ctx.progress.saving():
-            return self._publisher.save(step, metrics, payloads, blocking, deadline=deadline)
+        with self._ctx.progress.saving() as timed:
+            saved = self._publisher.save(step, metrics, payloads, blocking, deadline=deadline)
+            timed.wrote = saved != {}  # a top-K candidate not admitted is no sample of C
+            return saved
 
     def heartbeat(self, step: int) -> None:
         """Report that training finished ``step``: goodput's measure of progress.

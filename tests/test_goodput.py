@@ -8,8 +8,11 @@ The truth is what the test measured with its own clock and the children's
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import math
+import multiprocessing
+import os
 import random
 import signal
 import time
@@ -22,10 +25,13 @@ import torch
 from distlib import run_ranks
 from helpers import cli_subprocess, rows
 
-from ckptdb import CheckpointManager, RunReader
-from ckptdb.errors import CkptDBError, InvalidArgumentError
+from ckptdb import CheckpointManager, RunReader, TopK
+from ckptdb.errors import CkptDBError, InvalidArgumentError, LedgerError
 from ckptdb.goodput import breakdown, young_daly
+from ckptdb.integrations.contract import LedgerOptions
+from ckptdb.interval import Interval, IntervalSetting, interval_of
 from ckptdb.ledger.progress import AttemptTimes, BoundaryMark
+from ckptdb.protocol.progress import Progress
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -82,8 +88,8 @@ def test_every_figure_matches_the_wall_clock_of_a_killed_preempted_and_finished_
     assert found["goodput"] == pytest.approx(truth["productive_s"] / truth["total_s"], rel=0.03)
     assert [a["end_state"] for a in found["attempts"]] == ["crashed", "preempted", "closed"]
     assert all(a["measured"] for a in found["attempts"])
-    # the preempted attempt saved its last step: it lost (almost) nothing; the kill lost work
-    assert found["attempts"][1]["lost_s"] < found["attempts"][0]["lost_s"]
+    # the preempted attempt saved the step it stopped at: it lost nothing
+    assert found["attempts"][1]["lost_s"] <= RESOLUTION
     assert sum(a["total_s"] for a in found["attempts"]) == pytest.approx(found["total_s"])
 
 
@@ -208,11 +214,17 @@ def test_bad_pacing_is_refused_before_anything_is_created(
 def test_due_without_an_interval_or_on_a_maintenance_manager_is_a_typed_error(
     tmp_path: Path,
 ) -> None:
-    with CheckpointManager(tmp_path / "run") as mgr:
-        with pytest.raises(InvalidArgumentError, match="due\\(\\) needs interval="):
-            mgr.due(1)
-        with pytest.raises(CkptDBError):
-            mgr.due(-3)
+    with (
+        CheckpointManager(tmp_path / "run") as mgr,
+        pytest.raises(InvalidArgumentError, match="due\\(\\) needs interval="),
+    ):
+        mgr.due(1)
+    with CheckpointManager(tmp_path / "run", interval=5.0) as mgr:
+        for bad in (-3, 1.5, "7"):
+            with pytest.raises(CkptDBError, match="step"):
+                mgr.due(bad)  # type: ignore[arg-type]
+        with pytest.raises(CkptDBError, match="step"):
+            mgr.heartbeat(-1)
     with CheckpointManager(tmp_path / "run", maintenance=True) as tool:
         with pytest.raises(InvalidArgumentError, match="due\\(\\) needs interval="):
             tool.due(1)
@@ -326,7 +338,21 @@ def test_a_crash_inside_a_save_counts_half_a_mean_save() -> None:
     _, (crashed, _closed) = breakdown(attempts, marks, {})
     assert crashed.ended_at == at(31)  # the save's start + half the mean save
     assert crashed.breakdown.saving_s == pytest.approx(4.0 + 1.0)
-    assert crashed.breakdown.idle_s == 0
+    assert _closed.breakdown.idle_s == pytest.approx(19)  # from that end to the next start
+
+
+def test_a_save_committed_after_the_last_heartbeat_ends_the_crashed_attempt() -> None:
+    # heartbeat at 29; a 5 s save began at 30 and committed at 35; killed before the next
+    attempts = [
+        attempt(1, 0, 1, 29, "crashed", saving_s=2.0, saves=1),
+        attempt(2, 50, 51, 60, "closed", resumed_from_id=2),
+    ]
+    marks = [mark(1, 1, 10, 10, 12), mark(2, 1, 20, 30, 35)]
+    _, (crashed, closed) = breakdown(attempts, marks, {})
+    assert crashed.ended_at == at(35)
+    assert crashed.breakdown.saving_s == pytest.approx(2.0 + 5.0)
+    assert crashed.breakdown.lost_s == pytest.approx(0.0)  # it resumed from that save
+    assert closed.breakdown.idle_s == pytest.approx(15)
 
 
 def test_an_attempt_without_heartbeats_ends_at_its_last_sign_of_life() -> None:
@@ -357,3 +383,107 @@ def test_on_a_shared_ledger_a_new_run_learns_from_this_hosts_failures(
     with CheckpointManager(tmp_path / "alone", interval="auto") as mgr:  # its own SQLite file
         mgr.due(1)
         assert mgr.interval is not None and mgr.interval.failures == 0
+
+
+# ------------------------------------------------------------ what is measured, and how
+
+
+def saves_recorded(root: Path) -> list[tuple[Any, ...]]:
+    return rows(root, "SELECT saves, saving_s FROM attempts ORDER BY id")
+
+
+def test_a_candidate_no_top_k_admits_is_no_save_and_an_initial_save_is_the_restarts(
+    tmp_path: Path,
+) -> None:
+    streams = {"best": TopK(1, "loss")}
+    with CheckpointManager(tmp_path / "run", streams=streams) as mgr:
+        mgr.save(0, metrics={"loss": 0.5}, best={"w": torch.zeros(4)})  # before the first step
+        mgr.heartbeat(1)
+        assert mgr.save(1, metrics={"loss": 0.1}, best={"w": torch.zeros(4)})
+        assert mgr.save(2, metrics={"loss": 0.9}, best={"w": torch.zeros(4)}) == {}
+    ((saves, saving),) = saves_recorded(tmp_path / "run")
+    assert saves == 1  # step 1's; step 0's was before training, step 2's wrote nothing
+    assert saving > 0
+
+
+def test_heartbeats_that_fail_never_raise_and_back_off() -> None:
+    calls: list[float] = []
+
+    def broken(beat: Any) -> None:  # fault injection: a ledger that cannot be written
+        calls.append(time.monotonic())
+        raise OSError("disk I/O error")
+
+    progress = Progress(every=0.05)
+    progress.write_with(broken, busy=lambda: False)
+    for step in range(1, 40):
+        progress.step(step)
+        time.sleep(0.01)
+    assert len(calls) >= 2  # tried at once, then after 0.05 s, 0.1 s, 0.2 s...: not every step
+    gaps = [b - a for a, b in itertools.pairwise(calls)]
+    assert all(gap >= 0.05 * 2**i for i, gap in enumerate(gaps)), gaps
+
+
+def test_no_heartbeat_is_written_while_a_save_commits_in_the_background() -> None:
+    written: list[Any] = []
+    busy = [True]
+    progress = Progress(every=0.0)
+    progress.write_with(written.append, busy=lambda: busy[0])
+    progress.step(1)
+    assert written == []
+    busy[0] = False
+    progress.step(2)
+    assert [b.last_step for b in written] == [2]
+
+
+def test_a_history_that_cannot_be_read_never_breaks_due(tmp_path: Path) -> None:
+    def unreadable() -> Any:  # fault injection: the chief's read of the ledger fails
+        raise LedgerError("the ledger went away")
+
+    setting = IntervalSetting.of("auto", 0.01, 0.2)
+    clock = Interval(
+        setting, Progress(), is_chief=True, flag=None, history=unreadable, record=lambda *a: None
+    )
+    assert clock.due(1) is False
+    assert clock.current is not None and clock.current.failures == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "bounds"),
+    [
+        ({"interval": "auto", "max_interval": 30.0}, (30.0, 30.0)),  # min follows max down
+        ({"interval": "auto", "min_interval": 3600.0}, (3600.0, 3600.0)),  # max follows min up
+        ({"interval": "auto"}, (60.0, 1800.0)),
+    ],
+)
+def test_one_bound_moves_the_other_default(options: dict, bounds: tuple[float, float]) -> None:
+    setting = interval_of(
+        options["interval"], options.get("min_interval"), options.get("max_interval")
+    )
+    assert setting is not None and (setting.low, setting.high) == bounds
+
+
+def test_bounds_without_an_interval_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="go with interval="):
+        CheckpointManager(tmp_path / "run", max_interval=60.0)
+    with pytest.raises(InvalidArgumentError, match="go with interval="):
+        LedgerOptions.of(min_interval=-1)
+    assert not (tmp_path / "run").exists()
+
+
+def _two_opens(root: str) -> None:
+    CheckpointManager(root + "/helper").close()  # a helper's open: no step reported
+    with CheckpointManager(root + "/train") as mgr:
+        mgr.heartbeat(1)
+    os._exit(0)
+
+
+def test_the_process_start_goes_to_the_first_attempt_that_trains(tmp_path: Path) -> None:
+    proc = multiprocessing.get_context("fork").Process(target=_two_opens, args=(str(tmp_path),))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    assert rows(tmp_path / "helper", "SELECT launched_at FROM attempts") == [(None,)]
+    ((launched, started),) = rows(
+        tmp_path / "train", "SELECT launched_at, started_at FROM attempts"
+    )
+    assert launched is not None and launched < started

@@ -16,7 +16,6 @@ from deepmdlib import dp, make_run_dir, output
 from helpers import rows
 
 from ckptdb.errors import InvalidArgumentError
-from ckptdb.integrations.contract import LedgerOptions
 from ckptdb.integrations.deepmd import train
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("no_db_url_from_environment")]
@@ -74,10 +73,15 @@ def test_bad_interval_options_are_refused(args: list[str], message: str) -> None
         ["--ckptdb-interval", "auto", "--ckptdb-min-interval", "9", "--ckptdb-max-interval", "3"],
     ],
 )
-def test_out_of_range_intervals_are_refused_before_training(args: list[str]) -> None:
-    _, pacing = train._take_interval(["--pt", "train", *args])
-    with pytest.raises(InvalidArgumentError):
-        LedgerOptions.of(**pacing)  # what main builds before anything runs
+def test_out_of_range_intervals_are_refused_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]
+) -> None:
+    root = make_run_dir(tmp_path / "run")
+    monkeypatch.chdir(root)
+    before = sorted(p.name for p in root.iterdir())
+    with pytest.raises(InvalidArgumentError, match="interval"):
+        train.main(["--pt", "train", "input.json", *args])
+    assert sorted(p.name for p in root.iterdir()) == before  # no ledger, nothing trained
 
 
 def test_the_interval_options_are_taken_out_of_dps_arguments() -> None:

@@ -8,8 +8,11 @@ its steps, so ``ckptdb goodput`` measures it.
 
 from __future__ import annotations
 
+import datetime as dt
+import itertools
 import json
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +46,17 @@ def committed_steps(root: Path) -> list[int]:
 
 
 def assert_paced(root: Path, last_step: int) -> None:
-    """Saved on the interval, not every step; the heartbeat reached the last step."""
+    """Saved on the interval, never sooner; the heartbeat reached the last step."""
     steps = committed_steps(root)
-    assert 2 <= len(steps) < last_step // 2, steps
+    assert len(steps) >= 2, steps
+    boundaries = rows(
+        root,
+        "SELECT MIN(created_at), MAX(committed_at) FROM checkpoints WHERE state = 'committed'"
+        " GROUP BY step ORDER BY step",
+    )
+    for (_, done), (began, _) in itertools.pairwise(boundaries):  # due counts from a save's end
+        gap = (dt.datetime.fromisoformat(began) - dt.datetime.fromisoformat(done)).total_seconds()
+        assert gap >= INTERVAL, boundaries
     events = interval_events(root)
     assert events and events[0]["seconds"] == INTERVAL
     (attempt,) = rows(root, "SELECT first_step_at, last_step, saves FROM attempts")
@@ -92,7 +103,14 @@ def test_lightning_without_an_interval_still_reports_its_steps(tmp_path: Path) -
 def test_lightning_bad_interval(tmp_path: Path, options: dict[str, Any], match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
         ModelCheckpoint(dirpath=tmp_path / "ckpts", **options)
-    assert not (tmp_path / "ckpts").exists()
+
+
+def test_lightning_state_key_is_the_same_on_a_due_batch(tmp_path: Path) -> None:
+    """A resume finds the callback's state under the key of the batch that saved it."""
+    cb = ModelCheckpoint(dirpath=tmp_path / "ckpts", train_time_interval="auto")
+    before = cb.state_key
+    cb._train_time_interval = timedelta(microseconds=1)  # what a due batch sets
+    assert cb.state_key == before
 
 
 class _SlowSteps(TrainerCallback):  # type: ignore[misc]
@@ -118,15 +136,28 @@ def test_transformers_checkpoint_interval(tmp_path: Path) -> None:
     )
 
 
-def test_transformers_bad_interval(tmp_path: Path) -> None:
-    with pytest.raises(InvalidArgumentError, match="interval must be a positive"):
+@pytest.mark.parametrize(
+    ("overrides", "options", "match"),
+    [
+        ({}, {"checkpoint_interval": -1}, "interval must be a positive"),
+        ({}, {"min_interval": 5.0}, "go with interval="),
+        (
+            {"save_strategy": "best", "eval_strategy": "steps", "metric_for_best_model": "loss"},
+            {"checkpoint_interval": "auto"},
+            "save_strategy='best'",
+        ),
+    ],
+)
+def test_transformers_bad_interval(
+    tmp_path: Path, overrides: dict[str, Any], options: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
         Trainer(
             model=tiny_model(),
-            args=training_args(tmp_path / "out"),
+            args=training_args(tmp_path / "out", **overrides),
             train_dataset=dataset(8),
-            checkpoint_interval=-1,
+            **options,
         )
-    assert not (tmp_path / "out" / "ckptdb.sqlite").exists()
 
 
 def test_accelerate_due(tmp_path: Path) -> None:

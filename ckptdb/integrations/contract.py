@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -40,9 +39,8 @@ from ..errors import (
     InvalidArgumentError,
     NonFiniteGradientError,
 )
-from ..goodput import DEFAULT_MAX_INTERVAL, DEFAULT_MIN_INTERVAL
 from ..guard import NonFiniteGradGuard
-from ..interval import AUTO, IntervalSetting
+from ..interval import AUTO, IntervalSetting, interval_of
 from ..ledger import models as m
 from ..ledger.engine import safe_url
 from ..manager import CheckpointManager
@@ -133,8 +131,8 @@ class LedgerOptions:
         remote_options: object = None,
         preemption: object = None,
         interval: object = None,
-        min_interval: object = DEFAULT_MIN_INTERVAL,
-        max_interval: object = DEFAULT_MAX_INTERVAL,
+        min_interval: object = None,
+        max_interval: object = None,
     ) -> LedgerOptions:
         """The options as an integration's keyword arguments give them (``preemption``
         may be ``True``, ``False``, None or an :class:`~ckptdb.OnPreemption`;
@@ -151,11 +149,7 @@ class LedgerOptions:
             remote=check_remote(remote),
             remote_options=remote_options,  # type: ignore[arg-type]  # checked in __post_init__
             preemption=on_preemption(preemption),
-            interval=(
-                IntervalSetting.of(interval, min_interval, max_interval)
-                if interval is not None
-                else None
-            ),
+            interval=interval_of(interval, min_interval, max_interval),
         )
 
     def __reduce__(self) -> tuple[type[LedgerOptions], tuple[object, ...]]:
@@ -291,11 +285,6 @@ class IntegrationLedger:
         """Report that training finished ``step`` (goodput), where the framework's own
         schedule decides when to checkpoint."""
         self.manager.heartbeat(step)
-
-    def saving(self) -> AbstractContextManager[None]:
-        """The training loop is blocked in a save meanwhile: wraps a framework's own
-        writing around its publish, so goodput counts all of it as saving."""
-        return self.manager._ctx.progress.saving()
 
     def preemption(self) -> Preemption | None:
         """The preemption handlers ``options.preemption`` asks for (collective), else None."""

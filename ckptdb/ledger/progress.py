@@ -33,6 +33,8 @@ class Heartbeat:
     seen_at: dt.datetime
     saving_s: float
     saves: int
+    #: The process's start, when this attempt is its first to train (else None).
+    launched_at: dt.datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -131,14 +133,22 @@ def write_heartbeat(session: Session, attempt_id: int, beat: Heartbeat) -> None:
     session.execute(
         update(m.Attempt)
         .where(m.Attempt.id == attempt_id, m.Attempt.end_state == "running")
-        .values(
-            first_step_at=beat.first_step_at,
-            last_step=beat.last_step,
-            seen_at=beat.seen_at,
-            saving_s=beat.saving_s,
-            saves=beat.saves,
-        )
+        .values(**beat_values(beat))
     )
+
+
+def beat_values(beat: Heartbeat) -> dict[str, Any]:
+    """The attempt's columns a heartbeat sets."""
+    values: dict[str, Any] = {
+        "first_step_at": beat.first_step_at,
+        "last_step": beat.last_step,
+        "seen_at": beat.seen_at,
+        "saving_s": beat.saving_s,
+        "saves": beat.saves,
+    }
+    if beat.launched_at is not None:
+        values["launched_at"] = beat.launched_at
+    return values
 
 
 def attempts_of(session: Session, run_id: int) -> list[AttemptTimes]:

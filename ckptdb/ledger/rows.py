@@ -6,7 +6,6 @@ never commits: the caller decides what one transaction contains.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ from ..record import Checkpoint
 from . import driver
 from . import models as m
 from .held import connection_of
-from .progress import Heartbeat
+from .progress import Heartbeat, beat_values
 
 LIVE_STATES = (m.PENDING, m.COMMITTED, m.DELETING, m.LOST, m.CORRUPT)
 #: The event kind that records a name another writer took first (see disowned_paths).
@@ -143,11 +142,7 @@ def _rerank(session: Session, run_id: int, stream: str, metric: str, required: b
 
 
 def start_attempt(
-    session: Session,
-    run_id: int,
-    kind: str = "train",
-    world_size: int = 1,
-    launched_at: dt.datetime | None = None,
+    session: Session, run_id: int, kind: str = "train", world_size: int = 1
 ) -> m.Attempt:
     """Close attempts a crash left running, then open this process's attempt.
 
@@ -182,7 +177,6 @@ def start_attempt(
         end_state="running",
         kind=kind,
         world_size=world_size,
-        launched_at=launched_at,
     )
     session.add(attempt)
     session.flush()
@@ -196,13 +190,7 @@ def end_attempt(
     now = m.utcnow()
     values: dict[str, Any] = {"end_state": state, "ended_at": now}
     if beat is not None:
-        values.update(
-            first_step_at=beat.first_step_at,
-            last_step=beat.last_step,
-            seen_at=now,
-            saving_s=beat.saving_s,
-            saves=beat.saves,
-        )
+        values.update(beat_values(beat), seen_at=now)
     session.execute(update(m.Attempt).where(m.Attempt.id == attempt_id).values(**values))
 
 

@@ -64,16 +64,14 @@ def open_as_writer(
     kind: str,
     default_streams: dict[str, Policy],
     world_size: int = 1,
-    launched_at: dt.datetime | None = None,
 ) -> OpenedRun:
-    """Migrate, then find or create the run and start an attempt, in one transaction
-    (``launched_at``: when the attempt's process started, for its restart time)."""
+    """Migrate, then find or create the run and start an attempt, in one transaction."""
     with translated(f"cannot use the ledger of {root}"):
         db.migrate()
         with db.transaction() as session:
             run = rows.open_run(session, root, save_dir, adopt_single=adopt_single)
             policies = rows.sync_streams(session, run.id, requested, default_streams)
-            attempt = rows.start_attempt(session, run.id, kind, world_size, launched_at)
+            attempt = rows.start_attempt(session, run.id, kind, world_size)
             rows.add_event(session, run.id, attempt.id, "attempt_started")
             return OpenedRun(
                 run.id,

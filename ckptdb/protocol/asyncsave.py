@@ -117,6 +117,11 @@ class InFlight:
     def start(self, handle: SaveHandle, streams: frozenset[str]) -> None:
         self.handle, self.streams = handle, streams
 
+    def busy(self) -> bool:
+        """Whether a boundary is still being written or committed in the background."""
+        handle = self.handle
+        return handle is not None and not handle.done()
+
     def wait(self) -> None:
         """Wait for the boundary in flight (its error stays with its handle)."""
         if self.handle is not None:

@@ -331,7 +331,7 @@ class Publisher:
             metric_of,
             ctx.world_size,
             topology_of,
-            ctx.progress.saving_s,
+            ctx.progress.blocked(),
         )
         own = [s for s, p in admitted.items() if not isinstance(p, External)]
         taken = boundary_rows.live_paths(session, ctx.run_id, step, own) if store.renames else set()

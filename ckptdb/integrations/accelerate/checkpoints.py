@@ -29,7 +29,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ...errors import ArgumentTypeError, CkptDBError, InvalidArgumentError
-from ...goodput import DEFAULT_MAX_INTERVAL, DEFAULT_MIN_INTERVAL
 from ...guard import NonFiniteGradGuard
 from ...policies import Keep, Policy, TopK
 from ...preemption import DEFAULT_SIGNALS, Preemption
@@ -78,8 +77,8 @@ class Checkpoints:
         remote: str | None = None,
         remote_options: Mapping[str, object] | None = None,
         interval: float | str | None = None,
-        min_interval: float = DEFAULT_MIN_INTERVAL,
-        max_interval: float = DEFAULT_MAX_INTERVAL,
+        min_interval: float | None = None,
+        max_interval: float | None = None,
     ) -> None:
         if not isinstance(accelerator, Accelerator):
             raise ArgumentTypeError(

@@ -42,7 +42,6 @@ from ...errors import (
     RunDirectoryError,
     note_on,
 )
-from ...goodput import DEFAULT_MAX_INTERVAL, DEFAULT_MIN_INTERVAL
 from ...guard import NonFiniteGradGuard
 from ...ledger.runs import ledger_beside
 from ...manager import CheckpointManager
@@ -144,8 +143,8 @@ class ModelCheckpoint(LightningHooks):
         preemption: Union[bool, OnPreemption] | None = None,  # noqa: UP007
         remote: str | None = None,
         remote_options: Mapping[str, object] | None = None,
-        min_interval: float = DEFAULT_MIN_INTERVAL,
-        max_interval: float = DEFAULT_MAX_INTERVAL,
+        min_interval: float | None = None,
+        max_interval: float | None = None,
     ) -> None:
         if dirpath is not None and "://" in str(dirpath):
             raise InvalidArgumentError(
@@ -384,7 +383,15 @@ class ModelCheckpoint(LightningHooks):
         run that starts afresh in a ``dirpath`` with earlier checkpoints (a
         rerun: Lightning gives its files ``-v1`` names) never deletes those
         either, though they leave its streams when its retention says so.
+
+        ``train_time_interval="auto"`` needs automatic optimization: with manual
+        optimization Lightning's timed save never runs.
         """
+        if self.ledger_options.interval is not None and not pl_module.automatic_optimization:
+            raise InvalidArgumentError(
+                "train_time_interval='auto' needs automatic optimization: with manual "
+                "optimization Lightning saves on every_n_train_steps only"
+            )
         super().on_train_start(trainer, pl_module)
         session = self._ckptdb_session(trainer)
         ledger, resumed = session.ledger, trainer.ckpt_path
@@ -448,6 +455,20 @@ class ModelCheckpoint(LightningHooks):
         stop, step = session.preemption, trainer.global_step
         if stop.requested(step):
             raise stop.stop(step, self._ckptdb_preemption_checkpoint(trainer, session, stop, step))
+
+    @property
+    def state_key(self) -> str:
+        """Lightning's key of this callback's state in a checkpoint, the same on every
+        batch: with ``train_time_interval="auto"`` the interval it holds changes for a
+        due batch (whose checkpoint stores the state), and a resume must find it under
+        the key it computes then."""
+        if self.ledger_options.interval is None:
+            return super().state_key
+        held, self._train_time_interval = self._train_time_interval, None
+        try:
+            return super().state_key
+        finally:
+            self._train_time_interval = held
 
     def _ckptdb_pace(self, session: _Session, step: int) -> None:
         """Report the step (goodput); with ``train_time_interval="auto"``, ask the ledger

@@ -36,7 +36,6 @@ from ...errors import (
     NoCheckpointToResumeError,
     NonFiniteGradientError,
 )
-from ...goodput import DEFAULT_MAX_INTERVAL, DEFAULT_MIN_INTERVAL
 from ...guard import NonFiniteGradGuard
 from ...policies import Keep, Policy, TopK
 from ...preemption import OnPreemption, Preemption
@@ -214,8 +213,8 @@ class _LedgerTrainerMixin(compat.TrainerHooks):
         remote: str | None = None,
         remote_options: Mapping[str, object] | None = None,
         checkpoint_interval: float | str | None = None,
-        min_interval: float = DEFAULT_MIN_INTERVAL,
-        max_interval: float = DEFAULT_MAX_INTERVAL,
+        min_interval: float | None = None,
+        max_interval: float | None = None,
         **kwargs: Any,
     ) -> None:
         options = LedgerOptions.of(
@@ -238,6 +237,12 @@ class _LedgerTrainerMixin(compat.TrainerHooks):
                 "push_to_hub uploads output_dir, and the ledger would be in it (ckptdb.sqlite, "
                 "ckptdb.lock, ckptdb.owner): pass ledger= a directory outside output_dir, or "
                 "db_url="
+            )
+        strategy = getattr(training_args, "save_strategy", None)
+        if options.interval is not None and getattr(strategy, "value", strategy) == "best":
+            raise InvalidArgumentError(
+                "checkpoint_interval with save_strategy='best': the Trainer decides its saves "
+                "at each evaluation and would drop the due ones; use 'steps' or 'no'"
             )
         super().__init__(*args, **kwargs)
         self.ckptdb_ledger = ledger
