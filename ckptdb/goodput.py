@@ -214,7 +214,15 @@ def failure_rate(
     """(failures, training seconds) of ended attempts: those that ended crashed or
     preempted, over the time every attempt ran."""
     failures = sum(1 for a in history if a.end_state in FAILED_ENDS)
-    seconds = sum(max(0.0, (_end_of(a, alive) - _start_of(a)).total_seconds()) for a in history)
+    seconds = 0.0
+    previous_end: dict[int, dt.datetime] = {}
+    for a in sorted(history, key=lambda a: a.id):
+        start, end = _start_of(a), _end_of(a, alive)
+        before = previous_end.get(a.run_id)
+        if before is not None:  # a process older than its run's previous attempt's end
+            start = min(max(start, before), a.started_at)  # (it waited): as in breakdown
+        seconds += max(0.0, (end - start).total_seconds())
+        previous_end[a.run_id] = max(end, start)
     return failures, seconds
 
 

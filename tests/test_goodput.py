@@ -27,7 +27,7 @@ from helpers import cli_subprocess, rows
 
 from ckptdb import CheckpointManager, RunReader, TopK
 from ckptdb.errors import CkptDBError, InvalidArgumentError, LedgerError
-from ckptdb.goodput import breakdown, young_daly
+from ckptdb.goodput import breakdown, failure_rate, young_daly
 from ckptdb.integrations.contract import LedgerOptions
 from ckptdb.interval import Interval, IntervalSetting, interval_of
 from ckptdb.ledger.progress import AttemptTimes, BoundaryMark
@@ -487,3 +487,14 @@ def test_the_process_start_goes_to_the_first_attempt_that_trains(tmp_path: Path)
         tmp_path / "train", "SELECT launched_at, started_at FROM attempts"
     )
     assert launched is not None and launched < started
+
+
+def test_the_failure_rate_never_counts_a_waiting_process_twice() -> None:
+    # the demo's case: the parent process (started at 0) opens its attempt only after
+    # a child's attempt (10 to 20) crashed; its own is counted from that end (as the
+    # breakdown counts its restart) to 30, never from 0
+    attempts = [
+        attempt(1, 10, 11, 20, "crashed"),
+        attempt(2, 21, 22, 30, "closed", launched_at=at(0)),
+    ]
+    assert failure_rate(attempts, {}) == (1, pytest.approx(10.0 + 10.0))

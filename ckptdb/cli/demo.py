@@ -115,6 +115,7 @@ def train(
             while step < steps:
                 poison, nan_at = step == nan_at, (None if step == nan_at else nan_at)
                 mgr.log_metrics(step, {"loss": trainer.step(step, poison=poison)})
+                mgr.heartbeat(step)  # the step reported: `ckptdb goodput` measures the run
                 if step % SAVE_EVERY == SAVE_EVERY - 1:
                     if step == crash_at:
                         _die_inside_next_save()
