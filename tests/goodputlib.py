@@ -86,7 +86,10 @@ class Attempt:
     lines: list[dict[str, Any]] = field(default_factory=list)
 
     def read(self) -> None:
+        """The child's lines; its own clock's start replaces the parent's (a fork under
+        load takes tens of milliseconds after the parent timed it)."""
         self.lines = [json.loads(x) for x in self.log.read_text().splitlines() if x.strip()]
+        self.launched = self.of("launched")[0]["t"]
 
     def last_step(self) -> int:
         self.read()
@@ -107,6 +110,8 @@ def start(
 
 
 def _child(root: str, log: str, startup: float, final_step: int, options: dict[str, Any]) -> None:
+    with open(log, "a", encoding="utf-8") as out:  # the process's start, as it sees it
+        out.write(json.dumps({"kind": "launched", "t": time.time()}) + "\n")
     torch.set_num_threads(1)
     try:
         train(root, log, startup, final_step, options)
