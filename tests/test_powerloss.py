@@ -73,6 +73,7 @@ from powerloss.replication import REPLICATION_SCENARIOS
 from powerloss.s3scenarios import S3_SCENARIOS
 from powerloss.scenarios import Recorded
 from powerloss.settings import DEEP, budget_for
+from powerloss.syscalls import SyscallTraceError, calls
 
 from ckptdb import Replicator, trace
 from ckptdb.ledger import after_commit
@@ -598,6 +599,25 @@ def test_a_change_the_recording_did_not_see_fails_it(tmp_path: Path) -> None:
         writer.stdin.write(b"x")
         writer.stdin.close()
         assert writer.wait(30) == 0
+
+
+def test_a_call_strace_detached_from_counts_only_if_it_could_change_a_file(
+    tmp_path: Path,
+) -> None:
+    """When the recording ends, strace lets go of threads blocked in a call (another
+    thread's ``read`` of a pipe): such a call changed nothing and is left out; a write
+    cut the same way would be missing from the model, so the trace is refused."""
+    log = tmp_path / "trace.strace"
+    log.write_text(
+        '7 openat(AT_FDCWD</w>, "f", O_WRONLY) = 3</w/f>\n'
+        "8 read(5<pipe:[1]>, 0x55832446bc60, 4096 <detached ...>\n"
+        "9 read(6<pipe:[2]>,  <unfinished ...>\n"
+        "9 <... read resumed>0x5583, 4096 <detached ...>\n"
+    )
+    assert [(c.tid, c.name) for c in calls(log)] == [(7, "openat")]
+    log.write_text('7 write(3</w/f>, "x", 1 <detached ...>\n')
+    with pytest.raises(SyscallTraceError, match="never finished while traced: write"):
+        calls(log)
 
 
 def test_a_recorded_boundary_is_in_protocol_order(tmp_path: Path) -> None:

@@ -193,6 +193,7 @@ class Call:
 
 _LINE = re.compile(r"^(\d+)\s+(.*)$")
 _RESUMED = re.compile(r"^<\.\.\. (\w+) resumed>(.*)$")
+_DETACHED = " <detached ...>"
 _FD = re.compile(r"^(-?\d+|AT_FDCWD)<(.*?)>(\(deleted\))?$", re.S)
 
 
@@ -226,6 +227,11 @@ def calls(log: Path) -> list[Call]:
                     raise SyscallTraceError(f"a resumed call with no start: {line!r}")
                 start, head = unfinished.pop(tid)
                 rest = head + resumed.group(2)
+            if rest.endswith(_DETACHED):
+                # strace let go of a thread blocked in this call: it is unfinished, and
+                # the check below refuses it only if it could change a file.
+                unfinished[tid] = (start, rest[: -len(_DETACHED)])
+                continue
             call = _parse(tid, rest)
             if call is not None:
                 placed.append((start if call.name in PLACED_AT_START else number, call))
