@@ -326,6 +326,11 @@ class RestoreTargetError(CkptDBError, FileExistsError):
     """A restore from a URL alone would write into a directory that is not empty."""
 
 
+class ExportTargetError(CkptDBError, FileExistsError):
+    """An export would write into a directory that is not empty (or is a checkpoint's
+    own save directory): an export never overwrites files."""
+
+
 class ObjectStoreError(CkptDBError, OSError):
     """An object-store request failed after its retries (or the store cannot be used).
 
@@ -485,6 +490,7 @@ __all__ = [
     "CorruptCheckpointError",
     "CorruptLedgerReplicaError",
     "DatabaseError",
+    "ExportTargetError",
     "ForeignEntryError",
     "InvalidArgumentError",
     "InvalidMetricError",

@@ -28,28 +28,31 @@ from .errors import (
     ArgumentTypeError,
     CheckpointLostError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
     InvalidArgumentError,
     LedgerError,
     note_on,
 )
+from .exports import ExportResult, Written, export_payload
+from .exports import Options as ExportOptions
+from .exports import check_target as check_export_target
+from .exports.writing import DEFAULT_MAX_SHARD_SIZE
 from .goodput import GoodputReport
 from .ledger import Ledger, RunQueries, evaluations, open_ledger, pins, replicas, rows, tiers
+from .ledger import exports as ledger_exports
 from .ledger import models as m
 from .ledger.engine import LEDGER_FILE
 from .ledger.follow import Follower
 from .ledger.netfs import check_ledger_location
 from .ledger.queries import run_sql
 from .ledger.runs import ledger_beside, ledger_url, open_as_reader, run_exists
-from .location import ObjectPath, is_object_url, relative_within
+from .location import is_object_url, relative_within
 from .pinning import Pin
 from .policies import Policy
 from .preemption import preemption_summary
-from .record import Checkpoint, Replica
+from .record import Checkpoint, Export, Replica
 from .storage import topology
-from .storage.base import LOST
 from .storage.kinds import kind_of_path
-from .storage.opening import open_store
+from .storage.opening import open_verified_payload
 
 __all__ = ["RunReader", "ledger_url", "resolve", "run_exists"]
 
@@ -400,6 +403,78 @@ class RunReader:
             )
             return [(rows.to_record(row, queries.save_dir), v, who) for row, v, who in found]
 
+    def export(
+        self,
+        which: str | int | Checkpoint | os.PathLike[str] = "latest",
+        *,
+        to: str | os.PathLike[str],
+        stream: str | None = None,
+        format: str = "safetensors",
+        key: str | None = None,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        trust_pickle: bool = False,
+    ) -> ExportResult:
+        """Write a committed checkpoint as Hugging Face safetensors into ``to``, and record it.
+
+        ``which`` is anything :meth:`resolve` takes, in this run. ``to`` must be
+        absent or an empty directory outside the run's save directory
+        (:class:`~ckptdb.errors.ExportTargetError` otherwise). The checkpoint is
+        verified against its row first (:class:`~ckptdb.errors.CorruptCheckpointError`,
+        :class:`~ckptdb.errors.CheckpointLostError`). It may be a state dict saved
+        with ``torch.save`` (``key`` picks one entry of it, such as ``"model"``), a
+        Lightning ``.ckpt``, an HF Trainer ``checkpoint-N/`` (its config and
+        tokenizer files are copied, so ``from_pretrained(to)`` loads it) or a
+        sharded DCP checkpoint saved on any number of ranks, consolidated one
+        tensor at a time. Weights above ``max_shard_size`` (bytes, or ``"5GB"``)
+        are split into ``model-0000k-of-0000n.safetensors`` with an index.
+        ``trust_pickle``: unpickle a file that holds more than tensors and plain
+        values (only for files you trust).
+
+        The export is recorded (table ``exports``) once complete and in place; a
+        crash meanwhile leaves no visible export and no row. See
+        :mod:`ckptdb.exports`.
+        """
+        options = ExportOptions.of(to, format, key, max_shard_size, trust_pickle)
+        target, save_dir = self._resolve(which, stream)
+        if save_dir != self.save_dir:
+            raise CheckpointNotFoundError(
+                f"{target.path} belongs to another run: open a RunReader on the run that saved it"
+            )
+        check_export_target(options.to, save_dir)
+        store, rel = open_verified_payload(
+            save_dir, target.path, target.size, target.hash, self._storage_options
+        )
+
+        def record(written: Written) -> Export:
+            with self._writable().transaction() as session:
+                ident = ledger_exports.record(
+                    session,
+                    self.run_id,
+                    target.id,
+                    options.format,
+                    written.path,
+                    written.files,
+                    written.size,
+                    written.hash,
+                    written.tensors,
+                )
+                found = ledger_exports.of_run(session, self.run_id, target.id)
+                return next(e for e in found if e.id == ident)
+
+        try:
+            return export_payload(store, rel, options, record)
+        finally:
+            store.forget_verified()
+
+    def exports(self, checkpoint: Checkpoint | int | None = None) -> list[Export]:
+        """The run's recorded exports (of one checkpoint, or its id), oldest first."""
+        ident = checkpoint.id if isinstance(checkpoint, Checkpoint) else checkpoint
+        if ident is not None and (isinstance(ident, bool) or not isinstance(ident, int)):
+            raise ArgumentTypeError(f"checkpoint must be a Checkpoint or an id, got {checkpoint!r}")
+        self._open()
+        with self._db.transaction(read=True) as session:
+            return ledger_exports.of_run(session, self.run_id, ident)
+
     def state_counts(self) -> dict[str, int]:
         return self._open().state_counts()
 
@@ -531,36 +606,9 @@ def load_verified(
 ) -> Any:
     """Read a committed checkpoint after checking it against its row, through its run's
     store (confined to the save directory, links refused); never writes the ledger."""
-    # Not probed: a reader writes nothing. storage_options are for a run on object
-    # storage; a run whose save_dir is local is read without them (not refused).
-    options = storage_options if isinstance(save_dir, ObjectPath) else None
-    store = open_store(save_dir, options, probe=False)
-    if isinstance(save_dir, ObjectPath):
-        found = relative_within(target.path, save_dir)
-        if found is None:
-            raise CheckpointNotFoundError(f"{target.path} is not in {save_dir}")
-        rel = found
-    else:
-        try:  # as recorded: save_dir / rel (the store then refuses what escapes it)
-            rel = (
-                Path(os.path.abspath(target.path)).relative_to(os.path.abspath(save_dir)).as_posix()
-            )
-        except ValueError:
-            raise CheckpointNotFoundError(f"{target.path} is not in {save_dir}") from None
-    finding = store.verify(rel, target.size, target.hash, full=True, keep=True)
-    if finding is not None:
-        if finding.state == LOST and finding.missing:
-            raise CheckpointLostError(
-                f"{target.path} is gone (its run's writer marks it lost at its next load or "
-                "reconcile)"
-            ) from finding.error
-        if finding.state == LOST:
-            assert finding.error is not None
-            raise finding.error  # unreadable now (a permission?) is not proof that it is gone
-        raise CorruptCheckpointError(
-            f"{target.path}: {finding.detail}; refusing to load it (its run's writer marks it "
-            "corrupt at its next load or reconcile --verify)"
-        )
+    store, rel = open_verified_payload(
+        save_dir, target.path, target.size, target.hash, storage_options
+    )
     kind = kind_of_path(rel)
     kind.check_into(str(target.path), into)
     try:

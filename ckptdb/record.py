@@ -49,6 +49,33 @@ class Checkpoint:
     world_size: int | None = field(default=None, compare=False)
 
 
+@dataclass(frozen=True)
+class ExportedFile:
+    """One file of an export, as its row's manifest records it."""
+
+    name: str
+    size: int
+    hash: str
+
+
+@dataclass(frozen=True)
+class Export:
+    """A derivative of a committed checkpoint written outside the run (``ckptdb
+    export``): the directory ``path`` in ``format``, complete when recorded."""
+
+    id: int
+    checkpoint_id: int
+    stream: str
+    step: int
+    format: str
+    path: Path
+    size: int
+    hash: str
+    tensors: int
+    files: tuple[ExportedFile, ...]
+    created_at: dt.datetime
+
+
 # Kinds of a derived alias (the ``aliases.kind`` column's values, see docs/ledger.md).
 SYMLINK = "symlink"  # a relative symbolic link (DeePMD's model.ckpt.pt)
 POINTER = "pointer"  # a small text file naming the checkpoint (DeePMD's checkpoint)

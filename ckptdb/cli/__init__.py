@@ -297,10 +297,20 @@ def list_(
     with RunReader(root, db_url=db_url) as reader:
         found = reader.checkpoints(stream, states=STATES if all_states else ("committed",))
         copies = copy_states(reader.replicas())
+        exported: dict[int, list[str]] = {}
+        for export in reader.exports():
+            exported.setdefault(export.checkpoint_id, []).append(str(export.path))
     if as_json:
         click.echo(
             clifmt.to_json(
-                [{**clifmt.checkpoint_dict(c), "remote": copies.get(c.id)} for c in found]
+                [
+                    {
+                        **clifmt.checkpoint_dict(c),
+                        "remote": copies.get(c.id),
+                        "exports": exported.get(c.id, []),
+                    }
+                    for c in found
+                ]
             )
         )
         return
@@ -309,6 +319,10 @@ def list_(
         columns.insert(3, "remote")
         for row, c in zip(rows, found, strict=True):
             row.insert(3, copies.get(c.id))
+    if exported:  # where each exported checkpoint went (ckptdb export)
+        columns.append("exports")
+        for row, c in zip(rows, found, strict=True):
+            row.append(", ".join(exported.get(c.id, [])) or None)
     click.echo(clifmt.table(columns, rows))
 
 
@@ -892,7 +906,7 @@ def demo(directory: Path, steps: int, fresh: bool) -> None:
     click.echo(f"\nnext: ckptdb history {directory} --metric loss --plot loss.png")
 
 
-# registers replicate, restore and goodput on main (they use the options above)
-from . import goodput, tiers  # noqa: E402
+# registers replicate, restore, goodput and export on main (they use the options above)
+from . import export, goodput, tiers  # noqa: E402
 
-__all__ = ["goodput", "main", "tiers"]
+__all__ = ["export", "goodput", "main", "tiers"]

@@ -325,6 +325,27 @@ class Tier(Base):
     registered_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
 
 
+class Export(Base):
+    """A derivative of a checkpoint written outside the run (``ckptdb export``): a
+    directory in another format (``safetensors``), recorded once it is complete.
+    ``path`` is absolute (it is not under the save directory); ``manifest`` is JSON,
+    ``[[name, size, hash], ...]`` of its files, which ``ckptdb check`` verifies."""
+
+    __tablename__ = "exports"
+    __table_args__ = (Index("ix_exports_run_checkpoint", "run_id", "checkpoint_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    format: Mapped[str] = mapped_column(String(32))
+    path: Mapped[str] = mapped_column(Text)
+    size: Mapped[int] = mapped_column(INT64)
+    hash: Mapped[str] = mapped_column(String(64))
+    manifest: Mapped[str] = mapped_column(Text)
+    tensors: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
 # Views created by the migrations (see migrations/versions): the latest
 # checkpoint of every stream, the ranked members of every top-K stream,
 # restarts per run, per training attempt how far it got and how many steps a

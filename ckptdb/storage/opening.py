@@ -16,13 +16,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InvalidArgumentError
-from ..location import ObjectPath, location_of
-from .base import PayloadStore
+from ..errors import (
+    CheckpointLostError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+)
+from ..location import ObjectPath, location_of, relative_within
+from .base import LOST, PayloadStore
 from .local import LocalStore
 from .s3client import parse_options
 
-__all__ = ["OBJECT_STORES", "check_options", "open_store"]
+__all__ = ["OBJECT_STORES", "check_options", "open_store", "open_verified_payload"]
 
 #: A store's options (``storage_options``), as the caller gave them.
 Options = Mapping[str, object] | None
@@ -76,3 +81,50 @@ def open_store(
         check_options(path, options)
         return LocalStore(path)
     return OBJECT_STORES[path.scheme].open(path, options, probe)
+
+
+def open_verified_payload(
+    save_dir: Path,
+    path: Path,
+    size: int | None,
+    digest: str | None,
+    options: Options = None,
+) -> tuple[PayloadStore, str]:
+    """The store of a run and the name in it of a committed payload, after checking the
+    payload against its row (size and hash; a file's bytes are kept for the read that
+    follows). For readers: confined to ``save_dir``, nothing probed or written.
+
+    Raises :class:`~ckptdb.errors.CheckpointLostError` (gone),
+    :class:`~ckptdb.errors.CorruptCheckpointError` (changed) or
+    :class:`~ckptdb.errors.CheckpointNotFoundError` (outside ``save_dir``).
+    """
+    # storage_options are for a run on object storage; a local save_dir is read without
+    # them (not refused)
+    store = open_store(save_dir, options if isinstance(save_dir, ObjectPath) else None, probe=False)
+    rel = _within(save_dir, path)
+    finding = store.verify(rel, size, digest, full=True, keep=True)
+    if finding is None:
+        return store, rel
+    if finding.state == LOST and finding.missing:
+        raise CheckpointLostError(
+            f"{path} is gone (its run's writer marks it lost at its next load or reconcile)"
+        ) from finding.error
+    if finding.state == LOST:
+        assert finding.error is not None
+        raise finding.error  # unreadable now (a permission?) is not proof that it is gone
+    raise CorruptCheckpointError(
+        f"{path}: {finding.detail}; refusing to load it (its run's writer marks it "
+        "corrupt at its next load or reconcile --verify)"
+    )
+
+
+def _within(save_dir: Path, path: Path) -> str:
+    if isinstance(save_dir, ObjectPath):
+        found = relative_within(path, save_dir)
+        if found is None:
+            raise CheckpointNotFoundError(f"{path} is not in {save_dir}")
+        return found
+    try:  # as recorded: save_dir / rel (the store then refuses what escapes it)
+        return Path(os.path.abspath(path)).relative_to(os.path.abspath(save_dir)).as_posix()
+    except ValueError:
+        raise CheckpointNotFoundError(f"{path} is not in {save_dir}") from None
