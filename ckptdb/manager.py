@@ -45,6 +45,7 @@ from .errors import (
     RunDirectoryError,
     note_on,
 )
+from .exports.checking import check_exports
 from .goodput import IntervalChoice
 from .guard import NonFiniteGradGuard
 from .interval import Interval, Pacing, pacing_of
@@ -1139,12 +1140,15 @@ class CheckpointManager:
     def check(self, *, load: bool = False) -> list[str]:
         """Violations of the run's consistency invariants, one line each.
 
-        See :mod:`ckptdb.protocol.check` for the invariants. With ``remote=``, also
-        the objects failed copies left on the remote tier (a sweep removes them).
+        See :mod:`ckptdb.protocol.check` for the invariants; also, every recorded
+        export's files are what was written (:mod:`ckptdb.exports`). With
+        ``remote=``, also the objects failed copies left on the remote tier (a
+        sweep removes them).
         """
         ctx = self._require_chief("check()")
         self._inflight.wait()  # its pending rows are not a crash
         found = Checker(ctx.ledger, ctx.run_id, ctx.root, ctx.store, ctx.policies).run(load=load)
+        found += check_exports(ctx.ledger, ctx.run_id)
         if ctx.remote is not None:  # remote=: what failed copies left there too
             found += failed_copy_leftovers(ctx.ledger, ctx.run_id, ctx.remote, ctx.remote_tier)
         return found

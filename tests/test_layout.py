@@ -57,6 +57,7 @@ ALLOWED = {
         "ledgercopy",  # an open with remote= on a root without a ledger brings it back
         "goodput",  # interval="auto" reads the run's save cost and failure rate
         "interval",
+        "exports",  # check() verifies the run's recorded exports
     },
     "goodput": {"errors", "ledger"},
     "interval": {"errors", "goodput", "protocol"},
@@ -77,7 +78,10 @@ ALLOWED = {
         "reader",
     },
     "maintenance": {"errors", "ledger"},
+    # a checkpoint read as tensors and written as safetensors; the reader records it
+    "exports": {"errors", "ledger", "location", "record", "storage"},
     "reader": {
+        "exports",
         "goodput",
         "errors",
         "location",

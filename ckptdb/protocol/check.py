@@ -10,9 +10,7 @@ users run them as ``ckptdb check ROOT`` / ``mgr.check()``:
 4. each top-K stream holds at most K members, and no evicted checkpoint
    ranks above a member (unless a re-save of its step replaced it);
 5. SQLite's ``PRAGMA integrity_check`` is ``ok``; a dry-run reconcile finds
-   nothing to do;
-6. every recorded export (``ckptdb export``) has each file of its manifest,
-   with the recorded size and hash.
+   nothing to do.
 
 (The invariant "every acknowledged save is still committed unless a later
 commit evicted it by policy" needs the list of acknowledgements, which only
@@ -26,14 +24,11 @@ from typing import Any
 
 from ..errors import RunDirectoryError
 from ..ledger import Ledger
-from ..ledger import exports as ledger_exports
 from ..ledger import models as m
 from ..ledger import replicas as ledger_replicas
 from ..ledger import rows as ledger_rows
 from ..policies import Entry, Policy, TopK
-from ..record import Export
 from ..storage.base import LOST, PayloadStore
-from ..storage.files import hash_file
 from ..storage.kinds import kind_of_path
 from .reconcile import Reconciler
 
@@ -55,7 +50,6 @@ class Checker:
             }
             integrity = ledger_rows.integrity(session)
             kept = ledger_rows.kept_on_disk(session, self.run_id)
-            exported = ledger_exports.of_run(session, self.run_id)
             if not self.store.renames:  # quarantined where they are (no move)
                 kept |= ledger_rows.quarantined_in_place(session, self.run_id)
                 kept |= ledger_rows.disowned_paths(session, self.run_id)
@@ -65,8 +59,6 @@ class Checker:
             problems.extend(self._check_file(row, load))
         live = {r.path for r in rows if r.state in ledger_rows.LIVE_STATES} | kept
         problems.extend(self._check_disk(live))
-        for export in exported:
-            problems.extend(check_export(export))
         for stream in self.policies:
             pointer = pointers[stream]
             actual = pointer.id if pointer is not None else None
@@ -179,24 +171,6 @@ class Checker:
                     f"{stream}: step {gone.step} was evicted while among the {policy.k} best"
                 )
         return problems
-
-
-def check_export(export: Export) -> list[str]:
-    """The files of a recorded export that are missing or not what was written."""
-    problems = []
-    where = f"export {export.id} ({export.path})"
-    for recorded in export.files:
-        try:
-            actual = hash_file(export.path / recorded.name)
-        except OSError as exc:
-            problems.append(f"{where}: {recorded.name} unreadable: {exc}")
-            continue
-        if (actual.size, actual.hash) != (recorded.size, recorded.hash):
-            problems.append(
-                f"{where}: {recorded.name} size/hash "
-                f"{actual.size}/{actual.hash} != ledger {recorded.size}/{recorded.hash}"
-            )
-    return problems
 
 
 def failed_copy_leftovers(ledger: Ledger, run_id: int, remote: Any, tier: str) -> list[str]:
