@@ -23,6 +23,7 @@ import torch
 from . import (
     cases,
     deepmd_case,
+    export_case,
     goodput_case,
     ledgercopy_case,
     lightning_case,
@@ -48,6 +49,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "preemption_steps": 20,
         "goodput": {"steps": 200, "work_h": 50.0, "reps": 3},
         "ledger_copy": [(100, 2_000)],
+        "export_mb": (16, 4),  # (model, largest tensor)
     },
     "default": {
         "publish_mb": [1, 10, 100],
@@ -62,6 +64,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "preemption_steps": 1000,
         "goodput": {"steps": 20_000, "work_h": 500.0, "reps": 30},
         "ledger_copy": [(10_000, 1_000_000), (100_000, 1_000_000)],
+        "export_mb": (2048, 64),
     },
     "full": {
         "publish_mb": [1, 10, 100, 1024],
@@ -76,6 +79,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "preemption_steps": 1000,
         "goodput": {"steps": 20_000, "work_h": 500.0, "reps": 30},
         "ledger_copy": [(10_000, 1_000_000), (100_000, 1_000_000)],
+        "export_mb": (2048, 64),
     },
 }
 
@@ -116,6 +120,11 @@ def suite(profile: dict[str, Any], work: Path) -> dict[str, Case]:
             *goodput_case.intervals(profile["goodput"]["reps"], profile["goodput"]["work_h"]),
         ],
         "load": lambda: [cases.load(work / "load", profile["load_mb"], reps)],
+        "export": lambda: [
+            export_case.export(
+                work / "export", profile["export_mb"][0], profile["export_mb"][1], min(reps, 3)
+            )
+        ],
         "async": lambda: [cases.async_save(work / "async", profile["load_mb"], reps)],
         "lightning": lambda: [
             lightning_case.lightning_checkpoint(work / "lightning", profile["load_mb"], reps),

@@ -7,10 +7,15 @@ warm-up, and reports medians and the ratio of each median to the baseline's.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # A contender runs once and returns the seconds that count (a float: it may
@@ -92,3 +97,60 @@ def markdown(comparisons: list[Comparison]) -> str:
             mark = " (baseline)" if key == c.baseline else ""
             lines.append(f"| {c.name} | {key}{mark} | {ratio:.2f} |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ memory
+
+
+def settle() -> None:
+    """Garbage and the allocator's free pages gone, so a peak is this call's alone."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def rss_peak_growth(contender: Callable[[], Any]) -> int | None:
+    """The resident set's peak during the call minus its size before (None: not Linux)."""
+    settle()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    except OSError:
+        return None
+    before = status_kib("VmRSS")
+    result = contender()
+    peak = status_kib("VmHWM")
+    del result
+    return (peak - before) * 1024
+
+
+def anon_peak_growth(contender: Callable[[], Any], every: float = 0.002) -> int:
+    """The peak of anonymous resident memory (``RssAnon``: the heap, tensors) during the
+    call minus its size before, sampled every ``every`` seconds. Unlike ``VmHWM`` it
+    leaves out file pages a process maps (an mmap'd file being hashed), which the
+    kernel reclaims at will."""
+    settle()
+    before = status_kib("RssAnon")
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(every):
+            peak[0] = max(peak[0], status_kib("RssAnon"))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = contender()
+    finally:
+        done.set()
+        sampler.join()
+    peak[0] = max(peak[0], status_kib("RssAnon"))
+    del result
+    return (peak[0] - before) * 1024
+
+
+def status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise LookupError(field)

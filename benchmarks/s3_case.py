@@ -36,9 +36,6 @@ the allocator keeps freed pages).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import io
 import itertools
 import shutil
@@ -52,7 +49,7 @@ from typing import Any
 import torch
 
 from .cases import state_dict
-from .harness import Comparison, compare
+from .harness import Comparison, compare, rss_peak_growth, settle
 from .s3server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, S3Server, running, weed_binary
 
 MiB = 1 << 20
@@ -224,7 +221,7 @@ def _note_memory(result: Comparison, contenders: dict[str, Callable[[], Any]]) -
     traced, resident = {}, {}
     for name, contender in contenders.items():
         traced[name] = round(_traced_peak(contender) / MiB, 1)
-        growth = _rss_peak_growth(contender)
+        growth = rss_peak_growth(contender)
         if growth is not None:
             resident[name] = round(growth / MiB, 1)
     result.notes["peak_python_alloc_mib"] = traced
@@ -232,15 +229,8 @@ def _note_memory(result: Comparison, contenders: dict[str, Callable[[], Any]]) -
         result.notes["peak_rss_growth_mib"] = resident
 
 
-def _settle() -> None:
-    """Garbage and the allocator's free pages gone, so a peak is this call's alone."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
-        ctypes.CDLL(None).malloc_trim(0)
-
-
 def _traced_peak(contender: Callable[[], Any]) -> int:
-    _settle()
+    settle()
     tracemalloc.start()
     try:
         result = contender()
@@ -249,27 +239,6 @@ def _traced_peak(contender: Callable[[], Any]) -> int:
         tracemalloc.stop()
     del result
     return peak
-
-
-def _rss_peak_growth(contender: Callable[[], Any]) -> int | None:
-    """The resident set's peak during the call minus its size before (None: not Linux)."""
-    _settle()
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    except OSError:
-        return None
-    before = _status_kib("VmRSS")
-    result = contender()
-    peak = _status_kib("VmHWM")
-    del result
-    return (peak - before) * 1024
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise LookupError(field)
 
 
 # ------------------------------------------------------------------ alone

@@ -64,6 +64,7 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
         "ledger copy: 100 checkpoints",
         "training loop with heartbeats",
         "checkpoint interval",
+        "export 16 MB DCP to safetensors",
     ):
         assert any(n.startswith(expected) for n in names), (expected, names)
     for result in report["results"]:
@@ -89,6 +90,10 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
         assert all(0 < g < 1 for g in goodput.values())
         # learning C and M from the failures seen beats the worst fixed guess
         assert goodput["auto"] > min(goodput.values())
+    exported = next(r for r in report["results"] if r["name"].startswith("export "))
+    peaks = exported["notes"]["peak_anon_growth_mib"]
+    assert sorted(peaks) == sorted(exported["median_s"]) and all(v >= 0 for v in peaks.values())
+    assert exported["notes"]["model_mib"] > exported["notes"]["largest_tensor_mib"] > 0
     preemption = next(r for r in report["results"] if r["name"].startswith("preemption check"))
     assert len(preemption["median_s"]) == 4  # no check, ckptdb, ckptdb every=10, blocking
     assert sorted(preemption["notes"]["per_step_us"]) == sorted(

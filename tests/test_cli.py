@@ -248,6 +248,8 @@ NOT_RUN_ON_A_RUN = {
     "tests/test_adopt.py covers it, bad input and a trainer holding the lock included",
     ("follow",): "runs a command per checkpoint and records evaluations (a reader's own rows): "
     "tests/test_evaluations.py covers it end to end, with a trainer running and Ctrl-C",
+    ("export",): "writes a directory outside the run and records it (a reader's own rows): "
+    "tests/test_export.py covers it, a directory that is not a run and a trainer included",
     ("replicate",): "copies to object storage beside a trainer (a reader's own rows): "
     "tests/test_replication.py covers it against SeaweedFS, bad input included",
 }

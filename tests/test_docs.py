@@ -32,6 +32,7 @@ WRITTEN_ELSEWHERE: set[str] = set()  # pages another change adds (none now)
 DOC_PAGES = {
     "api.md",
     "goodput.md",
+    "export.md",
     "cli.md",
     "ledger.md",
     "guarantees.md",

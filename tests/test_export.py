@@ -202,6 +202,8 @@ def test_every_dtype_reads_back_with_the_safetensors_library(tmp_path: Path, dty
     path = tmp_path / "t.safetensors"
     st.write_file(path, [st.spec_of("t", tensor)], [tensor])
     got = load_file(path)["t"]
+    header_length = int.from_bytes(path.read_bytes()[:8], "little")
+    assert (8 + header_length) % 8 == 0  # the data 8-byte aligned, as the library writes it
     assert got.dtype == dtype and torch.equal(got.view(torch.uint8), tensor.view(torch.uint8))
     # and our reader reads what the library writes
     save_file({"x": tensor, "e": torch.empty(0, 2, dtype=dtype)}, tmp_path / "lib.safetensors")
@@ -426,6 +428,18 @@ def test_the_command_says_one_line_on_bad_input(tmp_path: Path) -> None:
     assert refused.output.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
+def test_a_directory_that_is_not_a_run_is_one_line_and_untouched(tmp_path: Path) -> None:
+    (tmp_path / "not_a_run").mkdir()
+    (tmp_path / "not_a_run" / "notes.txt").write_text("keep me")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    done = CliRunner().invoke(
+        main, ["export", str(tmp_path / "not_a_run"), "--to", str(tmp_path / "out")]
+    )
+    assert done.exit_code == 1 and done.output.count("\n") == 1, done.output
+    assert done.output.startswith("Error: ") and "not_a_run" in done.output
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 def test_errors_are_of_the_one_hierarchy() -> None:
     assert issubclass(ExportTargetError, CkptDBError)
     assert issubclass(ExportTargetError, FileExistsError)
@@ -574,3 +588,38 @@ def test_a_write_that_fails_removes_the_temporary_and_raises_its_error(
     with RunReader(tmp_path / "run") as reader, pytest.raises(OSError, match="No space"):
         reader.export(to=tmp_path / "out")
     assert sorted(os.listdir(tmp_path)) == ["run"] and ledger_dump(tmp_path / "run") == before
+
+
+# ------------------------------------------------------------------ both ledgers
+
+
+@pytest.fixture
+def db_url(backend: str | None) -> str | None:
+    return backend
+
+
+def test_an_export_is_recorded_in_the_runs_ledger_and_survives_a_migration_round_trip(
+    open_manager: Any, root: Path, db_url: str | None, db: Any, tmp_path: Path
+) -> None:
+    """On SQLite and PostgreSQL: the row, what list and check make of it, and revision
+    0010 downgraded (the table dropped, the files left) and upgraded again."""
+    from helpers import migrate_to
+
+    from ckptdb.ledger.engine import default_sqlite_url
+
+    mgr = open_manager()
+    mgr.save(1, model=state())
+    with RunReader(root, db_url=db_url) as reader:
+        result = reader.export(to=tmp_path / "out")
+    rows = db.rows("SELECT checkpoint_id, format, path, tensors, size FROM exports")
+    export = result.export
+    assert rows == [(export.checkpoint_id, "safetensors", str(tmp_path / "out"), 6, export.size)]
+    assert mgr.check() == []
+    (tmp_path / "out" / "model.safetensors").unlink()
+    assert [p.split(":")[0] for p in mgr.check()] == [f"export {export.id} ({tmp_path / 'out'})"]
+    mgr.close()
+    migrate_to(db_url or default_sqlite_url(root), "0009", down=True)
+    with pytest.raises(Exception, match="exports"):
+        db.rows("SELECT COUNT(*) FROM exports")
+    later = open_manager()  # upgrades to the head again
+    assert later.check() == [] and db.rows("SELECT COUNT(*) FROM exports") == [(0,)]
