@@ -469,10 +469,48 @@ def pins(root: Path, db_url: str | None, as_json: bool) -> None:
         click.echo(clifmt.table(headers, rows))
 
 
+def tracker_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``ckptdb follow``'s options for mirroring a run into an experiment tracker."""
+    options = [
+        click.option(
+            "--to",
+            "to",
+            type=click.Choice(["mlflow"]),
+            default=None,
+            help="Mirror the run into this tracker instead of running a command.",
+        ),
+        click.option("--tracking-uri", default=None, help="With --to mlflow: the tracking URI."),
+        click.option(
+            "--experiment", default=None, help="With --to mlflow: the experiment (default: ckptdb)."
+        ),
+        click.option(
+            "--model-name",
+            default=None,
+            help="With --to mlflow: register each checkpoint as a version of this model.",
+        ),
+        click.option(
+            "--on-evict",
+            type=click.Choice(["mark", "delete"]),
+            default="mark",
+            show_default=True,
+            help="With --to: tag an evicted checkpoint's copy, or remove it from the tracker.",
+        ),
+        click.option("--once", is_flag=True, help="With --to: one pass, then exit."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
 @ROOT
-@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-@click.option("--stream", default="model", show_default=True, help="Stream to follow.")
+@click.argument("command", nargs=-1, required=False, type=click.UNPROCESSED)
+@click.option(
+    "--stream",
+    "streams",
+    multiple=True,
+    help="Stream to follow (default: model; with --to, every stream; repeatable with --to).",
+)
 @click.option(
     "--since",
     type=int,
@@ -497,11 +535,12 @@ def pins(root: Path, db_url: str | None, as_json: bool) -> None:
 @click.option(
     "--poll", type=float, default=0.5, show_default=True, help="SQLite polling interval, seconds."
 )
+@tracker_options
 @DB_URL
 def follow(
     root: Path,
     command: tuple[str, ...],
-    stream: str,
+    streams: tuple[str, ...],
     since: int | None,
     evaluator: str | None,
     ttl: float,
@@ -509,8 +548,9 @@ def follow(
     command_timeout: float | None,
     poll: float,
     db_url: str | None,
+    **tracking: Any,
 ) -> None:
-    """Run a command for each new checkpoint, pinned while it runs.
+    """Run a command for each new checkpoint, or mirror the run into MLflow.
 
     {path}, {step}, {id} and {stream} in the command are replaced. Its exit
     status is recorded as an evaluation (exit_status), and so is the JSON
@@ -519,12 +559,33 @@ def follow(
     after the last checkpoint it recorded. The evaluator's name (--evaluator;
     default: the command's, or its script's) is also that cursor.
 
+    With --to mlflow the run is mirrored instead, into one MLflow
+    run however many restarts it has: its metrics, each committed checkpoint
+    of the streams followed, and latest/best as the ledger has them. The
+    ledger keeps the cursor: a follower restarted never logs anything twice.
+
     \b
     Example:
       ckptdb follow runs/exp1 -- python eval.py --ckpt {path} --step {step}
+      ckptdb follow runs/exp1 --to mlflow --tracking-uri sqlite:///mlflow.db
     """
     from . import following
 
+    if tracking["to"] is not None:
+        if command:
+            raise click.UsageError("give a COMMAND or --to, not both")
+        from .tracking import mirror
+
+        mirror(root, streams, timeout, poll, db_url, **tracking)
+        return
+    if not command:
+        raise click.UsageError("give a COMMAND to run for each checkpoint (or --to mlflow)")
+    given = [f"--{k.replace('_', '-')}" for k, v in tracking.items() if v and k != "on_evict"]
+    if given or tracking["on_evict"] != "mark":
+        raise click.UsageError(f"{', '.join(given) or '--on-evict'} go(es) with --to")
+    if len(streams) > 1:
+        raise click.UsageError("a command follows one --stream")
+    stream = streams[0] if streams else "model"
     template = list(command)
     name = evaluator or following.default_evaluator(template)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # stop as Ctrl-C does: cleanly

@@ -346,6 +346,27 @@ class Export(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+class Tracker(Base):
+    """An experiment tracker a follower mirrors the run into (``ckptdb follow --to``):
+    ``kind`` (``mlflow``, ``wandb``), ``target`` (where: a tracking URI and experiment,
+    a W&B project), the tracker's own run id, the id of the last metric point
+    mirrored, and ``mirrored`` (JSON): the checkpoints logged and the aliases set."""
+
+    __tablename__ = "trackers"
+    __table_args__ = (
+        Index("ux_trackers_run_kind_target", "run_id", "kind", "target", unique=True),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    kind: Mapped[str] = mapped_column(String(16))
+    target: Mapped[str] = mapped_column(Text)
+    external_id: Mapped[str | None] = mapped_column(String(255))
+    metric_cursor: Mapped[int] = mapped_column(INT64)
+    mirrored: Mapped[str] = mapped_column(Text)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
 # Views created by the migrations (see migrations/versions): the latest
 # checkpoint of every stream, the ranked members of every top-K stream,
 # restarts per run, per training attempt how far it got and how many steps a

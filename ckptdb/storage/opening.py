@@ -89,10 +89,13 @@ def open_verified_payload(
     size: int | None,
     digest: str | None,
     options: Options = None,
+    *,
+    keep: bool = True,
 ) -> tuple[PayloadStore, str]:
     """The store of a run and the name in it of a committed payload, after checking the
-    payload against its row (size and hash; a file's bytes are kept for the read that
-    follows). For readers: confined to ``save_dir``, nothing probed or written.
+    payload against its row (size and hash; with ``keep``, a file's bytes are kept for
+    the read that follows). For readers: confined to ``save_dir``, nothing probed or
+    written.
 
     Raises :class:`~ckptdb.errors.CheckpointLostError` (gone),
     :class:`~ckptdb.errors.CorruptCheckpointError` (changed) or
@@ -102,7 +105,7 @@ def open_verified_payload(
     # them (not refused)
     store = open_store(save_dir, options if isinstance(save_dir, ObjectPath) else None, probe=False)
     rel = _within(save_dir, path)
-    finding = store.verify(rel, size, digest, full=True, keep=True)
+    finding = store.verify(rel, size, digest, full=True, keep=keep)
     if finding is None:
         return store, rel
     if finding.state == LOST and finding.missing:

@@ -1,4 +1,4 @@
-"""exports: derivatives of checkpoints written outside the run (safetensors)
+"""exports and trackers: checkpoints handed to the ecosystem
 
 Revision ID: 0010
 Revises: 0009
@@ -9,7 +9,11 @@ Face safetensors) into a directory of the user's choosing. Each complete
 export is one row of ``exports``: the checkpoint it derives from, the
 format, its absolute path, its total size and hash, and a manifest of its
 files (JSON ``[[name, size, hash], ...]``) that ``ckptdb check`` verifies.
-A new table only: upgrading keeps every row; downgrading drops it.
+Each experiment tracker a follower mirrors the run into (``ckptdb follow
+--to mlflow|wandb``) is one row of ``trackers``: the tracker's own run id
+(one tracker run for one ckptdb run, across restarts), the cursor of the
+metrics mirrored so far and what was mirrored of the checkpoints (JSON).
+New tables only: upgrading keeps every row; downgrading drops them.
 """
 
 from __future__ import annotations
@@ -47,8 +51,26 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_exports")),
     )
     op.create_index("ix_exports_run_checkpoint", "exports", ["run_id", "checkpoint_id"])
+    op.create_table(
+        "trackers",
+        sa.Column("id", sa.Integer(), nullable=False),
+        sa.Column("run_id", sa.Integer(), nullable=False),
+        sa.Column("kind", sa.String(length=16), nullable=False),
+        sa.Column("target", sa.Text(), nullable=False),
+        sa.Column("external_id", sa.String(length=255), nullable=True),
+        sa.Column("metric_cursor", INT64, nullable=False),
+        sa.Column("mirrored", sa.Text(), nullable=False),
+        sa.Column("updated_at", sa.DateTime(), nullable=False),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_trackers_run_id_runs")),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_trackers")),
+    )
+    op.create_index(
+        "ux_trackers_run_kind_target", "trackers", ["run_id", "kind", "target"], unique=True
+    )
 
 
 def downgrade() -> None:
+    op.drop_index("ux_trackers_run_kind_target", table_name="trackers")
+    op.drop_table("trackers")
     op.drop_index("ix_exports_run_checkpoint", table_name="exports")
     op.drop_table("exports")

@@ -1,0 +1,98 @@
+"""``ckptdb follow --to mlflow``: a run mirrored into an experiment tracker.
+
+The work is :class:`ckptdb.trackers.Mirror`'s; this module turns the
+command's options into a sink and reports each pass in one line.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..trackers import POLL, Mirror, Pass, Sink
+
+TRACKER_ONLY = ("tracking_uri", "experiment", "model_name")
+
+
+def mirror(
+    root: Path,
+    streams: tuple[str, ...],
+    timeout: float | None,
+    poll: float | None,
+    db_url: str | None,
+    **options: Any,
+) -> None:
+    to = options.pop("to")
+    on_evict, once = options.pop("on_evict"), options.pop("once")
+    sink = _sink(options)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with Mirror(
+            root, sink, db_url=db_url, streams=streams or None, on_evict=on_evict
+        ) as mirrored:
+            click.echo(f"mirroring {root} into {to} run {mirrored.tracker_run_id}")
+            if once:
+                _report(mirrored.sync())
+                return
+            while True:
+                done = mirrored.sync()
+                _report(done)
+                if not done and timeout is not None and _idle(mirrored, timeout, poll):
+                    return
+    except KeyboardInterrupt:
+        click.echo(
+            "stopped; the next `ckptdb follow --to` continues where this one left off", err=True
+        )
+        sys.exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _idle(mirrored: Mirror, timeout: float, poll: float | None) -> bool:
+    """Wait up to ``timeout`` for news, a pass every ``poll`` seconds; True: none came."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(min(poll or POLL, max(deadline - time.monotonic(), 0)))
+        done = mirrored.sync()
+        if done:
+            _report(done)
+            return False
+    return True
+
+
+def _sink(options: dict[str, Any]) -> Sink:
+    from ..trackers.mlflow import MlflowSink
+
+    if not options["tracking_uri"]:
+        raise click.UsageError("--to mlflow needs --tracking-uri")
+    return MlflowSink(
+        options["tracking_uri"],
+        experiment=options["experiment"] or "ckptdb",
+        model_name=options["model_name"],
+    )
+
+
+def _report(done: Pass) -> None:
+    if not done:
+        return
+    parts = []
+    if done.metrics:
+        parts.append(f"{done.metrics} metric point(s)")
+    if done.checkpoints:
+        steps = ", ".join(f"{c.stream}@{c.step}" for c in done.checkpoints)
+        parts.append(f"checkpoints {steps}")
+    if done.aliases:
+        parts.append("aliases " + ", ".join(sorted(done.aliases)))
+    if done.evicted:
+        parts.append(f"{len(done.evicted)} evicted")
+    click.echo("mirrored " + "; ".join(parts))
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

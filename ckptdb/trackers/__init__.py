@@ -1,0 +1,321 @@
+"""Followers that mirror a run into the experiment tracker a team uses.
+
+A tracker (MLflow; Weights & Biases is not written yet) knows nothing of which checkpoint is
+latest, best or survived a crash, and a training script that logs to it
+starts a new tracker run at every restart. A :class:`Mirror` reads the run's
+ledger instead and mirrors it, pass after pass, into **one** tracker run for
+the ckptdb run, however many attempts it has:
+
+1. the tracker run: found by the tag ``ckptdb.run`` (the run's token) or
+   created, its id kept in the ledger (table ``trackers``);
+2. the metrics, each point of the ledger once, with its step and wall time,
+   after the cursor the ledger keeps (the id of the last point mirrored);
+3. each committed checkpoint of the followed streams, logged with its step
+   and metrics, verified against its row first;
+4. ``latest`` and ``best`` of each stream, as the ledger has them;
+5. a checkpoint retention evicted (or found lost, corrupt): its copy in the
+   tracker removed or marked, as ``on_evict`` says.
+
+**Never twice.** The cursor and what was logged are written to the ledger
+after each step; a follower killed between a log and that write finds, when
+it starts again, what the tracker already holds (the sink asks the tracker:
+the points of each metric key, the files of a checkpoint's artifact) and
+logs only the rest. One follower per run and tracker at a time: a file lock
+beside the ledger.
+
+A sink (:mod:`.mlflow`) is the tracker's side of this: the few calls the
+mirror makes, in the tracker's own API.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from filelock import FileLock, Timeout
+
+from ..errors import InvalidArgumentError, LedgerLockedError, MissingExtraError
+from ..ledger import Ledger, open_ledger
+from ..ledger import trackers as ledger_trackers
+from ..ledger.netfs import check_ledger_location
+from ..ledger.runs import ledger_url
+from ..ledger.trackers import Point
+from ..location import ObjectPath
+from ..reader import RunReader
+from ..record import Checkpoint
+from ..storage.naming import run_token
+from ..storage.opening import open_verified_payload
+
+#: What happens to an evicted checkpoint's copy in the tracker.
+ON_EVICT = ("mark", "delete")
+#: Metric points mirrored per tracker call.
+BATCH = 1000
+#: How often a follower looks for news (seconds).
+POLL = 2.0
+
+
+@dataclass(frozen=True)
+class Logged:
+    """Where a checkpoint went in the tracker (``version``: a registered model's)."""
+
+    where: str
+    version: str | None = None
+
+
+class Sink(Protocol):
+    """The tracker's side of a mirror."""
+
+    kind: str
+    #: Identifies the tracker run's home (URI and experiment, a project): the ledger's key.
+    target: str
+
+    def open(self, token: str, run_name: str, known: str | None, streams: list[str]) -> str:
+        """The tracker run for the ckptdb run ``token`` (``known``: its id from the
+        ledger; else found by tag, or created), whose ``streams`` are followed; its id."""
+
+    def already_logged(self, points: list[Point]) -> set[int]:
+        """The ids of ``points`` the tracker holds already (a crash after a log)."""
+
+    def log_metrics(self, points: list[Point]) -> None: ...
+
+    def log_checkpoint(self, checkpoint: Checkpoint, local: Path) -> Logged:
+        """Log a verified checkpoint (``local``: its file or directory) with its step
+        and metrics; a copy the tracker holds whole already is not logged again."""
+
+    def set_alias(self, alias: str, checkpoint: Checkpoint, logged: Logged) -> None: ...
+
+    def evict(self, checkpoint: Checkpoint, logged: Logged, how: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Pass:
+    """What one pass mirrored."""
+
+    metrics: int = 0
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    aliases: dict[str, int] = field(default_factory=dict)
+    evicted: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.metrics or self.checkpoints or self.aliases or self.evicted)
+
+
+class Mirror:
+    """Mirrors the run at ``root`` into ``sink`` (see the module doc); use as a context
+    manager. ``streams``: the streams whose checkpoints are logged (default: every
+    stream of the run); ``on_evict``: ``"mark"`` (tag the copy, keep it) or
+    ``"delete"`` (remove it from the tracker)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        sink: Sink,
+        *,
+        db_url: str | None = None,
+        streams: Iterable[str] | None = None,
+        on_evict: str = "mark",
+    ) -> None:
+        if on_evict not in ON_EVICT:
+            raise InvalidArgumentError(f"on_evict must be one of {ON_EVICT}, got {on_evict!r}")
+        self.sink, self.on_evict = sink, on_evict
+        self._reader = RunReader(root, db_url=db_url)
+        self._ledger: Ledger | None = None
+        self._checked = False  # what the tracker holds after the cursor, looked at once
+        self._lock = FileLock(
+            str(self._reader.root / f".ckptdb-follow-{sink.kind}.lock"), timeout=0
+        )
+        try:
+            self.streams = _chosen(streams, sorted(self._reader.policies))
+            if isinstance(self._reader.save_dir, ObjectPath):
+                raise InvalidArgumentError(
+                    f"the checkpoints of {self._reader.root} are on object storage: a follower "
+                    "logs checkpoints from a local disk"
+                )
+            try:
+                self._lock.acquire()
+            except Timeout:
+                raise LedgerLockedError(
+                    f"another follower mirrors {self._reader.root} into {sink.kind}: one at a time"
+                ) from None
+            url = ledger_url(self._reader.root, db_url, readonly=False)
+            check_ledger_location(url)
+            self._ledger = open_ledger(url)
+            with self._ledger.transaction() as session:
+                self.state = ledger_trackers.claim(
+                    session, self._reader.run_id, sink.kind, sink.target
+                )
+            created = self._reader.run_created_at
+            assert created is not None
+            token = run_token(self._reader.run_name, self._reader.run_id, created)
+            self.state.external_id = sink.open(
+                token, self._reader.run_name, self.state.external_id, self.streams
+            )
+            self._save()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def tracker_run_id(self) -> str | None:
+        return self.state.external_id
+
+    def sync(self) -> Pass:
+        """One pass: metrics, new checkpoints, aliases, evictions."""
+        done = Pass()
+        done.metrics = self._metrics()
+        committed = {s: self._reader.checkpoints(s) for s in self.streams}
+        for checkpoint in sorted((c for cs in committed.values() for c in cs), key=lambda c: c.id):
+            if str(checkpoint.id) not in self.state.logged:
+                self._log_checkpoint(checkpoint)
+                done.checkpoints.append(checkpoint)
+        done.aliases = self._aliases(committed)
+        done.evicted = self._evictions({c.id for cs in committed.values() for c in cs})
+        return done
+
+    def follow(self, *, timeout: float | None = None, poll: float = POLL) -> None:
+        """Pass after pass until ``timeout`` seconds pass without news (None: forever)."""
+        quiet_since = time.monotonic()
+        while True:
+            if self.sync():
+                quiet_since = time.monotonic()
+            elif timeout is not None and time.monotonic() - quiet_since >= timeout:
+                return
+            time.sleep(poll)
+
+    # ------------------------------------------------------------------ steps
+
+    def _metrics(self) -> int:
+        assert self._ledger is not None
+        mirrored = 0
+        while True:
+            with self._ledger.transaction(read=True) as session:
+                points = ledger_trackers.metrics_after(
+                    session, self._reader.run_id, self.state.metric_cursor, BATCH
+                )
+            if not points:
+                return mirrored
+            last = points[-1].id
+            if not self._checked:
+                # a follower killed between a log and its cursor's write left at most this
+                # batch (the same size, from the same cursor) in the tracker already
+                there = self.sink.already_logged(points)
+                points = [p for p in points if p.id not in there]
+                self._checked = True
+            if points:
+                self.sink.log_metrics(points)
+                mirrored += len(points)
+            self.state.metric_cursor = last
+            self._save()
+
+    def _log_checkpoint(self, checkpoint: Checkpoint) -> None:
+        store, rel = open_verified_payload(
+            self._reader.save_dir, checkpoint.path, checkpoint.size, checkpoint.hash, keep=False
+        )
+        logged = self.sink.log_checkpoint(checkpoint, store.local_path(rel))
+        self.state.logged[str(checkpoint.id)] = {
+            "stream": checkpoint.stream,
+            "step": checkpoint.step,
+            "where": logged.where,
+            "version": logged.version,
+        }
+        self._save()
+
+    def _aliases(self, committed: dict[str, list[Checkpoint]]) -> dict[str, int]:
+        changed = {}
+        for stream in self.streams:
+            wanted = {"latest": self._reader.latest(stream)}
+            if self._reader.policies[stream].ranking_metric is not None:
+                best = self._reader.best(stream)
+                wanted["best"] = best[0] if best else None
+            for alias, checkpoint in wanted.items():
+                key = f"{alias}:{stream}"
+                if checkpoint is None or self.state.aliases.get(key) == checkpoint.id:
+                    continue
+                entry = self.state.logged.get(str(checkpoint.id))
+                if entry is None:
+                    continue  # committed after this pass listed the stream: the next pass
+                self.sink.set_alias(alias, checkpoint, _logged(entry))
+                self.state.aliases[key] = checkpoint.id
+                changed[key] = checkpoint.id
+                self._save()
+        return changed
+
+    def _evictions(self, committed: set[int]) -> list[int]:
+        gone = [int(i) for i in self.state.logged if int(i) not in committed]
+        if not gone:
+            return []
+        states = {c.id: c for c in self._reader.checkpoints(states=_NOT_COMMITTED)}
+        evicted = []
+        for ident in sorted(gone):
+            checkpoint = states.get(ident)
+            if checkpoint is None:
+                continue  # committed again meanwhile (not listed above): the next pass
+            entry = self.state.logged.pop(str(ident))
+            self.sink.evict(checkpoint, _logged(entry), self.on_evict)
+            self.state.logged[f"evicted:{ident}"] = {**entry, "state": checkpoint.state}
+            evicted.append(ident)
+            self._save()
+        return evicted
+
+    def _save(self) -> None:
+        assert self._ledger is not None
+        with self._ledger.transaction() as session:
+            ledger_trackers.save(session, self.state)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        try:
+            self.sink.close()
+        finally:
+            try:
+                if self._ledger is not None:
+                    self._ledger.dispose()
+                    self._ledger = None
+            finally:
+                if self._lock.is_locked:
+                    self._lock.release()
+                self._reader.close()
+
+    def __enter__(self) -> Mirror:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_NOT_COMMITTED = ("deleting", "deleted", "lost", "corrupt")
+
+
+def _logged(entry: dict[str, object]) -> Logged:
+    version = entry.get("version")
+    return Logged(str(entry["where"]), None if version is None else str(version))
+
+
+def _chosen(streams: Iterable[str] | None, known: list[str]) -> list[str]:
+    if streams is None:
+        return known
+    if isinstance(streams, str):
+        raise InvalidArgumentError(f"streams must be a list of names, got {streams!r}")
+    chosen = sorted(set(streams))
+    unknown = [s for s in chosen if s not in known]
+    if unknown or not chosen:
+        raise InvalidArgumentError(
+            f"streams {unknown or chosen} are not streams of the run (it has {', '.join(known)})"
+        )
+    return chosen
+
+
+def missing_extra(package: str, extra: str) -> MissingExtraError:
+    return MissingExtraError(
+        f"following a run into {extra} needs {package}: pip install 'ckptdb[{extra}]'"
+    )
+
+
+__all__ = ["BATCH", "ON_EVICT", "Logged", "Mirror", "Pass", "Sink", "missing_extra"]
