@@ -484,6 +484,11 @@ def tracker_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "--experiment", default=None, help="With --to mlflow: the experiment (default: ckptdb)."
         ),
         click.option(
+            "--artifact-location",
+            default=None,
+            help="With --to mlflow: where a new experiment stores artifacts.",
+        ),
+        click.option(
             "--model-name",
             default=None,
             help="With --to mlflow: register each checkpoint as a version of this model.",

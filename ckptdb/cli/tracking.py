@@ -75,10 +75,13 @@ def _sink(options: dict[str, Any]) -> Sink:
         options["tracking_uri"],
         experiment=options["experiment"] or "ckptdb",
         model_name=options["model_name"],
+        artifact_location=options["artifact_location"],
     )
 
 
 def _report(done: Pass) -> None:
+    for ident, reason in sorted(done.refused.items()):
+        click.echo(f"not mirrored (checkpoint {ident}): {reason}", err=True)
     if not done:
         return
     parts = []

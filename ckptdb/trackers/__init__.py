@@ -29,6 +29,7 @@ mirror makes, in the tracker's own API.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -38,7 +39,13 @@ from typing import Protocol
 
 from filelock import FileLock, Timeout
 
-from ..errors import InvalidArgumentError, LedgerLockedError, MissingExtraError
+from ..errors import (
+    CheckpointLostError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    LedgerLockedError,
+    MissingExtraError,
+)
 from ..ledger import Ledger, open_ledger
 from ..ledger import trackers as ledger_trackers
 from ..ledger.netfs import check_ledger_location
@@ -49,6 +56,8 @@ from ..reader import RunReader
 from ..record import Checkpoint
 from ..storage.naming import run_token
 from ..storage.opening import open_verified_payload
+
+log = logging.getLogger("ckptdb.trackers")
 
 #: What happens to an evicted checkpoint's copy in the tracker.
 ON_EVICT = ("mark", "delete")
@@ -101,6 +110,8 @@ class Pass:
     checkpoints: list[Checkpoint] = field(default_factory=list)
     aliases: dict[str, int] = field(default_factory=dict)
     evicted: list[int] = field(default_factory=list)
+    #: Checkpoints that did not match their rows (lost, corrupt): not logged, retried later.
+    refused: dict[int, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.metrics or self.checkpoints or self.aliases or self.evicted)
@@ -127,6 +138,7 @@ class Mirror:
         self._reader = RunReader(root, db_url=db_url)
         self._ledger: Ledger | None = None
         self._checked = False  # what the tracker holds after the cursor, looked at once
+        self._refused: set[int] = set()  # checkpoints said not to match their rows
         self._lock = FileLock(
             str(self._reader.root / f".ckptdb-follow-{sink.kind}.lock"), timeout=0
         )
@@ -171,9 +183,19 @@ class Mirror:
         done.metrics = self._metrics()
         committed = {s: self._reader.checkpoints(s) for s in self.streams}
         for checkpoint in sorted((c for cs in committed.values() for c in cs), key=lambda c: c.id):
-            if str(checkpoint.id) not in self.state.logged:
+            if str(checkpoint.id) in self.state.logged:
+                continue
+            try:
                 self._log_checkpoint(checkpoint)
-                done.checkpoints.append(checkpoint)
+            except (CheckpointLostError, CorruptCheckpointError) as exc:
+                # the run's writer marks it at its next load or reconcile; until then a
+                # pass logs the others and tries it again
+                done.refused[checkpoint.id] = str(exc)
+                if checkpoint.id not in self._refused:
+                    log.warning("ckptdb: not mirrored: %s", exc)
+                    self._refused.add(checkpoint.id)
+                continue
+            done.checkpoints.append(checkpoint)
         done.aliases = self._aliases(committed)
         done.evicted = self._evictions({c.id for cs in committed.values() for c in cs})
         return done

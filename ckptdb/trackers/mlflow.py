@@ -38,7 +38,9 @@ RUN_TAG = "ckptdb.run"
 
 
 class MlflowSink:
-    """Mirrors into the experiment ``experiment`` of the tracking server at ``tracking_uri``."""
+    """Mirrors into the experiment ``experiment`` of the tracking server at ``tracking_uri``
+    (created with ``artifact_location`` if it does not exist: MLflow's default is
+    ``./mlruns`` under the current directory for a database URI)."""
 
     kind = "mlflow"
 
@@ -48,6 +50,7 @@ class MlflowSink:
         *,
         experiment: str = "ckptdb",
         model_name: str | None = None,
+        artifact_location: str | None = None,
     ) -> None:
         try:
             from mlflow.tracking import MlflowClient
@@ -59,6 +62,7 @@ class MlflowSink:
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         self.target = f"{tracking_uri}#{experiment}"
         self.experiment, self.model_name = experiment, model_name
+        self._artifact_location = artifact_location  # a new experiment's (MLflow's default)
         self._several = False  # aliases named per stream (open says which are followed)
         self.run_id = ""
         self._artifact_uri = ""
@@ -69,7 +73,9 @@ class MlflowSink:
         experiment = (
             found.experiment_id
             if found is not None
-            else self.client.create_experiment(self.experiment)
+            else self.client.create_experiment(
+                self.experiment, artifact_location=self._artifact_location
+            )
         )
         if known is None:
             runs = self.client.search_runs(

@@ -1,0 +1,441 @@
+"""``ckptdb follow --to mlflow``: a run mirrored into one MLflow run, across restarts.
+
+Against a real MLflow tracking store (a SQLite backend, a local artifact
+root): a training run SIGKILLed and restarted, its follower SIGKILLed and
+restarted too, ends as one MLflow run holding every metric point of the
+ledger exactly once and the registered model's aliases where the ledger
+says; a follower stopped between a log and its ledger write logs nothing
+twice; evicted checkpoints are marked or deleted; bad input is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptdb import CheckpointManager, Keep, RunReader, TopK
+from ckptdb.cli import main
+from ckptdb.errors import (
+    CkptDBError,
+    InvalidArgumentError,
+    LedgerLockedError,
+    MissingExtraError,
+)
+from ckptdb.ledger import trackers as ledger_trackers
+from ckptdb.trackers import Mirror
+from ckptdb.trackers.mlflow import MlflowSink
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("no_db_url_from_environment")]
+
+STREAMS = {"model": Keep(last=2), "best": TopK(1, "loss")}
+
+
+@pytest.fixture
+def tracking_uri(tmp_path: Path) -> str:
+    """A SQLite tracking store whose experiment ``ckptdb`` keeps its artifacts in
+    tmp_path (MLflow's default would be ./mlruns, wherever the test runs)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client(uri).create_experiment("ckptdb", artifact_location=str(tmp_path / "artifacts"))
+    return uri
+
+
+def client(uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def train(root: Path, steps: range, db_url: str | None = None) -> None:
+    with CheckpointManager(root, streams=STREAMS, db_url=db_url) as mgr:
+        for step in steps:
+            loss = 10.0 / step
+            mgr.log_metrics(step, {"loss": loss, "lr": 0.1})
+            if step % 2 == 0:
+                mgr.save(
+                    step,
+                    metrics={"loss": loss},
+                    model={"w": torch.full((4,), float(step))},
+                    best={"w": torch.full((4,), float(step))},
+                )
+
+
+def ledger_points(root: Path, db_url: str | None = None) -> Counter[tuple[str, int, float]]:
+    with RunReader(root, db_url=db_url) as reader:
+        names = reader.metric_names()
+        return Counter(
+            (name, step, round(value, 9))
+            for name in names
+            for step, value, _ in reader.metric_history(name)
+        )
+
+
+def mlflow_points(uri: str, run_id: str) -> Counter[tuple[str, int, float]]:
+    c = client(uri)
+    names = c.get_run(run_id).data.metrics
+    return Counter(
+        (name, m.step, round(m.value, 9))
+        for name in names
+        for m in c.get_metric_history(run_id, name)
+    )
+
+
+def runs_of(uri: str) -> list[Any]:
+    c = client(uri)
+    experiment = c.get_experiment_by_name("ckptdb")
+    return [] if experiment is None else c.search_runs([experiment.experiment_id])
+
+
+def version_of_alias(uri: str, model: str, alias: str) -> int:
+    return int(client(uri).get_model_version_by_alias(model, alias).tags["ckptdb.checkpoint"])
+
+
+def test_one_pass_mirrors_metrics_checkpoints_and_aliases(
+    tmp_path: Path, tracking_uri: str
+) -> None:
+    root = tmp_path / "run"
+    train(root, range(1, 7))
+    with Mirror(root, MlflowSink(tracking_uri, model_name="tiny")) as mirror:
+        done = mirror.sync()
+        run_id = mirror.tracker_run_id
+        assert not mirror.sync()  # nothing new: nothing logged again
+    assert run_id is not None
+    assert mlflow_points(tracking_uri, run_id) == ledger_points(root)
+    with RunReader(root) as reader:
+        committed = reader.checkpoints()
+        latest, best = reader.latest("model"), reader.best("best")[0]
+    assert sorted(c.id for c in done.checkpoints) == sorted(c.id for c in committed)
+    assert latest is not None
+    assert version_of_alias(tracking_uri, "tiny", "model-last") == latest.id
+    assert version_of_alias(tracking_uri, "tiny", "best-best") == best.id
+    tags = client(tracking_uri).get_run(run_id).data.tags
+    assert tags["ckptdb.latest.model"] == str(latest.step) and tags["ckptdb.best.best"] == str(
+        best.step
+    )
+    described = json.loads(tags[f"ckptdb.checkpoint.model.{latest.path.name}"])
+    assert described == {"id": latest.id, "step": latest.step, "metrics": {"loss": 10.0 / 6}}
+    listed = client(tracking_uri).list_artifacts(run_id, "checkpoints/model")
+    assert {(a.path.rsplit("/", 1)[1], a.file_size) for a in listed} == {
+        (c.path.name, c.size) for c in committed if c.stream == "model"
+    }
+
+
+def test_one_stream_gets_the_plain_aliases_and_evictions_are_marked(
+    tmp_path: Path, tracking_uri: str
+) -> None:
+    root = tmp_path / "run"
+    train(root, range(1, 5))
+    with Mirror(root, MlflowSink(tracking_uri, model_name="m"), streams=["model"]) as mirror:
+        mirror.sync()
+        run_id = mirror.tracker_run_id
+    train(root, range(5, 9))  # steps 2 and 4 leave the last-2 window
+    with Mirror(root, MlflowSink(tracking_uri, model_name="m"), streams=["model"]) as mirror:
+        done = mirror.sync()
+        assert mirror.tracker_run_id == run_id  # one MLflow run across restarts
+    assert len(done.evicted) == 2 and len(runs_of(tracking_uri)) == 1
+    with RunReader(root) as reader:
+        latest = reader.latest("model")
+        evicted = [c for c in reader.checkpoints("model", states=("deleted",))]
+    assert latest is not None and version_of_alias(tracking_uri, "m", "last") == latest.id
+    tags = client(tracking_uri).get_run(run_id).data.tags
+    assert sorted(k for k in tags if k.startswith("ckptdb.evicted.")) == sorted(
+        f"ckptdb.evicted.model.{c.path.name}" for c in evicted
+    )
+    versions = client(tracking_uri).search_model_versions("name='m'")
+    marked = {v.tags["ckptdb.checkpoint"]: v.tags.get("ckptdb.state") for v in versions}
+    assert {k for k, v in marked.items() if v == "deleted"} == {str(c.id) for c in evicted}
+
+
+def test_delete_removes_an_evicted_checkpoints_artifact_and_version(
+    tmp_path: Path, tracking_uri: str
+) -> None:
+    root = tmp_path / "run"
+    train(root, range(1, 5))
+    sink = MlflowSink(tracking_uri, model_name="m")
+    with Mirror(root, sink, streams=["model"], on_evict="delete") as mirror:
+        mirror.sync()
+        train(root, range(5, 9))
+        mirror.sync()
+        run_id = mirror.tracker_run_id
+    listed = client(tracking_uri).list_artifacts(run_id, "checkpoints/model")
+    with RunReader(root) as reader:
+        kept = {c.path.name for c in reader.checkpoints("model")}
+    assert {a.path.rsplit("/", 1)[1] for a in listed} == kept
+    versions = client(tracking_uri).search_model_versions("name='m'")
+    assert len(versions) == len(kept)
+
+
+def test_a_follower_stopped_between_a_log_and_its_ledger_write_logs_nothing_twice(
+    tmp_path: Path, tracking_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The crash window of each step, forced: the tracker has the points (then a
+    checkpoint and its model version) and the ledger does not know."""
+    root = tmp_path / "run"
+    train(root, range(1, 5))
+    real_save = ledger_trackers.save
+
+    def dies_when(condition: Any) -> Any:
+        def save(session: Any, state: Any) -> None:
+            if condition(state):
+                raise KeyboardInterrupt  # the process dies here: the write never happens
+            real_save(session, state)
+
+        return save
+
+    # 1. the metrics logged, the cursor not moved
+    monkeypatch.setattr(ledger_trackers, "save", dies_when(lambda s: s.metric_cursor > 0))
+    with Mirror(root, MlflowSink(tracking_uri, model_name="m")) as mirror:
+        run_id = mirror.tracker_run_id
+        with pytest.raises(KeyboardInterrupt):
+            mirror.sync()
+    assert run_id is not None and mlflow_points(tracking_uri, run_id) == ledger_points(root)
+    # 2. a checkpoint uploaded and registered, the ledger not told
+    first: list[str] = []
+    monkeypatch.setattr(
+        ledger_trackers, "save", dies_when(lambda s: bool(s.logged) and not first.append(1))
+    )
+    with (
+        Mirror(root, MlflowSink(tracking_uri, model_name="m")) as mirror,
+        pytest.raises(KeyboardInterrupt),
+    ):
+        mirror.sync()
+    monkeypatch.setattr(ledger_trackers, "save", real_save)
+    with RunReader(root) as reader:
+        oldest = min(reader.checkpoints(), key=lambda c: c.id)
+    listed = client(tracking_uri).list_artifacts(run_id, f"checkpoints/{oldest.stream}")
+    assert [a.path.rsplit("/", 1)[1] for a in listed] == [oldest.path.name]
+    # 3. the next follower logs the rest, and nothing twice
+    spy = MlflowSink(tracking_uri, model_name="m")
+    uploads: list[str] = []
+    real_upload = spy.client.log_artifact
+
+    def counted(run: str, local: str, artifact_path: str | None = None) -> None:
+        uploads.append(Path(local).name)
+        real_upload(run, local, artifact_path=artifact_path)
+
+    monkeypatch.setattr(spy.client, "log_artifact", counted)
+    sent: list[int] = []
+    real_log = spy.log_metrics
+    monkeypatch.setattr(
+        spy, "log_metrics", lambda points: (sent.extend(p.id for p in points), real_log(points))
+    )
+    with Mirror(root, spy) as mirror:
+        assert mirror.tracker_run_id == run_id
+        done = mirror.sync()
+    assert sent == []  # every point was in MLflow already: none sent again
+    assert oldest.id in {c.id for c in done.checkpoints}  # recorded now...
+    assert oldest.path.name not in uploads or oldest.stream != "model"  # ...never uploaded again
+    versions = client(tracking_uri).search_model_versions("name='m'")
+    assert sorted(Counter(v.tags["ckptdb.checkpoint"] for v in versions).values()) == [1] * len(
+        done.checkpoints
+    )
+    assert mlflow_points(tracking_uri, run_id) == ledger_points(root)
+    assert len(runs_of(tracking_uri)) == 1
+
+
+def test_a_corrupt_checkpoint_is_not_mirrored_and_the_rest_is(
+    tmp_path: Path, tracking_uri: str
+) -> None:
+    root = tmp_path / "run"
+    train(root, range(1, 5))
+    with RunReader(root) as reader:
+        damaged = reader.checkpoints("model")[0]
+    data = bytearray(damaged.path.read_bytes())
+    data[-5] ^= 0xFF
+    damaged.path.write_bytes(bytes(data))
+    with Mirror(root, MlflowSink(tracking_uri)) as mirror:
+        done = mirror.sync()
+    assert list(done.refused) == [damaged.id] and "refusing to load" in done.refused[damaged.id]
+    with RunReader(root) as reader:
+        others = {c.id for c in reader.checkpoints()} - {damaged.id}
+    assert {c.id for c in done.checkpoints} == others and others
+
+
+def test_one_follower_per_run_and_tracker(tmp_path: Path, tracking_uri: str) -> None:
+    root = tmp_path / "run"
+    train(root, range(1, 3))
+    with (
+        Mirror(root, MlflowSink(tracking_uri)),
+        pytest.raises(LedgerLockedError, match="another follower"),
+    ):
+        Mirror(root, MlflowSink(tracking_uri))
+
+
+def test_bad_arguments_are_refused_before_anything_is_written(
+    tmp_path: Path, tracking_uri: str
+) -> None:
+    root = tmp_path / "run"
+    train(root, range(1, 3))
+    with pytest.raises(InvalidArgumentError, match="on_evict"):
+        Mirror(root, MlflowSink(tracking_uri), on_evict="shred")
+    with pytest.raises(InvalidArgumentError, match="not streams of the run"):
+        Mirror(root, MlflowSink(tracking_uri), streams=["nope"])
+    with pytest.raises(InvalidArgumentError, match="tracking_uri"):
+        MlflowSink("")
+    with sqlite3.connect(root / "ckptdb.sqlite") as con:
+        assert con.execute("SELECT COUNT(*) FROM trackers").fetchone() == (0,)
+    assert runs_of(tracking_uri) == []
+
+
+def test_without_the_extra_the_error_says_which_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
+    with pytest.raises(MissingExtraError, match=r"pip install 'ckptdb\[mlflow\]'") as raised:
+        MlflowSink("sqlite:///x.db")
+    assert isinstance(raised.value, ImportError) and isinstance(raised.value, CkptDBError)
+
+
+def test_the_command_mirrors_once_and_refuses_mixed_options(
+    tmp_path: Path, tracking_uri: str
+) -> None:
+    root = tmp_path / "run"
+    train(root, range(1, 5))
+    runner = CliRunner()
+    where = tmp_path / "elsewhere"
+    args = ["follow", str(root), "--to", "mlflow", "--tracking-uri", tracking_uri, "--once"]
+    done = runner.invoke(main, [*args, "--experiment", "e2", "--artifact-location", str(where)])
+    assert done.exit_code == 0, done.output
+    assert "mirroring" in done.output and "metric point(s)" in done.output
+    assert len(list(where.rglob("step-*.pt"))) == 3  # model 2 and 4, best 4
+    no_uri = runner.invoke(main, ["follow", str(root), "--to", "mlflow", "--once"])
+    assert no_uri.exit_code == 2 and "--tracking-uri" in no_uri.output
+    both = runner.invoke(
+        main, ["follow", str(root), "--to", "mlflow", "--tracking-uri", "x", "echo"]
+    )
+    assert both.exit_code == 2 and "not both" in both.output
+    stray = runner.invoke(main, ["follow", str(root), "--model-name", "m", "--", "echo", "{path}"])
+    assert stray.exit_code == 2 and "--model-name" in stray.output
+    assert runs_of(tracking_uri) == []  # the run went to experiment e2
+
+
+# ------------------------------------------------------------------ real kills
+
+TRAINING = """
+import sys, time, torch
+from ckptdb import CheckpointManager, Keep, TopK
+root, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with CheckpointManager(root, streams={"model": Keep(last=2), "best": TopK(1, "loss")}) as mgr:
+    for step in range(first, last + 1):
+        loss = 10.0 / step
+        mgr.log_metrics(step, {"loss": loss})
+        if step % 2 == 0:
+            w = torch.full((4,), float(step))
+            mgr.save(step, metrics={"loss": loss}, model={"w": w}, best={"w": w})
+        time.sleep(0.05)
+"""
+
+
+def follower(root: Path, uri: str, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ckptdb.cli",
+            "follow",
+            str(root),
+            "--to",
+            "mlflow",
+            "--tracking-uri",
+            uri,
+            "--model-name",
+            "m",
+            "--poll",
+            "0.2",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for(predicate: Any, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def committed_steps(root: Path) -> list[int]:
+    if not (root / "ckptdb.sqlite").exists():
+        return []
+    try:
+        with sqlite3.connect(root / "ckptdb.sqlite") as con:
+            rows = con.execute("SELECT step FROM checkpoints WHERE state = 'committed'").fetchall()
+    except sqlite3.OperationalError:  # the schema is being created
+        return []
+    return [r[0] for r in rows]
+
+
+def test_a_run_killed_and_restarted_with_its_follower_is_one_mlflow_run(
+    tmp_path: Path, tracking_uri: str
+) -> None:
+    root = tmp_path / "run"
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINING, str(root), "1", "40"])
+    watcher = None
+    try:
+        wait_for(lambda: max(committed_steps(root), default=0) >= 6)
+        watcher = follower(root, tracking_uri)
+        wait_for(lambda: max(committed_steps(root), default=0) >= 12)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(10)
+        watcher.send_signal(signal.SIGKILL)
+        watcher.wait(10)
+        with RunReader(root) as reader:
+            resume = reader.latest("model")
+        assert resume is not None
+        subprocess.run(
+            [sys.executable, "-c", TRAINING, str(root), str(resume.step + 1), "24"],
+            check=True,
+            timeout=120,
+        )
+        watcher = follower(root, tracking_uri, "--timeout", "2")
+        out, _ = watcher.communicate(timeout=120)
+        assert watcher.returncode == 0, out
+    finally:
+        for process in (trainer, watcher):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(10)
+    (run,) = runs_of(tracking_uri)
+    assert mlflow_points(tracking_uri, run.info.run_id) == ledger_points(root)
+    with RunReader(root) as reader:
+        latest, best = reader.latest("model"), reader.best("best")[0]
+        assert len(reader.attempts()) >= 2
+    assert latest is not None and latest.step == 24
+    assert version_of_alias(tracking_uri, "m", "model-last") == latest.id
+    assert version_of_alias(tracking_uri, "m", "best-best") == best.id
+
+
+# ------------------------------------------------------------------ both ledgers
+
+
+@pytest.fixture
+def db_url(backend: str | None) -> str | None:
+    return backend
+
+
+def test_mirroring_a_run_on_either_ledger(
+    root: Path, db_url: str | None, tracking_uri: str, db: Any
+) -> None:
+    train(root, range(1, 5), db_url)
+    with Mirror(root, MlflowSink(tracking_uri), db_url=db_url) as mirror:
+        mirror.sync()
+        run_id = mirror.tracker_run_id
+    assert run_id is not None
+    assert mlflow_points(tracking_uri, run_id) == ledger_points(root, db_url)
+    ((kind, external, cursor),) = db.rows("SELECT kind, external_id, metric_cursor FROM trackers")
+    (top,) = db.rows("SELECT MAX(id) FROM metrics")
+    assert (kind, external, cursor) == ("mlflow", run_id, top[0])
+    assert os.path.exists(root)
