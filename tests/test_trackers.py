@@ -71,21 +71,20 @@ def train(root: Path, steps: range, db_url: str | None = None) -> None:
                 )
 
 
-def ledger_points(root: Path, db_url: str | None = None) -> Counter[tuple[str, int, float]]:
+def ledger_points(root: Path, db_url: str | None = None) -> Counter[tuple[str, int, float, int]]:
+    """Each distinct point of the ledger, once: MLflow keeps one point per key, step,
+    value and millisecond (two identical points logged in the same millisecond, as a
+    save's metric and log_metrics may be, are one point there)."""
     with RunReader(root, db_url=db_url) as reader:
-        names = reader.metric_names()
-        return Counter(
-            (name, step, round(value, 9))
-            for name in names
-            for step, value, _ in reader.metric_history(name)
-        )
+        _, rows = reader.sql("SELECT name, step, value, wall_time FROM metrics")
+    return Counter({(n, s, round(v, 9), round(t * 1000)) for n, s, v, t in rows})
 
 
-def mlflow_points(uri: str, run_id: str) -> Counter[tuple[str, int, float]]:
+def mlflow_points(uri: str, run_id: str) -> Counter[tuple[str, int, float, int]]:
     c = client(uri)
     names = c.get_run(run_id).data.metrics
     return Counter(
-        (name, m.step, round(m.value, 9))
+        (name, m.step, round(m.value, 9), m.timestamp)
         for name in names
         for m in c.get_metric_history(run_id, name)
     )

@@ -95,7 +95,8 @@ class Sink(Protocol):
         """Log a verified checkpoint (``local``: its file or directory) with its step
         and metrics; a copy the tracker holds whole already is not logged again."""
 
-    def set_alias(self, alias: str, checkpoint: Checkpoint, logged: Logged) -> None: ...
+    def set_aliases(self, stream: str, wanted: dict[str, tuple[Checkpoint, Logged]]) -> None:
+        """Point ``latest`` (and ``best``, for a top-K stream) of ``stream`` at these."""
 
     def evict(self, checkpoint: Checkpoint, logged: Logged, how: str) -> None: ...
 
@@ -249,23 +250,27 @@ class Mirror:
         self._save()
 
     def _aliases(self, committed: dict[str, list[Checkpoint]]) -> dict[str, int]:
-        changed = {}
+        changed: dict[str, int] = {}
         for stream in self.streams:
-            wanted = {"latest": self._reader.latest(stream)}
+            wanted: dict[str, Checkpoint | None] = {"latest": self._reader.latest(stream)}
             if self._reader.policies[stream].ranking_metric is not None:
                 best = self._reader.best(stream)
                 wanted["best"] = best[0] if best else None
-            for alias, checkpoint in wanted.items():
-                key = f"{alias}:{stream}"
-                if checkpoint is None or self.state.aliases.get(key) == checkpoint.id:
-                    continue
-                entry = self.state.logged.get(str(checkpoint.id))
-                if entry is None:
-                    continue  # committed after this pass listed the stream: the next pass
-                self.sink.set_alias(alias, checkpoint, _logged(entry))
-                self.state.aliases[key] = checkpoint.id
-                changed[key] = checkpoint.id
-                self._save()
+            chosen = {
+                alias: (checkpoint, _logged(self.state.logged[str(checkpoint.id)]))
+                for alias, checkpoint in wanted.items()
+                # one committed after this pass listed the stream waits for the next pass
+                if checkpoint is not None and str(checkpoint.id) in self.state.logged
+            }
+            keys = {alias: f"{alias}:{stream}" for alias in chosen}
+            if all(self.state.aliases.get(keys[a]) == c.id for a, (c, _) in chosen.items()):
+                continue
+            self.sink.set_aliases(stream, chosen)
+            for alias, (checkpoint, _) in chosen.items():
+                if self.state.aliases.get(keys[alias]) != checkpoint.id:
+                    changed[keys[alias]] = checkpoint.id
+                self.state.aliases[keys[alias]] = checkpoint.id
+            self._save()
         return changed
 
     def _evictions(self, committed: set[int]) -> list[int]:

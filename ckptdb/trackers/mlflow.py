@@ -144,14 +144,14 @@ class MlflowSink:
         )
         return str(created.version)
 
-    def set_alias(self, alias: str, checkpoint: Checkpoint, logged: Logged) -> None:
-        self.client.set_tag(
-            self.run_id, f"ckptdb.{alias}.{checkpoint.stream}", str(checkpoint.step)
-        )
-        if self.model_name is not None and logged.version is not None:
-            name = "last" if alias == "latest" else alias
+    def set_aliases(self, stream: str, wanted: dict[str, tuple[Checkpoint, Logged]]) -> None:
+        for alias, (checkpoint, logged) in wanted.items():
+            self.client.set_tag(self.run_id, f"ckptdb.{alias}.{stream}", str(checkpoint.step))
+            if self.model_name is None or logged.version is None:
+                continue
+            name = "last" if alias == "latest" else alias  # MLflow reserves "latest"
             if self._several:
-                name = f"{checkpoint.stream}-{name}"
+                name = f"{stream}-{name}"
             self.client.set_registered_model_alias(self.model_name, name, logged.version)
 
     def evict(self, checkpoint: Checkpoint, logged: Logged, how: str) -> None:
