@@ -438,3 +438,218 @@ def test_mirroring_a_run_on_either_ledger(
     (top,) = db.rows("SELECT MAX(id) FROM metrics")
     assert (kind, external, cursor) == ("mlflow", run_id, top[0])
     assert os.path.exists(root)
+
+
+# ------------------------------------------------------------------ Weights & Biases (offline)
+
+
+def wandb_records(directory: Path, run_id: str) -> list[tuple[str, Any]]:
+    """Every record the offline runs of ``run_id`` wrote, in order, read back from their
+    transaction logs with W&B's own protocol buffers."""
+    from wandb.proto import wandb_internal_pb2
+
+    from ckptdb.trackers.wandbfile import raw_records
+
+    found = []
+    for path in sorted(directory.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
+        for raw in raw_records(path):
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
+            record.ParseFromString(raw)
+            found.append((record.WhichOneof("record_type"), record))
+    return found
+
+
+def wandb_rows(directory: Path, run_id: str) -> list[dict[str, Any]]:
+    return [
+        {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+        for kind, r in wandb_records(directory, run_id)
+        if kind == "history"
+    ]
+
+
+def wandb_points(directory: Path, run_id: str) -> Counter[tuple[str, int, float]]:
+    skip = {
+        "_step",
+        "_timestamp",
+        "_runtime",
+        "ckptdb/step",
+        "ckptdb/wall_time",
+        "ckptdb/metric_id",
+    }
+    return Counter(
+        (name, row["ckptdb/step"], round(value, 9))
+        for row in wandb_rows(directory, run_id)
+        for name, value in row.items()
+        if name not in skip
+    )
+
+
+def every_ledger_point(root: Path) -> Counter[tuple[str, int, float]]:
+    with RunReader(root) as reader:
+        _, rows = reader.sql("SELECT name, step, value FROM metrics")
+    return Counter((n, s, round(v, 9)) for n, s, v in rows)
+
+
+def wandb_artifacts(directory: Path, run_id: str) -> list[tuple[int, str, list[str], str]]:
+    """(ckptdb id, artifact name, aliases, digest) of each artifact record, in order."""
+    return [
+        (
+            json.loads(r.artifact.metadata)["ckptdb_id"],
+            r.artifact.name,
+            list(r.artifact.aliases),
+            r.artifact.digest,
+        )
+        for kind, r in wandb_records(directory, run_id)
+        if kind == "artifact"
+    ]
+
+
+def holder(artifacts: list[tuple[int, str, list[str], str]], name: str, alias: str) -> int:
+    """The checkpoint the last record of artifact ``name`` that carries ``alias`` is."""
+    return [ident for ident, n, aliases, _ in artifacts if n == name and alias in aliases][-1]
+
+
+@pytest.fixture
+def wandb_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    return tmp_path / "wandb-runs"
+
+
+def test_wandb_offline_holds_each_point_once_and_the_aliases_the_ledger_has(
+    tmp_path: Path, wandb_dir: Path
+) -> None:
+    from ckptdb.trackers.wandb import WandbSink
+
+    root = tmp_path / "run"
+    train(root, range(1, 5))
+    with Mirror(root, WandbSink("p", directory=wandb_dir, offline=True)) as mirror:
+        first = mirror.sync()
+        run_id = mirror.tracker_run_id
+    train(root, range(5, 9))  # a second attempt, and a second follower
+    with Mirror(root, WandbSink("p", directory=wandb_dir, offline=True)) as mirror:
+        done = mirror.sync()
+        assert mirror.tracker_run_id == run_id
+    assert run_id is not None and run_id.startswith("ckptdb-")
+    assert wandb_points(wandb_dir, run_id) == every_ledger_point(root)
+    artifacts = wandb_artifacts(wandb_dir, run_id)
+    digests: dict[int, set[str]] = {}
+    for ident, _, _, digest in artifacts:
+        digests.setdefault(ident, set()).add(digest)
+    assert all(len(d) == 1 for d in digests.values())  # logged again: the same version
+    with RunReader(root) as reader:
+        latest, best = reader.latest("model"), reader.best("best")[0]
+        committed = {c.id for c in reader.checkpoints()}
+    mirrored = {c.id for c in first.checkpoints + done.checkpoints}
+    assert set(digests) == mirrored and committed <= mirrored and latest is not None
+    assert holder(artifacts, "run-model", "latest") == latest.id
+    assert holder(artifacts, "run-best", "best") == best.id
+    assert holder(artifacts, "run-best", "latest") == best.id
+    summaries = [
+        {i.key or "/".join(i.nested_key) for i in r.summary.update}
+        for kind, r in wandb_records(wandb_dir, run_id)
+        if kind == "summary"
+    ]
+    marked = set().union(*summaries)
+    assert {f"ckptdb/evicted/model/step-{s}" for s in (2, 4)} <= marked and len(done.evicted) == 3
+
+
+def test_wandb_after_a_crash_between_a_log_and_the_ledger_nothing_is_logged_twice(
+    tmp_path: Path, wandb_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptdb.trackers.wandb import WandbSink
+
+    root = tmp_path / "run"
+    train(root, range(1, 7))
+    real_save = ledger_trackers.save
+
+    def crashes_after_the_metrics(session: Any, state: Any) -> None:
+        if state.metric_cursor > 0:
+            raise KeyboardInterrupt
+        real_save(session, state)
+
+    monkeypatch.setattr(ledger_trackers, "save", crashes_after_the_metrics)
+    with Mirror(root, WandbSink("p", directory=wandb_dir, offline=True)) as mirror:
+        run_id = mirror.tracker_run_id
+        with pytest.raises(KeyboardInterrupt):
+            mirror.sync()
+    monkeypatch.setattr(ledger_trackers, "save", real_save)
+    assert run_id is not None
+    assert wandb_points(wandb_dir, run_id) == every_ledger_point(root)  # logged, not recorded
+    with Mirror(root, WandbSink("p", directory=wandb_dir, offline=True)) as mirror:
+        mirror.sync()
+    ids = [row["ckptdb/metric_id"] for row in wandb_rows(wandb_dir, run_id)]
+    assert len(ids) == len(set(ids))  # no row twice
+    assert wandb_points(wandb_dir, run_id) == every_ledger_point(root)
+
+
+def test_wandb_offline_cannot_delete_and_says_so_before_anything_is_written(
+    tmp_path: Path, wandb_dir: Path
+) -> None:
+    from ckptdb.trackers.wandb import WandbSink
+
+    root = tmp_path / "run"
+    train(root, range(1, 3))
+    with pytest.raises(InvalidArgumentError, match="needs the run online"):
+        Mirror(root, WandbSink("p", directory=wandb_dir, offline=True), on_evict="delete")
+    with sqlite3.connect(root / "ckptdb.sqlite") as con:
+        assert con.execute("SELECT COUNT(*) FROM trackers").fetchone() == (0,)
+    assert not wandb_dir.exists() or not list(wandb_dir.rglob("*.wandb"))
+
+
+def test_wandb_without_the_extra_says_which_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptdb.trackers.wandb import WandbSink
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(MissingExtraError, match=r"pip install 'ckptdb\[wandb\]'"):
+        WandbSink("p")
+
+
+def test_the_command_mirrors_into_wandb_offline(tmp_path: Path, wandb_dir: Path) -> None:
+    root = tmp_path / "run"
+    train(root, range(1, 5))
+    runner = CliRunner()
+    args = ["follow", str(root), "--to", "wandb", "--offline", "--once"]
+    done = runner.invoke(main, [*args, "--project", "p", "--wandb-dir", str(wandb_dir)])
+    assert done.exit_code == 0, done.output
+    run_id = done.output.split(" run ", 1)[1].split()[0]
+    assert wandb_points(wandb_dir, run_id) == every_ledger_point(root)
+    no_project = runner.invoke(main, args)
+    assert no_project.exit_code == 2 and "--project" in no_project.output
+    mixed = runner.invoke(main, [*args, "--project", "p", "--tracking-uri", "sqlite:///x.db"])
+    assert mixed.exit_code == 2 and "--tracking-uri" in mixed.output
+
+
+def test_wandb_latest_moves_back_when_the_newest_checkpoint_is_found_corrupt(
+    tmp_path: Path, wandb_dir: Path
+) -> None:
+    """W&B gives ``latest`` to each version it logs; when the ledger's latest goes back
+    to an older checkpoint, that version is logged again (the same digest, no new
+    version) to hold the alias."""
+    from ckptdb.errors import CorruptCheckpointError
+    from ckptdb.trackers.wandb import WandbSink
+
+    root = tmp_path / "run"
+    train(root, range(1, 7))
+    with Mirror(root, WandbSink("p", directory=wandb_dir, offline=True)) as mirror:
+        mirror.sync()
+        run_id = mirror.tracker_run_id
+    assert run_id is not None
+    with CheckpointManager(root, streams=STREAMS) as mgr:
+        newest = mgr.latest("model")
+        assert newest is not None and newest.step == 6
+        data = bytearray(newest.path.read_bytes())
+        data[-3] ^= 0xFF
+        newest.path.write_bytes(bytes(data))
+        with pytest.raises(CorruptCheckpointError):
+            mgr.load(newest)  # the writer marks it corrupt; latest goes back to step 4
+        previous = mgr.latest("model")
+    assert previous is not None and previous.step == 4
+    with Mirror(root, WandbSink("p", directory=wandb_dir, offline=True)) as mirror:
+        done = mirror.sync()
+    assert done.evicted == [newest.id] and done.aliases == {"latest:model": previous.id}
+    artifacts = wandb_artifacts(wandb_dir, run_id)
+    assert holder(artifacts, "run-model", "latest") == previous.id
+    assert len({d for i, _, _, d in artifacts if i == previous.id}) == 1

@@ -475,7 +475,7 @@ def tracker_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--to",
             "to",
-            type=click.Choice(["mlflow"]),
+            type=click.Choice(["mlflow", "wandb"]),
             default=None,
             help="Mirror the run into this tracker instead of running a command.",
         ),
@@ -492,6 +492,14 @@ def tracker_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "--model-name",
             default=None,
             help="With --to mlflow: register each checkpoint as a version of this model.",
+        ),
+        click.option("--project", default=None, help="With --to wandb: the W&B project."),
+        click.option("--entity", default=None, help="With --to wandb: the W&B entity."),
+        click.option(
+            "--wandb-dir", default=None, help="With --to wandb: where W&B writes its run files."
+        ),
+        click.option(
+            "--offline", is_flag=True, help="With --to wandb: log offline (wandb sync uploads)."
         ),
         click.option(
             "--on-evict",
@@ -555,7 +563,7 @@ def follow(
     db_url: str | None,
     **tracking: Any,
 ) -> None:
-    """Run a command for each new checkpoint, or mirror the run into MLflow.
+    """Run a command for each new checkpoint, or mirror the run into MLflow or W&B.
 
     {path}, {step}, {id} and {stream} in the command are replaced. Its exit
     status is recorded as an evaluation (exit_status), and so is the JSON
@@ -564,7 +572,7 @@ def follow(
     after the last checkpoint it recorded. The evaluator's name (--evaluator;
     default: the command's, or its script's) is also that cursor.
 
-    With --to mlflow the run is mirrored instead, into one MLflow
+    With --to mlflow (or wandb) the run is mirrored instead, into one tracker
     run however many restarts it has: its metrics, each committed checkpoint
     of the streams followed, and latest/best as the ledger has them. The
     ledger keeps the cursor: a follower restarted never logs anything twice.
@@ -573,6 +581,7 @@ def follow(
     Example:
       ckptdb follow runs/exp1 -- python eval.py --ckpt {path} --step {step}
       ckptdb follow runs/exp1 --to mlflow --tracking-uri sqlite:///mlflow.db
+      ckptdb follow runs/exp1 --to wandb --project my-project
     """
     from . import following
 
@@ -584,7 +593,7 @@ def follow(
         mirror(root, streams, timeout, poll, db_url, **tracking)
         return
     if not command:
-        raise click.UsageError("give a COMMAND to run for each checkpoint (or --to mlflow)")
+        raise click.UsageError("give a COMMAND to run for each checkpoint (or --to mlflow|wandb)")
     given = [f"--{k.replace('_', '-')}" for k, v in tracking.items() if v and k != "on_evict"]
     if given or tracking["on_evict"] != "mark":
         raise click.UsageError(f"{', '.join(given) or '--on-evict'} go(es) with --to")

@@ -1,4 +1,4 @@
-"""``ckptdb follow --to mlflow``: a run mirrored into an experiment tracker.
+"""``ckptdb follow --to mlflow|wandb``: a run mirrored into an experiment tracker.
 
 The work is :class:`ckptdb.trackers.Mirror`'s; this module turns the
 command's options into a sink and reports each pass in one line.
@@ -15,7 +15,8 @@ import click
 
 from ..trackers import POLL, Mirror, Pass, Sink
 
-TRACKER_ONLY = ("tracking_uri", "experiment", "model_name")
+MLFLOW_ONLY = ("tracking_uri", "experiment", "model_name", "artifact_location")
+WANDB_ONLY = ("project", "entity", "wandb_dir", "offline")
 
 
 def mirror(
@@ -28,7 +29,7 @@ def mirror(
 ) -> None:
     to = options.pop("to")
     on_evict, once = options.pop("on_evict"), options.pop("once")
-    sink = _sink(options)
+    sink = _sink(to, options)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         with Mirror(
@@ -66,16 +67,31 @@ def _idle(mirrored: Mirror, timeout: float, poll: float | None) -> bool:
     return True
 
 
-def _sink(options: dict[str, Any]) -> Sink:
-    from ..trackers.mlflow import MlflowSink
+def _sink(to: str, options: dict[str, Any]) -> Sink:
+    other = WANDB_ONLY if to == "mlflow" else MLFLOW_ONLY
+    given = [f"--{name.replace('_', '-')}" for name in other if options.get(name)]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} do(es) not go with --to {to}")
+    if to == "mlflow":
+        from ..trackers.mlflow import MlflowSink
 
-    if not options["tracking_uri"]:
-        raise click.UsageError("--to mlflow needs --tracking-uri")
-    return MlflowSink(
-        options["tracking_uri"],
-        experiment=options["experiment"] or "ckptdb",
-        model_name=options["model_name"],
-        artifact_location=options["artifact_location"],
+        if not options["tracking_uri"]:
+            raise click.UsageError("--to mlflow needs --tracking-uri")
+        return MlflowSink(
+            options["tracking_uri"],
+            experiment=options["experiment"] or "ckptdb",
+            model_name=options["model_name"],
+            artifact_location=options["artifact_location"],
+        )
+    from ..trackers.wandb import WandbSink
+
+    if not options["project"]:
+        raise click.UsageError("--to wandb needs --project")
+    return WandbSink(
+        options["project"],
+        entity=options["entity"],
+        directory=options["wandb_dir"],
+        offline=options["offline"],
     )
 
 

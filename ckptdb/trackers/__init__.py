@@ -1,6 +1,6 @@
 """Followers that mirror a run into the experiment tracker a team uses.
 
-A tracker (MLflow; Weights & Biases is not written yet) knows nothing of which checkpoint is
+A tracker (MLflow, Weights & Biases) knows nothing of which checkpoint is
 latest, best or survived a crash, and a training script that logs to it
 starts a new tracker run at every restart. A :class:`Mirror` reads the run's
 ledger instead and mirrors it, pass after pass, into **one** tracker run for
@@ -23,8 +23,8 @@ the points of each metric key, the files of a checkpoint's artifact) and
 logs only the rest. One follower per run and tracker at a time: a file lock
 beside the ledger.
 
-A sink (:mod:`.mlflow`) is the tracker's side of this: the few calls the
-mirror makes, in the tracker's own API.
+A sink (:mod:`.mlflow`, :mod:`.wandb`) is the tracker's side of this: the
+few calls the mirror makes, in the tracker's own API.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -91,16 +91,31 @@ class Sink(Protocol):
 
     def log_metrics(self, points: list[Point]) -> None: ...
 
-    def log_checkpoint(self, checkpoint: Checkpoint, local: Path) -> Logged:
+    def log_checkpoint(self, checkpoint: Checkpoint, local: Path, aliases: list[str]) -> Logged:
         """Log a verified checkpoint (``local``: its file or directory) with its step
-        and metrics; a copy the tracker holds whole already is not logged again."""
+        and metrics; a copy the tracker holds whole already is not logged again.
+        ``aliases``: those of ``latest``/``best`` it holds now (a hint: the mirror
+        sets them with :meth:`set_aliases` afterwards in any case)."""
 
-    def set_aliases(self, stream: str, wanted: dict[str, tuple[Checkpoint, Logged]]) -> None:
+    def set_aliases(self, stream: str, wanted: dict[str, Aliased]) -> None:
         """Point ``latest`` (and ``best``, for a top-K stream) of ``stream`` at these."""
 
     def evict(self, checkpoint: Checkpoint, logged: Logged, how: str) -> None: ...
 
+    def check_eviction(self, how: str) -> None:
+        """Refuse (``InvalidArgumentError``) an ``on_evict`` this sink cannot do."""
+
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Aliased:
+    """A checkpoint an alias should name: how it was logged, and its verified local
+    copy (a callable: only a sink that logs it again needs it)."""
+
+    checkpoint: Checkpoint
+    logged: Logged
+    local: Callable[[], Path]
 
 
 @dataclass
@@ -135,6 +150,7 @@ class Mirror:
     ) -> None:
         if on_evict not in ON_EVICT:
             raise InvalidArgumentError(f"on_evict must be one of {ON_EVICT}, got {on_evict!r}")
+        sink.check_eviction(on_evict)
         self.sink, self.on_evict = sink, on_evict
         self._reader = RunReader(root, db_url=db_url)
         self._ledger: Ledger | None = None
@@ -183,11 +199,12 @@ class Mirror:
         done = Pass()
         done.metrics = self._metrics()
         committed = {s: self._reader.checkpoints(s) for s in self.streams}
+        holding = self._holding()
         for checkpoint in sorted((c for cs in committed.values() for c in cs), key=lambda c: c.id):
             if str(checkpoint.id) in self.state.logged:
                 continue
             try:
-                self._log_checkpoint(checkpoint)
+                self._log_checkpoint(checkpoint, holding.get(checkpoint.id, []))
             except (CheckpointLostError, CorruptCheckpointError) as exc:
                 # the run's writer marks it at its next load or reconcile; until then a
                 # pass logs the others and tries it again
@@ -236,11 +253,30 @@ class Mirror:
             self.state.metric_cursor = last
             self._save()
 
-    def _log_checkpoint(self, checkpoint: Checkpoint) -> None:
+    def _holding(self) -> dict[int, list[str]]:
+        """Checkpoint id -> the aliases (latest, best) it holds in the ledger now."""
+        held: dict[int, list[str]] = {}
+        for stream in self.streams:
+            for alias, checkpoint in self._wanted(stream).items():
+                if checkpoint is not None:
+                    held.setdefault(checkpoint.id, []).append(alias)
+        return held
+
+    def _wanted(self, stream: str) -> dict[str, Checkpoint | None]:
+        wanted: dict[str, Checkpoint | None] = {"latest": self._reader.latest(stream)}
+        if self._reader.policies[stream].ranking_metric is not None:
+            best = self._reader.best(stream)
+            wanted["best"] = best[0] if best else None
+        return wanted
+
+    def _verified(self, checkpoint: Checkpoint) -> Path:
         store, rel = open_verified_payload(
             self._reader.save_dir, checkpoint.path, checkpoint.size, checkpoint.hash, keep=False
         )
-        logged = self.sink.log_checkpoint(checkpoint, store.local_path(rel))
+        return store.local_path(rel)
+
+    def _log_checkpoint(self, checkpoint: Checkpoint, aliases: list[str]) -> None:
+        logged = self.sink.log_checkpoint(checkpoint, self._verified(checkpoint), aliases)
         self.state.logged[str(checkpoint.id)] = {
             "stream": checkpoint.stream,
             "step": checkpoint.step,
@@ -252,24 +288,24 @@ class Mirror:
     def _aliases(self, committed: dict[str, list[Checkpoint]]) -> dict[str, int]:
         changed: dict[str, int] = {}
         for stream in self.streams:
-            wanted: dict[str, Checkpoint | None] = {"latest": self._reader.latest(stream)}
-            if self._reader.policies[stream].ranking_metric is not None:
-                best = self._reader.best(stream)
-                wanted["best"] = best[0] if best else None
             chosen = {
-                alias: (checkpoint, _logged(self.state.logged[str(checkpoint.id)]))
-                for alias, checkpoint in wanted.items()
+                alias: Aliased(
+                    checkpoint,
+                    _logged(self.state.logged[str(checkpoint.id)]),
+                    lambda c=checkpoint: self._verified(c),  # type: ignore[misc]
+                )
+                for alias, checkpoint in self._wanted(stream).items()
                 # one committed after this pass listed the stream waits for the next pass
                 if checkpoint is not None and str(checkpoint.id) in self.state.logged
             }
             keys = {alias: f"{alias}:{stream}" for alias in chosen}
-            if all(self.state.aliases.get(keys[a]) == c.id for a, (c, _) in chosen.items()):
+            if all(self.state.aliases.get(keys[a]) == c.checkpoint.id for a, c in chosen.items()):
                 continue
             self.sink.set_aliases(stream, chosen)
-            for alias, (checkpoint, _) in chosen.items():
-                if self.state.aliases.get(keys[alias]) != checkpoint.id:
-                    changed[keys[alias]] = checkpoint.id
-                self.state.aliases[keys[alias]] = checkpoint.id
+            for alias, aliased in chosen.items():
+                if self.state.aliases.get(keys[alias]) != aliased.checkpoint.id:
+                    changed[keys[alias]] = aliased.checkpoint.id
+                self.state.aliases[keys[alias]] = aliased.checkpoint.id
             self._save()
         return changed
 
@@ -345,4 +381,4 @@ def missing_extra(package: str, extra: str) -> MissingExtraError:
     )
 
 
-__all__ = ["BATCH", "ON_EVICT", "Logged", "Mirror", "Pass", "Sink", "missing_extra"]
+__all__ = ["BATCH", "ON_EVICT", "Aliased", "Logged", "Mirror", "Pass", "Sink", "missing_extra"]

@@ -31,7 +31,7 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from ..ledger.trackers import Point
 from ..record import Checkpoint
-from . import Logged, missing_extra
+from . import Aliased, Logged, missing_extra
 
 PREFIX = "checkpoints"
 RUN_TAG = "ckptdb.run"
@@ -108,7 +108,7 @@ class MlflowSink:
         ]
         self.client.log_batch(self.run_id, metrics=metrics)
 
-    def log_checkpoint(self, checkpoint: Checkpoint, local: Path) -> Logged:
+    def log_checkpoint(self, checkpoint: Checkpoint, local: Path, aliases: list[str]) -> Logged:
         where = f"{PREFIX}/{checkpoint.stream}/{local.name}"
         if _listing(self.client, self.run_id, where) != _files(local, where):
             if local.is_dir():
@@ -144,8 +144,9 @@ class MlflowSink:
         )
         return str(created.version)
 
-    def set_aliases(self, stream: str, wanted: dict[str, tuple[Checkpoint, Logged]]) -> None:
-        for alias, (checkpoint, logged) in wanted.items():
+    def set_aliases(self, stream: str, wanted: dict[str, Aliased]) -> None:
+        for alias, aliased in wanted.items():
+            checkpoint, logged = aliased.checkpoint, aliased.logged
             self.client.set_tag(self.run_id, f"ckptdb.{alias}.{stream}", str(checkpoint.step))
             if self.model_name is None or logged.version is None:
                 continue
@@ -153,6 +154,9 @@ class MlflowSink:
             if self._several:
                 name = f"{stream}-{name}"
             self.client.set_registered_model_alias(self.model_name, name, logged.version)
+
+    def check_eviction(self, how: str) -> None:
+        """Both ways work on every MLflow store (artifacts deleted through its repository)."""
 
     def evict(self, checkpoint: Checkpoint, logged: Logged, how: str) -> None:
         if how == "mark":

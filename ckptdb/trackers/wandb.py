@@ -1,0 +1,178 @@
+"""The Weights & Biases side of a mirror: one W&B run per ckptdb run.
+
+- The W&B run id is ``ckptdb-<token>``, derived from the ckptdb run, and
+  opened with ``resume="allow"``: every follower of the run, on any machine,
+  online or offline, writes to the same W&B run.
+- Metrics: one history row per step (a name logged twice at a step gets a
+  second row), with the training step as ``ckptdb/step`` (every metric is
+  plotted against it: a step redone after a crash is a row of its own, not
+  one W&B drops for going backwards), the ledger's wall time as
+  ``ckptdb/wall_time``, and ``ckptdb/metric_id``, the id of the row's last
+  ledger point. A follower restarted skips the points up to the largest
+  ``ckptdb/metric_id`` the run holds: read from the W&B API online, from the
+  earlier offline runs' transaction logs offline (:mod:`.wandbfile`).
+- Each checkpoint is a version of the artifact ``<run>-<stream>`` (type
+  ``model``), its metadata the ledger id, step and metrics, its aliases
+  ``step-<N>`` and whichever of ``latest``/``best`` it holds. A version
+  logged again with the same files is the same version (W&B dedupes by
+  digest), so a follower restarted after a log never makes two.
+- ``latest`` and ``best``: W&B gives ``latest`` to every version it logs, so
+  moving an alias means logging the version that should hold it again (no
+  upload: the same digest), ``best`` first and ``latest`` last.
+- An evicted checkpoint: ``mark`` records it in the run's summary
+  (``ckptdb/evicted/<stream>/step-<N>``: its state); ``delete`` removes its
+  artifact version through the W&B API, which needs the run online.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from ..ledger.trackers import Point
+from ..record import Checkpoint
+from . import Aliased, Logged, missing_extra
+from .wandbfile import METRIC_ID, logged_offline
+from .wandbfile import Logged as OfflineLog
+
+STEP, WALL_TIME = "ckptdb/step", "ckptdb/wall_time"
+
+
+class WandbSink:
+    """Mirrors into the W&B ``project`` (of ``entity``); ``directory``: where W&B writes
+    its run files (its ``dir``); ``offline``: log offline (``wandb sync`` uploads)."""
+
+    kind = "wandb"
+
+    def __init__(
+        self,
+        project: str,
+        *,
+        entity: str | None = None,
+        directory: str | os.PathLike[str] | None = None,
+        offline: bool = False,
+    ) -> None:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise missing_extra("wandb", "wandb") from exc
+        if not isinstance(project, str) or not project:
+            raise InvalidArgumentError(f"project must be a non-empty str, got {project!r}")
+        self._wandb = wandb
+        self.project, self.entity, self.offline = project, entity, bool(offline)
+        self.directory = Path(directory if directory is not None else os.getcwd()).resolve()
+        self.target = f"{entity or ''}/{project}" + (
+            f"#offline:{self.directory}" if offline else ""
+        )
+        self.run: Any = None
+        self._name = ""
+        #: (stream, alias) -> the checkpoint id that holds it, as this process logged it
+        self._holds: dict[tuple[str, str], int] = {}
+        self._logged_offline: OfflineLog | None = None
+
+    def open(self, token: str, run_name: str, known: str | None, streams: list[str]) -> str:
+        ident = known or f"ckptdb-{token}"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.offline:  # before this run's own file exists
+            self._logged_offline = logged_offline(self.directory, ident)
+        self.run = self._wandb.init(
+            project=self.project,
+            entity=self.entity,
+            dir=str(self.directory),
+            id=ident,
+            resume="allow",
+            name=run_name,
+            mode="offline" if self.offline else "online",
+            config={"ckptdb/run": token},
+            settings=self._wandb.Settings(silent=True, console="off"),
+        )
+        self.run.define_metric(STEP)
+        self.run.define_metric("*", step_metric=STEP)
+        self._name = _artifact_name(run_name)
+        return ident
+
+    def already_logged(self, points: list[Point]) -> set[int]:
+        last = self._last_metric_id()
+        return {p.id for p in points if p.id <= last}
+
+    def _last_metric_id(self) -> int:
+        if self._logged_offline is not None:
+            return self._logged_offline.last_metric_id
+        api = self._wandb.Api()
+        found = api.run(f"{self.run.entity}/{self.run.project}/{self.run.id}")
+        return max((int(row[METRIC_ID]) for row in found.scan_history(keys=[METRIC_ID])), default=0)
+
+    def log_metrics(self, points: list[Point]) -> None:
+        row: dict[str, Any] = {}
+        for point in points:
+            if row and (row[STEP] != point.step or point.name in row):
+                self.run.log(row)
+                row = {}
+            row.update({STEP: point.step, WALL_TIME: point.wall_time, METRIC_ID: point.id})
+            row[point.name] = float("nan") if point.value is None else point.value
+        if row:
+            self.run.log(row)
+
+    def log_checkpoint(self, checkpoint: Checkpoint, local: Path, aliases: list[str]) -> Logged:
+        self._log(checkpoint, local, aliases)
+        return Logged(f"{self._name}-{checkpoint.stream}:step-{checkpoint.step}")
+
+    def _log(self, checkpoint: Checkpoint, local: Path, aliases: list[str]) -> None:
+        artifact = self._wandb.Artifact(
+            f"{self._name}-{checkpoint.stream}",
+            type="model",
+            metadata={
+                "ckptdb_id": checkpoint.id,
+                "stream": checkpoint.stream,
+                "step": checkpoint.step,
+                "metrics": checkpoint.metrics,
+            },
+        )
+        if local.is_dir():
+            artifact.add_dir(str(local), name=local.name)
+        else:
+            artifact.add_file(str(local), name=local.name)
+        self.run.log_artifact(artifact, aliases=[f"step-{checkpoint.step}", *aliases])
+        self._holds[(checkpoint.stream, "latest")] = checkpoint.id  # W&B's own doing
+        for alias in aliases:
+            self._holds[(checkpoint.stream, alias)] = checkpoint.id
+
+    def set_aliases(self, stream: str, wanted: dict[str, Aliased]) -> None:
+        if all(self._holds.get((stream, a)) == w.checkpoint.id for a, w in wanted.items()):
+            return
+        latest, best = wanted.get("latest"), wanted.get("best")
+        same = (
+            best is not None and latest is not None and best.checkpoint.id == latest.checkpoint.id
+        )
+        if best is not None and not same:
+            self._log(best.checkpoint, best.local(), ["best"])
+        if latest is not None:
+            self._log(latest.checkpoint, latest.local(), ["latest", *(["best"] if same else [])])
+
+    def evict(self, checkpoint: Checkpoint, logged: Logged, how: str) -> None:
+        name = f"ckptdb/evicted/{checkpoint.stream}/step-{checkpoint.step}"
+        self.run.summary[name] = checkpoint.state
+        if how == "delete":
+            api = self._wandb.Api()
+            path = f"{self.run.entity}/{self.run.project}/{logged.where}"
+            api.artifact(path, type="model").delete(delete_aliases=True)
+
+    def check_eviction(self, how: str) -> None:
+        if how == "delete" and self.offline:
+            raise InvalidArgumentError(
+                "on_evict='delete' removes an artifact version through the W&B API: it needs "
+                "the run online (offline, use 'mark')"
+            )
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def _artifact_name(run_name: str) -> str:
+    """W&B artifact names: letters, digits, dashes, underscores and dots."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", run_name).strip("-") or "run"
