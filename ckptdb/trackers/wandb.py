@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,7 @@ class WandbSink:
         self.directory.mkdir(parents=True, exist_ok=True)
         if self.offline:  # before this run's own file exists
             self._logged_offline = logged_offline(self.directory, ident)
+            _next_second_if_taken(self.directory, ident)
         self.run = self._wandb.init(
             project=self.project,
             entity=self.entity,
@@ -171,6 +173,21 @@ class WandbSink:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def _next_second_if_taken(directory: Path, ident: str) -> None:
+    """An offline run's directory is named by the second it started in; a second run of
+    the same id in the same second would reuse it and replace the first one's
+    transaction log (what it logged, lost before ``wandb sync``). Wait for a free one
+    (the name in local time or UTC: either may be W&B's)."""
+    while True:
+        now = time.time()
+        names = {
+            time.strftime("%Y%m%d_%H%M%S", clock(now)) for clock in (time.localtime, time.gmtime)
+        }
+        if not any((directory / "wandb" / f"offline-run-{n}-{ident}").exists() for n in names):
+            return
+        time.sleep(1.0 - now % 1.0 + 0.01)
 
 
 def _artifact_name(run_name: str) -> str:
