@@ -653,3 +653,44 @@ def test_wandb_latest_moves_back_when_the_newest_checkpoint_is_found_corrupt(
     artifacts = wandb_artifacts(wandb_dir, run_id)
     assert holder(artifacts, "run-model", "latest") == previous.id
     assert len({d for i, _, _, d in artifacts if i == previous.id}) == 1
+
+
+def write_log(path: Path, payloads: list[bytes]) -> None:
+    """A transaction log as W&B writes one: the header, then records fragmented over
+    32 KiB blocks (FIRST, MIDDLE..., LAST), a block's tail under 7 bytes padded."""
+    import struct
+    import zlib
+
+    from ckptdb.trackers.wandbfile import BLOCK
+
+    out = bytearray(b":W&B\xe1\xbe\x00")
+    for payload in payloads:
+        rest, first = payload, True
+        while True:
+            left = BLOCK - len(out) % BLOCK
+            if left < 7:
+                out += b"\x00" * left
+                continue
+            chunk, rest = rest[: left - 7], rest[left - 7 :]
+            kind = (1 if first else 4) if not rest else (2 if first else 3)
+            out += struct.pack("<IHB", zlib.crc32(chunk), len(chunk), kind) + chunk
+            first = False
+            if not rest:
+                break
+    path.write_bytes(bytes(out))
+
+
+def test_the_transaction_log_reader_joins_fragments_and_stops_at_a_torn_tail(
+    tmp_path: Path,
+) -> None:
+    from ckptdb.trackers.wandbfile import raw_records
+
+    payloads = [b"a" * 10, b"b" * 70_000, b"c" * (32768 - 7 - 7 - 17 - 7 - 3), b"d" * 5]
+    log = tmp_path / "run-x.wandb"
+    write_log(log, payloads)
+    assert list(raw_records(log)) == payloads
+    data = log.read_bytes()
+    log.write_bytes(data[:-3])  # a follower killed mid-write
+    assert list(raw_records(log)) == payloads[:-1]
+    log.write_bytes(b"not a log")
+    assert list(raw_records(log)) == []
