@@ -685,7 +685,9 @@ def test_the_transaction_log_reader_joins_fragments_and_stops_at_a_torn_tail(
 ) -> None:
     from ckptdb.trackers.wandbfile import raw_records
 
-    payloads = [b"a" * 10, b"b" * 70_000, b"c" * (32768 - 7 - 7 - 17 - 7 - 3), b"d" * 5]
+    # "b" spans three blocks (FIRST, MIDDLE, LAST), ending at byte 70,045; "c" then ends
+    # 3 bytes before the third block does, too few for a header: padding
+    payloads = [b"a" * 10, b"b" * 70_000, b"c" * (3 * 32768 - 70_045 - 7 - 3), b"d" * 5]
     log = tmp_path / "run-x.wandb"
     write_log(log, payloads)
     assert list(raw_records(log)) == payloads
