@@ -33,6 +33,7 @@ DOC_PAGES = {
     "api.md",
     "goodput.md",
     "export.md",
+    "trackers.md",
     "cli.md",
     "ledger.md",
     "guarantees.md",

@@ -78,6 +78,8 @@ ALLOWED = {
         "reader",
     },
     "maintenance": {"errors", "ledger"},
+    # a follower: a reader of the run that writes its own tracker row, then the tracker
+    "trackers": {"errors", "ledger", "location", "reader", "record", "storage"},
     # a checkpoint read as tensors and written as safetensors; the reader records it
     "exports": {"errors", "ledger", "location", "record", "storage"},
     "reader": {
