@@ -142,6 +142,9 @@ def test_one_stream_gets_the_plain_aliases_and_evictions_are_marked(
     with Mirror(root, MlflowSink(tracking_uri, model_name="m"), streams=["model"]) as mirror:
         done = mirror.sync()
         assert mirror.tracker_run_id == run_id  # one MLflow run across restarts
+        assert not mirror.sync()  # the passes after an eviction: nothing new
+    with Mirror(root, MlflowSink(tracking_uri, model_name="m"), streams=["model"]) as mirror:
+        assert not mirror.sync()  # nor for the next follower, which reads what was evicted
     assert len(done.evicted) == 2 and len(runs_of(tracking_uri)) == 1
     with RunReader(root) as reader:
         latest = reader.latest("model")
@@ -331,90 +334,93 @@ with CheckpointManager(root, streams={"model": Keep(last=2), "best": TopK(1, "lo
         if step % 2 == 0:
             w = torch.full((4,), float(step))
             mgr.save(step, metrics={"loss": loss}, model={"w": w}, best={"w": w})
-        time.sleep(0.05)
+        time.sleep(0.1)
 """
 
 
 def follower(root: Path, uri: str, *extra: str) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "ckptdb.cli", "follow", str(root), "--to", "mlflow"]
+    options = ["--tracking-uri", uri, "--model-name", "m", "--poll", "0.1", *extra]
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ckptdb.cli",
-            "follow",
-            str(root),
-            "--to",
-            "mlflow",
-            "--tracking-uri",
-            uri,
-            "--model-name",
-            "m",
-            "--poll",
-            "0.2",
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        [*command, *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 
-def wait_for(predicate: Any, timeout: float = 60) -> None:
+def wait_for(predicate: Any, what: str, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
 
 
-def committed_steps(root: Path) -> list[int]:
-    if not (root / "ckptdb.sqlite").exists():
-        return []
+def ledger_rows(root: Path, query: str) -> list[tuple[Any, ...]]:
     try:
         with sqlite3.connect(root / "ckptdb.sqlite") as con:
-            rows = con.execute("SELECT step FROM checkpoints WHERE state = 'committed'").fetchall()
-    except sqlite3.OperationalError:  # the schema is being created
+            return con.execute(query).fetchall()
+    except sqlite3.OperationalError:  # not created yet
         return []
-    return [r[0] for r in rows]
+
+
+def newest_step(root: Path) -> int:
+    rows = ledger_rows(root, "SELECT MAX(step) FROM checkpoints WHERE state = 'committed'")
+    return rows[0][0] or 0 if rows else 0
+
+
+def mirrored_evictions(root: Path) -> int:
+    rows = ledger_rows(root, "SELECT mirrored FROM trackers")
+    return len(json.loads(rows[0][0])["evicted"]) if rows else 0
 
 
 def test_a_run_killed_and_restarted_with_its_follower_is_one_mlflow_run(
     tmp_path: Path, tracking_uri: str
 ) -> None:
+    """Both killed mid-work: the trainer after its follower has mirrored metrics,
+    checkpoints and evictions; both restarted."""
     root = tmp_path / "run"
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINING, str(root), "1", "40"])
-    watcher = None
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINING, str(root), "1", "200"])
+    watcher = follower(root, tracking_uri)
     try:
-        wait_for(lambda: max(committed_steps(root), default=0) >= 6)
-        watcher = follower(root, tracking_uri)
-        wait_for(lambda: max(committed_steps(root), default=0) >= 12)
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait(10)
+        wait_for(lambda: mirrored_evictions(root) >= 2, "the follower to mirror evictions")
         watcher.send_signal(signal.SIGKILL)
         watcher.wait(10)
-        with RunReader(root) as reader:
-            resume = reader.latest("model")
-        assert resume is not None
+        killed_at = newest_step(root)
+        watcher = follower(root, tracking_uri)
+        wait_for(lambda: newest_step(root) >= killed_at + 6, "more checkpoints")
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(10)
+        resume = newest_step(root)
+        end = resume + 8
         subprocess.run(
-            [sys.executable, "-c", TRAINING, str(root), str(resume.step + 1), "24"],
+            [sys.executable, "-c", TRAINING, str(root), str(resume + 1), str(end)],
             check=True,
             timeout=120,
         )
+        watcher.send_signal(signal.SIGKILL)
+        watcher.wait(10)
         watcher = follower(root, tracking_uri, "--timeout", "2")
         out, _ = watcher.communicate(timeout=120)
         assert watcher.returncode == 0, out
     finally:
         for process in (trainer, watcher):
-            if process is not None and process.poll() is None:
+            if process.poll() is None:
                 process.kill()
                 process.wait(10)
     (run,) = runs_of(tracking_uri)
     assert mlflow_points(tracking_uri, run.info.run_id) == ledger_points(root)
     with RunReader(root) as reader:
         latest, best = reader.latest("model"), reader.best("best")[0]
-        assert len(reader.attempts()) >= 2
-    assert latest is not None and latest.step == 24
+        evicted = reader.checkpoints(states=("deleted",))
+        assert len(reader.attempts()) == 2
+    assert latest is not None and latest.step == end
     assert version_of_alias(tracking_uri, "m", "model-last") == latest.id
     assert version_of_alias(tracking_uri, "m", "best-best") == best.id
+    versions = client(tracking_uri).search_model_versions("name='m'")
+    per_checkpoint = Counter(v.tags["ckptdb.checkpoint"] for v in versions)
+    assert set(per_checkpoint.values()) == {1}
+    states = {v.tags["ckptdb.checkpoint"]: v.tags.get("ckptdb.state") for v in versions}
+    # every evicted checkpoint the follower had logged is marked, none other
+    assert {k for k, v in states.items() if v == "deleted"} <= {str(c.id) for c in evicted}
+    assert sum(v == "deleted" for v in states.values()) >= 2
 
 
 # ------------------------------------------------------------------ both ledgers

@@ -30,6 +30,8 @@ class TrackerState:
     logged: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: alias name -> checkpoint id it was set to
     aliases: dict[str, int] = field(default_factory=dict)
+    #: checkpoint id (as text) -> what was logged for it, and the state it left in
+    evicted: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def claim(session: Session, run_id: int, kind: str, target: str) -> TrackerState:
@@ -46,14 +48,19 @@ def claim(session: Session, run_id: int, kind: str, target: str) -> TrackerState
             target=target,
             external_id=None,
             metric_cursor=0,
-            mirrored=json.dumps({"logged": {}, "aliases": {}}),
+            mirrored=json.dumps({"logged": {}, "aliases": {}, "evicted": {}}),
             updated_at=m.utcnow(),
         )
         session.add(row)
         session.flush()
     mirrored = json.loads(row.mirrored)
     return TrackerState(
-        row.id, row.external_id, row.metric_cursor, mirrored["logged"], mirrored["aliases"]
+        row.id,
+        row.external_id,
+        row.metric_cursor,
+        mirrored["logged"],
+        mirrored["aliases"],
+        mirrored.get("evicted", {}),
     )
 
 
@@ -62,7 +69,10 @@ def save(session: Session, state: TrackerState) -> None:
     assert row is not None
     row.external_id = state.external_id
     row.metric_cursor = state.metric_cursor
-    row.mirrored = json.dumps({"logged": state.logged, "aliases": state.aliases}, sort_keys=True)
+    row.mirrored = json.dumps(
+        {"logged": state.logged, "aliases": state.aliases, "evicted": state.evicted},
+        sort_keys=True,
+    )
     row.updated_at = m.utcnow()
 
 

@@ -321,7 +321,7 @@ class Mirror:
                 continue  # committed again meanwhile (not listed above): the next pass
             entry = self.state.logged.pop(str(ident))
             self.sink.evict(checkpoint, _logged(entry), self.on_evict)
-            self.state.logged[f"evicted:{ident}"] = {**entry, "state": checkpoint.state}
+            self.state.evicted[str(ident)] = {**entry, "state": checkpoint.state}
             evicted.append(ident)
             self._save()
         return evicted
