@@ -11,7 +11,6 @@ twice; evicted checkpoints are marked or deleted; bad input is refused.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sqlite3
 import subprocess
@@ -122,12 +121,11 @@ def test_one_pass_mirrors_metrics_checkpoints_and_aliases(
     assert tags["ckptdb.latest.model"] == str(latest.step) and tags["ckptdb.best.best"] == str(
         best.step
     )
-    described = json.loads(tags[f"ckptdb.checkpoint.model.{latest.path.name}"])
+    described = json.loads(tags[f"ckptdb.checkpoint.model.{latest.id}"])
     assert described == {"id": latest.id, "step": latest.step, "metrics": {"loss": 10.0 / 6}}
-    listed = client(tracking_uri).list_artifacts(run_id, "checkpoints/model")
-    assert {(a.path.rsplit("/", 1)[1], a.file_size) for a in listed} == {
-        (c.path.name, c.size) for c in committed if c.stream == "model"
-    }
+    for c in committed:
+        (listed,) = client(tracking_uri).list_artifacts(run_id, f"checkpoints/{c.stream}/{c.id}")
+        assert (listed.path.rsplit("/", 1)[1], listed.file_size) == (c.path.name, c.size)
 
 
 def test_one_stream_gets_the_plain_aliases_and_evictions_are_marked(
@@ -152,7 +150,7 @@ def test_one_stream_gets_the_plain_aliases_and_evictions_are_marked(
     assert latest is not None and version_of_alias(tracking_uri, "m", "last") == latest.id
     tags = client(tracking_uri).get_run(run_id).data.tags
     assert sorted(k for k in tags if k.startswith("ckptdb.evicted.")) == sorted(
-        f"ckptdb.evicted.model.{c.path.name}" for c in evicted
+        f"ckptdb.evicted.model.{c.id}" for c in evicted
     )
     versions = client(tracking_uri).search_model_versions("name='m'")
     marked = {v.tags["ckptdb.checkpoint"]: v.tags.get("ckptdb.state") for v in versions}
@@ -172,7 +170,7 @@ def test_delete_removes_an_evicted_checkpoints_artifact_and_version(
         run_id = mirror.tracker_run_id
     listed = client(tracking_uri).list_artifacts(run_id, "checkpoints/model")
     with RunReader(root) as reader:
-        kept = {c.path.name for c in reader.checkpoints("model")}
+        kept = {str(c.id) for c in reader.checkpoints("model")}
     assert {a.path.rsplit("/", 1)[1] for a in listed} == kept
     versions = client(tracking_uri).search_model_versions("name='m'")
     assert len(versions) == len(kept)
@@ -216,14 +214,14 @@ def test_a_follower_stopped_between_a_log_and_its_ledger_write_logs_nothing_twic
     with RunReader(root) as reader:
         oldest = min(reader.checkpoints(), key=lambda c: c.id)
     listed = client(tracking_uri).list_artifacts(run_id, f"checkpoints/{oldest.stream}")
-    assert [a.path.rsplit("/", 1)[1] for a in listed] == [oldest.path.name]
+    assert [a.path.rsplit("/", 1)[1] for a in listed] == [str(oldest.id)]
     # 3. the next follower logs the rest, and nothing twice
     spy = MlflowSink(tracking_uri, model_name="m")
-    uploads: list[str] = []
+    uploads: list[Path] = []
     real_upload = spy.client.log_artifact
 
     def counted(run: str, local: str, artifact_path: str | None = None) -> None:
-        uploads.append(Path(local).name)
+        uploads.append(Path(local).resolve())
         real_upload(run, local, artifact_path=artifact_path)
 
     monkeypatch.setattr(spy.client, "log_artifact", counted)
@@ -237,7 +235,7 @@ def test_a_follower_stopped_between_a_log_and_its_ledger_write_logs_nothing_twic
         done = mirror.sync()
     assert sent == []  # every point was in MLflow already: none sent again
     assert oldest.id in {c.id for c in done.checkpoints}  # recorded now...
-    assert oldest.path.name not in uploads or oldest.stream != "model"  # ...never uploaded again
+    assert oldest.path.resolve() not in uploads and uploads  # ...never uploaded again
     versions = client(tracking_uri).search_model_versions("name='m'")
     assert sorted(Counter(v.tags["ckptdb.checkpoint"] for v in versions).values()) == [1] * len(
         done.checkpoints
@@ -380,7 +378,11 @@ def test_a_run_killed_and_restarted_with_its_follower_is_one_mlflow_run(
     trainer = subprocess.Popen([sys.executable, "-c", TRAINING, str(root), "1", "200"])
     watcher = follower(root, tracking_uri)
     try:
-        wait_for(lambda: mirrored_evictions(root) >= 2, "the follower to mirror evictions")
+        try:
+            wait_for(lambda: mirrored_evictions(root) >= 2, "the follower to mirror evictions")
+        except AssertionError as exc:
+            watcher.kill()
+            raise AssertionError(f"{exc}; the follower said: {watcher.communicate()[0]}") from exc
         watcher.send_signal(signal.SIGKILL)
         watcher.wait(10)
         killed_at = newest_step(root)
@@ -443,7 +445,6 @@ def test_mirroring_a_run_on_either_ledger(
     ((kind, external, cursor),) = db.rows("SELECT kind, external_id, metric_cursor FROM trackers")
     (top,) = db.rows("SELECT MAX(id) FROM metrics")
     assert (kind, external, cursor) == ("mlflow", run_id, top[0])
-    assert os.path.exists(root)
 
 
 # ------------------------------------------------------------------ Weights & Biases (offline)
@@ -553,13 +554,15 @@ def test_wandb_offline_holds_each_point_once_and_the_aliases_the_ledger_has(
     assert holder(artifacts, "run-model", "latest") == latest.id
     assert holder(artifacts, "run-best", "best") == best.id
     assert holder(artifacts, "run-best", "latest") == best.id
+    model_ids = {c.id for c in first.checkpoints if c.stream == "model"}
     summaries = [
         {i.key or "/".join(i.nested_key) for i in r.summary.update}
         for kind, r in wandb_records(wandb_dir, run_id)
         if kind == "summary"
     ]
     marked = set().union(*summaries)
-    assert {f"ckptdb/evicted/model/step-{s}" for s in (2, 4)} <= marked and len(done.evicted) == 3
+    assert {f"ckptdb/evicted/model/ckpt-{i}" for i in done.evicted if i in model_ids} <= marked
+    assert len(done.evicted) == 3 and len(model_ids & set(done.evicted)) == 2
 
 
 def test_wandb_after_a_crash_between_a_log_and_the_ledger_nothing_is_logged_twice(

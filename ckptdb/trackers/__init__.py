@@ -19,8 +19,10 @@ the ckptdb run, however many attempts it has:
 **Never twice.** The cursor and what was logged are written to the ledger
 after each step; a follower killed between a log and that write finds, when
 it starts again, what the tracker already holds (the sink asks the tracker:
-the points of each metric key, the files of a checkpoint's artifact) and
-logs only the rest. One follower per run and tracker at a time: a file lock
+the points of each metric key, batch after batch until a batch holds none;
+the files of a checkpoint's artifact) and logs only the rest. A tracker
+whose writes are asynchronous (W&B) is asked at the open what it holds, and
+the cursor goes back to that. One follower per run and tracker at a time: a file lock
 beside the ledger.
 
 A sink (:mod:`.mlflow`, :mod:`.wandb`) is the tracker's side of this: the
@@ -41,6 +43,7 @@ from filelock import FileLock, Timeout
 
 from ..errors import (
     CheckpointLostError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidArgumentError,
     LedgerLockedError,
@@ -63,6 +66,8 @@ log = logging.getLogger("ckptdb.trackers")
 ON_EVICT = ("mark", "delete")
 #: Metric points mirrored per tracker call.
 BATCH = 1000
+#: The lease on a checkpoint while it is logged (renewed while held; seconds).
+PIN_TTL = 600.0
 #: How often a follower looks for news (seconds).
 POLL = 2.0
 
@@ -86,6 +91,10 @@ class Sink(Protocol):
         """The tracker run for the ckptdb run ``token`` (``known``: its id from the
         ledger; else found by tag, or created), whose ``streams`` are followed; its id."""
 
+    def holds(self) -> Held | None:
+        """What the tracker run holds, when its writes are asynchronous (else None: what
+        returned is there)."""
+
     def already_logged(self, points: list[Point]) -> set[int]:
         """The ids of ``points`` the tracker holds already (a crash after a log)."""
 
@@ -106,6 +115,14 @@ class Sink(Protocol):
         """Refuse (``InvalidArgumentError``) an ``on_evict`` this sink cannot do."""
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Held:
+    """What an asynchronous tracker run holds: the last metric point, the checkpoints."""
+
+    metric_id: int
+    checkpoints: set[int]
 
 
 @dataclass(frozen=True)
@@ -185,10 +202,22 @@ class Mirror:
             self.state.external_id = sink.open(
                 token, self._reader.run_name, self.state.external_id, self.streams
             )
+            self._believe_the_tracker()
             self._save()
         except BaseException:
             self.close()
             raise
+
+    def _believe_the_tracker(self) -> None:
+        """A tracker that logs asynchronously (W&B) may have lost what the ledger says
+        was mirrored (the follower killed before the tracker's own writer caught up):
+        go back to what the tracker holds, and log the rest again."""
+        held = self.sink.holds()
+        if held is None:
+            return
+        self.state.metric_cursor = min(self.state.metric_cursor, held.metric_id)
+        for ident in [i for i in self.state.logged if int(i) not in held.checkpoints]:
+            del self.state.logged[ident]  # logged again (the same files: the same version)
 
     @property
     def tracker_run_id(self) -> str | None:
@@ -213,6 +242,8 @@ class Mirror:
                     log.warning("ckptdb: not mirrored: %s", exc)
                     self._refused.add(checkpoint.id)
                 continue
+            except CheckpointNotFoundError:
+                continue  # evicted since this pass listed it: never logged, nothing to mark
             done.checkpoints.append(checkpoint)
         done.aliases = self._aliases(committed)
         done.evicted = self._evictions({c.id for cs in committed.values() for c in cs})
@@ -242,13 +273,18 @@ class Mirror:
                 return mirrored
             last = points[-1].id
             if not self._checked:
-                # a follower killed between a log and its cursor's write left at most this
-                # batch (the same size, from the same cursor) in the tracker already
+                # a follower killed between a log and its cursor's write, or another row's
+                # follower (another spelling of the target) logged some of these already:
+                # ask the tracker, batch after batch, until a batch holds none of them
                 there = self.sink.already_logged(points)
                 points = [p for p in points if p.id not in there]
-                self._checked = True
+                self._checked = not there
             if points:
-                self.sink.log_metrics(points)
+                try:
+                    self.sink.log_metrics(points)
+                except BaseException:
+                    self._checked = False  # the tracker may have applied it: ask again
+                    raise
                 mirrored += len(points)
             self.state.metric_cursor = last
             self._save()
@@ -276,7 +312,11 @@ class Mirror:
         return store.local_path(rel)
 
     def _log_checkpoint(self, checkpoint: Checkpoint, aliases: list[str]) -> None:
-        logged = self.sink.log_checkpoint(checkpoint, self._verified(checkpoint), aliases)
+        # pinned: retention may evict it meanwhile, but its file stays until it is logged
+        with self._reader.pin(
+            checkpoint, ttl=PIN_TTL, holder=f"ckptdb follow --to {self.sink.kind}"
+        ):
+            logged = self.sink.log_checkpoint(checkpoint, self._verified(checkpoint), aliases)
         self.state.logged[str(checkpoint.id)] = {
             "stream": checkpoint.stream,
             "step": checkpoint.step,
@@ -319,8 +359,9 @@ class Mirror:
             checkpoint = states.get(ident)
             if checkpoint is None:
                 continue  # committed again meanwhile (not listed above): the next pass
-            entry = self.state.logged.pop(str(ident))
-            self.sink.evict(checkpoint, _logged(entry), self.on_evict)
+            entry = self.state.logged[str(ident)]
+            self.sink.evict(checkpoint, _logged(entry), self.on_evict)  # raises: next pass
+            del self.state.logged[str(ident)]
             self.state.evicted[str(ident)] = {**entry, "state": checkpoint.state}
             evicted.append(ident)
             self._save()
@@ -381,4 +422,14 @@ def missing_extra(package: str, extra: str) -> MissingExtraError:
     )
 
 
-__all__ = ["BATCH", "ON_EVICT", "Aliased", "Logged", "Mirror", "Pass", "Sink", "missing_extra"]
+__all__ = [
+    "BATCH",
+    "ON_EVICT",
+    "Aliased",
+    "Held",
+    "Logged",
+    "Mirror",
+    "Pass",
+    "Sink",
+    "missing_extra",
+]

@@ -1,22 +1,24 @@
 """The MLflow side of a mirror: one MLflow run per ckptdb run.
 
 - The run is found by its tag ``ckptdb.run`` (the ckptdb run's token) in the
-  experiment, or created there; its id is kept in the ledger.
+  experiment, or created there; its id is kept in the ledger, with the
+  tracking URI stripped of any user, password and query.
 - Metrics go through ``log_batch`` with the ledger's step and wall time.
-  After a restart, the points of the first batch that MLflow already holds
-  (same key, step and timestamp) are left out.
-- Each checkpoint is an artifact under ``checkpoints/<stream>/<file name>``,
-  with a run tag ``ckptdb.checkpoint.<stream>.<file name>`` that gives its
-  step, metrics and ledger id. A copy whose files MLflow holds whole already
-  (same names and sizes) is not uploaded again. With ``model_name``, each one
-  is also a version of that registered model (tagged the same way).
+  After a restart, the points MLflow already holds (same key, step and
+  timestamp) are left out, batch after batch until one holds none.
+- Each checkpoint is an artifact under ``checkpoints/<stream>/<id>/<file
+  name>`` (``id``: its ledger id), with a run tag
+  ``ckptdb.checkpoint.<stream>.<id>`` that gives its step and metrics. A
+  copy whose files MLflow holds whole already (same names and sizes) is not
+  uploaded again. With ``model_name``, each one is also a version of that
+  registered model (tagged the same way).
 - ``latest`` and ``best``: run tags ``ckptdb.latest.<stream>`` and
   ``ckptdb.best.<stream>`` (the step), and, with ``model_name``, the
   registered model's aliases ``last`` and ``best`` (``<stream>-last``,
   ``<stream>-best`` when several streams are followed). MLflow reserves the
   alias ``latest``.
-- An evicted checkpoint: ``mark`` tags its copy (``ckptdb.evicted...`` on the
-  run, ``ckptdb.state`` on its model version); ``delete`` removes its
+- An evicted checkpoint: ``mark`` tags its copy (``ckptdb.evicted.<stream>.<id>``
+  on the run, ``ckptdb.state`` on its model version); ``delete`` removes its
   artifact and its model version.
 """
 
@@ -27,6 +29,7 @@ import math
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import InvalidArgumentError
 from ..ledger.trackers import Point
@@ -60,7 +63,7 @@ class MlflowSink:
             if not isinstance(value, str) or not value:
                 raise InvalidArgumentError(f"{name} must be a non-empty str, got {value!r}")
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-        self.target = f"{tracking_uri}#{experiment}"
+        self.target = f"{without_secrets(tracking_uri)}#{experiment}"
         self.experiment, self.model_name = experiment, model_name
         self._artifact_location = artifact_location  # a new experiment's (MLflow's default)
         self._several = False  # aliases named per stream (open says which are followed)
@@ -92,6 +95,9 @@ class MlflowSink:
             self.client.create_registered_model(self.model_name)
         return known
 
+    def holds(self) -> None:
+        """None: MLflow's calls return once the server stored what they sent."""
+
     def already_logged(self, points: list[Point]) -> set[int]:
         there: dict[str, set[tuple[int, int]]] = {}
         for name in sorted({p.name for p in points}):
@@ -109,7 +115,8 @@ class MlflowSink:
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def log_checkpoint(self, checkpoint: Checkpoint, local: Path, aliases: list[str]) -> Logged:
-        where = f"{PREFIX}/{checkpoint.stream}/{local.name}"
+        # the ledger id keeps a framework's reused name (checkpoint-12, after a resume) apart
+        where = f"{PREFIX}/{checkpoint.stream}/{checkpoint.id}/{local.name}"
         if _listing(self.client, self.run_id, where) != _files(local, where):
             if local.is_dir():
                 self.client.log_artifacts(self.run_id, str(local), artifact_path=where)
@@ -122,7 +129,7 @@ class MlflowSink:
             sort_keys=True,
         )
         self.client.set_tag(
-            self.run_id, f"ckptdb.checkpoint.{checkpoint.stream}.{local.name}", described
+            self.run_id, f"ckptdb.checkpoint.{checkpoint.stream}.{checkpoint.id}", described
         )
         version = None
         if self.model_name is not None:
@@ -160,9 +167,8 @@ class MlflowSink:
 
     def evict(self, checkpoint: Checkpoint, logged: Logged, how: str) -> None:
         if how == "mark":
-            name = logged.where.rpartition("/")[2]
             self.client.set_tag(
-                self.run_id, f"ckptdb.evicted.{checkpoint.stream}.{name}", checkpoint.state
+                self.run_id, f"ckptdb.evicted.{checkpoint.stream}.{checkpoint.id}", checkpoint.state
             )
             if self.model_name is not None and logged.version is not None:
                 self.client.set_model_version_tag(
@@ -172,12 +178,23 @@ class MlflowSink:
         from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
         repository: Any = get_artifact_repository(self._artifact_uri)
-        repository.delete_artifacts(logged.where)
+        repository.delete_artifacts(logged.where.rpartition("/")[0])  # its own <id>/
         if self.model_name is not None and logged.version is not None:
             self.client.delete_model_version(self.model_name, logged.version)
 
     def close(self) -> None:
         """Nothing held open: each call above is a request of its own."""
+
+
+def without_secrets(uri: str) -> str:
+    """``uri`` without a user, a password or a query (tokens): what the ledger may keep."""
+    parts = urlsplit(uri)
+    if not parts.scheme:
+        return uri
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def _ms(wall_time: float) -> int:

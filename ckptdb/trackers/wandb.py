@@ -8,20 +8,25 @@
   plotted against it: a step redone after a crash is a row of its own, not
   one W&B drops for going backwards), the ledger's wall time as
   ``ckptdb/wall_time``, and ``ckptdb/metric_id``, the id of the row's last
-  ledger point. A follower restarted skips the points up to the largest
-  ``ckptdb/metric_id`` the run holds: read from the W&B API online, from the
-  earlier offline runs' transaction logs offline (:mod:`.wandbfile`).
+  ledger point. ``run.log`` returns before W&B's own writer has the row, so
+  a follower opening the run goes back to what W&B holds: the largest
+  ``ckptdb/metric_id`` and the checkpoints' versions, read from the W&B API
+  online, from the earlier offline runs' transaction logs offline
+  (:mod:`.wandbfile`), and logs the rest again.
 - Each checkpoint is a version of the artifact ``<run>-<stream>`` (type
   ``model``), its metadata the ledger id, step and metrics, its aliases
-  ``step-<N>`` and whichever of ``latest``/``best`` it holds. A version
+  ``ckpt-<id>`` (its own for good), ``step-<N>`` and whichever of
+  ``latest``/``best`` it holds. Online, the follower waits for the upload
+  before the ledger records it. A version
   logged again with the same files is the same version (W&B dedupes by
   digest), so a follower restarted after a log never makes two.
 - ``latest`` and ``best``: W&B gives ``latest`` to every version it logs, so
   moving an alias means logging the version that should hold it again (no
   upload: the same digest), ``best`` first and ``latest`` last.
 - An evicted checkpoint: ``mark`` records it in the run's summary
-  (``ckptdb/evicted/<stream>/step-<N>``: its state); ``delete`` removes its
-  artifact version through the W&B API, which needs the run online.
+  (``ckptdb/evicted/<stream>/ckpt-<id>``: its state and step); ``delete``
+  removes its artifact version (``ckpt-<id>``) through the W&B API, which
+  needs the run online.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from ..ledger.trackers import Point
 from ..record import Checkpoint
-from . import Aliased, Logged, missing_extra
+from . import Aliased, Held, Logged, missing_extra
 from .wandbfile import METRIC_ID, logged_offline
 from .wandbfile import Logged as OfflineLog
 
@@ -73,6 +78,7 @@ class WandbSink:
         #: (stream, alias) -> the checkpoint id that holds it, as this process logged it
         self._holds: dict[tuple[str, str], int] = {}
         self._logged_offline: OfflineLog | None = None
+        self._held: Held | None = None  # what the run held when this follower opened it
 
     def open(self, token: str, run_name: str, known: str | None, streams: list[str]) -> str:
         ident = known or f"ckptdb-{token}"
@@ -96,16 +102,25 @@ class WandbSink:
         self._name = _artifact_name(run_name)
         return ident
 
-    def already_logged(self, points: list[Point]) -> set[int]:
-        last = self._last_metric_id()
-        return {p.id for p in points if p.id <= last}
-
-    def _last_metric_id(self) -> int:
+    def holds(self) -> Held:
+        """What the W&B run holds: ``run.log`` and ``log_artifact`` return before W&B's
+        own writer has the data, so a follower killed meanwhile may have lost it."""
         if self._logged_offline is not None:
-            return self._logged_offline.last_metric_id
-        api = self._wandb.Api()
-        found = api.run(f"{self.run.entity}/{self.run.project}/{self.run.id}")
-        return max((int(row[METRIC_ID]) for row in found.scan_history(keys=[METRIC_ID])), default=0)
+            offline = self._logged_offline
+            self._held = Held(offline.last_metric_id, set(offline.checkpoints))
+            return self._held
+        found = self._wandb.Api().run(f"{self.run.entity}/{self.run.project}/{self.run.id}")
+        last = max((int(r[METRIC_ID]) for r in found.scan_history(keys=[METRIC_ID])), default=0)
+        logged = {a.metadata.get("ckptdb_id") for a in found.logged_artifacts()}
+        self._held = Held(last, {int(i) for i in logged if i is not None})
+        return self._held
+
+    def already_logged(self, points: list[Point]) -> set[int]:
+        """The points up to the largest ``ckptdb/metric_id`` W&B holds (rows are logged in
+        the ledger's order, each whole)."""
+        if self._held is None:
+            self._held = self.holds()
+        return {p.id for p in points if p.id <= self._held.metric_id}
 
     def log_metrics(self, points: list[Point]) -> None:
         row: dict[str, Any] = {}
@@ -120,7 +135,7 @@ class WandbSink:
 
     def log_checkpoint(self, checkpoint: Checkpoint, local: Path, aliases: list[str]) -> Logged:
         self._log(checkpoint, local, aliases)
-        return Logged(f"{self._name}-{checkpoint.stream}:step-{checkpoint.step}")
+        return Logged(f"{self._name}-{checkpoint.stream}:ckpt-{checkpoint.id}")
 
     def _log(self, checkpoint: Checkpoint, local: Path, aliases: list[str]) -> None:
         artifact = self._wandb.Artifact(
@@ -137,7 +152,12 @@ class WandbSink:
             artifact.add_dir(str(local), name=local.name)
         else:
             artifact.add_file(str(local), name=local.name)
-        self.run.log_artifact(artifact, aliases=[f"step-{checkpoint.step}", *aliases])
+        unique = f"ckpt-{checkpoint.id}"  # step-N moves to a redone step's new version
+        logged = self.run.log_artifact(
+            artifact, aliases=[unique, f"step-{checkpoint.step}", *aliases]
+        )
+        if not self.offline:
+            logged.wait()  # uploaded before the ledger says so
         self._holds[(checkpoint.stream, "latest")] = checkpoint.id  # W&B's own doing
         for alias in aliases:
             self._holds[(checkpoint.stream, alias)] = checkpoint.id
@@ -155,8 +175,8 @@ class WandbSink:
             self._log(latest.checkpoint, latest.local(), ["latest", *(["best"] if same else [])])
 
     def evict(self, checkpoint: Checkpoint, logged: Logged, how: str) -> None:
-        name = f"ckptdb/evicted/{checkpoint.stream}/step-{checkpoint.step}"
-        self.run.summary[name] = checkpoint.state
+        name = f"ckptdb/evicted/{checkpoint.stream}/ckpt-{checkpoint.id}"
+        self.run.summary[name] = f"{checkpoint.state} (step {checkpoint.step})"
         if how == "delete":
             api = self._wandb.Api()
             path = f"{self.run.entity}/{self.run.project}/{logged.where}"
