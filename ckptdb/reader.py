@@ -430,9 +430,11 @@ class RunReader:
         ``trust_pickle``: unpickle a file that holds more than tensors and plain
         values (only for files you trust).
 
-        The export is recorded (table ``exports``) once complete and in place; a
-        crash meanwhile leaves no visible export and no row. See
-        :mod:`ckptdb.exports`.
+        The export is recorded (table ``exports``) once complete and in place. A
+        crash while it is written leaves only a hidden temporary beside ``to``
+        (the next export there removes it); one between the rename and the
+        record leaves a complete directory without a row. See
+        :mod:`ckptdb.exports` and docs/export.md.
         """
         options = ExportOptions.of(to, format, key, max_shard_size, trust_pickle)
         target, save_dir = self._resolve(which, stream)

@@ -94,6 +94,39 @@ def test_a_state_dict_round_trips_through_safetensors(tmp_path: Path) -> None:
         assert f.metadata() == {"format": "pt"}  # what from_pretrained requires
 
 
+def test_every_tensor_starts_at_a_multiple_of_its_element_size(tmp_path: Path) -> None:
+    """Mixed dtypes (a 3-byte bool mask before a float) are laid out as the safetensors
+    library lays them out, larger elements first, so a reader that maps the file gets
+    aligned views."""
+    saved_run(tmp_path / "run", state())
+    with RunReader(tmp_path / "run") as reader:
+        reader.export(to=tmp_path / "out")
+    entries, _ = st.read_header(tmp_path / "out" / "model.safetensors")
+    assert len(entries) == len(state())
+    assert all(e.start % e.spec.itemsize == 0 for e in entries), [
+        (e.spec.name, e.start) for e in entries
+    ]
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(t.data_ptr() % t.element_size() == 0 for t in got.values())
+
+
+def test_a_failed_record_leaves_the_users_empty_directory_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptdb.ledger import exports as ledger_exports
+
+    saved_run(tmp_path / "run", state())
+    (tmp_path / "out").mkdir()
+
+    def refused(*args: Any, **kwargs: Any) -> int:
+        raise RuntimeError("the ledger refused the row")
+
+    monkeypatch.setattr(ledger_exports, "record", refused)
+    with RunReader(tmp_path / "run") as reader, pytest.raises(RuntimeError):
+        reader.export(to=tmp_path / "out")
+    assert (tmp_path / "out").is_dir() and not any((tmp_path / "out").iterdir())
+
+
 def test_non_tensor_entries_are_left_out_and_named(tmp_path: Path) -> None:
     sd: dict[str, Any] = {"w": torch.ones(2), "inner": {"b": torch.zeros(3), "count": 4}}
     saved_run(tmp_path / "run", {"model": sd})

@@ -244,6 +244,62 @@ def test_a_follower_stopped_between_a_log_and_its_ledger_write_logs_nothing_twic
     assert len(runs_of(tracking_uri)) == 1
 
 
+def test_another_spelling_of_the_tracking_uri_logs_nothing_twice(
+    tmp_path: Path, tracking_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second row of the trackers table (the same store, its URI written another way)
+    starts from cursor 0 and finds the same MLflow run by its tag: it asks MLflow batch
+    after batch, not only the first, what it holds already."""
+    from ckptdb import trackers
+
+    monkeypatch.setattr(trackers, "BATCH", 5)
+    root = tmp_path / "run"
+    train(root, range(1, 9))  # 12 points: three batches of 5
+    with Mirror(root, MlflowSink(tracking_uri)) as mirror:
+        mirror.sync()
+        run_id = mirror.tracker_run_id
+    train(root, range(9, 11))
+    respelled = tracking_uri.replace("/mlflow.db", "/./mlflow.db")
+    with Mirror(root, MlflowSink(respelled)) as mirror:
+        done = mirror.sync()
+        assert mirror.tracker_run_id == run_id
+    assert done.metrics == 5  # loss and lr at steps 9 and 10, and the save's loss at 10
+    assert mlflow_points(tracking_uri, run_id) == ledger_points(root)
+    with sqlite3.connect(root / "ckptdb.sqlite") as con:
+        assert con.execute("SELECT COUNT(*) FROM trackers").fetchone() == (2,)
+
+
+def test_no_credential_of_the_tracking_uri_reaches_the_ledger() -> None:
+    from ckptdb.trackers.mlflow import without_secrets
+
+    uri = "postgresql://mlflow:s3cret@db.example:5432/mlflow?sslpassword=hunter2"
+    assert without_secrets(uri) == "postgresql://db.example:5432/mlflow"
+    assert without_secrets("sqlite:////data/mlflow.db") == "sqlite:////data/mlflow.db"
+    assert without_secrets("https://token@mlflow.example/") == "https://mlflow.example/"
+
+
+def test_an_eviction_the_tracker_refused_is_tried_again(
+    tmp_path: Path, tracking_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "run"
+    train(root, range(1, 5))
+    sink = MlflowSink(tracking_uri)
+    with Mirror(root, sink, streams=["model"]) as mirror:
+        mirror.sync()
+        train(root, range(5, 7))  # step 2 leaves the window
+        real = sink.evict
+        monkeypatch.setattr(sink, "evict", lambda *a: (_ for _ in ()).throw(OSError("down")))
+        with pytest.raises(OSError, match="down"):
+            mirror.sync()
+        monkeypatch.setattr(sink, "evict", real)
+        done = mirror.sync()
+    with RunReader(root) as reader:
+        (evicted,) = reader.checkpoints("model", states=("deleted",))
+    assert done.evicted == [evicted.id]
+    tags = client(tracking_uri).get_run(mirror.tracker_run_id).data.tags
+    assert tags[f"ckptdb.evicted.model.{evicted.id}"] == "deleted"
+
+
 def test_a_corrupt_checkpoint_is_not_mirrored_and_the_rest_is(
     tmp_path: Path, tracking_uri: str
 ) -> None:

@@ -120,6 +120,7 @@ def export_payload(
     if not source.specs:
         raise InvalidArgumentError(f"{rel} holds no tensors to export")
     files.make_dir(options.to.parent)
+    given_empty = options.to.is_dir()  # the user's own empty directory: put back on undo
     _remove_stale_temps(options.to)
     tmp = options.to.parent / f".{options.to.name}{TEMP_MARK}{socket.gethostname()}-{os.getpid()}"
     files.remove(tmp)  # this very process's, from an export it was interrupted in
@@ -136,6 +137,8 @@ def export_payload(
         export = record(Written(options.to, written, total.size, total.hash, len(source.specs)))
     except BaseException as exc:
         _undo(options.to, exc)  # nothing recorded names it: it must not stay
+        if given_empty:
+            options.to.mkdir(exist_ok=True)
         raise
     return ExportResult(export, tuple(source.skipped), dict(source.aliases))
 

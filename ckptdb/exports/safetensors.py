@@ -68,8 +68,12 @@ class TensorSpec:
     shape: tuple[int, ...]
 
     @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.itemsize
 
 
 def checked_spec(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorSpec:

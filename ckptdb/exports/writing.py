@@ -81,6 +81,13 @@ def plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec
     return shards
 
 
+def aligned(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """A shard's tensors in the order the safetensors library writes them: larger
+    elements first, then by name, so that every tensor starts at a multiple of its
+    element size (a reader that maps the file gets aligned views)."""
+    return sorted(specs, key=lambda s: (-s.itemsize, s.name))
+
+
 def shard_names(count: int) -> list[str]:
     if count == 1:
         return [SINGLE]
@@ -93,7 +100,8 @@ def write_export(source: Source, directory: Path, max_bytes: int) -> list[Export
     names = shard_names(len(shards))
     written = []
     for name, specs in zip(names, shards, strict=True):
-        info = write_file(directory / name, specs, source.tensors(specs))
+        ordered = aligned(specs)
+        info = write_file(directory / name, ordered, source.tensors(ordered))
         written.append(_file(name, info))
     if len(shards) > 1:
         index = {

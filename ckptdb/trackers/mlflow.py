@@ -189,8 +189,8 @@ class MlflowSink:
 def without_secrets(uri: str) -> str:
     """``uri`` without a user, a password or a query (tokens): what the ledger may keep."""
     parts = urlsplit(uri)
-    if not parts.scheme:
-        return uri
+    if not parts.scheme or ("@" not in parts.netloc and not parts.query):
+        return uri  # nothing to remove (and sqlite:////abs keeps its empty host)
     host = parts.hostname or ""
     if parts.port is not None:
         host = f"{host}:{parts.port}"
