@@ -59,6 +59,7 @@ ORDER = (
     "made_root",
     "resave",
     "async",
+    "export",
 )
 
 pytestmark = pytest.mark.timeout(3600 if DEEP else 300)
