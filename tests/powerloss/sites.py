@@ -41,7 +41,7 @@ DURABILITY_CALLS = {
 HELPERS = ("fsync_dir", "fsync_file", "sync_data")
 #: Sites that change no run's state, each with the reason (shown by the tests).
 EXEMPT = {
-    ("ckptdb/exports/__init__.py", "_undo", "fsync_dir"): (
+    ("ckptdb/exports/__init__.py", "_undo", "files.fsync_dir"): (
         "the undo of a failed export (what it wrote removed again): reached only when "
         "writing or recording it failed; a power cut there leaves the hidden temporary, "
         "or a complete directory without a row, as a crash does (the export scenario "
@@ -102,7 +102,9 @@ class Site:
 
     @property
     def module(self) -> str:
-        return self.path.removesuffix(".py").replace("/", ".")
+        """The module to patch (a package's ``__init__`` is the package itself: importing
+        ``pkg.__init__`` would make a second module, which nothing calls)."""
+        return self.path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
 
 
 def find_sites(repo: Path) -> list[Site]:
