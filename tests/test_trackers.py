@@ -642,7 +642,12 @@ def test_wandb_after_a_crash_between_a_log_and_the_ledger_nothing_is_logged_twic
             mirror.sync()
     monkeypatch.setattr(ledger_trackers, "save", real_save)
     assert run_id is not None
-    assert wandb_points(wandb_dir, run_id) == every_ledger_point(root)  # logged, not recorded
+    # logged, not recorded (W&B's own writer, a process of its own, may still be writing)
+    wait_for(
+        lambda: wandb_points(wandb_dir, run_id) == every_ledger_point(root),
+        "the offline log to hold every point",
+        timeout=30,
+    )
     with Mirror(root, WandbSink("p", directory=wandb_dir, offline=True)) as mirror:
         mirror.sync()
     ids = [row["ckptdb/metric_id"] for row in wandb_rows(wandb_dir, run_id)]

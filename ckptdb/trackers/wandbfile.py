@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +69,9 @@ def logged_offline(directory: Path, run_id: str) -> Logged:
     from wandb.proto import wandb_internal_pb2
 
     found = Logged()
-    for path in sorted(directory.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
+    paths = sorted(directory.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    _settled(paths)
+    for path in paths:
         for raw in raw_records(path):
             record: Any = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
             record.ParseFromString(raw)
@@ -86,3 +89,30 @@ def logged_offline(directory: Path, run_id: str) -> Logged:
                         list(record.artifact.aliases)
                     )
     return found
+
+
+#: How long to wait for an earlier run's log to stop growing (seconds), and how often to look.
+SETTLE_TIMEOUT, SETTLE_POLL = 30.0, 0.5
+
+
+def _settled(paths: list[Path]) -> None:
+    """Wait until the logs stop growing: W&B's own writer (``wandb-core``, a process of
+    its own) may still be writing a log its follower handed it before it died or
+    returned, and what is read here decides what is logged again."""
+    if not paths:
+        return
+    deadline = time.monotonic() + SETTLE_TIMEOUT
+    sizes = [_size(p) for p in paths]
+    while time.monotonic() < deadline:
+        time.sleep(SETTLE_POLL)
+        now = [_size(p) for p in paths]
+        if now == sizes:
+            return
+        sizes = now
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return -1
