@@ -12,6 +12,7 @@ backends share is :mod:`.session`; the ``--pt-expt`` trainer is
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -105,8 +106,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     options = Options(ledger=ledger, restart=flags.restart)
     factory = _trainer_factory(flags.backend, options)
-    with compat.trainer_replaced_by(factory, flags.backend), compat.gloo_on_the_cpu():
-        compat.run_dp(args)
+    try:
+        with compat.trainer_replaced_by(factory, flags.backend), compat.gloo_on_the_cpu():
+            compat.run_dp(args)
+    finally:
+        collect_process_groups()
+
+
+def collect_process_groups() -> None:
+    """Free, while the interpreter is whole, what DeePMD's trainer leaves in reference
+    cycles: its DDP module and the ledger, which hold the (already destroyed) process
+    groups.
+
+    Why: collected only at interpreter exit, a gloo process group's destructor
+    lets its worker threads finish, and a worker dropping the last tensors of a
+    collective it ran needs the GIL, which no thread may take once the
+    interpreter is finalizing: CPython ends that thread with ``pthread_exit``,
+    whose unwinding through torch's C++ aborts the process ("terminate called
+    without an active exception", exit status -6 after a run that succeeded).
+    Seen on a loaded machine on about one torchrun in fifteen.
+    """
+    gc.collect()
 
 
 def _trainer_factory(backend: str, options: Options) -> Callable[..., Any]:
