@@ -72,7 +72,7 @@ def schema_revisions(root: Path, db_url: str | None) -> tuple[str, ...]:
         ledger.dispose()
 
 
-def newest_revision() -> str | None:
+def newest_revision() -> str:
     """The newest schema revision this version of ckptdb knows (what :func:`upgrade`
     migrates to)."""
     return engine.newest_revision()

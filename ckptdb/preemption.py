@@ -29,7 +29,6 @@ collective or a write. Here the flow is:
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
@@ -52,7 +51,6 @@ __all__ = [
     "Preemption",
     "Received",
     "on_preemption",
-    "preemption_summary",
 ]
 
 log = logging.getLogger("ckptdb.preemption")
@@ -417,45 +415,6 @@ class PipelinedFlag:
         work, self._work = self._work, None
         if work is not None:
             work.wait()
-
-
-def preemption_summary(events: Iterable[Any]) -> list[dict[str, Any]]:
-    """Per ``preempted`` event (oldest first, with the ``preemption_saved`` and
-    ``resumed`` events of the run): what the preemption cost.
-
-    ``resumed_from`` is the step the next attempt resumed from (its ``resumed``
-    event), else the preemption checkpoint's step when it was saved, else None
-    (nothing known yet); ``lost`` is the agreed step minus that.
-    """
-    events = list(events)
-    summary = []
-    for told in (e for e in events if e.kind == "preempted"):
-        detail = json.loads(told.detail or "{}")
-        saved = [
-            json.loads(e.detail or "{}")
-            for e in events
-            if e.kind == "preemption_saved" and e.attempt_id == told.attempt_id
-        ]
-        later = [
-            e.step
-            for e in events
-            if e.kind == "resumed" and (e.attempt_id or 0) > (told.attempt_id or 0)
-        ]
-        was_saved = bool(saved and saved[-1].get("saved"))
-        resumed_from = later[0] if later else (told.step if was_saved else None)
-        summary.append(
-            {
-                "attempt": told.attempt_id,
-                "step": told.step,
-                "signal": detail.get("signal"),
-                "ranks": detail.get("ranks"),
-                "saved": was_saved if saved else None,
-                "why": saved[-1].get("why") if saved and not was_saved else None,
-                "resumed_from": resumed_from,
-                "lost": told.step - resumed_from if resumed_from is not None else None,
-            }
-        )
-    return summary
 
 
 def _checked_signals(signals: Iterable[signal.Signals | int]) -> tuple[signal.Signals, ...]:

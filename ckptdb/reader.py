@@ -15,6 +15,7 @@ READ ONLY``: one snapshot of committed data, and the server refuses writes.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import socket
 import weakref
@@ -48,10 +49,7 @@ from .ledger.runs import ledger_beside, ledger_url, open_as_reader, run_exists
 from .location import is_object_url, relative_within
 from .pinning import Pin
 from .policies import Policy
-from .preemption import preemption_summary
 from .record import Checkpoint, Export, Replica
-from .storage import topology
-from .storage.kinds import kind_of_path
 from .storage.opening import open_verified_payload
 
 __all__ = ["RunReader", "ledger_url", "resolve", "run_exists"]
@@ -198,6 +196,8 @@ class RunReader:
         ``missing_keys`` is the manager's (a sharded checkpoint saved on several
         ranks, loaded here in one process).
         """
+        from .storage import topology  # torch: a load imports it, a query never does
+
         topology.check_policy(missing_keys)
         if isinstance(which, Pin):
             if which.released:
@@ -403,6 +403,36 @@ class RunReader:
             )
             return [(rows.to_record(row, queries.save_dir), v, who) for row, v, who in found]
 
+    def check(self) -> list[str]:
+        """Violations of the run's consistency invariants, one line each (empty: consistent).
+
+        What :meth:`ckptdb.CheckpointManager.check` finds without ``load``: each
+        committed file's size and hash against its row, the disk against the
+        ledger, the latest pointers and retention, every recorded export's files
+        (see :mod:`ckptdb.protocol.check`). It writes nothing, and holds the run's
+        writer lock while it looks, so that a trainer's checkpoint in flight is
+        never reported: while one runs it raises
+        :class:`~ckptdb.errors.LedgerLockedError`, naming it.
+        """
+        from .exports.checking import check_exports
+        from .ledger.lock import writer_lock
+        from .protocol.check import Checker
+        from .storage.naming import run_token
+        from .storage.opening import open_store
+
+        self._open()
+        lock = writer_lock(self.root, ledger_url(self.root, self._db_url, readonly=False))
+        lock.acquire()
+        try:
+            store = open_store(self.save_dir, self._storage_options, probe=False)
+            if not store.renames:  # an object store names the run's objects with its token
+                assert self.run_created_at is not None
+                store.run_token = run_token(self.run_name, self.run_id, self.run_created_at)
+            found = Checker(self._db, self.run_id, self.root, store, self.policies).run()
+            return found + check_exports(self._db, self.run_id)
+        finally:
+            lock.release()
+
     def export(
         self,
         which: str | int | Checkpoint | os.PathLike[str] = "latest",
@@ -604,10 +634,13 @@ def load_verified(
     weights_only: bool,
     into: dict[str, Any] | None,
     storage_options: Mapping[str, object] | None = None,
-    missing_keys: str = topology.ERROR,
+    missing_keys: str = "error",
 ) -> Any:
     """Read a committed checkpoint after checking it against its row, through its run's
     store (confined to the save directory, links refused); never writes the ledger."""
+    from .storage import topology
+    from .storage.kinds import kind_of_path
+
     store, rel = open_verified_payload(
         save_dir, target.path, target.size, target.hash, storage_options
     )
@@ -683,3 +716,42 @@ def _owner_of(
     raise CheckpointNotFoundError(
         f"{path} is in no ckptdb run (no ledger above it); pass root= to name the run"
     )
+
+
+def preemption_summary(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """Per ``preempted`` event (oldest first, with the ``preemption_saved`` and
+    ``resumed`` events of the run): what the preemption cost.
+
+    ``resumed_from`` is the step the next attempt resumed from (its ``resumed``
+    event), else the preemption checkpoint's step when it was saved, else None
+    (nothing known yet); ``lost`` is the agreed step minus that.
+    """
+    events = list(events)
+    summary = []
+    for told in (e for e in events if e.kind == "preempted"):
+        detail = json.loads(told.detail or "{}")
+        saved = [
+            json.loads(e.detail or "{}")
+            for e in events
+            if e.kind == "preemption_saved" and e.attempt_id == told.attempt_id
+        ]
+        later = [
+            e.step
+            for e in events
+            if e.kind == "resumed" and (e.attempt_id or 0) > (told.attempt_id or 0)
+        ]
+        was_saved = bool(saved and saved[-1].get("saved"))
+        resumed_from = later[0] if later else (told.step if was_saved else None)
+        summary.append(
+            {
+                "attempt": told.attempt_id,
+                "step": told.step,
+                "signal": detail.get("signal"),
+                "ranks": detail.get("ranks"),
+                "saved": was_saved if saved else None,
+                "why": saved[-1].get("why") if saved and not was_saved else None,
+                "resumed_from": resumed_from,
+                "lost": told.step - resumed_from if resumed_from is not None else None,
+            }
+        )
+    return summary

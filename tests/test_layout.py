@@ -28,7 +28,8 @@ ALLOWED = {
     "faults": set(),
     "trace": set(),
     "guard": set(),
-    "storage": {"errors", "faults", "location", "policies", "trace"},
+    "lazy": set(),  # a package's names imported on first use (no torch on a read)
+    "storage": {"errors", "faults", "lazy", "location", "policies", "trace"},
     "ledger": {"errors", "faults", "location", "policies", "record", "trace"},
     "coord": {"errors"},
     "preemption": {"errors", "record"},
@@ -92,7 +93,7 @@ ALLOWED = {
         "ledger",
         "storage",
         "pinning",
-        "preemption",
+        "protocol",  # check(): the invariants, as the manager checks them
     },
     # each integration is an addition on top of the public parts
     "integrations": {

@@ -17,7 +17,6 @@ from typing import Any
 import click
 
 from ..errors import CkptDBError, InvalidArgumentError
-from ..integrations.layouts import help_table, layout_names
 from ..policies import policy_from_record
 from ..reader import RunReader
 from . import fmt as clifmt
@@ -770,8 +769,12 @@ def check(root: Path, load_files: bool, remote: str | None, db_url: str | None) 
     Example:
       ckptdb check runs/exp1 --load
     """
-    with _writer(root, db_url, remote=remote) as mgr:
-        problems = mgr.check(load=load_files)
+    if load_files or remote is not None:  # unpickling needs torch; a remote, the manager's tier
+        with _writer(root, db_url, remote=remote) as mgr:
+            problems = mgr.check(load=load_files)
+    else:
+        with RunReader(root, db_url=db_url) as reader:
+            problems = reader.check()
     for problem in problems:
         click.echo(problem)
     if problems:
@@ -820,13 +823,29 @@ _ADOPT_HELP = """Register the checkpoints of an existing run in a new or existin
     """
 
 
-@main.command(help=_ADOPT_HELP.format(layouts=help_table(indent=6, width=92)))
+class _LayoutsHelp(click.Command):
+    """``adopt``: its help lists the layouts, made only when shown. Finding the layouts
+    imports every integration's layout module, and through them torch, which no other
+    command needs: a read-only command stays a fraction of a second."""
+
+    @property
+    def help(self) -> str:
+        from ..integrations.layouts import help_table
+
+        return _ADOPT_HELP.format(layouts=help_table(indent=6, width=92))
+
+    @help.setter
+    def help(self, value: str | None) -> None:
+        """Click sets it from the docstring; the help is always _ADOPT_HELP's."""
+
+
+@main.command(cls=_LayoutsHelp)
 @click.argument("root", type=click.Path(path_type=Path))  # a file or nothing: adopt says so
 @click.option(
     "--layout",
     required=True,
     metavar="LAYOUT",
-    help=f"Whose checkpoints ROOT holds: {layout_names()}.",
+    help="Whose checkpoints ROOT holds: one of the layouts listed above.",
 )
 @click.option(
     "--pattern",

@@ -21,9 +21,6 @@ from ..ledgercopy import DEFAULT_INTERVAL
 from ..location import is_object_url
 from ..policies import Keep, Policy, TopK
 from ..record import Checkpoint, Replica
-from ..recovery import restore_run
-from ..replication import Replicator
-from ..replication import detach as detach_tier
 from . import DB_URL, JSON, ROOT, _writer, main
 from . import fmt as clifmt
 
@@ -107,6 +104,8 @@ def replicate(
         given = [name for name, value in options.items() if value]
         if given:
             raise click.UsageError(f"--detach takes none of {', '.join(given)}")
+        from ..replication import detach as detach_tier
+
         released = detach_tier(root, db_url=db_url)
         click.echo(f"detached: {released} local file(s) no longer wait for their copy")
         return
@@ -117,6 +116,8 @@ def replicate(
         if stream in policies:
             raise InvalidArgumentError(f"--keep names stream {stream!r} twice")
         policies[stream] = policy
+    from ..replication import Replicator  # the manager's (torch): only a copy needs it
+
     stop = threading.Event()
     failed = False
     with Replicator(
@@ -276,6 +277,8 @@ def restore(
                 "ckptdb restore URL DIR brings back a SQLite ledger; with --db-url (or "
                 "CKPTDB_DB_URL) the ledger is elsewhere: ckptdb restore ROOT --from URL"
             )
+        from ..recovery import restore_run
+
         outcome = restore_run(first, target, run=run, every=every)
         _show_restored(outcome.restored, as_json)
         if not as_json:

@@ -29,7 +29,6 @@ from ..location import ObjectPath
 from ..record import Export, ExportedFile
 from ..storage import files
 from ..storage.base import PayloadStore
-from .sources import open_source
 from .writing import DEFAULT_MAX_SHARD_SIZE, size_in_bytes, write_export
 
 #: The formats an export writes.
@@ -116,6 +115,8 @@ def export_payload(
 ) -> ExportResult:
     """Export the verified payload ``rel`` of ``store`` into ``options.to`` and record it
     with ``record`` (one transaction); see the module doc for what a crash leaves."""
+    from .sources import open_source  # torch: only an export needs it, not a reader
+
     source = open_source(store, rel, options.key, options.trust_pickle)
     if not source.specs:
         raise InvalidArgumentError(f"{rel} holds no tensors to export")

@@ -16,12 +16,15 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgumentError
 from ..record import ExportedFile
 from ..storage.files import FileInfo, hash_file, sync_data
-from .safetensors import TensorSpec, write_file
-from .sources import Source
+
+if TYPE_CHECKING:  # both import torch, which a reader of the ledger never needs
+    from .safetensors import TensorSpec
+    from .sources import Source
 
 #: The largest shard by default: huggingface_hub's (transformers 4 used it too;
 #: transformers 5's save_pretrained writes up to 50GB per file).
@@ -96,6 +99,8 @@ def shard_names(count: int) -> list[str]:
 
 def write_export(source: Source, directory: Path, max_bytes: int) -> list[ExportedFile]:
     """Write ``source`` into the existing empty ``directory``; each file written."""
+    from .safetensors import write_file
+
     shards = plan_shards(source.specs, max_bytes)
     names = shard_names(len(shards))
     written = []

@@ -36,14 +36,9 @@ import re
 import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.util import CommandError
-from sqlalchemy import create_engine, event
+from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -58,6 +53,10 @@ from ..errors import (
 )
 from . import driver
 from .held import CONNECTION, WriterConnection
+
+if TYPE_CHECKING:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 _DURABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptdb_durable", default=True)
@@ -239,7 +238,18 @@ def migrations_dir() -> Path:
         return Path(__file__).resolve().parent.parent.parent / "migrations"
 
 
+#: The newest revision in migrations/ (tests/test_migration.py compares it with
+#: Alembic's head). A ledger already at it opens without importing Alembic, whose
+#: import is most of what a cold ``ckptdb latest`` would otherwise spend.
+HEAD_REVISION = "0010"
+
+#: Alembic's own table and column, read with plain SQL on the fast path.
+VERSION_TABLE = "alembic_version"
+
+
 def alembic_config() -> Config:
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(migrations_dir()))
     return cfg
@@ -249,10 +259,14 @@ def alembic_config() -> Config:
 def _scripts() -> ScriptDirectory:
     """The migrations this ckptdb ships, read once per process: reading them (some 5 ms)
     was a quarter of the time an open of a small run took."""
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(alembic_config())
 
 
 def _check_known(script: ScriptDirectory, heads: tuple[str, ...], url: str) -> None:
+    from alembic.util import CommandError
+
     for head in heads:
         try:
             known = script.get_revision(head)
@@ -265,20 +279,34 @@ def _check_known(script: ScriptDirectory, heads: tuple[str, ...], url: str) -> N
             )
 
 
+def _stored_heads(conn: Connection) -> tuple[str, ...]:
+    """The ledger's revision(s), as Alembic's ``get_current_heads`` reads them (its
+    version table in the default schema; empty when there is none), without Alembic."""
+    if not inspect(conn).has_table(VERSION_TABLE):
+        return ()
+    rows = conn.exec_driver_sql(f"SELECT version_num FROM {VERSION_TABLE}").all()
+    return tuple(row[0] for row in rows)
+
+
 def migrate(engine: Engine) -> None:
     """Bring the ledger to the newest schema; refuse one newer than this code.
 
     Runs in one transaction on the caller's engine (and so under the caller's
     writer lock; on PostgreSQL also under a database-wide advisory lock, as
     runs of one database share its schema); an unknown revision is refused
-    before anything is changed.
+    before anything is changed. A ledger at :data:`HEAD_REVISION` is left as it
+    is without importing Alembic.
     """
-    script = _scripts()
     with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
             # Released at COMMIT; a second opener waits here, then finds the schema current.
             conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})")
-        heads = MigrationContext.configure(conn).get_current_heads()
+        heads = _stored_heads(conn)
+        if heads == (HEAD_REVISION,):
+            return
+        from alembic import command
+
+        script = _scripts()
         _check_known(script, heads, engine.url.render_as_string(hide_password=True))
         if set(heads) == set(script.get_heads()):
             return
@@ -287,23 +315,25 @@ def migrate(engine: Engine) -> None:
         command.upgrade(cfg, "head")
 
 
-def newest_revision() -> str | None:
+def newest_revision() -> str:
     """The newest schema revision this version of ckptdb knows."""
-    return _scripts().get_current_head()
+    return HEAD_REVISION
 
 
 def current_heads(engine: Engine) -> tuple[str, ...]:
     """The ledger's schema revision(s); empty for a database ckptdb never migrated."""
     with engine.connect() as conn:
-        heads = MigrationContext.configure(conn).get_current_heads()
+        heads = _stored_heads(conn)
         conn.rollback()
     return heads
 
 
 def schema_is_current(engine: Engine) -> bool:
     """True when the ledger is at this code's head; raises if it is newer."""
-    script = _scripts()
     heads = current_heads(engine)
+    if heads == (HEAD_REVISION,):
+        return True
+    script = _scripts()
     _check_known(script, heads, engine.url.render_as_string(hide_password=True))
     return set(heads) == set(script.get_heads())
 

@@ -29,7 +29,6 @@ from ..ledger import replicas as ledger_replicas
 from ..ledger import rows as ledger_rows
 from ..policies import Entry, Policy, TopK
 from ..storage.base import LOST, PayloadStore
-from ..storage.kinds import kind_of_path
 from .reconcile import Reconciler
 
 
@@ -88,6 +87,8 @@ class Checker:
                 f"{row.path}: size/hash {actual.size}/{actual.hash} != ledger {row.size}/{row.hash}"
             ]
         if load:
+            from ..storage.kinds import kind_of_path  # torch: only with load
+
             try:
                 kind_of_path(row.path).check_loadable(self.store, row.path)
             except Exception as exc:  # any unpickling failure is the finding itself

@@ -34,10 +34,12 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Protocol
 
 from .files import FileInfo
-from .heldfile import HeldFile
+
+if TYPE_CHECKING:
+    from .heldfile import HeldFile
 
 __all__ = ["CORRUPT", "LOST", "FileInfo", "Finding", "Found", "PayloadStore", "verdict"]
 

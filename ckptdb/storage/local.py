@@ -15,15 +15,17 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ForeignEntryError, InvalidArgumentError, PhaseError, RunDirectoryError
 from ..policies import STREAM_NAME
-from . import dcp, external, files, heldfile
+from . import external, files
 from .base import CORRUPT, LOST, Finding, Found, verdict
 from .files import FileInfo
-from .heldfile import HeldFile
 from .naming import CHECKPOINT_NAME, SHARDED_SUFFIX, TEMP_NAME
+
+if TYPE_CHECKING:
+    from .heldfile import HeldFile
 
 #: A name confined in a stream's directory to check the directory itself.
 _PROBE = "step-000000000.pt"
@@ -130,9 +132,13 @@ class LocalStore:
         return files.write_stream(serialize, self._within(rel, "write"))
 
     def dcp_writer(self, rel: str) -> Any:
+        from . import dcp  # torch's: imported by a store that writes DCP, not by a reader
+
         return dcp.file_writer(self._within(rel, "write"))
 
     def dcp_reader(self, rel: str) -> Any:
+        from . import dcp
+
         return dcp.file_reader(self.path(rel))
 
     def seal(self, rel: str) -> FileInfo:
@@ -195,6 +201,8 @@ class LocalStore:
             return FileInfo(files.checkpoint_size(name), ""), None
         path = self.path(rel)
         if keep and not path.is_dir():
+            from . import heldfile  # torch's reader: only for a load
+
             held = heldfile.read_held(path)
             return held.info, held
         return files.hash_checkpoint(path), None
