@@ -22,6 +22,7 @@ import torch
 
 from . import (
     cases,
+    cold_case,
     deepmd_case,
     export_case,
     goodput_case,
@@ -50,6 +51,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "goodput": {"steps": 200, "work_h": 50.0, "reps": 3},
         "ledger_copy": [(100, 2_000)],
         "export_mb": (16, 4),  # (model, largest tensor)
+        "cold": 200,  # checkpoints in the run a cold command reads
     },
     "default": {
         "publish_mb": [1, 10, 100],
@@ -65,6 +67,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "goodput": {"steps": 20_000, "work_h": 500.0, "reps": 30},
         "ledger_copy": [(10_000, 1_000_000), (100_000, 1_000_000)],
         "export_mb": (2048, 64),
+        "cold": 10_000,
     },
     "full": {
         "publish_mb": [1, 10, 100, 1024],
@@ -80,6 +83,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "goodput": {"steps": 20_000, "work_h": 500.0, "reps": 30},
         "ledger_copy": [(10_000, 1_000_000), (100_000, 1_000_000)],
         "export_mb": (2048, 64),
+        "cold": 10_000,
     },
 }
 
@@ -120,6 +124,7 @@ def suite(profile: dict[str, Any], work: Path) -> dict[str, Case]:
             *goodput_case.intervals(profile["goodput"]["reps"], profile["goodput"]["work_h"]),
         ],
         "load": lambda: [cases.load(work / "load", profile["load_mb"], reps)],
+        "cold": lambda: [cold_case.cold(work / "cold", profile["cold"], reps)],
         "export": lambda: [
             export_case.export(
                 work / "export", profile["export_mb"][0], profile["export_mb"][1], min(reps, 3)

@@ -65,6 +65,7 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
         "training loop with heartbeats",
         "checkpoint interval",
         "export 16 MB DCP to safetensors",
+        "cold read-only command, 200 checkpoints",
     ):
         assert any(n.startswith(expected) for n in names), (expected, names)
     for result in report["results"]:

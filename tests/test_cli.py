@@ -236,7 +236,7 @@ WRITE_COMMANDS = [
     ["reconcile", "--dry-run"],
     ["gc"],
     ["db", "upgrade"],
-    ["check"],  # opens the run for maintenance, under the writer lock
+    ["check"],  # reads under the writer lock (a trainer holding it is named)
     ["restore", "--from", "s3://ckpt/nowhere"],  # the lock is taken before the store is reached
 ]
 # Commands deliberately left out of the parametrized tests of READ_COMMANDS and

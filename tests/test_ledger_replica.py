@@ -552,3 +552,12 @@ def test_a_copy_swapped_for_another_sound_database_is_never_used(
     outcome = restore_run(s3_url, tmp_path / "new" / "exp1")
     assert (outcome.ledger.epoch, outcome.ledger.seq) == (1, 2)
     assert "its manifest says" in outcome.ledger.damaged[0]
+
+
+def test_the_replicate_commands_default_ledger_interval_is_the_libraries() -> None:
+    """``ckptdb replicate --ledger-interval`` defaults to what Replicator does (the CLI
+    spells the number out so that its module imports no ledgercopy on a cold start)."""
+    from ckptdb.ledgercopy import DEFAULT_INTERVAL
+
+    option = next(p for p in main.commands["replicate"].params if p.name == "ledger_interval")
+    assert option.default == DEFAULT_INTERVAL

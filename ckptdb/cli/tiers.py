@@ -17,7 +17,6 @@ from typing import Any, Literal
 import click
 
 from ..errors import InvalidArgumentError
-from ..ledgercopy import DEFAULT_INTERVAL
 from ..location import is_object_url
 from ..policies import Keep, Policy, TopK
 from ..record import Checkpoint, Replica
@@ -62,7 +61,7 @@ FAILED = "failed"
 @click.option(
     "--ledger-interval",
     type=click.FloatRange(min=0, min_open=True),
-    default=DEFAULT_INTERVAL,
+    default=60.0,  # ledgercopy.DEFAULT_INTERVAL (compared in tests/test_ledger_replica.py)
     show_default=True,
     help="A SQLite ledger is copied too: at most this often (seconds) while only metrics "
     "change, at once after a pass that copied a checkpoint.",

@@ -15,8 +15,6 @@ from collections.abc import Mapping
 from typing import Literal
 
 from sqlalchemy import func, select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from ..errors import ArgumentTypeError, CheckpointNotFoundError, InvalidArgumentError
@@ -60,7 +58,12 @@ def record(
     ]
     # an upsert on the unique (checkpoint, evaluator, name): concurrent recorders of the
     # same values never collide, the last one wins
-    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    if session.get_bind().dialect.name == "postgresql":
+        # imported here: the PostgreSQL dialect (and asyncio with it) is 25 ms of every
+        # cold ``ckptdb`` command on a SQLite ledger otherwise
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
     statement = insert(m.Evaluation).values(rows)
     statement = statement.on_conflict_do_update(
         index_elements=["checkpoint_id", "evaluator", "name"],
