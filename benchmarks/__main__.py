@@ -1,5 +1,9 @@
 """Run the benchmark suite: ``python -m benchmarks [--quick] [--full] [--case NAME] [--out FILE]``.
 
+``--check`` runs the cases that hold the key figures (default sizes) and
+compares each with its recorded threshold (:mod:`benchmarks.check`); it exits 1
+naming every figure that regressed.
+
 Prints a markdown table of the ratios to each case's baseline and writes every
 figure (medians, ratios, notes, machine description) to a JSON file.
 ``--case NAME`` (repeatable) runs only the cases named (``--help`` lists them).
@@ -22,6 +26,7 @@ import torch
 
 from . import (
     cases,
+    check,
     cold_case,
     deepmd_case,
     export_case,
@@ -216,11 +221,30 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help=f"run only this case (repeatable; default: all): {', '.join(CASES)}",
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="run the cases of the key figures and compare them with their recorded "
+        "thresholds (benchmarks/check.py); exit 1 if any regressed",
+    )
     args = parser.parse_args(argv)
+    if args.check and (args.quick or args.full):
+        parser.error("--check measures at the default sizes, which its thresholds are for")
     profile = PROFILES["quick" if args.quick else "full" if args.full else "default"]
+    only = args.case or (check.checked_cases() if args.check else None)
     with tempfile.TemporaryDirectory(dir=args.work) as scratch:
-        results = run(profile, Path(scratch), args.case)
+        results = run(profile, Path(scratch), only)
     report(results, args.out)
+    if not args.check:
+        return 0
+    found = check.verdicts(results, only)
+    print()
+    for verdict in found:
+        print(verdict.line())
+    regressed = [v for v in found if v.regressed]
+    if regressed:
+        print(f"\n{len(regressed)} figure(s) regressed", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -510,6 +510,10 @@ class RunReader:
     def state_counts(self) -> dict[str, int]:
         return self._open().state_counts()
 
+    def committed_counts(self) -> dict[str, int]:
+        """Committed checkpoints per stream (a stream without any is absent)."""
+        return self._open().committed_counts()
+
     def goodput(self) -> GoodputReport:
         """Where the run's wall-clock time went, over all its attempts: productive,
         saving, lost (redone), restart and idle seconds, per attempt and in total,

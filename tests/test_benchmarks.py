@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from test_boundary_sql import STEADY_STATEMENTS
 
+from benchmarks import check as bench_check
 from benchmarks import deepmd_case, s3_case, s3server
-from benchmarks.__main__ import PROFILES, main
-from benchmarks.harness import AGAIN, compare
+from benchmarks.__main__ import CASES, PROFILES, main
+from benchmarks.harness import AGAIN, Comparison, compare
 
 S3_CONTENDERS = {
     "S3 save": ["boto3 upload_fileobj (torch.save to BytesIO first)", "ckptdb save"],
@@ -268,3 +269,72 @@ def test_the_noise_floor_times_the_baseline_itself_as_often_as_the_baseline() ->
     assert sorted(result.samples["base"] + result.samples["base" + AGAIN]) == [
         float(n) for n in range(3, 11)
     ]
+
+
+# ------------------------------------------------------------- --check
+
+
+def _comparison(name: str, ratio: float, notes: dict | None = None) -> Comparison:
+    """A comparison whose one contender is ``ratio`` times its baseline (no timing)."""
+    return Comparison(name, "base", {"base": [1.0], "ours": [ratio]}, notes or {})
+
+
+def test_check_says_which_figure_regressed_and_which_target_is_not_met_yet(monkeypatch) -> None:
+    monkeypatch.setattr(
+        bench_check,
+        "THRESHOLDS",
+        (
+            bench_check.Threshold("a", "A", "ours", most=1.2, target=1.1),
+            bench_check.Threshold("b", "B", "ours", most=1.2, target=1.1),
+            bench_check.Threshold("c", "C", "ours", most=1.2, target=1.3),
+            bench_check.Threshold("d", "D", bench_check.NOTE + "count", 20, 20, " statements"),
+            bench_check.Threshold("e", "E", "ours", most=1.2, target=1.1),
+        ),
+    )
+    results = [
+        _comparison("A", 1.3),  # above its threshold
+        _comparison("B", 1.15),  # within it, above its target
+        _comparison("C", 1.0),  # within both
+        _comparison("D", 1.0, {"count": 21}),  # a note above its threshold
+    ]  # E: not measured
+    found = {v.threshold.comparison: v for v in bench_check.verdicts(results)}
+    assert [c for c, v in found.items() if v.regressed] == ["A", "D", "E"]
+    assert found["A"].line().startswith("REGRESSED") and "1.3x (threshold 1.2x" in found["A"].line()
+    assert found["B"].line().startswith("ok") and "target 1.1x not met yet" in found["B"].line()
+    assert found["C"].line().startswith("ok") and "target" not in found["C"].line()
+    assert "21 statements" in found["D"].line()
+    assert found["E"].line().startswith("NOT MEASURED") and "--case e" in found["E"].line()
+    only_c = bench_check.verdicts(results, ["c"])
+    assert [v.threshold.comparison for v in only_c] == ["C"]
+
+
+def test_the_statement_threshold_is_the_statement_count_test_expects() -> None:
+    """The floor's statements per boundary are exact: the threshold and tests/test_boundary_sql.py
+    move together (a change in count is a deliberate edit of both)."""
+    note = bench_check.NOTE + "statements_per_boundary"
+    (threshold,) = [t for t in bench_check.THRESHOLDS if t.figure == note]
+    assert threshold.most == STEADY_STATEMENTS["sqlite"]
+
+
+def test_every_threshold_names_a_case_of_the_suite_and_a_comparison_it_makes() -> None:
+    assert set(bench_check.checked_cases()) <= set(CASES)
+    for t in bench_check.THRESHOLDS:
+        assert t.most >= t.target or t.figure.startswith(bench_check.NOTE), t
+
+
+def test_check_refuses_other_sizes(capsys) -> None:
+    with pytest.raises(SystemExit) as raised:
+        main(["--check", "--quick"])
+    assert raised.value.code == 2
+    assert "default sizes" in capsys.readouterr().err
+
+
+def test_check_of_the_floor_prints_a_verdict_per_figure_and_exits_by_them(
+    tmp_path: Path, capsys
+) -> None:
+    code = main(["--check", "--case", "floor", "--out", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    verdicts = [line for line in out.splitlines() if line.startswith(("ok", "REGRESSED", "NOT"))]
+    assert len(verdicts) == 2, out  # the floor's ratio and its statements per boundary
+    assert any("statements_per_boundary" in line for line in verdicts)
+    assert code == (1 if any(not line.startswith("ok") for line in verdicts) else 0)

@@ -174,11 +174,14 @@ def _replica_summary(reader: RunReader) -> dict[str, Any]:
 def _tier_summary(reader: RunReader) -> list[dict[str, Any]]:
     """Per registered tier: where, which streams, each stream's retention there, and
     the evicted local files still waiting for their copy."""
+    tiers = reader.tiers()
+    if not tiers:  # a run never replicated: nothing to read (nor 10k records to build)
+        return []
     waiting = reader.waiting_for_copy()
     whole = {(r.tier, r.checkpoint_id) for r in reader.replicas() if r.state == "replicated"}
     committed = reader.checkpoints()
     summary = []
-    for t in reader.tiers():
+    for t in tiers:
         mine = [c for c, tier in waiting if tier == t.tier]
         copied = [c for c in committed if t.streams is None or c.stream in t.streams]
         keep = {s: policy_from_record(r).describe() for s, r in sorted(t.policies.items())}
@@ -235,6 +238,7 @@ def _interval_line(chosen: dict[str, Any]) -> str:
 
 def _status_data(reader: RunReader) -> dict[str, Any]:
     streams, best = [], {}
+    counts = reader.committed_counts()
     for name, policy in reader.policies.items():
         latest = reader.latest(name)
         streams.append(
@@ -243,7 +247,7 @@ def _status_data(reader: RunReader) -> dict[str, Any]:
                 "policy": policy.describe(),
                 "latest_step": latest.step if latest else None,
                 "latest_path": str(latest.path) if latest else None,
-                "committed": len(reader.checkpoints(name)),
+                "committed": counts.get(name, 0),
             }
         )
         if policy.ranking_metric is not None:
