@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -58,6 +58,7 @@ def record(
     ]
     # an upsert on the unique (checkpoint, evaluator, name): concurrent recorders of the
     # same values never collide, the last one wins
+    insert: Callable[[Any], Any]  # each dialect's INSERT ... ON CONFLICT
     if session.get_bind().dialect.name == "postgresql":
         # imported here: the PostgreSQL dialect (and asyncio with it) is 25 ms of every
         # cold ``ckptdb`` command on a SQLite ledger otherwise
