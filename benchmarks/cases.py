@@ -318,13 +318,19 @@ def make_run(root: Path, count: int) -> None:
         )
     con = sqlite3.connect(root / "ckptdb.sqlite")
     with con:
-        con.executemany(
-            "INSERT INTO checkpoints (run_id, stream, step, attempt_id, path, state, size, hash,"
-            " created_at, committed_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
-            rows,
-        )
+        insert_committed(con, rows)
         con.execute("UPDATE pointers SET checkpoint_id = (SELECT MAX(id) FROM checkpoints)")
     con.close()
+
+
+def insert_committed(con: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
+    """Checkpoint rows written directly: (run_id, stream, step, attempt_id, path, state,
+    size, hash, created_at, committed_at) each, for a run built faster than by saving."""
+    con.executemany(
+        "INSERT INTO checkpoints (run_id, stream, step, attempt_id, path, state, size, hash,"
+        " created_at, committed_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        rows,
+    )
 
 
 def restart(work: Path, sizes: list[int], reps: int) -> Comparison:

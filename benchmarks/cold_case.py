@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .cases import insert_committed
 from .harness import Comparison, compare
 
 BASELINE = "sqlite3 shell: latest"
@@ -58,7 +59,7 @@ def make_run(root: Path, count: int) -> None:
         first = saved["model"]
         run_id, attempt_id = mgr.run_id, mgr.attempt_id
     data, info = first.path.read_bytes(), hash_file(first.path)
-    rows, points = [], []
+    rows = []
     for step in range(3, count):
         (first.path.parent / checkpoint_name(step)).write_bytes(data)
         rel = f"model/{checkpoint_name(step)}"
@@ -68,11 +69,7 @@ def make_run(root: Path, count: int) -> None:
     points = [(run_id, attempt_id, step, "loss", 1.0 / (step + 1), 0.0) for step in range(count)]
     con = sqlite3.connect(root / "ckptdb.sqlite")
     with con:
-        con.executemany(
-            "INSERT INTO checkpoints (run_id, stream, step, attempt_id, path, state, size, hash,"
-            " created_at, committed_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
-            rows,
-        )
+        insert_committed(con, rows)
         con.executemany(
             "INSERT INTO metrics (run_id, attempt_id, step, name, value, wall_time)"
             " VALUES (?,?,?,?,?,?)",
