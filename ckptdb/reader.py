@@ -409,10 +409,10 @@ class RunReader:
         What :meth:`ckptdb.CheckpointManager.check` finds without ``load``: each
         committed file's size and hash against its row, the disk against the
         ledger, the latest pointers and retention, every recorded export's files
-        (see :mod:`ckptdb.protocol.check`). It writes nothing, and holds the run's
-        writer lock while it looks, so that a trainer's checkpoint in flight is
-        never reported: while one runs it raises
-        :class:`~ckptdb.errors.LedgerLockedError`, naming it.
+        (see :mod:`ckptdb.protocol.check`). It writes nothing to the ledger or the
+        checkpoints, and holds the run's writer lock (its lock file) while it
+        looks, so that a trainer's checkpoint in flight is never reported: while
+        one runs it raises :class:`~ckptdb.errors.LedgerLockedError`, naming it.
         """
         from .exports.checking import check_exports
         from .ledger.lock import writer_lock

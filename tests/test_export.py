@@ -335,16 +335,16 @@ def test_a_record_that_fails_removes_the_placed_export(
 KILLED_EXPORT = """
 import sys, time
 from pathlib import Path
-import ckptdb.exports.writing as writing
+import ckptdb.exports.safetensors as st
 from ckptdb import RunReader
 
-real = writing.write_file
+real = st.write_file
 def first_shard_then_stall(path, *args, **kwargs):
     info = real(path, *args, **kwargs)
     Path(sys.argv[3]).write_text(str(path))
     time.sleep(60)
     return info
-writing.write_file = first_shard_then_stall
+st.write_file = first_shard_then_stall
 with RunReader(sys.argv[1]) as reader:
     reader.export(to=sys.argv[2], max_shard_size=100)
 """
@@ -607,17 +607,15 @@ def test_a_write_that_fails_removes_the_temporary_and_raises_its_error(
 ) -> None:
     import errno
 
-    from ckptdb.exports import writing
-
     saved_run(tmp_path / "run", state())
     before = ledger_dump(tmp_path / "run")
-    real = writing.write_file
+    real = st.write_file
 
     def disk_full(path: Path, *args: Any, **kwargs: Any) -> Any:
         real(path, *args, **kwargs)
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(writing, "write_file", disk_full)
+    monkeypatch.setattr(st, "write_file", disk_full)
     with RunReader(tmp_path / "run") as reader, pytest.raises(OSError, match="No space"):
         reader.export(to=tmp_path / "out")
     assert sorted(os.listdir(tmp_path)) == ["run"] and ledger_dump(tmp_path / "run") == before
