@@ -432,6 +432,10 @@ def test_a_run_killed_and_restarted_with_its_follower_is_one_mlflow_run(
     checkpoints and evictions; both restarted."""
     root = tmp_path / "run"
     trainer = subprocess.Popen([sys.executable, "-c", TRAINING, str(root), "1", "200"])
+    # a follower of a run that does not exist yet is refused, as any reader is ("no
+    # ckptdb run"): it starts once the trainer has committed (it imports no torch, so
+    # it would otherwise win the race)
+    wait_for(lambda: newest_step(root) > 0, "the trainer's first checkpoint")
     watcher = follower(root, tracking_uri)
     try:
         try:

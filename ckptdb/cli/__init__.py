@@ -777,6 +777,9 @@ def check(root: Path, load_files: bool, remote: str | None, db_url: str | None) 
         with _writer(root, db_url, remote=remote) as mgr:
             problems = mgr.check(load=load_files)
     else:
+        from ..maintenance import require_run
+
+        require_run(root, db_url)  # a mistyped root: "no ckptdb run at", and nothing created
         with RunReader(root, db_url=db_url) as reader:
             problems = reader.check()
     for problem in problems:
