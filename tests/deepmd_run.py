@@ -17,7 +17,11 @@
   number), just before ckptdb's preemption check of that step.
 
 Under torchrun each rank prints ``TEST: rank R raised TYPE: message`` for the
-error it ends with, so a test can tell what every rank saw.
+error it ends with, so a test can tell what every rank saw, and ``TEST: rank R
+left alive: [...]``: the trainer's DDP modules and ledgers still in memory when
+``dp`` has returned (or raised). A process group they hold, freed only at
+interpreter exit, can abort the process there (see
+:func:`ckptdb.integrations.deepmd.train.collect_process_groups`).
 
 Nothing of this is in the library.
 """
@@ -25,6 +29,7 @@ Nothing of this is in the library.
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import signal
 import sys
@@ -118,6 +123,13 @@ def _signal_at(step: int, rank: int) -> None:
     register_optimizer_step_post_hook(after_step)
 
 
+def _say_left_alive() -> None:
+    """What the trainer left in memory (no collection first: what ``main`` left)."""
+    kinds = ("DistributedDataParallel", "CheckpointManager")
+    alive = sorted(type(o).__name__ for o in gc.get_objects() if type(o).__name__ in kinds)
+    say(f"TEST: rank {RANK} left alive: {alive}")
+
+
 if __name__ == "__main__":
     if "CKPTDB_TEST_SIGNAL_AT" in os.environ:
         at, _, on = os.environ["CKPTDB_TEST_SIGNAL_AT"].partition(":")
@@ -137,4 +149,7 @@ if __name__ == "__main__":
         if "LOCAL_RANK" in os.environ:
             shown = " ".join(str(exc).split())
             say(f"TEST: rank {RANK} raised {type(exc).__name__}: {shown}")
+            _say_left_alive()
         raise
+    if "LOCAL_RANK" in os.environ:
+        _say_left_alive()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from benchmarks.deepmd_system import (
 )
 
 __all__ = [
+    "left_alive",
     "CONFIG",
     "SPEED_ENV",
     "VALIDATING",
@@ -119,6 +121,12 @@ def torchrun(
                     os.killpg(proc.pid, signal.SIGKILL)
             raise
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def left_alive(stderr: str) -> dict[int, str]:
+    """Rank -> what ``dp`` left in memory when it ended (``TEST: rank R left alive: [...]``
+    of tests/deepmd_run.py): ``[]`` when the trainer's cycles were collected in time."""
+    return {int(m[1]): m[2] for m in re.finditer(r"TEST: rank (\d) left alive: (.*)", stderr)}
 
 
 def output(proc: subprocess.CompletedProcess[str]) -> str:

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("deepmd")
 
 from click.testing import CliRunner
-from deepmdlib import VALIDATING, make_run_dir, output, torchrun, validation_log
+from deepmdlib import VALIDATING, left_alive, make_run_dir, output, torchrun, validation_log
 
 from ckptdb import RunReader
 from ckptdb.cli import main as ckptdb_cli
@@ -92,6 +92,13 @@ def test_two_ranks_train_and_every_boundary_commits_once(two_ranks: SimpleNamesp
     assert os.readlink(root / "model_ema.ckpt.pt") == "model_ema.ckpt-100.pt"
     assert (root / "checkpoint").read_text() == "model.ckpt-100.pt"
     check_clean(root)
+
+
+def test_two_ranks_leave_no_trainer_for_the_interpreters_exit(two_ranks: SimpleNamespace) -> None:
+    """DeePMD's trainer (its DDP module, the ledger, and through them the process groups)
+    is collected before each rank's interpreter exits: freed during its finalization, a
+    gloo worker thread aborted a rank that had trained to the end (exit status -6)."""
+    assert left_alive(two_ranks.stderr) == {0: "[]", 1: "[]"}, two_ranks.stderr[-3000:]
 
 
 @pytest.mark.parametrize(("stream", "log"), [("best", "val.log"), ("best_ema", "val_ema.log")])

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("deepmd")
 
-from deepmdlib import dp, make_run_dir, output, torchrun
+from deepmdlib import dp, left_alive, make_run_dir, output, torchrun
 
 from ckptdb import RunReader
 from ckptdb.errors import InvalidArgumentError
@@ -122,6 +122,8 @@ def test_two_ranks_a_signal_on_rank_1_only_checkpoints_one_agreed_step(
     assert committed(root) == [20, 35]
     assert events(root, "preempted") == [(35, {"signal": "SIGTERM", "ranks": [1]})]
     assert attempts(root) == ["preempted"]
+    # ended by Preempted, the trainer was collected all the same before each rank exited
+    assert left_alive(proc.stderr) == {0: "[]", 1: "[]"}, output(proc)
 
 
 @pytest.mark.parametrize(
