@@ -29,11 +29,11 @@ from benchmarks.deepmd_system import (
 )
 
 __all__ = [
-    "left_alive",
     "CONFIG",
     "SPEED_ENV",
     "VALIDATING",
     "dp",
+    "left_alive",
     "make_run_dir",
     "output",
     "torchrun",

@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -110,9 +109,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         with compat.trainer_replaced_by(factory, flags.backend), compat.gloo_on_the_cpu():
             compat.run_dp(args)
-    except BaseException as exc:  # Preempted (a SystemExit) too: the job ends with it
-        # its traceback's frames hold the trainer: dropped, so that the collection frees it
-        traceback.clear_frames(exc.__traceback__)
+    except SystemExit as exc:  # Preempted is one: the job ends with its exit status
+        _drop_tracebacks(exc)  # they hold the trainer: dropped, so that the collection frees it
         raise
     finally:
         collect_process_groups()
@@ -129,12 +127,30 @@ def collect_process_groups() -> None:
     interpreter is finalizing: CPython ends that thread with ``pthread_exit``,
     whose unwinding through torch's C++ aborts the process ("terminate called
     without an active exception", exit status -6 after a run that succeeded).
-    Seen on a loaded machine on about one torchrun in fifteen. A run that ends with
-    an exception (a preemption's ``Preempted`` included) has its traceback's frames
-    cleared first (their code and line numbers stay for the report), or they would
-    keep the trainer alive through the collection.
+    Seen on a loaded machine on about one torchrun in fifteen. A run ended by a
+    ``SystemExit`` (a preemption's ``Preempted``) has its tracebacks dropped first,
+    or they would keep the trainer alive through the collection. Any other error
+    keeps its traceback for the report, and with it the trainer until exit: the
+    job has failed already, and its report is printed before the interpreter
+    finalizes.
     """
     gc.collect()
+
+
+def _drop_tracebacks(exc: BaseException) -> None:
+    """The tracebacks of ``exc`` and of the exceptions it chains (``__context__``,
+    ``__cause__``), dropped. A frame keeps its function, and DeePMD's training step is
+    a closure over the trainer, so clearing the frames' locals is not enough. Only for
+    a ``SystemExit``, whose traceback Python never shows."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = None
+        pending += [current.__context__, current.__cause__]
 
 
 def _trainer_factory(backend: str, options: Options) -> Callable[..., Any]:
