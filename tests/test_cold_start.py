@@ -142,3 +142,21 @@ def test_head_revision_is_the_newest_migration() -> None:
 
     script = ScriptDirectory.from_config(engine.alembic_config())
     assert script.get_heads() == [engine.HEAD_REVISION]
+
+
+@pytest.mark.parametrize("package", ["ckptdb", "ckptdb.storage"])
+def test_every_public_name_resolves_and_an_unknown_one_is_an_attribute_error(
+    package: str,
+) -> None:
+    """The lazy names (:mod:`ckptdb.lazy`) are the package's ``__all__``, each the object its
+    module defines; a misspelt one raises as a plain module's would."""
+    import importlib
+
+    module = importlib.import_module(package)
+    assert set(module._PUBLIC) == set(module.__all__) - {"__version__"}
+    for name, where in module._PUBLIC.items():
+        defined = getattr(importlib.import_module(where, package), name)
+        assert getattr(module, name) is defined, name
+        assert name in dir(module)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        module.Nope  # noqa: B018
