@@ -31,7 +31,15 @@ log = logging.getLogger(__name__)
 
 
 class CkptDBError(Exception):
-    """Base class of every error raised by ckptdb."""
+    """Base class of every error raised by ckptdb.
+
+    Catch it to handle any ckptdb failure at once; each subclass also derives
+    from the built-in exception it naturally is (``ValueError``, ``OSError``,
+    ``RuntimeError``...), so an existing ``except`` clause keeps working. The
+    fields below are declared on every error, never attached after the fact,
+    and travel with it between the ranks of a distributed run (see
+    :func:`encode` and :func:`decode`).
+    """
 
     #: The ranks whose failure this is (set when ranks agreed on the error).
     ranks: list[int] | None = None
@@ -41,51 +49,114 @@ class CkptDBError(Exception):
     rollback: CkptDBError | None = None
 
     def wire_fields(self) -> dict[str, Any]:
-        """This error's fields as plain data (see :func:`encode`)."""
+        """This error's fields as plain data, for sending to other ranks.
+
+        :func:`encode` calls it; a subclass with fields of its own adds them
+        here, and :meth:`from_wire` reads them back, so that every rank raises
+        the same error with the same fields even where the original could not
+        be pickled.
+
+        Returns:
+            The fields as a dict of plain (picklable, JSON-like) values: here
+            ``stage`` when it is set, else an empty dict.
+        """
         return {} if self.stage is None else {"stage": self.stage}
 
     @classmethod
     def from_wire(cls, message: str, fields: dict[str, Any]) -> CkptDBError:
-        """The error rebuilt from :meth:`wire_fields` (see :func:`decode`)."""
+        """Rebuild an error of this class from its message and :meth:`wire_fields`.
+
+        :func:`decode` calls it on the class the wire names; a subclass whose
+        constructor takes fields overrides it to pass them back in.
+
+        Args:
+            message: The error's message, as :meth:`wire_message` gave it
+                (with the failing ranks prefixed by :func:`decode`).
+            fields: What :meth:`wire_fields` returned on the failing rank; the
+                base class uses none of them (:func:`decode` restores
+                ``stage`` and ``ranks`` itself).
+
+        Returns:
+            A new error of this class, not yet raised.
+        """
         return cls(message)
 
     def wire_message(self) -> str:
-        """The message to send: without text that :meth:`from_wire` adds back."""
+        """The message to send to other ranks.
+
+        It leaves out any text that :meth:`from_wire` adds back from the
+        fields, so that a decoded error does not say it twice.
+
+        Returns:
+            The message: here ``str(self)``.
+        """
         return str(self)
 
 
 class InvalidArgumentError(CkptDBError, ValueError):
-    """An argument has a bad value (policy, stream name, step, path...)."""
+    """An argument has a bad value (policy, stream name, step, path...).
+
+    Bad input is refused where it is checked, up front wherever it can be,
+    so the call can be made again with a corrected argument. Also a
+    ``ValueError``.
+    """
 
 
 class ArgumentTypeError(InvalidArgumentError, TypeError):
-    """An argument has the wrong type (a float step, a bool metric...)."""
+    """An argument has the wrong type (a float step, a bool metric...).
+
+    An :class:`InvalidArgumentError` that is also a ``TypeError``, so either
+    ``except`` clause catches it.
+    """
 
 
 class InvalidMetricError(InvalidArgumentError):
-    """A metric a top-K stream ranks by is missing or not a finite real number."""
+    """A metric a top-K stream ranks by is missing or not a finite real number.
+
+    Raised by the save's preflight checks, before anything is written, so a
+    bad metric never enters a ranking (``stage`` 2). Also a ``ValueError``.
+    """
 
 
 class LayoutMismatchError(InvalidArgumentError):
-    """What a sharded load asks for does not match the checkpoint: a key it lacks (a
-    per-rank entry of a rank the saving job did not have) or a tensor of another
-    global shape, a tensor where it saved something else. Raised on every rank
-    before anything loads (see ckptdb.storage.topology)."""
+    """What a sharded load asks for does not match the checkpoint.
+
+    A key the checkpoint lacks (a per-rank entry of a rank the saving job did
+    not have), a tensor of another global shape, or a tensor where it saved
+    something else. Raised on every rank before anything loads, naming each
+    rank (``ranks``), what it lacks and both world sizes (see
+    :mod:`ckptdb.storage.topology`). A missing key is accepted with
+    ``load(..., missing_keys="keep")``; a shape mismatch never is.
+    """
 
 
 class UnknownStreamError(InvalidArgumentError):
-    """A payload or query names a stream that is not configured for the run."""
+    """A payload or query names a stream that is not configured for the run.
+
+    The message lists the run's streams, so a typo is easy to spot. Also a
+    ``ValueError``.
+    """
 
 
 class LedgerError(CkptDBError, RuntimeError):
-    """The ledger cannot be used (closed manager, unreachable database...)."""
+    """The ledger cannot be used (closed manager, unreachable database...).
+
+    Also raised when a root holds no ckptdb run, or a ledger URL cannot be
+    opened (a missing driver names the extra to install). Also a
+    ``RuntimeError``.
+    """
 
 
 class DatabaseError(LedgerError):
     """A database operation failed (a locked SQLite file, a lost connection...).
 
-    The ledger package raises it for every driver error, in one place;
-    ``original`` is the driver's error (also ``__cause__``).
+    The ledger package raises it for every driver error, in one place, so a
+    bare driver exception never escapes ckptdb.
+
+    Args:
+        message: What failed, with the ledger's URL stripped of credentials.
+        original: The driver's error (also ``__cause__``); None when there is
+            none. Kept as the ``original`` attribute.
     """
 
     def __init__(self, message: str, original: BaseException | None = None) -> None:
@@ -94,47 +165,106 @@ class DatabaseError(LedgerError):
 
 
 class LedgerLockedError(LedgerError):
-    """Another process holds the run's writer lock."""
+    """Another process holds the run's writer lock.
+
+    A run has one writer at a time: the lock file ``<root>/ckptdb.lock``
+    (with a PostgreSQL ledger, a session advisory lock). Raised by a second
+    writer's open, by :meth:`ckptdb.RunReader.check` while a trainer runs, and
+    by a second replicator or tracker follower of the same run. Readers never
+    need the lock.
+
+    Args:
+        message: Who holds the lock, as far as it is known.
+        holder: What is known of the holder (``pid``, ``host``; ``since`` for
+            the file lock, ``backend_pid`` and ``client_addr`` on PostgreSQL);
+            None or empty when nothing is. Kept as the ``holder`` attribute.
+    """
 
     def __init__(self, message: str, holder: dict[str, object] | None = None) -> None:
         super().__init__(message)
         self.holder = holder or {}
 
     def wire_fields(self) -> dict[str, Any]:
+        """This error's fields as plain data, for sending to other ranks.
+
+        Returns:
+            The base fields and ``holder``.
+        """
         return {**super().wire_fields(), "holder": self.holder}
 
     @classmethod
     def from_wire(cls, message: str, fields: dict[str, Any]) -> CkptDBError:
+        """Rebuild the error from its message and :meth:`wire_fields`.
+
+        Args:
+            message: The error's message.
+            fields: The sent fields; ``holder`` is read from them.
+
+        Returns:
+            A new :class:`LedgerLockedError` (or subclass), not yet raised.
+        """
         return cls(message, holder=fields.get("holder"))
 
 
 class RunTakenOverError(LedgerLockedError):
-    """The run was restored on another machine: a replicator on this one stops, since
-    its copies would collide with the new machine's and its removals could remove
-    them (see docs/replication.md, "Never back in time")."""
+    """The run was restored on another machine: a replicator on this one stops.
+
+    Its copies would collide with the new machine's, and its removals could
+    remove them, so it stops before it copies or removes anything (see
+    docs/replication.md, "Never back in time").
+    """
 
 
 class WriterLockLostError(LedgerError):
-    """The connection holding a PostgreSQL run's writer lock was lost; reopen the run."""
+    """The connection holding a PostgreSQL run's writer lock was lost; reopen the run.
+
+    Without the lock another writer may have taken the run, so this manager
+    is fenced off and commits nothing more; close it and open the run again.
+    """
 
 
 class NetworkFilesystemError(InvalidArgumentError):
-    """A SQLite ledger would live on a network filesystem, where its locking is unsafe."""
+    """A SQLite ledger would live on a network filesystem, where its locking is unsafe.
+
+    SQLite's locking is unreliable there and the ledger can be corrupted.
+    Use a PostgreSQL ledger, or keep the checkpoints there and put the ledger
+    on a local disk; the message names the opt-out for those who accept the
+    risk. Readers are refused it too for their own rows (pins, evaluations).
+    """
 
 
 class RunDirectoryError(CkptDBError, OSError):
-    """The run root cannot hold a run (a file, not writable, lock file unusable), or its
-    save directory (or a stream directory in it) is missing while the ledger records
-    checkpoints in it."""
+    """The run root cannot hold a run, or its save directory is missing.
+
+    The root is a file, is not writable, or its lock file is unusable; or the
+    save directory (or a stream directory in it) is not there while the
+    ledger records checkpoints in it (not mounted?). Also an ``OSError``.
+    """
 
 
 class SchemaVersionError(LedgerError):
-    """The ledger's schema is unknown to (newer than) this version of ckptdb."""
+    """The ledger's schema is not the one this version of ckptdb reads.
+
+    A ledger written by a newer ckptdb needs a newer ckptdb. One written by
+    an older release is refused to a reader, which never migrates: the
+    message names what to run (``ckptdb db upgrade ROOT``, or open the run
+    once with a :class:`~ckptdb.CheckpointManager`).
+    """
 
 
 @dataclass(frozen=True)
 class CleanupFailure:
-    """A leftover that could not be removed (or recorded) after a failure, and why."""
+    """A leftover that could not be removed (or recorded) after a failure, and why.
+
+    Listed in :attr:`PublishError.cleanup_failures`; the leftovers are
+    recorded for the next reconcile, which removes them.
+
+    Attributes:
+        path: The file or directory left behind.
+        error: Why removing (or recording) it failed.
+        action: What was attempted: ``"remove"`` by default, or a
+            ``"record..."`` action when the ledger could not record it.
+    """
 
     path: Path
     error: BaseException
@@ -147,12 +277,21 @@ class CleanupFailure:
 class PublishError(CkptDBError, RuntimeError):
     """A boundary failed before its commit; the ledger is as it was before.
 
-    ``phase`` names the protocol phase that failed (``intent``, ``snapshot``,
-    ``write``, ``fsync``, ``complete`` and ``verify`` (object storage), ``replace``,
-    ``fsync_dir``, ``commit``), ``path``
-    the file it was working on, and ``cleanup_failures`` any leftover that
-    could not be removed afterwards (those are recorded for the next
-    reconcile). The original exception is ``__cause__``.
+    Nothing of the boundary was published, so the previous checkpoints stand
+    and the save can be retried. The original exception is ``__cause__``;
+    ``str()`` adds the cleanup failures, if any.
+
+    Args:
+        message: What failed.
+        phase: The protocol phase that failed: ``intent``, ``snapshot``,
+            ``write``, ``fsync``, ``complete`` and ``verify`` (object
+            storage), ``replace``, ``fsync_dir`` or ``commit``.
+        step: The step of the boundary.
+        path: The file it was working on; None for a phase without one.
+        stream: The stream of that file; None when the failure is not one
+            stream's.
+        cleanup_failures: Any leftover that could not be removed afterwards
+            (those are recorded for the next reconcile); None for none.
     """
 
     def __init__(
@@ -180,9 +319,21 @@ class PublishError(CkptDBError, RuntimeError):
         return text
 
     def wire_message(self) -> str:
+        """The message to send to other ranks, without the cleanup failures.
+
+        Returns:
+            The bare message: the cleanup failures travel as fields.
+        """
         return Exception.__str__(self)  # the cleanup failures travel as fields
 
     def wire_fields(self) -> dict[str, Any]:
+        """This error's fields as plain data, for sending to other ranks.
+
+        Returns:
+            The base fields with ``phase``, ``step``, ``stream``, ``path``
+            (when set) and ``cleanup_failures`` (when any, as tuples of path,
+            error type name, error text and action).
+        """
         failures = [
             (str(f.path), type(f.error).__name__, str(f.error), f.action)
             for f in self.cleanup_failures
@@ -196,6 +347,19 @@ class PublishError(CkptDBError, RuntimeError):
 
     @classmethod
     def from_wire(cls, message: str, fields: dict[str, Any]) -> CkptDBError:
+        """Rebuild the error from its message and :meth:`wire_fields`.
+
+        A cleanup failure's error comes back as the built-in ``OSError``
+        subclass it named, else as a ``RuntimeError`` carrying its type's name.
+
+        Args:
+            message: The error's message.
+            fields: The sent fields; a missing ``phase`` reads as ``write``,
+                a missing ``step`` as -1.
+
+        Returns:
+            A new :class:`PublishError` (or subclass), not yet raised.
+        """
         failures = [
             CleanupFailure(Path(path), _builtin_error(kind, text), action)
             for path, kind, text, action in fields.get("cleanup_failures", [])
@@ -211,11 +375,13 @@ class PublishError(CkptDBError, RuntimeError):
 
 
 class LedgerUnavailableError(PublishError, ConnectionError):
-    """A boundary failed because the ledger could not be reached: a PostgreSQL server
-    restarting or failing over, a network blip, a SQLite file locked past its busy
-    timeout. Nothing was published; training can go on, and the next boundary
-    tries again (the manager reconnects, and takes its writer lock back when no
-    other writer took the run). ``__cause__`` is the driver's error.
+    """A boundary failed because the ledger could not be reached.
+
+    A PostgreSQL server restarting or failing over, a network blip, a SQLite
+    file locked past its busy timeout. Nothing was published; training can go
+    on, and the next boundary tries again (the manager reconnects, and takes
+    its writer lock back when no other writer took the run). ``__cause__`` is
+    the driver's error. Also a ``ConnectionError``.
     """
 
     def __str__(self) -> str:
@@ -230,11 +396,12 @@ class LedgerUnavailableError(PublishError, ConnectionError):
 
 
 class CommitOutcomeUnknownError(LedgerUnavailableError):
-    """The ledger stopped answering while a boundary's COMMIT was on its way: the
-    boundary may be committed or not, and no one can tell until the ledger
-    answers again. Its files are left in place. The manager settles it by
-    reading the ledger back at its next boundary (or at close; else the next
-    open's reconcile does): committed, it stands; not, it is rolled back.
+    """The ledger stopped answering while a boundary's COMMIT was on its way.
+
+    The boundary may be committed or not, and no one can tell until the
+    ledger answers again. Its files are left in place. The manager settles it
+    by reading the ledger back at its next boundary (or at close; else the
+    next open's reconcile does): committed, it stands; not, it is rolled back.
     """
 
 
@@ -274,11 +441,25 @@ class PhaseFailure(Exception):
 
 
 class ForeignEntryError(CkptDBError, OSError):
-    """A link or special file inside a checkpoint directory: it was not written by us."""
+    """A link or special file inside a checkpoint directory: it was not written by us.
+
+    ckptdb never follows it (it could point anywhere), and the checkpoint
+    counts as corrupt. Also an ``OSError``.
+    """
 
 
 class NonFiniteGradientError(CkptDBError, FloatingPointError):
-    """The non-finite gradient guard tripped: the boundary was not published."""
+    """The non-finite gradient guard tripped: the boundary was not published.
+
+    The previous checkpoints stand, so a resume starts from weights that
+    were still finite. Also a ``FloatingPointError``.
+
+    Args:
+        message: What the guard found.
+        step: The step whose boundary was refused.
+        parameters: The names of the parameters with non-finite gradients;
+            None for none named. Kept as the ``parameters`` attribute (a list).
+    """
 
     def __init__(self, message: str, *, step: int, parameters: list[str] | None = None) -> None:
         super().__init__(message)
@@ -286,15 +467,35 @@ class NonFiniteGradientError(CkptDBError, FloatingPointError):
         self.parameters = list(parameters or [])
 
     def wire_fields(self) -> dict[str, Any]:
+        """This error's fields as plain data, for sending to other ranks.
+
+        Returns:
+            The base fields with ``step`` and ``parameters``.
+        """
         return {**super().wire_fields(), "step": self.step, "parameters": self.parameters}
 
     @classmethod
     def from_wire(cls, message: str, fields: dict[str, Any]) -> CkptDBError:
+        """Rebuild the error from its message and :meth:`wire_fields`.
+
+        Args:
+            message: The error's message.
+            fields: The sent fields; a missing ``step`` reads as -1.
+
+        Returns:
+            A new :class:`NonFiniteGradientError`, not yet raised.
+        """
         return cls(message, step=fields.get("step", -1), parameters=fields.get("parameters"))
 
 
 class CheckpointNotFoundError(CkptDBError, LookupError):
-    """No committed checkpoint matches the request."""
+    """No committed checkpoint matches the request.
+
+    Raised for ``"latest"`` or ``"best"`` of a stream with nothing committed,
+    a step or path the ledger has no committed checkpoint for, and a
+    checkpoint whose row is not ``committed`` (evicted, lost, corrupt) where
+    only a committed one will do. Also a ``LookupError``.
+    """
 
 
 class NoCheckpointToResumeError(CheckpointNotFoundError, ValueError):
@@ -306,36 +507,64 @@ class NoCheckpointToResumeError(CheckpointNotFoundError, ValueError):
 
 
 class CheckpointLostError(CheckpointNotFoundError, FileNotFoundError):
-    """A committed checkpoint's file is gone (the row is marked ``lost``)."""
+    """A committed checkpoint's file is gone.
+
+    The run's writer marks the row ``lost`` (at its next load or reconcile;
+    a reader never writes the row), and ``latest`` falls back to the newest
+    checkpoint still there. Also a ``FileNotFoundError``.
+    """
 
 
 class CorruptCheckpointError(CkptDBError, OSError):
-    """A checkpoint file's size or hash differs from its ledger row."""
+    """A checkpoint file's size or hash differs from its ledger row.
+
+    Raised before anything is unpickled, so a damaged file is never loaded.
+    The run's writer marks the row ``corrupt`` (at its next load of it or
+    ``reconcile --verify``; a reader never writes the row). Also an
+    ``OSError``.
+    """
 
 
 class LedgerReplicaNotFoundError(CkptDBError, FileNotFoundError):
-    """A remote tier holds no copy of the ledger to restore (of the run asked for)."""
+    """A remote tier holds no copy of the ledger to restore (of the run asked for).
+
+    When the URL holds other runs' ledgers, the message names them. Nothing
+    was written. Also a ``FileNotFoundError``.
+    """
 
 
 class CorruptLedgerReplicaError(CkptDBError, OSError):
-    """A copy of the ledger on a remote tier is damaged: not the bytes its manifest
-    records, or not a sound SQLite database. A restore never uses one."""
+    """A copy of the ledger on a remote tier is damaged.
+
+    Not the bytes its manifest records, or not a sound SQLite database. A
+    restore never uses one; it raises this when every copy is damaged, each
+    reason noted on it. Also an ``OSError``.
+    """
 
 
 class RestoreTargetError(CkptDBError, FileExistsError):
-    """A restore from a URL alone would write into a directory that is not empty."""
+    """A restore from a URL alone would write into a directory that is not empty.
+
+    Raised before anything is written, so no existing file is overwritten.
+    Also a ``FileExistsError``.
+    """
 
 
 class ExportTargetError(CkptDBError, FileExistsError):
-    """An export would write into a directory that is not empty (or is a checkpoint's
-    own save directory): an export never overwrites files."""
+    """An export would write where it must not: an export never overwrites files.
+
+    Raised when the target is a directory that is not empty, an existing
+    file or link, or lies inside the run's save directory; before anything
+    is read or written. Also a ``FileExistsError``.
+    """
 
 
 class ObjectStoreError(CkptDBError, OSError):
     """An object-store request failed after its retries (or the store cannot be used).
 
     The message names the operation, the key and the store's error code;
-    it never carries credentials.
+    it never carries credentials. Inside a boundary it is the ``__cause__``
+    of a :class:`PublishError`. Also an ``OSError``.
     """
 
 
@@ -348,7 +577,10 @@ class ConditionalWritesUnsupportedError(ObjectStoreError):
 
 
 class MissingExtraError(CkptDBError, ImportError):
-    """An optional dependency is missing (e.g. ``pip install 'ckptdb[s3]'``)."""
+    """An optional dependency is missing (e.g. ``pip install 'ckptdb[s3]'``).
+
+    The message names the extra that installs it. Also an ``ImportError``.
+    """
 
 
 class UnsupportedVersionError(CkptDBError, RuntimeError):
@@ -375,11 +607,20 @@ class RankFailedError(CkptDBError, RuntimeError):
 
 
 class ChiefOnlyError(CkptDBError, RuntimeError):
-    """A ledger-maintenance call (reconcile, gc, check) made on a rank other than the chief."""
+    """A ledger-maintenance call (reconcile, gc, check) made on a rank other than the chief.
+
+    Only the chief (rank 0) holds the ledger, so only it may maintain the
+    run; guard such calls with ``mgr.is_chief``. Also a ``RuntimeError``.
+    """
 
 
 class CleanupWarning(UserWarning):
-    """An evicted or leftover file could not be removed (the next reconcile retries)."""
+    """An evicted or leftover file could not be removed (the next reconcile retries).
+
+    A warning, not an error: the call that met it succeeded. It points at
+    the caller's line (the first frame outside ckptdb), wherever inside the
+    protocol the clean-up ran.
+    """
 
 
 def note_on(primary: BaseException, note: str) -> None:
@@ -420,7 +661,20 @@ def _inside(filename: str, package: str) -> bool:
 
 @dataclass(frozen=True)
 class WireError:
-    """One rank's failure, as data every rank can turn back into the same exception."""
+    """One rank's failure, as data every rank can turn back into the same exception.
+
+    Made by :func:`encode` and turned back by :func:`decode`; it holds only
+    plain data, so it crosses ``torch.distributed`` collectives even where
+    the original exception could not be pickled.
+
+    Attributes:
+        rank: The rank that failed.
+        kind: The name of the error class (a :class:`CkptDBError` subclass).
+        message: The error's message (:meth:`CkptDBError.wire_message`).
+        fields: The error's fields (:meth:`CkptDBError.wire_fields`).
+        ranks: The ranks that failed, when one error speaks for several;
+            empty means ``rank`` alone.
+    """
 
     rank: int
     kind: str
@@ -430,6 +684,7 @@ class WireError:
 
     @property
     def stage(self) -> int:
+        """Which preflight check objected: 0 (also when unset) bad input, 1 guard, 2 metric."""
         return int(self.fields.get("stage") or 0)
 
 
@@ -450,7 +705,22 @@ def _error_kinds() -> dict[str, type[CkptDBError]]:
 
 
 def encode(rank: int, exc: BaseException, fallback: str = "PublishError") -> WireError:
-    """``exc`` as a :class:`WireError`; an error that is not ours becomes ``fallback``."""
+    """Turn an exception into a :class:`WireError` that every rank can decode.
+
+    A :class:`CkptDBError` keeps its class, message and fields, and the ranks
+    it already names. Any other exception is sent as ``fallback``, its
+    message prefixed with its type's name, so every rank raises a typed
+    ckptdb error for it.
+
+    Args:
+        rank: The rank the error happened on.
+        exc: The exception to send.
+        fallback: The name of the :class:`CkptDBError` class that stands for an
+            exception that is not ckptdb's (default ``"PublishError"``).
+
+    Returns:
+        The error as plain data.
+    """
     if isinstance(exc, CkptDBError):
         ranks = tuple(exc.ranks or (rank,))
         return WireError(rank, type(exc).__name__, exc.wire_message(), exc.wire_fields(), ranks)
@@ -458,8 +728,19 @@ def encode(rank: int, exc: BaseException, fallback: str = "PublishError") -> Wir
 
 
 def decode(wire: WireError) -> CkptDBError:
-    """The exception every rank raises for ``wire``: the same type, message and fields,
-    with the failing rank(s) named in the message and in ``ranks``."""
+    """The exception every rank raises for ``wire``.
+
+    The same type, message and fields on every rank, with the failing
+    rank(s) named in the message (unless it already names a rank) and in
+    ``ranks``; ``stage`` is restored too. A kind this module does not know,
+    or an internal one, comes back as :class:`PublishError`.
+
+    Args:
+        wire: What :func:`encode` made on the failing rank.
+
+    Returns:
+        A new exception, not yet raised.
+    """
     cls = _error_kinds().get(wire.kind, PublishError)
     ranks = wire.ranks or (wire.rank,)
     where = ", ".join(str(r) for r in ranks)

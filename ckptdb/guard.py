@@ -20,8 +20,17 @@ ParametersArg = Tensor | Iterable[Tensor]
 class NonFiniteGradGuard:
     """Accumulates whether any gradient norm was non-finite since the last reset.
 
-    Pass a module (or ``named_parameters()``) to get parameter names in the
-    error when the guard trips; otherwise parameters are named by position.
+    Given to a :class:`~ckptdb.CheckpointManager` (``guard=``), it blocks the
+    publication of a boundary after a NaN or Inf gradient: the manager reads it once
+    per boundary, raises :class:`~ckptdb.errors.NonFiniteGradientError` instead of
+    saving, and resets it. Calling ``.item()`` on a gradient norm every step would
+    stall a GPU pipeline, so the flag stays a tensor on the norm's own device and is
+    updated with device operations; only :meth:`tripped` reads it back to the host.
+
+    Args:
+        named: A module, or its ``named_parameters()``, to name parameters in the
+            error when the guard trips. None (the default): parameters are named by
+            position and shape (``param[3](512, 512)``).
     """
 
     def __init__(self, named: nn.Module | Iterable[tuple[str, Tensor]] | None = None) -> None:
@@ -33,7 +42,15 @@ class NonFiniteGradGuard:
         self._param_flags: dict[tuple[int, ...], tuple[list[str], Tensor]] = {}
 
     def update(self, total_norm: Tensor | float) -> None:
-        """Record ``total_norm``; a tensor stays on its device (no host sync)."""
+        """Record ``total_norm``; a tensor stays on its device (no host sync).
+
+        For a loop that computes its gradient norm itself (e.g. the return value of
+        ``torch.nn.utils.clip_grad_norm_``); :meth:`clip_grad_norm_` calls it.
+
+        Args:
+            total_norm: A gradient norm: a tensor (any shape; a non-finite element
+                trips the guard) or a number, checked at once.
+        """
         if not isinstance(total_norm, Tensor):
             if not math.isfinite(float(total_norm)):
                 self._host_flag = True
@@ -46,10 +63,19 @@ class NonFiniteGradGuard:
         """Record the gradients an optimizer step is about to apply, without changing them.
 
         For frameworks that own the training step (the Lightning callback feeds
-        it from ``on_before_optimizer_step``). ``skipped`` is a boolean tensor
-        saying the step will not be applied (a GradScaler found inf/NaN and
-        skips it): such a step changed no weights, so its gradients count as
-        finite. Everything stays on the device; nothing syncs with the host.
+        it from ``on_before_optimizer_step``). Each gradient's max-abs norm is taken
+        (finite exactly when every element is, and never overflowing), and the
+        parameters with a non-finite one are remembered by name. Everything stays on
+        the device; nothing syncs with the host. Parameters without a gradient are
+        ignored.
+
+        Args:
+            parameters: A tensor or an iterable of tensors (parameters), whose
+                ``.grad`` is read.
+            skipped: A boolean tensor saying the step will not be applied (a
+                GradScaler found inf/NaN and skips it): such a step changed no
+                weights, so its gradients count as finite. None (the default): the
+                step is applied.
         """
         params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
         positions = {id(p): i for i, p in enumerate(params)}
@@ -77,11 +103,25 @@ class NonFiniteGradGuard:
     ) -> Tensor:
         """Overflow-safe ``torch.nn.utils.clip_grad_norm_`` that also updates the guard.
 
-        Finite gradients too large for a float32 sum of squares give a finite
-        norm instead of a false alarm (see :func:`_tensor_norms`), and the
-        per-tensor norms are combined in float64. The guard learns only which
-        parameters had a non-finite norm (their flags also make :meth:`tripped`
-        true). Returns the total norm in the gradients' dtype, like torch.
+        A drop-in for torch's clipping, with its coefficient and return value, run
+        under ``no_grad`` as torch's is. Finite gradients too large for a float32 sum
+        of squares give a finite norm instead of a false alarm, and the per-tensor
+        norms are combined in float64. The guard learns which parameters had a
+        non-finite norm (their flags also make :meth:`tripped` true). On the CPU it
+        reads the total norm once per step; on other devices nothing syncs with the
+        host.
+
+        Args:
+            parameters: A tensor or an iterable of tensors whose ``.grad`` is
+                clipped in place; parameters without a gradient are ignored.
+            max_norm: The largest total norm the gradients keep; larger ones are
+                scaled down to it.
+            norm_type: The p of the p-norm (default 2.0; ``inf`` for the max-abs
+                norm).
+
+        Returns:
+            The total norm of the gradients before clipping, in their dtype, like
+                torch (a zero tensor when no parameter has a gradient).
         """
         params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
         positions = {id(p): i for i, p in enumerate(params)}
@@ -156,19 +196,40 @@ class NonFiniteGradGuard:
             self._param_flags[key] = (known[0], known[1].logical_and(finite))
 
     def tripped(self) -> bool:
-        """Whether a non-finite norm was seen since the last reset (one host sync)."""
+        """Whether a non-finite norm was seen since the last reset (one host sync).
+
+        The manager calls it once per boundary; calling it every step would bring
+        back the host sync the guard exists to avoid.
+
+        Returns:
+            True when a non-finite gradient norm was recorded since :meth:`reset`.
+        """
         if self._host_flag or any(bool(flag.item()) for flag in self._flags.values()):
             return True
         return any(not bool(finite.all().item()) for _, finite in self._param_flags.values())
 
     def nonfinite_parameters(self) -> list[str]:
-        """Names of parameters whose gradient norm was non-finite since the last reset."""
+        """Names of parameters whose gradient norm was non-finite since the last reset.
+
+        Known for the parameters passed through :meth:`clip_grad_norm_` or
+        :meth:`observe`, not for a norm given to :meth:`update`. Reads the flags back
+        to the host.
+
+        Returns:
+            The names (from ``named``, else by position and shape); empty when none
+                is known.
+        """
         found: list[str] = []
         for names, flags in self._param_flags.values():
             found.extend(name for name, ok in zip(names, flags.tolist(), strict=True) if not ok)
         return found
 
     def reset(self) -> None:
+        """Forget everything recorded: the guard starts clean for the next boundary.
+
+        The manager resets it at each boundary once its verdict is read (a boundary
+        refused for bad input leaves it as it was).
+        """
         self._flags.clear()
         self._host_flag = False
         self._param_flags.clear()

@@ -187,25 +187,127 @@ def _abandon(db: Any, lock: Any, attempt_id: int) -> None:
 class CheckpointManager:
     """Publishes checkpoints transactionally and answers what is latest and best.
 
-    ``root`` is the run directory; the ledger defaults to
-    ``<root>/ckptdb.sqlite`` and checkpoint files to ``<root>/checkpoints``.
-    Opening takes the run's writer lock, migrates the ledger, starts an
-    attempt and reconciles the ledger with the disk. ``maintenance=True`` is
-    for tools such as the ``ckptdb`` command: no reconcile at open (they run it
-    explicitly, maybe as a dry run) and the attempt is recorded as kind
-    ``maintenance``, so it does not count as a training restart.
-    Without ``save_dir`` an existing run keeps the save directory it was
-    created with (following the root if the run directory was moved).
+    The one object a training script holds for a run. Each :meth:`save` is one
+    boundary: its payloads, keyed by stream, are written durably and then committed in
+    one ledger transaction, so "latest", the top-K and retention always describe files
+    that are complete on disk. Constructing the manager opens the run at ``root``: it
+    takes the run's writer lock, migrates the ledger, starts an attempt and reconciles
+    the ledger with the disk. It is a context manager: leaving the ``with`` block
+    closes it, and leaving it by an exception ends the attempt as ``failed``.
 
-    ``db_url`` puts the ledger elsewhere, e.g. ``postgresql+psycopg://user@host/db``:
-    many runs then share one database, each identified by its resolved root,
-    and the writer lock is a PostgreSQL advisory lock per run instead of
-    ``<root>/ckptdb.lock``. A SQLite ledger on a network filesystem (NFS, SMB,
-    Lustre...) is refused with :class:`~ckptdb.errors.NetworkFilesystemError`
-    unless ``allow_network_sqlite`` (or ``CKPTDB_ALLOW_NETWORK_SQLITE=1``).
-    Under torch.distributed (``process_group``, else the default group when
-    initialized) every rank constructs the manager; only the chief opens the
-    ledger, and the others' ``streams``/``save_dir``/``db_url`` are ignored.
+    Under torch.distributed (``process_group``, else the default group when it is
+    initialized) every rank constructs the manager, collectively; only the chief
+    (rank 0) opens the ledger, and the other ranks' ``streams``, ``save_dir`` and
+    ``db_url`` are ignored.
+
+    Args:
+        root: The run directory, a local path, created if missing. It holds the writer
+            lock (``ckptdb.lock``) and, by default, the ledger (``ckptdb.sqlite``) and
+            the checkpoints (``checkpoints/``). Opening fsyncs the directories above it
+            up to its mount point, so that a root someone else made survives a power
+            cut. An ``s3://`` URL is refused: for checkpoints on object storage, pass a
+            local root and ``save_dir="s3://bucket/prefix"``.
+        streams: Stream name -> retention policy (:class:`~ckptdb.Keep` or
+            :class:`~ckptdb.TopK`). None (the default) uses the policies stored in the
+            ledger; a new run gets ``{"model": Keep(last=5)}``. Given, it updates the
+            named streams; a stored stream it does not name keeps its policy and its
+            checkpoints. A lower ``last`` or ``k`` applies at the stream's next save
+            (or :meth:`gc`). A new ranking metric (or a Keep stream made a TopK one)
+            re-ranks the stream's checkpoints by their saved metrics, and is refused
+            if one was saved without a finite value of it (unless the TopK has
+            ``last``). A name is 1-64 letters, digits, ``_``, ``-`` or ``.`` (not
+            ``.``, ``..``, ``ckptdb.*``, nor ``step``, ``metrics`` or ``blocking``,
+            which are :meth:`save`'s own arguments).
+        save_dir: Where checkpoint files go. None (the default): an existing run keeps
+            the save directory it was created with (following the root if the run
+            directory was moved), a new run uses ``<root>/checkpoints``. A local path,
+            or ``"s3://bucket/prefix"`` for object storage (see docs/s3.md).
+        db_url: The ledger's SQLAlchemy URL. None (the default): the SQLite file
+            ``<root>/ckptdb.sqlite``. With ``postgresql+psycopg://user@host/db`` many
+            runs share one database, each identified by its resolved root, and the
+            writer lock is a PostgreSQL advisory lock per run instead of
+            ``<root>/ckptdb.lock`` (see docs/postgres.md).
+        guard: A :class:`~ckptdb.NonFiniteGradGuard`, read once per boundary: a
+            boundary after a non-finite gradient is not published. None (the
+            default): no guard. It can be replaced between boundaries (:attr:`guard`).
+        maintenance: For tools such as the ``ckptdb`` command (default False). The
+            open runs no reconcile (the tool runs it explicitly, maybe as a dry run),
+            the attempt is recorded as kind ``maintenance`` so that it does not count
+            as a training restart, and no heartbeat is written; :meth:`heartbeat`
+            and ``interval`` are refused. Also how a new machine opens a run to
+            :meth:`restore` it before training opens it.
+        allow_network_sqlite: Accept a SQLite ledger on a network filesystem (NFS,
+            SMB, Lustre...), where its locking is unsafe (default False: refused;
+            ``CKPTDB_ALLOW_NETWORK_SQLITE=1`` also allows it).
+        process_group: The torch.distributed process group of the ranks that
+            checkpoint together. None (the default): the default group when
+            torch.distributed is initialized, else a single process.
+        storage_options: Options of the object store of an ``s3://`` ``save_dir``
+            (credentials, endpoint...: see docs/s3.md), checked before anything is
+            contacted. Refused with a local ``save_dir``; given without ``save_dir``,
+            they configure the run's own save directory if it is on object storage,
+            and nothing otherwise.
+        remote: The ``s3://`` URL a :class:`~ckptdb.replication.Replicator` copies
+            this run to; None (the default): none. The open then restores the newest
+            copies that a missing save directory (a new machine) or missing newest
+            checkpoints need (:attr:`restored_at_open`), and :meth:`load` and
+            :meth:`verify` bring back the copy of a missing or corrupt local
+            checkpoint. On a root without a ledger, the SQLite ledger of the run
+            named as the root is first brought back from its copy there
+            (:attr:`ledger_restored`). Refused for a run saved on object storage.
+        remote_options: Object-store options for ``remote``, as ``storage_options``
+            are for ``save_dir``; only with ``remote``.
+        interval: What :meth:`due` answers by: seconds between two checkpoints, or
+            ``"auto"``, the Young/Daly interval sqrt(2·C·M) chosen from this run's
+            save cost and failure rate, within ``min_interval`` and ``max_interval``
+            (see docs/goodput.md). None (the default): :meth:`due` is unavailable.
+            Refused on a maintenance manager.
+        min_interval: The lower bound of ``"auto"``, in seconds. None: 60, or
+            ``max_interval`` where that is smaller. Only with ``interval``.
+        max_interval: The upper bound of ``"auto"``, in seconds, and its interval
+            while no failure has been seen. None: 1800, or ``min_interval`` where
+            that is larger. Only with ``interval``.
+        heartbeat: Seconds between two heartbeats of a loop that reports its steps
+            (:meth:`due`, :meth:`heartbeat`), each one UPDATE without fsync; a crash's
+            end is known within this much (default 10).
+
+    Attributes:
+        root: The run directory, resolved.
+        last_reconcile: The report of the reconcile the open ran (empty for a
+            maintenance manager; the chief's on other ranks).
+        restored_at_open: The checkpoints the open brought back from ``remote``.
+        ledger_restored: The ledger the open brought back from ``remote`` to a root
+            that had none (None if it did not).
+
+    Raises:
+        InvalidArgumentError: ``root`` is an object-storage URL; ``save_dir`` is a
+            malformed object-storage URL; ``storage_options`` are given with a local
+            ``save_dir``, or are not valid; ``remote`` is not an object-storage URL,
+            or the run saves on object storage, or it holds the ledgers of several
+            runs named as the root; ``remote_options`` without ``remote``; a number
+            of seconds that is not positive and finite, an ``interval`` that is
+            neither seconds nor ``"auto"``, bounds that cross or bounds without an
+            interval; ``interval`` on a maintenance manager; a bad stream name; a
+            new ranking metric some checkpoint of its stream was saved without.
+        ArgumentTypeError: ``guard`` is not a NonFiniteGradGuard; ``streams`` is not
+            a non-empty dict, or a policy is not a Keep or a TopK.
+        NetworkFilesystemError: a SQLite ledger on a network filesystem, unless
+            ``allow_network_sqlite``.
+        LedgerLockedError: another process holds the run's writer lock.
+        RunDirectoryError: ``root`` is not a directory, cannot be made durable, or
+            its lock file is unusable; or the save directory (or a stream directory
+            in it) is missing while the ledger records committed checkpoints in it
+            (storage not mounted?).
+        SchemaVersionError: the ledger was written by a newer ckptdb.
+        DatabaseError: the ledger cannot be reached or a database operation failed.
+        ObjectStoreError: an object-storage ``save_dir`` fails its probe
+            (:class:`~ckptdb.errors.ConditionalWritesUnsupportedError` when the store
+            ignores ``If-None-Match: *``).
+        MissingExtraError: object storage without its optional dependency
+            (``pip install 'ckptdb[s3]'``).
+        CorruptLedgerReplicaError: with ``remote`` on a root without a ledger, every
+            copy of the ledger there is damaged.
+        RankAgreementError: under torch.distributed, a collective of the open failed.
     """
 
     def __init__(
@@ -507,7 +609,12 @@ class CheckpointManager:
 
     @property
     def guard(self) -> NonFiniteGradGuard | None:
-        """The guard read once per boundary (it may be replaced between boundaries)."""
+        """The guard read once per boundary; None when none is checked.
+
+        It may be replaced between boundaries (the next :meth:`save` reads the new
+        one), or set to None to stop guarding; setting anything else raises
+        :class:`~ckptdb.errors.ArgumentTypeError`.
+        """
         return self._guard
 
     @guard.setter
@@ -520,18 +627,22 @@ class CheckpointManager:
 
     @property
     def save_dir(self) -> Path:
+        """Where the run's checkpoint files are (an object-storage path for ``s3://``)."""
         return self._ctx.save_dir
 
     @property
     def policies(self) -> dict[str, Policy]:
+        """The run's streams and their retention policies, as the ledger stores them."""
         return self._ctx.policies
 
     @property
     def run_id(self) -> int:
+        """The run's id in the ledger (the ``runs`` table)."""
         return self._ctx.run_id
 
     @property
     def attempt_id(self) -> int:
+        """The id of the attempt this manager started when it opened the run."""
         return self._ctx.attempt_id
 
     # ----------------------------------------------------------------- lifecycle
@@ -548,7 +659,23 @@ class CheckpointManager:
         self._close("closed" if exc_type is None else "failed")
 
     def close(self) -> None:
-        """Flush buffered metrics, end the attempt and release the writer lock."""
+        """Flush buffered metrics, end the attempt and release the writer lock.
+
+        An asynchronous boundary in flight finishes first (it commits or rolls back).
+        Leaving the ``with`` block calls it; leaving that block by an exception ends
+        the attempt as ``failed`` instead of ``closed``, and an attempt whose ranks
+        agreed on a preemption ends ``preempted``. Not collective, so a rank that
+        failed on its own can still close. Closing an already closed manager does
+        nothing.
+
+        Raises:
+            PublishError: the error of an asynchronous boundary that nobody fetched
+                (with ``result()`` or ``exception()``), raised once the manager is
+                closed; any other error such a boundary ended with is raised the
+                same way. When the ``with`` block is left by an exception, it is not
+                raised (it was logged when it happened), so that exception is not
+                masked.
+        """
         self._close("closed")
 
     def _close(self, end_state: str) -> None:
@@ -653,19 +780,73 @@ class CheckpointManager:
     # ------------------------------------------------------------------- reading
 
     def latest(self, stream: str = "model") -> Checkpoint | None:
-        """The newest committed checkpoint of ``stream`` (by publication, not by mtime)."""
+        """The newest committed checkpoint of ``stream``.
+
+        Newest by publication, as the ledger's latest pointer says, not by file
+        modification time: what a resume should load. It does not wait for an
+        asynchronous boundary in flight: until that one commits, the answer is the
+        previous checkpoint. Collective under torch.distributed (the chief answers).
+
+        Args:
+            stream: The stream asked about (default ``"model"``).
+
+        Returns:
+            The newest committed checkpoint, or None when the stream has none.
+
+        Raises:
+            UnknownStreamError: the run has no stream ``stream``.
+            LedgerError: the manager is closed.
+        """
         self._check_open()
         return self._coord.shared("latest", lambda: self._ctx.queries().latest(stream))
 
     def best(self, stream: str = "best") -> list[Checkpoint]:
-        """The members of a top-K stream, best first."""
+        """The members of a top-K stream, best first.
+
+        Ranked by the stream's metric (ties go to the earlier step); in a
+        ``TopK(..., last=N)`` stream, the members saved without the metric come
+        last, newest first. Like :meth:`latest`, it answers from what is committed
+        and does not wait for a boundary in flight. Collective under
+        torch.distributed (the chief answers).
+
+        Args:
+            stream: A stream kept by a :class:`~ckptdb.TopK` policy (default
+                ``"best"``).
+
+        Returns:
+            The stream's committed checkpoints, best first; empty when it has none.
+
+        Raises:
+            UnknownStreamError: the run has no stream ``stream``.
+            InvalidArgumentError: ``stream`` is not a TopK stream.
+            LedgerError: the manager is closed.
+        """
         self._check_open()
         return self._coord.shared("best", lambda: self._ctx.queries().best(stream))
 
     def checkpoints(
         self, stream: str | None = None, *, states: Iterable[str] = (m.COMMITTED,)
     ) -> list[Checkpoint]:
-        """Checkpoints (committed ones unless ``states`` says otherwise), by stream then step."""
+        """The run's checkpoints in the given states, by stream then step.
+
+        Committed ones unless ``states`` says otherwise. Like :meth:`latest`, it
+        answers from the ledger as it is and does not wait for a boundary in flight.
+        Collective under torch.distributed (the chief answers).
+
+        Args:
+            stream: Only this stream's checkpoints; None (the default): every
+                stream's.
+            states: The row states wanted (default: ``committed`` only), among
+                ``pending``, ``committed``, ``deleting``, ``deleted``, ``aborted``,
+                ``lost`` and ``corrupt`` (see docs/guarantees.md).
+
+        Returns:
+            The matching checkpoints, ordered by stream, then by step.
+
+        Raises:
+            UnknownStreamError: the run has no stream ``stream``.
+            LedgerError: the manager is closed.
+        """
         self._check_open()
         wanted = tuple(states)
         return self._coord.shared(
@@ -684,25 +865,66 @@ class CheckpointManager:
     ) -> Any:
         """Load a committed checkpoint after verifying its size and hash.
 
-        ``which`` is ``"latest"``, ``"best"``, a step, a :class:`Checkpoint`
-        or a path. ``stream`` defaults to ``"best"`` for ``which="best"`` and
-        ``"model"`` otherwise. A mismatch marks the row ``corrupt``, moves the
-        latest pointer back to the newest healthy checkpoint and raises
-        :class:`~ckptdb.errors.CorruptCheckpointError` before anything is
-        unpickled; a vanished file is marked ``lost`` likewise
-        (:class:`~ckptdb.errors.CheckpointLostError`). A sharded checkpoint
-        loads in place into ``into`` (the caller's state dict, with the shapes
-        and sharding to fill), which is returned. Under torch.distributed
-        ``load`` is collective: the chief resolves and verifies, every rank
-        loads that checkpoint.
+        The checkpoint is checked against the size and hash its ledger row records
+        before anything is unpickled, so a damaged file is never loaded. A mismatch
+        marks the row ``corrupt`` and moves the stream's latest pointer back to the
+        newest healthy checkpoint; a vanished file is marked ``lost`` likewise. With
+        ``remote=``, a missing or corrupt local copy is first restored from its copy
+        on the remote tier and loaded. The first load of an attempt is recorded as
+        the checkpoint it resumed from (a ``resumed`` event). A load of a stream an
+        asynchronous boundary is writing waits for that boundary first.
 
-        A sharded checkpoint saved on another number of ranks reshards through
-        DCP. Before anything loads, every rank checks the keys and global
-        shapes it asks for against the checkpoint: a key it lacks (the
-        per-rank entry of a rank the saving job did not have) raises
-        :class:`~ckptdb.errors.LayoutMismatchError` on every rank, unless
-        ``missing_keys="keep"``, which leaves those values as they are in
-        ``into``; another shape always raises (see docs/distributed.md).
+        Under torch.distributed ``load`` is collective: the chief resolves and
+        verifies, and every rank loads that checkpoint. A sharded checkpoint saved
+        on another number of ranks reshards through DCP; before anything loads,
+        every rank checks the keys and global shapes it asks for against the
+        checkpoint (see docs/distributed.md).
+
+        Args:
+            which: ``"latest"`` (the default), ``"best"``, a step, a
+                :class:`~ckptdb.Checkpoint`, or the path of a committed checkpoint
+                in the save directory.
+            stream: The stream ``which`` is looked up in. None (the default):
+                ``"best"`` for ``which="best"``, ``"model"`` otherwise.
+            map_location: ``torch.load``'s ``map_location`` for a file checkpoint
+                (default ``"cpu"``); a sharded checkpoint loads onto the tensors of
+                ``into``.
+            weights_only: ``torch.load``'s ``weights_only`` (default True: only
+                tensors and plain containers are unpickled).
+            into: For a sharded checkpoint (required there, refused otherwise): the
+                caller's state dict, with the shapes and sharding to fill, loaded in
+                place; its ``Stateful`` values are asked for their state dict.
+            missing_keys: What a sharded load does with a key of ``into`` the
+                checkpoint lacks (the per-rank entry of a rank the saving job did not
+                have): ``"error"`` (the default) raises, ``"keep"`` leaves those
+                values as they are in ``into``. A tensor of another global shape
+                always raises.
+
+        Returns:
+            What ``torch.load`` returns for a file checkpoint; ``into``, filled in
+                place, for a sharded one.
+
+        Raises:
+            CorruptCheckpointError: the checkpoint's size or hash does not match its
+                row (now marked ``corrupt``), and no copy could restore it.
+            CheckpointLostError: the checkpoint's file is gone (its row is now marked
+                ``lost``), and no copy could restore it.
+            CheckpointNotFoundError: ``which`` names no committed checkpoint (the
+                stream has none yet, none at that step, or a path that is not one).
+            UnknownStreamError: the run has no stream ``stream``.
+            InvalidArgumentError: ``"best"`` of a stream that is not a TopK stream; a
+                step outside 0 to 2**63 - 1; ``missing_keys`` other than ``"error"``
+                or ``"keep"``; ``into`` for a file checkpoint, or none for a sharded
+                one; a directory a framework wrote (verified, but to be loaded with
+                that framework from ``checkpoint.path``).
+            ArgumentTypeError: ``which`` is none of the accepted types.
+            LayoutMismatchError: a sharded load asks for a key the checkpoint lacks
+                (with ``missing_keys="error"``) or a tensor of another global shape;
+                raised on every rank before anything loads.
+            RankFailedError: under torch.distributed, another rank failed to load
+                with an error of its own.
+            RankAgreementError: under torch.distributed, a collective failed.
+            LedgerError: the manager is closed.
         """
         self._check_open()
         return self._loader.load(which, stream, map_location, weights_only, into, missing_keys)
@@ -716,10 +938,35 @@ class CheckpointManager:
         """The committed checkpoint ``which`` names, its size and hash checked, not loaded.
 
         For frameworks that read their checkpoints themselves (a Hugging Face
-        ``checkpoint-N/`` directory, Accelerate's ``load_state``): resolve and
-        verify exactly as :meth:`load` does, then hand the path over. A
-        mismatch is recorded the same way (``corrupt`` or ``lost``, latest
-        falls back) and raised. Collective under torch.distributed.
+        ``checkpoint-N/`` directory, Accelerate's ``load_state``): it resolves and
+        verifies exactly as :meth:`load` does, then hands the checkpoint over, whose
+        ``path`` the framework loads. A mismatch is recorded the same way (``corrupt``
+        or ``lost``, latest falls back) and raised; with ``remote=``, a missing or
+        corrupt local copy is restored from its copy first. A stream an asynchronous
+        boundary is writing is waited for. Collective under torch.distributed.
+
+        Args:
+            which: ``"latest"`` (the default), ``"best"``, a step, a
+                :class:`~ckptdb.Checkpoint`, or the path of a committed checkpoint
+                in the save directory.
+            stream: The stream ``which`` is looked up in. None (the default):
+                ``"best"`` for ``which="best"``, ``"model"`` otherwise.
+
+        Returns:
+            The verified checkpoint.
+
+        Raises:
+            CorruptCheckpointError: the checkpoint's size or hash does not match its
+                row (now marked ``corrupt``), and no copy could restore it.
+            CheckpointLostError: the checkpoint's file is gone (its row is now marked
+                ``lost``), and no copy could restore it.
+            CheckpointNotFoundError: ``which`` names no committed checkpoint.
+            UnknownStreamError: the run has no stream ``stream``.
+            InvalidArgumentError: ``"best"`` of a stream that is not a TopK stream,
+                or a step outside 0 to 2**63 - 1.
+            ArgumentTypeError: ``which`` is none of the accepted types.
+            RankAgreementError: under torch.distributed, a collective failed.
+            LedgerError: the manager is closed.
         """
         self._check_open()
         if self._inflight.writes(Loader._stream_of(which, stream)):
@@ -758,17 +1005,83 @@ class CheckpointManager:
     ) -> dict[str, Checkpoint] | SaveHandle:
         """Publish one boundary: every payload (keyed by stream) commits, or none does.
 
-        Returns the committed checkpoints by stream; a top-K candidate that
-        would not enter its top-K is not written and is absent from the result.
-        A payload wrapped in :class:`~ckptdb.Sharded` is written with
-        ``torch.distributed.checkpoint`` as a directory (every rank its shards).
-        Under torch.distributed every rank calls ``save`` with the same step,
-        metrics and streams (see :mod:`ckptdb.coord.dist`).
+        Each payload is written durably under a temporary name, placed under its
+        final name, and all of them are committed in one ledger transaction, which
+        also moves each stream's latest pointer, applies retention and writes the
+        buffered metrics. A failure before the commit rolls the whole boundary back:
+        what was written is removed and the ledger is as it was. Files evicted by
+        retention are removed after the commit. A top-K candidate that would not
+        enter its top-K is not written at all.
 
-        ``blocking=False`` returns a :class:`~ckptdb.protocol.asyncsave.SaveHandle`
-        once the payload is copied to host memory; the write and the commit
-        finish in the background. This call first waits for the previous
-        boundary, and raises its error if nobody fetched it.
+        The checks run in a fixed order: bad input raises before the guard is looked
+        at, and leaves the guard as it was; then the guard is checked (and reset,
+        whatever happens next); only then is a non-finite ranking metric refused, so
+        a diverged boundary reports its cause, the non-finite gradient, rather than
+        the NaN validation loss it produced. A boundary stopped by the guard or a
+        bad ranking metric still records its metrics. Under torch.distributed every
+        rank calls ``save`` with the same step, metrics and streams, and every rank
+        gets the same outcome (see :mod:`ckptdb.coord.dist`). The error of a
+        previous asynchronous boundary that nobody fetched is raised first, before
+        this call's own arguments are checked, and this boundary does not run.
+
+        Args:
+            step: The training step, an int from 0 to 2**63 - 2.
+            metrics: Metric name -> real number (or a one-element real tensor),
+                recorded with the checkpoints and in the run's metrics at ``step``;
+                a TopK stream ranks by its metric
+                (required there, unless the policy has ``last``). A name is a
+                non-empty string of at most 255 characters, with no NUL and no lone
+                surrogate. None (the default): no metrics.
+            blocking: True (the default): return once the boundary is committed.
+                False: return a :class:`~ckptdb.SaveHandle` once the payloads are
+                copied to host memory; the write and the commit finish on a
+                background thread. Input, the guard's verdict, top-K admission and
+                the ``pending`` rows are still decided, and their errors raised,
+                before ``save`` returns. At most one boundary is in flight: the next
+                ``save`` waits for the previous one first.
+            **payloads: Stream name -> payload, at least one: any object
+                ``torch.save`` writes (typically a state dict), written as one file;
+                :class:`~ckptdb.Sharded` (a state dict written with
+                ``torch.distributed.checkpoint`` as a directory, every rank its own
+                shards); or :class:`~ckptdb.External` (files a framework writes
+                itself, published under its name; blocking only).
+
+        Returns:
+            With ``blocking=True``, the committed checkpoints by stream; a top-K
+                candidate that was not admitted is absent (so the dict is empty when no
+                stream admitted it). With ``blocking=False``, the boundary's
+                :class:`~ckptdb.SaveHandle`, whose ``result()`` is that dict.
+
+        Raises:
+            NonFiniteGradientError: the guard saw a non-finite gradient since the
+                last boundary; nothing was written, and a ``guard_tripped`` event
+                names the parameters.
+            PublishError: the boundary failed before its commit and was rolled back
+                (``phase``: ``intent``, ``write``, ``replace``, ``commit``...;
+                ``path``; ``cleanup_failures``). An object-store failure, a save
+                directory that vanished, or a writer that raised is its cause.
+            LedgerUnavailableError: the ledger could not be reached; the boundary
+                was rolled back, training can go on and the next boundary tries
+                again.
+            CommitOutcomeUnknownError: the ledger stopped answering while the COMMIT
+                was on its way; the files are kept and the boundary is settled when
+                the ledger answers again.
+            WriterLockLostError: the run's writer lock was lost (another writer
+                opened the run); this manager never commits again: close it. Found
+                at the commit, it is the cause of a PublishError instead.
+            InvalidArgumentError: a step out of range; no payload; a payload the
+                save directory's store cannot hold; an External name that is refused
+                or already exists, two streams publishing one name, or an External
+                payload with ``blocking=False``; a Sharded state dict whose
+                ``Stateful`` value failed to give its state dict; a bad metric name.
+            ArgumentTypeError: ``step`` is not an int, ``metrics`` is not a dict of
+                names to real numbers, or ``blocking`` is not a bool.
+            UnknownStreamError: a payload for a stream the run does not have.
+            InvalidMetricError: a TopK stream's metric is missing from ``metrics``,
+                or is not finite.
+            RankAgreementError: under torch.distributed, a collective failed (a rank
+                died or timed out).
+            LedgerError: the manager is closed.
         """
         self._check_open()
         deadline = self._deadline if blocking else None
@@ -781,9 +1094,19 @@ class CheckpointManager:
         """Report that training finished ``step``: goodput's measure of progress.
 
         Cheap (two assignments; at most every ``heartbeat`` seconds one small
-        UPDATE, without fsync). :meth:`due` reports it too; call this one when
-        something else decides when to checkpoint. The first report ends the
-        attempt's restart time; the last one before a crash is its end.
+        UPDATE, without fsync), so it can be called every step. :meth:`due` reports
+        the step too; call this one when something else decides when to checkpoint.
+        The first report ends the attempt's restart time; the last one before a
+        crash is its end (see docs/goodput.md).
+
+        Args:
+            step: The training step just finished, an int from 0 to 2**63 - 2.
+
+        Raises:
+            InvalidArgumentError: the manager is a maintenance one, or ``step`` is
+                out of range.
+            ArgumentTypeError: ``step`` is not an int.
+            LedgerError: the manager is closed.
         """
         self._check_open()
         if self._maintenance:
@@ -791,16 +1114,28 @@ class CheckpointManager:
         self._ctx.progress.step(validate_step(step))
 
     def due(self, step: int) -> bool:
-        """Whether to checkpoint at ``step``: ``interval=`` seconds (or the automatic
-        interval) have passed since the last save, or since training began.
+        """Whether to checkpoint at ``step``: the interval has passed since the last save.
 
-        Call it once per step, on every rank, with the same ``step``; every
-        rank gets the same answer at the same call (see :mod:`ckptdb.interval`).
-        It reports the step like :meth:`heartbeat`.
+        The interval is ``interval=`` seconds, or the one ``interval="auto"``
+        chooses from this run's save cost and failure rate (:attr:`interval` says
+        which and why), counted from the last save, or from the first step. Call it
+        once per step, on every rank, with the same ``step``: every rank gets the
+        same answer at the same call. Under torch.distributed the chief decides and
+        its answer travels by a pipelined one-byte all-reduce, not a blocking
+        collective per step, so a checkpoint is due one step after the chief saw it
+        due (see :mod:`ckptdb.interval`). It reports the step like :meth:`heartbeat`.
+
+        Args:
+            step: The training step just finished, an int from 0 to 2**63 - 2.
+
+        Returns:
+            True when a checkpoint is due at ``step``.
 
         Raises:
             InvalidArgumentError: the manager was made without ``interval=``, or
-                ``step`` is not a valid step.
+                ``step`` is out of range.
+            ArgumentTypeError: ``step`` is not an int.
+            LedgerError: the manager is closed.
         """
         self._check_open()
         if self._interval is None:
@@ -813,8 +1148,13 @@ class CheckpointManager:
 
     @property
     def interval(self) -> IntervalChoice | None:
-        """The interval ``due`` uses now and why (the chief's; None before the first
-        ``due``, and on other ranks, which follow the chief's answers)."""
+        """The interval :meth:`due` uses now, and why.
+
+        An :class:`~ckptdb.goodput.IntervalChoice` (``seconds``, ``cost_s``,
+        ``mtbf_s``, ``failures``, ``training_s``, ``why``): the chief's. None
+        without ``interval=``, before the first :meth:`due`, and on other ranks,
+        which follow the chief's answers.
+        """
         return self._interval.current if self._interval is not None else None
 
     def protect(self, checkpoint: Checkpoint) -> None:
@@ -823,8 +1163,16 @@ class CheckpointManager:
         For the checkpoint a run resumed from (Lightning protects it the same
         way): retention still evicts it from its stream when its policy says
         so, but then the row is marked ``deleted`` with a note and the file is
-        left on disk, no longer ckptdb's. On ranks other than the chief (which
-        never remove anything) it does nothing.
+        left on disk, no longer ckptdb's (yours). On ranks other than the chief
+        (which never remove anything) it does nothing.
+
+        Args:
+            checkpoint: A committed checkpoint of this run, as :meth:`latest`,
+                :meth:`load`'s resolution or :meth:`checkpoints` return it.
+
+        Raises:
+            ArgumentTypeError: ``checkpoint`` is not a :class:`~ckptdb.Checkpoint`.
+            LedgerError: the manager is closed.
         """
         self._check_open()
         if not isinstance(checkpoint, Checkpoint):
@@ -846,19 +1194,44 @@ class CheckpointManager:
         grace: float | None = None,
         every: int = 1,
     ) -> Preemption:
-        """Treat ``signals`` (default SIGTERM) as "this job is being preempted".
+        """Treat ``signals`` as "this job is being preempted", and return the handle.
 
-        Collective under torch.distributed (every rank calls it; it makes the
-        small gloo group the agreement runs on). Installs handlers that only
-        record the signal; ``stop.requested(step)``, called once per step on
-        every rank, says when every rank must save that step and stop, the same
-        answer at the same step everywhere; ``stop.save(step, **payloads)`` is
-        that checkpoint, an ordinary guarded boundary rolled back if ``grace``
-        seconds (counted from the first signal) run out before its commit. The
-        attempt then ends ``preempted``. Under several ranks the agreement runs
-        every ``every`` steps (default 1: a signal is acted on within two
-        steps). Closing the manager restores the previous handlers. See
-        :mod:`ckptdb.preemption` and docs/preemption.md.
+        Schedulers announce a preemption with a signal and a grace period; saving
+        inside the signal handler is what goes wrong elsewhere. This installs
+        handlers that only record the signal; ``stop.requested(step)``, called once
+        per step on every rank, says when every rank must save that step and stop
+        (the same answer at the same step everywhere), and
+        ``stop.save(step, **payloads)`` is that checkpoint, an ordinary guarded
+        boundary rolled back if the grace period runs out before its commit. The
+        chief records ``preempted`` and ``preemption_saved`` events, and the attempt
+        ends ``preempted``. Closing the manager restores the previous handlers.
+        Collective under torch.distributed: every rank calls it, and it makes the
+        small gloo group the agreement runs on. Must be called from the main thread.
+        See :mod:`ckptdb.preemption` and docs/preemption.md.
+
+        Args:
+            signals: The signals that mean preemption (signal numbers or
+                ``signal.Signals``); default ``(SIGTERM,)``, what Kubernetes, the
+                clouds and SLURM send. SLURM's ``--signal=USR1@90`` adds SIGUSR1.
+                SIGKILL and SIGSTOP cannot be handled.
+            grace: Seconds, counted from the first signal, within which the
+                preemption checkpoint must commit; a boundary still before its
+                commit then is rolled back. None (the default): no deadline.
+            every: Under torch.distributed, the agreement is launched every
+                ``every`` steps (default 1: a signal is acted on within two steps);
+                a larger value trades that delay for fewer small all-reduces.
+
+        Returns:
+            The handle to ask once per step, a :class:`~ckptdb.preemption.Preemption`.
+
+        Raises:
+            InvalidArgumentError: this manager already handles preemption; not called
+                from the main thread; no signal, a number that is not a signal,
+                SIGKILL or SIGSTOP; ``grace`` not positive and finite; ``every``
+                below 1.
+            ArgumentTypeError: ``signals`` is not a sequence of signal numbers,
+                ``grace`` is not a number, or ``every`` is not an int.
+            LedgerError: the manager is closed.
         """
         self._check_open()
         if self._preemption is not None:
@@ -892,7 +1265,23 @@ class CheckpointManager:
             self._ctx.event(kind, step=step, detail=detail)
 
     def gc(self) -> list[Checkpoint]:
-        """Apply every stream's stored retention policy now (e.g. after lowering ``last``)."""
+        """Apply every stream's stored retention policy now (e.g. after lowering ``last``).
+
+        A lower ``last`` or ``k`` otherwise applies at the stream's next save. As in a
+        boundary, one transaction marks the evicted rows ``deleting`` (moving a
+        latest pointer off them), and their files are removed once it commits; a
+        pinned checkpoint keeps its file until its pins are gone, and a protected one
+        (:meth:`protect`) keeps it for good. A boundary in flight is waited for first.
+        Chief only.
+
+        Returns:
+            The checkpoints evicted (empty when every stream is within its window).
+
+        Raises:
+            ChiefOnlyError: called on a rank other than the chief.
+            DatabaseError: the ledger could not be written.
+            LedgerError: the manager is closed.
+        """
         self._require_chief("gc()")
         self._inflight.wait()  # its pending rows are not a crash
         return self._publisher.gc()
@@ -906,12 +1295,37 @@ class CheckpointManager:
     ) -> list[AdoptOutcome]:
         """Commit rows for checkpoints that already sit at their final names (``ckptdb adopt``).
 
-        Each candidate (a file or directory a framework wrote, with the stream,
-        step and metrics its layout read) is measured and committed in a
-        transaction of its own, without retention: adopting never evicts. A
-        stream the run lacks is created as ``Keep(last=None)``. See
-        :mod:`ckptdb.protocol.adopt` for the rules; ``move`` moves a checkpoint
-        that lies outside the save directory into it first.
+        For a run trained without ckptdb, or before it used ckptdb. Each candidate
+        (a file or directory a framework wrote, with the stream, step and metrics
+        its layout read) is fsynced, measured and committed in a transaction of its
+        own, without retention: adopting never evicts. A stream the run lacks is
+        created as ``Keep(last=None)``. Adopting only appends: a checkpoint whose
+        step is not after its stream's newest committed step is skipped, so give the
+        candidates oldest first. A name the ledger already knows is reported
+        ``already``; partial, unreadable or ambiguous checkpoints are skipped with
+        the reason, never deleted. An interrupted adoption is finished by running it
+        again. See :mod:`ckptdb.protocol.adopt` for the rules. Chief only.
+
+        Args:
+            candidates: The checkpoints a layout found, as
+                :class:`~ckptdb.protocol.adopt.Candidate` values.
+            move: Rename a checkpoint that lies outside the save directory into it,
+                under its own name, before its commit (never over an existing name,
+                never across filesystems, moved back if its commit fails). False
+                (the default): such a checkpoint is skipped.
+            report: Called with each outcome as soon as it is final, so an error
+                later still leaves a truthful account; None (the default): none.
+
+        Returns:
+            An outcome per candidate, in order (a
+                :class:`~ckptdb.protocol.adopt.Outcome`): ``adopted`` (with its
+                committed checkpoint), ``already`` or ``skipped``, with the reason.
+
+        Raises:
+            ChiefOnlyError: called on a rank other than the chief.
+            WriterLockLostError: the run's writer lock was lost.
+            DatabaseError: a commit failed (a moved checkpoint is moved back).
+            LedgerError: the manager is closed.
         """
         self._require_chief("adopt()")
         self._inflight.wait()  # its pending rows are not ours to judge
@@ -925,23 +1339,44 @@ class CheckpointManager:
     ) -> list[Action]:
         """Register names other tools open, and point each at its stream's latest now.
 
-        ``aliases``: :class:`~ckptdb.record.DerivedAlias` values, or a mapping of
-        path to ``(stream, kind)``. A path is relative to the run root and stays in
-        it; ``kind`` is ``"symlink"`` (a relative symbolic link), ``"pointer"`` (a
-        text file holding the checkpoint's path relative to the pointer's
-        directory) or ``"link"`` (a hard link, a copy where links are not possible).
-        They are recorded in the ledger (a path registered again takes the new
-        stream and kind; ``replace`` forgets the run's other aliases, leaving their
-        files as they are), so that every reconcile re-points them: a crash between
-        a commit and its aliases no longer leaves them stale. Each is pointed at
-        the latest committed checkpoint of its stream now, atomically (an alias of
-        a stream with nothing committed is left as it is). Returns what was done,
-        one :class:`~ckptdb.Action` per alias changed (``aliased``), and records no
-        event: call it again after each commit of an aliased stream. Bad input,
-        a path outside the root, a checkpoint's own name or a directory raise
-        :class:`~ckptdb.errors.InvalidArgumentError` before anything changes.
-        Collective under torch.distributed: only the chief writes, the others'
-        ``aliases`` are ignored.
+        Derived aliases are names such as DeePMD's ``model.ckpt.pt`` and its
+        ``checkpoint`` pointer file. They are recorded in the ledger's ``aliases``
+        table, so that every reconcile re-points a stale one: a crash between a
+        commit and its aliases does not leave them stale. Each is pointed at the
+        latest committed checkpoint of its stream now, atomically; an alias of a
+        stream with nothing committed is left as it is. It records no event: call it
+        again after each commit of an aliased stream. Everything is checked before
+        anything changes. Collective under torch.distributed: the chief registers
+        and writes, the other ranks' ``aliases`` are ignored, and every rank gets
+        the chief's answer. A boundary in flight is waited for first.
+
+        Args:
+            aliases: :class:`~ckptdb.DerivedAlias` values, or a mapping of path to
+                ``(stream, kind)``. A path is relative to the run root and stays in
+                it; ``kind`` is ``"symlink"`` (a relative symbolic link),
+                ``"pointer"`` (a text file holding the checkpoint's path relative to
+                the pointer's directory) or ``"link"`` (a hard link; a copy where
+                links are not possible). A path registered again takes the new
+                stream and kind.
+            replace: Forget the run's other registered aliases, leaving their files
+                as they are (default False: they stay registered).
+
+        Returns:
+            An action per alias changed on disk, a :class:`~ckptdb.Action` of kind
+                ``aliased``.
+
+        Raises:
+            InvalidArgumentError: a path that leaves the root (absolute, ``..``, a
+                directory that is a link out of it), one of ckptdb's own names or a
+                checkpoint's, a missing directory, a directory at the path, a
+                symlink where a pointer or link belongs, an unknown kind, a path
+                given twice, or a run whose checkpoints are on object storage.
+            ArgumentTypeError: ``aliases`` or one of its entries has the wrong type.
+            UnknownStreamError: an alias of a stream the run does not have.
+            RunDirectoryError: the disk refused to write an alias (``OSError``),
+                after the others are written; it stays registered, and the next
+                reconcile tries again.
+            LedgerError: the manager is closed.
         """
         self._check_open()
         self._inflight.wait()  # the latest is the one its commit makes
@@ -1054,8 +1489,25 @@ class CheckpointManager:
     def log_metrics(self, step: int, values: Mapping[str, float]) -> None:
         """Buffer metric values for ``step``; written with the next commit or on flush/close.
 
-        Under torch.distributed only the chief's metrics are recorded (as
-        with Lightning's rank-zero logging): other ranks validate and drop them.
+        Buffering keeps the training loop free of a ledger write per step: the values
+        go into the ledger's ``metrics`` table in the next boundary's commit
+        transaction, on :meth:`flush` or on close (a large buffer is flushed on its
+        own). They are checked here, before anything is buffered, since a bad value
+        once buffered would fail every later commit of the run. Under
+        torch.distributed only the chief's metrics are recorded (as with
+        Lightning's rank-zero logging): other ranks validate and drop them.
+
+        Args:
+            step: The step the values belong to, an int from 0 to 2**63 - 2.
+            values: Metric name -> real number (or a one-element real tensor). A
+                name is a non-empty string of at most 255 characters, with no NUL
+                and no lone surrogate.
+
+        Raises:
+            InvalidArgumentError: ``step`` out of range, or a bad metric name.
+            ArgumentTypeError: ``step`` is not an int, or ``values`` is not a
+                mapping of names to real numbers.
+            LedgerError: the manager is closed.
         """
         if self._closed:
             self._check_open()
@@ -1070,7 +1522,13 @@ class CheckpointManager:
         """Write buffered metrics now (nothing to do on a rank other than the chief).
 
         Waits for a boundary in flight, whose commit writes the metrics
-        buffered before it (never twice).
+        buffered before it (never twice). With nothing buffered it opens no
+        transaction at all.
+
+        Raises:
+            DatabaseError: the ledger could not be written (the values stay
+                buffered).
+            LedgerError: the manager is closed.
         """
         self._check_open()
         ctx = self._ctx
@@ -1094,10 +1552,36 @@ class CheckpointManager:
         dry_run: bool = False,
         progress: Callable[[int, int], None] | None = None,
     ) -> ReconcileReport:
-        """Compare the ledger with the payload store and repair (see ckptdb.protocol.reconcile).
+        """Compare the ledger with the payload store and repair what disagrees.
 
-        ``verify`` re-hashes every committed payload; ``dry_run`` only reports;
-        ``progress(done, total)`` follows the rows checked.
+        The open runs it already (not for a maintenance manager). It rolls back the
+        ``pending`` rows a crash left (their files removed), finishes evictions
+        (unless a live pin holds the file), marks ``lost`` or ``corrupt`` a
+        committed checkpoint whose file is missing or wrong, moves a latest pointer
+        off such a row, removes ckptdb's own temporary files, moves a file in
+        ckptdb's naming without a row to ``<root>/ckptdb.quarantine/`` (never
+        deleting it), re-points derived aliases, and leaves any other file alone.
+        Every action is an event; a second reconcile does nothing. See
+        docs/guarantees.md. A boundary in flight is waited for first. Chief only.
+
+        Args:
+            verify: Also re-hash every committed payload (default False: presence
+                and size only), marking a mismatch ``corrupt``; this can take a
+                while.
+            dry_run: Only report what it would do, changing nothing (default False).
+            progress: Called as ``progress(done, total)`` after each ledger row is
+                checked; None (the default): not called.
+
+        Returns:
+            The report: ``actions`` taken (or that would be taken), ``counts`` by
+                kind, and ``str()`` for people.
+
+        Raises:
+            RunDirectoryError: the save directory, or a stream directory in it, is
+                missing while the ledger records committed checkpoints in it
+                (storage not mounted?); nothing was marked.
+            ChiefOnlyError: called on a rank other than the chief.
+            LedgerError: the manager is closed.
         """
         ctx = self._require_chief("reconcile()")
         self._inflight.wait()  # its pending rows are not a crash
@@ -1111,17 +1595,42 @@ class CheckpointManager:
         every: bool = False,
         storage_options: Mapping[str, object] | None = None,
     ) -> list[Checkpoint]:
-        """Bring checkpoints back from their copies at ``source`` (``s3://...``, where a
-        :class:`~ckptdb.replication.Replicator` copied them); the checkpoints restored.
+        """Bring checkpoints back from their copies at ``source``.
 
-        The newest checkpoint of each stream that has a whole copy (``every``:
-        each one that has) is downloaded, verified against its row and put in
-        place if its local copy is missing or does not match its row; its row
-        is committed again (it may have been marked lost or corrupt) and
-        ``latest`` re-pointed. For a new machine whose local disk is empty, open
-        the run with ``maintenance=True`` (no reconcile, which would first mark
-        every missing checkpoint lost; those are restored too) and restore
-        before training opens it. Chief only. See docs/replication.md.
+        ``source`` is where a :class:`~ckptdb.replication.Replicator` copied the
+        run. The newest checkpoint of each stream that has a whole copy is
+        downloaded, verified against its row and put in place if its local copy is
+        missing or does not match its row; its row is committed again (it may have
+        been marked lost or corrupt) and ``latest`` re-pointed. For a new machine
+        whose local disk is empty, open the run with ``maintenance=True`` (no
+        reconcile, which would first mark every missing checkpoint lost; those are
+        restored too) and restore before training opens it; or open with
+        ``remote=``, which restores at open. Every checkpoint is tried even when one
+        fails. A boundary in flight is waited for first. Chief only. See
+        docs/replication.md.
+
+        Args:
+            source: The ``s3://bucket/prefix`` URL the run was replicated to.
+            every: Restore every checkpoint that has a whole copy, not only each
+                stream's newest (default False).
+            storage_options: The object store's options (as for an ``s3://``
+                save directory); None (the default): none.
+
+        Returns:
+            The checkpoints restored (empty when every local copy was whole).
+
+        Raises:
+            ObjectStoreError: a copy could not be read; the first failure is raised
+                after every checkpoint was tried, the others and what was restored
+                all the same noted on it.
+            CorruptCheckpointError: a downloaded copy does not match its row (raised
+                the same way).
+            OSError: a restored copy could not be written in place (raised the same
+                way).
+            InvalidArgumentError: ``source`` is not an object-storage URL, or bad
+                ``storage_options``.
+            ChiefOnlyError: called on a rank other than the chief.
+            LedgerError: the manager is closed.
         """
         ctx = self._require_chief("restore()")
         self._inflight.wait()
@@ -1140,10 +1649,25 @@ class CheckpointManager:
     def check(self, *, load: bool = False) -> list[str]:
         """Violations of the run's consistency invariants, one line each.
 
-        See :mod:`ckptdb.protocol.check` for the invariants; also, every recorded
-        export's files are what was written (:mod:`ckptdb.exports`). With
-        ``remote=``, also the objects failed copies left on the remote tier (a
-        sweep removes them).
+        Each committed file's size and hash against its row, the disk against the
+        ledger (temporary files left behind, files in ckptdb's naming without a
+        row), latest pointers, top-K retention, what a reconcile would do, and
+        every recorded export's files against what was written (see
+        :mod:`ckptdb.protocol.check` and :mod:`ckptdb.exports`). With ``remote=``,
+        also the objects failed copies left on the remote tier (a replicator's
+        sweep removes them). It changes nothing. A boundary in flight is waited for
+        first. Chief only.
+
+        Args:
+            load: Also load every committed file with ``weights_only=True`` (default
+                False), reporting one that does not load.
+
+        Returns:
+            The violations, one line each; empty when the run is consistent.
+
+        Raises:
+            ChiefOnlyError: called on a rank other than the chief.
+            LedgerError: the manager is closed.
         """
         ctx = self._require_chief("check()")
         self._inflight.wait()  # its pending rows are not a crash

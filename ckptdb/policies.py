@@ -205,9 +205,25 @@ def _positive_int(name: str, value: Any, *, allow_none: bool, most: int | None =
 class Keep:
     """Keep the newest ``last`` checkpoints (None: all); steps divisible by ``every`` forever.
 
-    Timeline rule: a new checkpoint at step ``s`` supersedes every checkpoint
-    of the stream with step ``>= s`` (they belong to an abandoned timeline), so
-    the window never throws away the checkpoint just written.
+    The retention policy of a periodic stream: every save is written, and when one
+    commits, the checkpoints outside the window are evicted in the same
+    transaction (their files removed after it). Timeline rule: a new checkpoint at
+    step ``s`` supersedes every checkpoint of the stream with step ``>= s`` (they
+    belong to an abandoned timeline, e.g. after a resume from an earlier step), so
+    the window never throws away the checkpoint just written. The policy is stored
+    in the ledger: a lower ``last`` applies at the stream's next save, or at once
+    with ``mgr.gc()``.
+
+    Attributes:
+        last: How many of the newest checkpoints are kept, at least 1 (default 5);
+            None keeps every checkpoint. At most 2**63 - 1.
+        every: Checkpoints whose step is a multiple of ``every`` are kept forever,
+            besides the newest ``last``, at least 1; None (the default): none.
+            At most 2**63 - 1.
+
+    Raises:
+        ArgumentTypeError: ``last`` or ``every`` is not an int, or is a bool.
+        InvalidArgumentError: ``last`` or ``every`` is below 1 or above 2**63 - 1.
     """
 
     last: int | None = 5
@@ -221,7 +237,31 @@ class Keep:
 
     @classmethod
     def from_ratio(cls, ratio: float, num_steps: int, save_freq: int) -> Keep:
-        """Keep the last ``ceil(ratio * ceil(num_steps / save_freq))`` saves, at least one."""
+        """Keep the last ``ceil(ratio * ceil(num_steps / save_freq))`` saves, at least one.
+
+        The ``max_ckpt_keep`` that DeePMD-kit users derive from a ratio: a run of
+        ``num_steps`` steps that saves every ``save_freq`` makes
+        ``ceil(num_steps / save_freq)`` saves, and a fraction ``ratio`` of them is
+        kept. The arithmetic is exact: integer division for the saves, and a float
+        ``ratio`` taken as the decimal it prints as (``0.07`` of 100 saves is 7,
+        not 8); a ``Fraction`` is used as it is.
+
+        Args:
+            ratio: The fraction of the saves kept, a real number in ``(0, 1]``.
+            num_steps: The run's number of steps, an int ``>= 1``.
+            save_freq: Steps between two saves, an int ``>= 1``.
+
+        Returns:
+            ``Keep(last=n)`` with ``n = ceil(ratio * ceil(num_steps / save_freq))``,
+                at least 1.
+
+        Raises:
+            ArgumentTypeError: ``ratio`` is not a real number (a bool, a string, a
+                complex), or ``num_steps`` or ``save_freq`` is not an int (a float,
+                a bool).
+            InvalidArgumentError: ``ratio`` is outside ``(0, 1]`` (NaN and the
+                infinities included), or ``num_steps`` or ``save_freq`` is below 1.
+        """
         if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
             raise ArgumentTypeError(f"ratio must be a real number, got {ratio!r}")
         if not 0 < ratio <= 1:
@@ -235,21 +275,39 @@ class Keep:
 
     @property
     def ranking_metric(self) -> str | None:
+        """The metric that ranks the stream: None, a Keep stream is not ranked."""
         return None
 
     @property
     def capacity(self) -> int | None:
+        """The most checkpoints the stream holds after a commit: ``last`` (None with
+        ``every``, whose kept multiples have no bound)."""
         return self.last if self.every is None else None
 
     @property
     def writes_every_candidate(self) -> bool:
+        """True: a periodic checkpoint is always written."""
         return True
 
     @property
     def requires_metric(self) -> bool:
+        """False: a save to a Keep stream needs no metric."""
         return False
 
     def reads(self, step: int) -> Reads:
+        """The committed rows a commit at ``step`` must read to decide its evictions.
+
+        Part of the policy protocol the boundary calls. Only the rows the window can
+        evict are read, however long the history of kept multiples grows.
+
+        Args:
+            step: The step of the checkpoint being committed.
+
+        Returns:
+            The selection: what ``step`` supersedes for ``last=None``; everything
+                (at most ``last + 1`` rows) without ``every``; else the ``last`` newest
+                rows before ``step`` and the rows that are not multiples of ``every``.
+        """
         if self.last is None:
             return Reads()  # keeps all: only what the new step supersedes
         if self.every is None:
@@ -263,30 +321,91 @@ class Keep:
         return newest if self.every is None else AnyOf((newest, EveryStep(self.every)))
 
     def admits(self, members: Sequence[Entry], candidate: Entry) -> bool:
+        """Whether ``candidate`` is worth writing: always, for a Keep stream.
+
+        Part of the policy protocol the boundary calls before anything is written.
+
+        Args:
+            members: The stream's committed checkpoints (not read).
+            candidate: The checkpoint about to be saved.
+
+        Returns:
+            Always True: a periodic checkpoint is always written.
+        """
         return True  # a periodic checkpoint is always written
 
     def evictions(self, committed: Sequence[Entry], new: Entry) -> list[Entry]:
+        """The committed checkpoints that go when ``new`` commits.
+
+        Part of the policy protocol the boundary calls inside its commit: first
+        every checkpoint the timeline rule supersedes (a step ``>=`` the new one's),
+        then those outside the window once ``new`` is in it.
+
+        Args:
+            committed: The stream's committed checkpoints the commit read (see
+                :meth:`reads`).
+            new: The checkpoint being committed.
+
+        Returns:
+            The checkpoints to evict; never ``new`` itself.
+        """
         superseded = [e for e in committed if e.step >= new.step and e.id != new.id]
         remaining = [e for e in committed if e.step < new.step] + [new]
         return superseded + self.window_evictions(remaining)
 
     def window_evictions(self, committed: Sequence[Entry]) -> list[Entry]:
-        """The entries outside the retention window (used by ``gc`` too), newest first."""
+        """The checkpoints outside the retention window, newest first.
+
+        What ``gc`` evicts (and :meth:`evictions` after the timeline rule): all but
+        the newest ``last`` and the multiples of ``every``.
+
+        Args:
+            committed: The stream's committed checkpoints.
+
+        Returns:
+            The checkpoints the window does not keep, newest first.
+        """
         kept = self.rule.keeps(committed)
         return [e for e in _newest_first(committed) if e.id not in kept]
 
     def ranked(self, members: Sequence[Entry]) -> list[Entry]:
+        """The stream's checkpoints in order: newest first (a Keep stream is not ranked).
+
+        Args:
+            members: The stream's committed checkpoints.
+
+        Returns:
+            ``members``, newest step first.
+        """
         return _newest_first(members)
 
     def describe(self) -> str:
+        """One line for people, as ``ckptdb status`` shows the policy.
+
+        Returns:
+            E.g. ``"keep last 5"``, ``"keep all"`` or ``"keep last 3, every 1000"``.
+        """
         text = "keep all" if self.last is None else f"keep last {self.last}"
         return text + (f", every {self.every}" if self.every else "")
 
     def to_record(self) -> PolicyRecord:
+        """The policy as the ledger stores it (the policy columns of ``streams``).
+
+        Returns:
+            The record :meth:`from_record` rebuilds this policy from.
+        """
         return PolicyRecord(self.kind, keep_last=self.last, keep_every=self.every)
 
     @classmethod
     def from_record(cls, record: PolicyRecord) -> Keep:
+        """The Keep policy a stored record describes (the inverse of :meth:`to_record`).
+
+        Args:
+            record: A stored policy of kind ``keep``.
+
+        Returns:
+            The policy, with ``last`` and ``every`` as stored.
+        """
         return cls(last=record.keep_last, every=record.keep_every)
 
 
@@ -294,7 +413,11 @@ class Keep:
 class TopK:
     """Keep the ``k`` best checkpoints by ``metrics[metric]``; ties go to the earlier step.
 
-    ``k=None`` keeps every checkpoint, ranked (Lightning's ``save_top_k=-1``).
+    The retention policy of a ranked stream. A candidate that would not enter the
+    top-K is not written at all (the decision is made before any byte is), and
+    every save to the stream must carry the metric (unless ``last`` is set); a
+    metric given must be finite. ``k=None`` keeps every checkpoint, ranked
+    (Lightning's ``save_top_k=-1``), and writes every candidate.
 
     Exempt from the timeline rule: a best model from an abandoned branch is
     still a good model. Re-saving a step already in the top-K replaces it.
@@ -308,6 +431,27 @@ class TopK:
     among the best). Recency follows the timeline rule: after a resume from
     an earlier step, checkpoints of the abandoned steps stay only if they are
     among the ``k`` best.
+
+    The policy is stored in the ledger: a lower ``k`` applies at the stream's next
+    save, or at once with ``mgr.gc()``; a new ``metric`` re-ranks the stream's
+    checkpoints by their saved metrics, and is refused if one was saved without it.
+
+    Attributes:
+        k: How many of the best checkpoints are kept, at least 1 (at most
+            2**63 - 1); None keeps every checkpoint, ranked.
+        metric: The name of the metric in ``save(metrics=...)`` that ranks the
+            stream, a non-empty string.
+        mode: ``"min"`` (the default: lower is better, a loss) or ``"max"``
+            (higher is better, an accuracy).
+        last: The number of checkpoints the stream holds in all, best and newest
+            (at least 1, at most 2**63 - 1); None (the default): only the ``k``
+            best.
+
+    Raises:
+        ArgumentTypeError: ``k`` or ``last`` is not an int, or ``metric`` is not a
+            str.
+        InvalidArgumentError: ``k`` or ``last`` is below 1 or above 2**63 - 1,
+            ``metric`` is empty, or ``mode`` is neither ``"min"`` nor ``"max"``.
     """
 
     k: int | None
@@ -331,27 +475,43 @@ class TopK:
 
     @property
     def ranking_metric(self) -> str | None:
+        """The metric that ranks the stream: ``metric``."""
         return self.metric
 
     @property
     def capacity(self) -> int | None:
+        """The most checkpoints the stream holds after a commit (None: every one)."""
         if self.k is None or self.last is None:
             return self.k
         return max(self.k + 1, self.last)
 
     @property
     def writes_every_candidate(self) -> bool:
+        """Whether every candidate is written (``k=None``, or ``last`` set)."""
         return self.k is None or self.last is not None
 
     @property
     def requires_metric(self) -> bool:
+        """Whether every save must carry the metric: unless ``last`` is set."""
         return self.last is None
 
     def reads(self, step: int) -> Reads:
+        """The committed rows a commit at ``step`` must read to decide its evictions.
+
+        Part of the policy protocol the boundary calls.
+
+        Args:
+            step: The step of the checkpoint being committed.
+
+        Returns:
+            Every row of the stream; for ``k=None`` only the rows at ``step`` or
+                later (a re-save of ``step`` replaces the one there).
+        """
         return Reads() if self.k is None else Reads(everything=True)
 
     @property
     def rule(self) -> Best:
+        """The window as a preservation rule: the ``k`` best by the metric."""
         return Best(self.k, self.mode)
 
     def _ranked(self, members: Sequence[Entry], candidate: Entry) -> list[Entry]:
@@ -359,12 +519,37 @@ class TopK:
         return sorted([*others, candidate], key=self.rule.key)
 
     def admits(self, members: Sequence[Entry], candidate: Entry) -> bool:
-        """Whether ``candidate`` would enter the top-K (decided before writing)."""
+        """Whether ``candidate`` would enter the top-K, decided before anything is written.
+
+        Part of the policy protocol the boundary calls: a candidate not admitted is
+        never written, and is absent from what ``save`` returns.
+
+        Args:
+            members: The stream's committed checkpoints, with their metric.
+            candidate: The checkpoint about to be saved, with its metric.
+
+        Returns:
+            True when the candidate ranks among the ``k`` best (a member at the
+                same step is replaced by it), or when every candidate is written.
+        """
         if self.writes_every_candidate:
             return True
         return candidate in self._ranked(members, candidate)[: self.k]
 
     def evictions(self, committed: Sequence[Entry], new: Entry) -> list[Entry]:
+        """The committed checkpoints that go when ``new`` commits.
+
+        Part of the policy protocol the boundary calls inside its commit: a member
+        at the same step (replaced by ``new``), then those that fall out of the
+        ``k`` best, or with ``last``, out of the best and newest.
+
+        Args:
+            committed: The stream's committed checkpoints the commit read.
+            new: The checkpoint being committed.
+
+        Returns:
+            The checkpoints to evict.
+        """
         replaced = [m for m in committed if m.step == new.step and m.id != new.id]
         if self.k is None:
             return replaced
@@ -376,6 +561,15 @@ class TopK:
         return replaced + [e for e in self.ranked(pool) if e.id not in kept]
 
     def window_evictions(self, committed: Sequence[Entry]) -> list[Entry]:
+        """The checkpoints outside the retention window (what ``gc`` evicts).
+
+        Args:
+            committed: The stream's committed checkpoints.
+
+        Returns:
+            Those that are neither among the ``k`` best nor, with ``last``, among
+                the newest that fit; in ranked order. Empty for ``k=None``.
+        """
         if self.k is None:
             return []  # keeps everything, scored or not
         if self.last is None:
@@ -403,22 +597,51 @@ class TopK:
         return kept
 
     def ranked(self, members: Sequence[Entry]) -> list[Entry]:
-        """Members best first; those saved without the metric last, newest first."""
+        """The stream's checkpoints best first, as ``mgr.best()`` lists them.
+
+        Ties go to the earlier step; checkpoints saved without the metric (with
+        ``last``) come last, newest first.
+
+        Args:
+            members: The stream's committed checkpoints.
+
+        Returns:
+            ``members`` in ranked order.
+        """
         scored = sorted((m for m in members if m.metric is not None), key=self.rule.key)
         return scored + _newest_first([m for m in members if m.metric is None])
 
     def describe(self) -> str:
+        """One line for people, as ``ckptdb status`` shows the policy.
+
+        Returns:
+            E.g. ``"top-3 by val_loss (min)"``, with ``", 5 in all with the
+                newest"`` when ``last`` is set.
+        """
         size = "all" if self.k is None else f"top-{self.k}"
         recent = f", {self.last} in all with the newest" if self.last is not None else ""
         return f"{size} by {self.metric} ({self.mode}){recent}"
 
     def to_record(self) -> PolicyRecord:
+        """The policy as the ledger stores it (the policy columns of ``streams``).
+
+        Returns:
+            The record :meth:`from_record` rebuilds this policy from.
+        """
         return PolicyRecord(
             self.kind, keep_last=self.last, k=self.k, metric=self.metric, mode=self.mode
         )
 
     @classmethod
     def from_record(cls, record: PolicyRecord) -> TopK:
+        """The TopK policy a stored record describes (the inverse of :meth:`to_record`).
+
+        Args:
+            record: A stored policy of kind ``topk``, with its metric.
+
+        Returns:
+            The policy, with ``k``, ``metric``, ``mode`` and ``last`` as stored.
+        """
         assert record.metric is not None
         mode: Literal["min", "max"] = "max" if record.mode == "max" else "min"
         return cls(k=record.k, metric=record.metric, mode=mode, last=record.keep_last)

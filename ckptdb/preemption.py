@@ -68,11 +68,27 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class OnPreemption:
-    """What a framework integration does on preemption (its ``preemption=``): the
-    arguments of :meth:`ckptdb.CheckpointManager.preemption`, checked when made.
+    """What a framework integration does on preemption: its ``preemption=`` setting.
 
-    ``preemption=True`` is ``OnPreemption()``: SIGTERM, no grace period, the
+    The arguments of :meth:`ckptdb.CheckpointManager.preemption`, checked when made,
+    so a bad setting fails when the integration is configured, not when the signal
+    comes. ``preemption=True`` is ``OnPreemption()``: SIGTERM, no grace period, the
     agreement at every step.
+
+    Attributes:
+        signals: The signals that mean preemption, as ``signal.Signals`` (duplicates
+            dropped); default ``(SIGTERM,)``. SLURM's ``--signal=USR1@90`` adds
+            SIGUSR1. SIGKILL and SIGSTOP cannot be handled.
+        grace: Seconds, from the first signal, within which the preemption checkpoint
+            must commit, else it is rolled back; None (the default): no deadline.
+        every: Under torch.distributed, the agreement is launched every ``every``
+            steps (default 1: a signal is acted on within two steps).
+
+    Raises:
+        InvalidArgumentError: no signal, a number that is not a signal, SIGKILL or
+            SIGSTOP; ``grace`` not positive and finite; ``every`` below 1.
+        ArgumentTypeError: ``signals`` is not a sequence of signal numbers,
+            ``grace`` is not a number, or ``every`` is not an int.
     """
 
     signals: Sequence[signal.Signals | int] = DEFAULT_SIGNALS
@@ -100,14 +116,24 @@ def on_preemption(value: object) -> OnPreemption | None:
 
 
 class Preempted(SystemExit):
-    """Raised by a framework integration once the preemption checkpoint is dealt
-    with, to end the job the way the signal would have (:attr:`Preemption.exit_code`).
+    """Raised by a framework integration once the preemption checkpoint is dealt with.
 
+    It ends the job the way the signal would have (:attr:`Preemption.exit_code`).
     A ``SystemExit``: uncaught, the process exits with ``code`` (143 for
     SIGTERM), so a scheduler sees "terminated" (a Kubernetes Job retries it; an
     exit status of 0 would mark it complete), and no code after ``fit``/``train``
-    runs inside the grace period. ``saved`` is what was committed (empty when
-    the checkpoint was refused or abandoned: the last good one stands).
+    runs inside the grace period. Made by :meth:`Preemption.stop`.
+
+    Args:
+        code: The exit status, 128 + the signal's number (143 for SIGTERM).
+        step: The step the ranks agreed to stop at.
+        saved: What was committed as the preemption checkpoint (empty when it was
+            refused or abandoned: the last good one stands).
+
+    Attributes:
+        code: The exit status (``SystemExit``'s own).
+        step: The agreed step.
+        saved: The committed checkpoints, empty when none was.
     """
 
     def __init__(self, code: int, step: int, saved: list[Checkpoint]) -> None:
@@ -122,7 +148,13 @@ class Preempted(SystemExit):
 
 @dataclass(frozen=True)
 class Received:
-    """The first preemption signal this process received."""
+    """The first preemption signal this process received.
+
+    Attributes:
+        signal: Which signal.
+        at: When, as ``time.time()`` in the handler: ranks on several hosts compare
+            it, and the grace period counts from it.
+    """
 
     signal: signal.Signals
     at: float  # time.time() in the handler: ranks on several hosts compare it
@@ -132,8 +164,42 @@ class Preemption:
     """The agreed answer to "were we told to stop?", and the save that answers it.
 
     Made by :meth:`ckptdb.CheckpointManager.preemption` (collective: every rank
-    makes one), which installs the handlers; :meth:`close` (or the manager's
-    close) restores the previous ones.
+    makes one), not directly; making it installs the signal handlers, which only
+    record the signal, and :meth:`close` (or the manager's close) restores the
+    previous ones. A training loop asks :meth:`requested` once per step and, once
+    it is True, saves with :meth:`save` and exits with :attr:`exit_code`.
+
+    Args:
+        save: The manager's ``save``, which the preemption checkpoint calls.
+        record: Records an event ``(kind, step, detail)`` in the ledger (the
+            chief's; a no-op on other ranks).
+        deadline_scope: A context manager factory taking a deadline
+            (``time.time()``, or None): every blocking boundary begun inside it is
+            rolled back if the deadline passes before its commit.
+        signals: The signals that mean preemption; default ``(SIGTERM,)``.
+        grace: Seconds from the first signal within which the checkpoint must
+            commit; None (the default): no deadline.
+        every: Under torch.distributed, the agreement is launched every ``every``
+            steps (default 1).
+        group: The gloo process group the agreement runs on; None (the default):
+            one process, the local flag is the answer.
+
+    Attributes:
+        signals: The handled signals, checked, duplicates dropped.
+        grace: The grace period in seconds, or None.
+        every: Steps between two launches of the agreement.
+        received: The first signal this process received and when (None: none).
+        count: The signals received, the first included.
+        agreed_step: The step at which the ranks agreed to stop (None: not yet).
+        agreed_signal: The signal of the lowest-numbered signalled rank, once
+            agreed.
+        ranks: The ranks that had received a signal when the ranks agreed.
+
+    Raises:
+        InvalidArgumentError: a bad signal, ``grace`` or ``every`` (see
+            :class:`OnPreemption`), or handlers installed from a thread other than
+            the main one.
+        ArgumentTypeError: ``signals``, ``grace`` or ``every`` of the wrong type.
     """
 
     def __init__(
@@ -239,11 +305,20 @@ class Preemption:
 
         Every rank calls it once per step, with the same ``step``, and gets the
         same answer at the same call. Once True it stays True (and runs no more
-        collectives). The first True is recorded as the ``preempted`` event.
-        Under torch.distributed the agreement is launched at every ``every``-th
-        call and read at the next one: a signal is acted on at most
-        ``every + 1`` steps after it came (``every`` trades that delay for the
-        cost of one small all-reduce per step).
+        collectives). The first True is recorded as the ``preempted`` event, before
+        the save, so a job killed during the save is still known as preempted. In
+        one process the answer is the local flag. Under torch.distributed the
+        agreement (a one-byte all-reduce on a gloo group, no host sync of a CUDA
+        tensor) is launched at every ``every``-th call and read at the next one: a
+        signal is acted on at most ``every + 1`` steps after it came (``every``
+        trades that delay for the cost of one small all-reduce per step).
+
+        Args:
+            step: The step just finished, the same on every rank; the one to save
+                when the answer is True.
+
+        Returns:
+            True when every rank must save ``step`` and stop.
         """
         if self.agreed_step is not None:
             return True
@@ -284,11 +359,27 @@ class Preemption:
     ) -> dict[str, Checkpoint] | None:
         """The preemption checkpoint: ``manager.save(step, ...)`` within the grace period.
 
-        Collective, like ``save``. None when nothing was published: the guard
-        refused the step (its ``guard_tripped`` event says why) or the grace
-        period was over before the commit (rolled back); the last good
-        checkpoint stands, and ``preemption_saved`` records the outcome. Any
-        other failure is raised, after it is recorded.
+        An ordinary blocking boundary (guarded, durable, committed) whose deadline
+        is the end of the grace period, the earliest rank's: a boundary still
+        before its commit when it passes is rolled back, never half-done. Collective,
+        like ``save``. The outcome is recorded as a ``preemption_saved`` event.
+
+        Args:
+            step: The step :meth:`requested` agreed on.
+            metrics: As for ``save``: metric name -> real number; None (the
+                default): none.
+            **payloads: As for ``save``: stream name -> payload.
+
+        Returns:
+            The committed checkpoints by stream, as ``save`` returns them; None when
+                nothing was published: the guard refused the step (its
+                ``guard_tripped`` event says why) or the grace period ended before the
+                commit (rolled back). The last good checkpoint then stands.
+
+        Raises:
+            PublishError: the boundary failed for another reason (recorded first);
+                so does any other error ``save`` raises (see
+                :meth:`ckptdb.CheckpointManager.save`), except a guard refusal.
         """
         try:
             return self.publish(step, lambda: self._save(step, metrics=metrics, **payloads))
@@ -302,10 +393,23 @@ class Preemption:
         For integrations, whose frameworks write a checkpoint their own way:
         ``boundary()`` runs the framework's usual publish (which calls
         ``manager.save``); every blocking boundary it begins is rolled back if
-        the grace period ends before its commit. It returns what was committed,
-        or None (falsy) when the guard refused the step without raising. A
-        deadline passed returns None; a guard refusal that raises is recorded
-        and raised; so is any other failure. Collective: every rank calls it.
+        the grace period ends before its commit. The outcome is recorded as a
+        ``preemption_saved`` event. Collective: every rank calls it.
+
+        Args:
+            step: The step :meth:`requested` agreed on.
+            boundary: Runs the framework's publish and returns what it committed
+                (a falsy value when the guard refused the step without raising).
+
+        Returns:
+            What ``boundary()`` returned; None when it returned nothing (the guard
+                refused the step) or the grace period ended before the commit.
+
+        Raises:
+            NonFiniteGradientError: the guard refused the step by raising (recorded
+                first).
+            PublishError: the boundary failed for another reason (recorded first);
+                any other error ``boundary()`` raises is recorded and raised too.
         """
         deadline = self._agreed_deadline()
         try:
@@ -328,12 +432,28 @@ class Preemption:
         return saved
 
     def already_saved(self, step: int) -> None:
-        """Record that the framework's own checkpoint of the agreed step, committed
-        before the agreement, is the preemption checkpoint (no second one)."""
+        """Record that the framework's own checkpoint of the agreed step is the preemption one.
+
+        For integrations whose framework committed its checkpoint of the agreed step
+        before the agreement: no second checkpoint is written, and the
+        ``preemption_saved`` event says it was saved.
+
+        Args:
+            step: The agreed step, whose checkpoint is already committed.
+        """
         self._note("preemption_saved", step, {"saved": True})
 
     def stop(self, step: int, saved: Iterable[Checkpoint] = ()) -> Preempted:
-        """The :class:`Preempted` an integration raises to end the job after ``step``."""
+        """The :class:`Preempted` an integration raises to end the job after ``step``.
+
+        Args:
+            step: The agreed step.
+            saved: The preemption checkpoint's committed checkpoints (default: none,
+                when it was refused or abandoned).
+
+        Returns:
+            The exception to raise, with :attr:`exit_code` as its code.
+        """
         return Preempted(self.exit_code, step, list(saved))
 
     def _note(

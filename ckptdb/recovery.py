@@ -36,7 +36,17 @@ from .storage.remote import remote_store
 
 @dataclass(frozen=True)
 class RunRestore:
-    """What :func:`restore_run` brought back."""
+    """What :func:`restore_run` brought back.
+
+    Attributes:
+        root: The run's new root, resolved.
+        ledger: The copy of the ledger that was brought back (a
+            :class:`~ckptdb.ledgercopy.FetchedLedger`: ``run``, ``location``,
+            ``copied_at``, ``epoch``, ``seq``, ``claimed_epoch``, ``damaged``).
+        restored: The checkpoints downloaded, verified and committed again.
+        lost: The number of committed checkpoints whose copy never completed, now
+            marked ``lost``.
+    """
 
     root: Path
     ledger: FetchedLedger
@@ -56,13 +66,43 @@ def restore_run(
 ) -> RunRestore:
     """Bring the run replicated to ``source`` back into ``root`` (new or empty).
 
-    ``run``: the run's name, when ``source`` holds the ledgers of several.
-    ``every``: every checkpoint with a whole copy, not only each stream's
-    newest. Refused, with nothing written: ``source`` not an object-storage
-    URL, ``root`` not empty (:class:`RestoreTargetError`), no ledger copy there
-    (:class:`LedgerReplicaNotFoundError`), every copy damaged
-    (:class:`CorruptLedgerReplicaError`). Then train with
-    ``CheckpointManager(root, remote=source)``.
+    For a lost machine's run on the default SQLite ledger (``ckptdb restore URL
+    DIR``): the URL alone is enough. The newest sound copy of the ledger is fetched
+    into ``root``, then the run is opened there with ``remote=source``: the open
+    brings back the newest whole copy of every stream, and its reconcile marks
+    ``lost`` every committed checkpoint whose copy never completed. The history up
+    to the ledger's copy (metrics, events, attempts, evaluations) comes with it; a
+    checkpoint committed after the ledger's last copy is not restorable this way
+    (docs/replication.md, "The recovery point"). Then train with
+    ``CheckpointManager(root, remote=source)``. A refusal writes nothing; a restore
+    that fails while fetching the ledger removes what it wrote.
+
+    Args:
+        source: The object-storage URL (``s3://bucket/prefix``) a
+            :class:`~ckptdb.replication.Replicator` copied the run to.
+        root: The directory the run comes back into, local, new or empty.
+        run: The run's name (or its token, to tell runs of one name apart), when
+            ``source`` holds the ledgers of several runs; None (the default): the
+            only one there.
+        every: Every checkpoint with a whole copy, not only each stream's newest
+            (default False).
+        storage_options: The object store's options (see docs/s3.md); None (the
+            default): none.
+
+    Returns:
+        What was brought back: the root, the ledger's copy, the checkpoints
+            restored and how many were marked lost.
+
+    Raises:
+        InvalidArgumentError: ``source`` is not an object-storage URL, ``root`` is
+            one, or ``source`` holds the ledgers of several runs and ``run`` does
+            not say which (it names them).
+        RestoreTargetError: ``root`` is not empty.
+        RunDirectoryError: ``root`` is not a directory.
+        LedgerReplicaNotFoundError: no copy of a ledger at ``source``, or none of
+            ``run`` (the error names the runs there).
+        CorruptLedgerReplicaError: every copy of the ledger there is damaged.
+        ObjectStoreError: ``source`` could not be read.
     """
     if not isinstance(source, str) or not is_object_url(source):
         shown = repr(redacted(source)) if isinstance(source, str) else type(source).__name__

@@ -95,11 +95,75 @@ CHUNK = 8 << 20
 class Replicator:
     """Copies each committed checkpoint of the run at ``root`` to ``to`` (``s3://...``).
 
-    ``streams``: only these streams (default: all). ``storage_options`` as for
-    a save directory on object storage (see docs/s3.md). Opening takes the
-    run's replicator lock and cleans up after a replicator that died mid-copy.
-    A SQLite ledger is copied too (:mod:`ckptdb.ledgercopy`), at most every
-    ``ledger_interval`` seconds while only metrics change.
+    The run saves on its fast local tier as always; the replicator (in the
+    trainer's process, on a thread with :meth:`start`, or as ``ckptdb replicate``
+    beside it) copies each committed checkpoint to object storage, and the training
+    loop never waits for an upload. A copy counts only once its bytes hash to the
+    checkpoint row's size and hash; the file being copied is pinned, so local
+    retention cannot remove it mid-upload. One replicator per run at a time: a lock
+    file in the root, and on a PostgreSQL ledger also an advisory lock, so across
+    machines.
+
+    Opening cleans up after a replicator that died mid-copy (:attr:`swept`) and
+    registers the tier: from then on local retention keeps an evicted checkpoint of
+    a copied stream until its copy is whole. A SQLite ledger is copied too
+    (:mod:`ckptdb.ledgercopy`), so a lost machine comes back from the URL alone.
+    It is a context manager: leaving the ``with`` block closes it. See
+    docs/replication.md.
+
+    Args:
+        root: The run's root directory (the run must exist; its checkpoints must be
+            on a local disk).
+        to: Where the copies go, an object-storage URL (``s3://bucket/prefix``).
+        db_url: The run's ledger URL when it is not the SQLite file in ``root``
+            (as for the manager); None (the default): that file.
+        storage_options: The object store's options, as for a save directory on
+            object storage (see docs/s3.md); None (the default): none.
+        streams: Copy only these streams; None (the default): every stream. A
+            stream left out is local-only: its evictions remove files at once.
+        keep: Stream -> :class:`~ckptdb.Keep` or :class:`~ckptdb.TopK`, the remote
+            window of a copied stream, applied after each pass to its copies under
+            ``to`` (replayed in commit order, the timeline rule included). None
+            (the default), or a stream not named: every copy is kept.
+        ledger_interval: With a SQLite ledger, the most often (in seconds) the
+            ledger is copied while only metrics change (default 60); a pass that
+            copied or removed a checkpoint copies it at once, and so does close.
+
+    Attributes:
+        root: The run's root, resolved.
+        location: The URL copies go to.
+        streams: The streams copied, sorted, or None for all.
+        keep: The remote window of each stream named in ``keep``.
+        swept: The copies a dead replicator left ``uploading``, cleaned up at open
+            (their objects removed, their rows ``failed``).
+        leftovers: The failed copies whose late objects the last sweep removed.
+        expired: The copies the last pass removed (``keep``).
+        error: What stopped the background thread of :meth:`start` (None: nothing).
+        ledger_copy: The last copy of the ledger (a
+            :class:`~ckptdb.ledgercopy.LedgerCopy` with ``epoch``, ``seq``,
+            ``location``, ``size``, ``hash``, ``copied_at``), or None.
+        ledger_error: Why the last try to copy the ledger failed (None: it did
+            not); the next pass retries.
+
+    Raises:
+        InvalidArgumentError: ``to`` is not an object-storage URL; the run's
+            checkpoints are on object storage already; ``keep`` names a stream
+            this replicator does not copy; ``ledger_interval`` is not a positive
+            finite number.
+        ArgumentTypeError: ``keep`` is not a mapping, or one of its policies is
+            not a Keep or a TopK.
+        UnknownStreamError: ``keep`` names a stream the run does not have.
+        LedgerLockedError: another replicator of the run holds its lock.
+        RunTakenOverError: the run was restored on another machine since (a SQLite
+            ledger): this replicator stops before it copies or removes anything.
+        NetworkFilesystemError: a SQLite ledger on a network filesystem.
+        ObjectStoreError: the store at ``to`` fails its probe
+            (:class:`~ckptdb.errors.ConditionalWritesUnsupportedError` when it
+            ignores ``If-None-Match: *``).
+        LedgerError: there is no run at ``root``, or its ledger cannot be used.
+        SchemaVersionError: the ledger's schema is not this ckptdb's.
+        MissingExtraError: object storage without its optional dependency
+            (``pip install 'ckptdb[s3]'``).
     """
 
     def __init__(
@@ -175,12 +239,28 @@ class Replicator:
     # ------------------------------------------------------------------ passes
 
     def replicate(self, *, retry_failed: bool = False) -> list[Replica]:
-        """One pass: copy every committed checkpoint that has no whole copy yet (and every
-        evicted one whose local file waits for its copy), oldest first, then remove the
-        copies the tier's retention (``keep``) no longer keeps; each copy's outcome.
+        """One pass: copy what has no whole copy yet, then apply the remote window.
 
-        A failed copy is retried by a later pass, at most :data:`MAX_FAILURES` times in
-        all; ``retry_failed``: this pass tries those that used their tries once more."""
+        Every committed checkpoint without a whole copy under ``to`` (and every
+        evicted one whose local file waits for its copy) is copied, oldest first;
+        then the copies the tier's retention (``keep``) no longer keeps are removed
+        (:attr:`expired`), and a SQLite ledger is copied if it changed. A copy that
+        fails is recorded as ``failed`` on its row (with the error), logged, and not
+        raised; a later pass retries it, at most :data:`MAX_FAILURES` times in all.
+
+        Args:
+            retry_failed: Also try the checkpoints whose copies failed
+                :data:`MAX_FAILURES` times, once more (default False).
+
+        Returns:
+            The outcome of each copy this pass made, as a :class:`~ckptdb.Replica`
+                (``replicated`` or ``failed``).
+
+        Raises:
+            RunTakenOverError: the run was restored on another machine: this
+                replicator stops before it copies or removes anything.
+            CkptDBError: the replicator is closed.
+        """
         limit = None if retry_failed else MAX_FAILURES
         self.expired = []
         self._still_ours(look=False)
@@ -235,8 +315,20 @@ class Replicator:
             self.ledger_copy = made
 
     def follow(self, *, poll: float = 1.0, stop: threading.Event | None = None) -> None:
-        """Pass after pass, ``poll`` seconds apart, until ``stop`` is set (or :meth:`stop`
-        or :meth:`close` is called): then after the copy in progress."""
+        """Pass after pass, ``poll`` seconds apart, until stopped.
+
+        Stops after the copy in progress once ``stop`` is set, or :meth:`stop` or
+        :meth:`close` is called. An error a pass raises ends it.
+
+        Args:
+            poll: Seconds between two passes (default 1.0), a positive finite number.
+            stop: An event that stops it when set; None (the default): only
+                :meth:`stop` or :meth:`close` do.
+
+        Raises:
+            InvalidArgumentError: ``poll`` is not a positive finite number.
+            RunTakenOverError: the run was restored on another machine.
+        """
         _check_poll(poll)
         self._external = stop
         try:
@@ -254,9 +346,21 @@ class Replicator:
         return self._stop.is_set() or (self._external is not None and self._external.is_set())
 
     def start(self, *, poll: float = 1.0) -> Replicator:
-        """Follow on a background thread (in the trainer's process); :meth:`close` stops
-        it after the copy in progress. A pass that raises stops the thread; its error
-        is :attr:`error`, and :meth:`close` raises it."""
+        """Follow on a background thread, in the trainer's process.
+
+        :meth:`close` stops it after the copy in progress. A pass that raises stops
+        the thread; its error is logged and kept in :attr:`error`, and :meth:`close`
+        raises it.
+
+        Args:
+            poll: Seconds between two passes (default 1.0), a positive finite number.
+
+        Returns:
+            The replicator itself, so that ``Replicator(...).start()`` can be kept.
+
+        Raises:
+            InvalidArgumentError: ``poll`` is not a positive finite number.
+        """
         _check_poll(poll)
 
         def run() -> None:
@@ -271,7 +375,15 @@ class Replicator:
         return self
 
     def replicas(self) -> list[Replica]:
-        """Every copy of the run's checkpoints, oldest first."""
+        """Every copy of the run's checkpoints, oldest first.
+
+        Returns:
+            A record per copy, a :class:`~ckptdb.Replica`, in any state and under
+                any destination.
+
+        Raises:
+            CkptDBError: the replicator is closed.
+        """
         with self._writable().transaction() as session:
             found = ledger_replicas.of_run(session, self._reader.run_id)
             return [ledger_replicas.to_record(session, row) for row in found]
@@ -551,8 +663,16 @@ class Replicator:
     # ------------------------------------------------------------------ closing
 
     def close(self) -> None:
-        """Stop following (after the copy in progress) and release the run's lock;
-        raises what stopped the background thread, if anything did."""
+        """Stop following (after the copy in progress) and release the run's lock.
+
+        A SQLite ledger is copied one last time first, as the last pass left it.
+        Leaving the ``with`` block calls it; when the block is left by an exception,
+        the thread's error is noted on that exception instead of raised.
+
+        Raises:
+            CkptDBError: the error that stopped the background thread of
+                :meth:`start`, if anything did (whatever its type).
+        """
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -596,14 +716,25 @@ class Replicator:
 
 
 def detach(root: str | os.PathLike[str], *, db_url: str | None = None) -> int:
-    """Stop treating the run at ``root`` as replicated: its tier's registration is
-    removed, and local retention stops waiting for copies. The local files that
-    waited are removed by the writer's next commit, ``gc`` or reconcile; copies
-    already made, and their rows, stay. The number of files that waited.
+    """Stop treating the run at ``root`` as replicated (``ckptdb replicate --detach``).
 
-    Refused (``LedgerLockedError``) while a replicator of the run runs: it would go
-    on copying while evictions no longer wait, and its copy of a file that waited
-    could be cut short by the file's removal."""
+    Its tier's registration is removed, and local retention stops waiting for
+    copies. The local files that waited are removed by the writer's next commit,
+    ``gc`` or reconcile; copies already made, and their rows, stay.
+
+    Args:
+        root: The run's root directory.
+        db_url: The run's ledger URL when it is not the SQLite file in ``root``;
+            None (the default): that file.
+
+    Returns:
+        The number of files that waited for their copy.
+
+    Raises:
+        LedgerLockedError: a replicator of the run runs: it would go on copying
+            while evictions no longer wait, and its copy of a file that waited could
+            be cut short by the file's removal. Stop it first.
+    """
     with RunReader(root, db_url=db_url) as reader:
         lock = FileLock(str(reader.root / LOCK_NAME), timeout=0)
         try:

@@ -14,9 +14,11 @@ import csv
 import io
 import json
 import os
+import shlex
 import sqlite3
 import struct
 from collections.abc import Callable
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from helpers import cli_subprocess, files, invoke, rows, sha256, state
 
 import ckptdb.ledger.boundary_rows
 import ckptdb.ledger.rows
-from ckptdb import CheckpointManager, Keep, TopK
+from ckptdb import CheckpointManager, Keep, TopK, cli
 from ckptdb.cli import main
 from ckptdb.errors import CkptDBError, PublishError
 
@@ -1124,7 +1126,9 @@ def test_db_upgrade_on_an_up_to_date_ledger(runner: CliRunner, run: Path) -> Non
 
 
 @pytest.mark.timeout(300)
-def test_demo_runs_end_to_end(runner: CliRunner, tmp_path: Path) -> None:
+def test_demo_runs_end_to_end(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     directory = tmp_path / "demo"
     result = cli_subprocess("demo", directory, "--steps", 80, cwd=tmp_path, timeout=280)
     out = result.stdout + result.stderr
@@ -1165,6 +1169,21 @@ def test_demo_runs_end_to_end(runner: CliRunner, tmp_path: Path) -> None:
     )
     assert {p["attempt"] for p in history} == {1, 2}
     assert ok(invoke(runner, "latest", directory)).stdout.strip().endswith(".pt")
+
+    # the closing hint is a command that runs, with matplotlib here and without it
+    monkeypatch.chdir(tmp_path)
+    [hint] = [line[6:] for line in result.stdout.splitlines() if line.startswith("next: ")]
+    assert hint == cli.demo_hint(directory)
+    for plotting in (True, False):
+        if not plotting:
+            no_matplotlib = lambda name, *a: None if name == "matplotlib" else find_spec(name, *a)  # noqa: E731
+            monkeypatch.setattr(cli.importlib.util, "find_spec", no_matplotlib)
+            hint = cli.demo_hint(directory)
+            assert "--plot" not in hint.split("(")[0] and "ckptdb[plot]" in hint
+        command = shlex.split(hint.split("   (")[0])
+        assert command[0] == "ckptdb"
+        ok(invoke(runner, *command[1:]))
+    assert (tmp_path / "loss.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("content", ["file", "directory"])

@@ -15,7 +15,9 @@ from pathlib import Path
 import click
 import pytest
 
+from ckptdb import record
 from ckptdb.cli import reference
+from ckptdb.ledger import rows as ledger_rows
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -262,3 +264,48 @@ def test_the_torchrun_example_is_the_program_the_distributed_test_runs() -> None
     expected = " / ".join(f'"{part}"' for part in parts)
     assert expected in test, f"tests/test_distributed.py does not run {program}"
     assert "def test_torchrun_example_resumes_every_rank_exactly(" in test
+
+
+# ------------------------------------------------------- the ledger's vocabulary
+
+
+def listed(heading: str) -> list[str]:
+    """The first-column names of the table under ``### heading`` in docs/ledger.md."""
+    text = (DOCS / "ledger.md").read_text(encoding="utf-8")
+    section = text.split(f"\n### {heading}\n", 1)[1].split("\n#", 1)[0]
+    return re.findall(r"^\| `(\w+)` \|", section, re.M)
+
+
+@pytest.mark.parametrize(
+    ("heading", "vocabulary"),
+    [
+        ("Checkpoint states", record.STATES),
+        ("Attempt end states", record.END_STATES),
+        ("Event kinds", record.EVENT_KINDS),
+    ],
+)
+def test_the_ledger_page_lists_every_state_and_event_the_code_writes(
+    heading: str, vocabulary: tuple[str, ...]
+) -> None:
+    assert sorted(listed(heading)) == sorted(vocabulary), f"docs/ledger.md, {heading}"
+
+
+def test_the_ledger_refuses_an_event_or_end_state_outside_the_vocabulary() -> None:
+    """What keeps the lists complete: a kind the code invents fails at once, in every test."""
+    with pytest.raises(ValueError, match="unknown event kind 'renamed'"):
+        ledger_rows.add_event(None, 1, None, "renamed")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown attempt end state 'vanished'"):
+        ledger_rows.end_attempt(None, 1, "vanished")  # type: ignore[arg-type]
+
+
+def test_every_literal_event_kind_in_the_code_is_in_the_vocabulary() -> None:
+    """The refusal above only fires on a path a test runs: read the code for the rest."""
+    arg = r"[^,()]+,\s*"
+    literal = re.compile(
+        rf'(?:add_event\(\s*{arg}{arg}{arg}|\.event\(\s*|_note\(\s*|Action\(\s*)"(\w+)"'
+    )
+    found: set[str] = set()
+    for source in (REPO / "ckptdb").rglob("*.py"):
+        found |= set(literal.findall(source.read_text(encoding="utf-8")))
+    assert len(found) >= 20, found
+    assert sorted(found - set(record.EVENT_KINDS)) == []

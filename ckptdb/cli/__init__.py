@@ -7,6 +7,7 @@ stderr and exit 1 (``--debug`` shows the traceback); usage errors exit 2.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 import sys
@@ -1004,7 +1005,22 @@ def demo(directory: Path, steps: int, fresh: bool) -> None:
     with RunReader(directory) as reader:
         headers, rows = reader.sql(BEST_SQL)
     click.echo(clifmt.table(headers, rows))
-    click.echo(f"\nnext: ckptdb history {directory} --metric loss --plot loss.png")
+    click.echo(f"\nnext: {demo_hint(directory)}")
+
+
+def demo_hint(directory: Path) -> str:
+    """The command the demo suggests next: one that runs on the install the demo ran on.
+
+    ``--plot`` needs matplotlib (the ``plot`` extra), which the README's first
+    command does not install, so without it the hint is the table form and says
+    how to get the plot.
+    """
+    if importlib.util.find_spec("matplotlib") is not None:
+        return f"ckptdb history {directory} --metric loss --plot loss.png"
+    return (
+        f"ckptdb history {directory} --metric loss"
+        "   (pip install 'ckptdb[plot]' to add --plot loss.png)"
+    )
 
 
 # registers replicate, restore, goodput and export on main (they use the options above)

@@ -36,8 +36,8 @@ edit the docstrings and options in `ckptdb/cli/__init__.py`, then run:
 ```
 
 `tests/test_docs.py` fails when this file differs from what that command writes.
-An overview of the commands, with example output, is in the
-[README](../README.md#the-ckptdb-command).
+An overview of the commands, with example output, is on the
+[home page](index.md#the-ckptdb-command).
 """
 
 

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from ..errors import InvalidArgumentError
 from ..location import is_object_url, location_of
 from ..policies import Entry, Policy, PolicyRecord, Reads, policy_from_record
-from ..record import Checkpoint
+from ..record import END_STATES, EVENT_KINDS, Checkpoint
 from . import driver
 from . import models as m
 from .held import connection_of
@@ -187,6 +187,8 @@ def end_attempt(
     session: Session, attempt_id: int, state: str, beat: Heartbeat | None = None
 ) -> None:
     """End the attempt as ``state``; ``beat`` is its last heartbeat (its end, for goodput)."""
+    if state not in END_STATES:
+        raise ValueError(f"unknown attempt end state {state!r} (ckptdb.record.END_STATES)")
     now = m.utcnow()
     values: dict[str, Any] = {"end_state": state, "ended_at": now}
     if beat is not None:
@@ -215,6 +217,10 @@ def add_event(
     step: int | None = None,
     detail: dict[str, Any] | None = None,
 ) -> None:
+    """One event row. ``kind`` must be one of ``EVENT_KINDS``: docs/ledger.md lists
+    them for the users who query ``events``, and a kind missing there is a bug."""
+    if kind not in EVENT_KINDS:
+        raise ValueError(f"unknown event kind {kind!r} (ckptdb.record.EVENT_KINDS)")
     session.add(
         m.Event(
             run_id=run_id,

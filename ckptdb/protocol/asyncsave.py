@@ -44,11 +44,22 @@ log = logging.getLogger("ckptdb.asyncsave")  # the name users configure (kept ac
 class SaveHandle:
     """The outcome of one asynchronous boundary, like a ``concurrent.futures.Future``.
 
+    ``save(..., blocking=False)`` returns it once the payloads are copied to host
+    memory; the write and the commit finish on the manager's background thread.
     ``result()`` waits and returns the committed checkpoints by stream (the
     same dict a blocking ``save`` returns) or raises the boundary's error.
-    An error nobody fetched with ``result()``/``exception()`` is raised by
-    the manager's next ``save`` or ``close`` instead; it is logged when it
-    happens either way.
+    Errors are never lost: one nobody fetched with ``result()``/``exception()`` is
+    raised by the manager's next ``save`` or ``close`` instead, and it is logged
+    when it happens either way (logger ``ckptdb.asyncsave``, level ERROR). Made
+    by the manager, not directly.
+
+    Args:
+        step: The boundary's step.
+        future: The background work's future, whose result is the committed
+            checkpoints by stream.
+
+    Attributes:
+        step: The boundary's step.
     """
 
     def __init__(self, step: int, future: concurrent.futures.Future[dict[str, Checkpoint]]) -> None:
@@ -57,14 +68,34 @@ class SaveHandle:
         self._fetched = False
 
     def done(self) -> bool:
-        """Whether the boundary has committed or failed (never blocks)."""
+        """Whether the boundary has committed or failed (never blocks).
+
+        Returns:
+            True once the boundary has finished, either way.
+        """
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> dict[str, Checkpoint]:
         """Wait for the commit; the committed checkpoints by stream, or the error.
 
-        A ``TimeoutError`` (still in flight) fetches nothing: the boundary's
-        error, if it comes, is still raised by the next ``save``/``close``.
+        Fetching the boundary's error here means the manager's next ``save`` or
+        ``close`` does not raise it again.
+
+        Args:
+            timeout: Seconds to wait at most; None (the default): until the
+                boundary finishes.
+
+        Returns:
+            The committed checkpoints by stream, the same dict a blocking ``save``
+                returns.
+
+        Raises:
+            TimeoutError: the boundary is still in flight after ``timeout``; this
+                fetches nothing: the boundary's error, if it comes, is still raised
+                by the next ``save``/``close``.
+            PublishError: the boundary failed and was rolled back; any other error
+                the boundary ended with (see
+                :meth:`ckptdb.CheckpointManager.save`) is raised the same way.
         """
         try:
             out = self._future.result(timeout)
@@ -75,7 +106,22 @@ class SaveHandle:
         return out
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        """Wait; the boundary's error, or None if it committed."""
+        """Wait; the boundary's error, or None if it committed.
+
+        Like :meth:`result`, it fetches the error: the manager's next ``save`` or
+        ``close`` does not raise it.
+
+        Args:
+            timeout: Seconds to wait at most; None (the default): until the
+                boundary finishes.
+
+        Returns:
+            The error the boundary ended with, or None if it committed.
+
+        Raises:
+            TimeoutError: the boundary is still in flight after ``timeout`` (nothing
+                is fetched).
+        """
         error = self._future.exception(timeout)  # TimeoutError: nothing fetched
         self._fetched = True
         return error
@@ -92,10 +138,19 @@ class SaveHandle:
         return self._future.exception()
 
     def mark_fetched(self) -> None:
+        """Count the boundary's error as fetched, so nothing raises it again.
+
+        Used by the manager once it raised the error itself.
+        """
         self._fetched = True
 
     def outcome_error(self) -> BaseException | None:
-        """The finished boundary's error (or None), without fetching it."""
+        """The finished boundary's error (or None), without fetching it.
+
+        Returns:
+            The error of a finished boundary; None if it committed or is still in
+                flight.
+        """
         return self._future.exception() if self._future.done() else None
 
     def wait(self) -> None:

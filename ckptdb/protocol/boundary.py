@@ -1,40 +1,182 @@
-"""The boundary: one state machine for blocking, asynchronous and distributed saves.
+"""The save phases: how one boundary becomes a published checkpoint.
 
-A boundary (one ``save``) runs these phases in order, on every rank, talking
-to its :class:`~ckptdb.coord.base.Coordinator` at fixed points (in a single
-process every agreement is the local outcome itself):
+A **boundary** is the point in training where the manager saves one or more
+streams' checkpoints and commits them in one ledger transaction: one call of
+``CheckpointManager.save`` (or of a preemption's save). Every kind of save runs
+the same six phases, in this order, through this module's ``Publisher``:
 
-1. **Preflight** — validate step, streams and metrics; read the guard once;
-   check the ranking metrics are finite. Ranks agree on the verdict
-   (``preflight``); a trip records ``guard_tripped`` and nothing is written.
-2. **Intent** (the chief) — one transaction decides top-K admission (a
-   candidate that would not enter is never written) and inserts a
-   ``pending`` row per admitted stream, with its final and temporary name;
-   every rank learns the plan (``plan``).
-3. **Write** — every payload is written under its temporary name through the
-   payload store and its kind (sharded payloads by every rank, inside DCP;
-   plain ones by the chief), durable and measured. Ranks agree (``write``).
-4. **Place** — the store moves each temporary object onto its final name
-   and makes that durable.
-5. **Commit** — one transaction: rows become ``committed``, latest pointers
-   move, retention marks evicted rows ``deleting``, buffered metrics are
-   written. This is the single commit point; other ranks learn the outcome
-   (``outcome``).
-6. **Clean up** — queued by the commit transaction itself and run once
-   COMMIT returned: evicted payloads are removed and marked ``deleted``. A
-   failure here never undoes the commit: it is recorded, warned about and
-   retried by the next reconcile.
+- a blocking save in one process, where every agreement between ranks is the
+  local outcome itself and errors propagate as themselves;
+- a save under ``torch.distributed``, where every rank runs the phases and the
+  ranks agree at fixed points (``preflight``, ``plan``, ``wrote``, ``write``,
+  ``outcome``), so a checkpoint is published on every rank or on none, and
+  every rank raises the same error;
+- an asynchronous save (``save(blocking=False)``), which runs phases 1 and 2
+  and a snapshot of the payloads to host memory during the call (agreed as
+  ``snapshot``), and phases 3 to 6 on a background thread with the same code
+  (``ckptdb.protocol.asyncsave``).
 
-A failure in 2-5 rolls the boundary back: what was written is removed, rows
-become ``aborted`` with the error, pointers and retention are untouched, and
-:class:`~ckptdb.errors.PublishError` names the phase and the path.
+The ledger alone says what is published: a checkpoint exists for ``latest``,
+the top-K, ``load`` and every reader once its row is ``committed``, and not
+before; ckptdb never takes the newest checkpoint from file names, links or
+file times. The chief (rank 0; the only process in a single-process run) runs
+the ledger's work: the intent, the placing, the commit and the clean-up.
 
-Phase 1 lives in :mod:`~ckptdb.protocol.preflight`; the rollback and the
-clean-up (payload removal, then the ledger) in :mod:`~ckptdb.protocol.disposal`.
+1. **Preflight** (every rank; ``ckptdb.protocol.preflight``). The input is
+    checked first: the step, the stream names, the metrics (a ranking metric
+    present, names and numbers the ledger can hold), ``blocking``, and the
+    payloads (an ``External`` payload is refused with ``blocking=False``, two
+    streams cannot publish one name). Then the guard is read, once (one host
+    sync); then a non-finite ranking metric is refused. The first check that
+    objects decides, and the ranks agree on the verdict (``preflight``). A
+    guard trip records a ``guard_tripped`` event and raises
+    ``NonFiniteGradientError``. Bad input records nothing, not even the
+    boundary's metrics, and leaves the guard as it was; any other refusal
+    keeps the metrics (buffered, written with the next commit: a NaN loss at
+    a diverged step is history too). Every boundary that read the guard
+    resets it, whatever happens next. An error of an earlier asynchronous
+    save that nobody fetched takes precedence: it is raised here, and this
+    boundary does not run.
 
-``save(blocking=False)`` runs 1-2 and a snapshot to host memory at call time
-and 3-6 on the background worker (:mod:`ckptdb.protocol.asyncsave`), with the
-same code and the coordinator of the background thread.
+    *A crash here* leaves nothing in the ledger or the store.
+
+    *Why first*: a boundary that will be refused costs nothing and writes
+    nothing. Bad input comes before the guard, so a typo never resets it; the
+    guard comes before the ranking metric, because a tripped guard is the
+    cause of a NaN validation loss, and the more useful error.
+
+2. **Intent** (the chief). The writer lock is verified (taken back if only
+    its session ended), a boundary whose commit's answer was lost is settled
+    (phase 5), and one short transaction then checks the fence (a writer
+    that another writer's open fenced off records nothing, ever again:
+    ``WriterLockLostError``), decides top-K admission (a candidate that would
+    not enter its stream's top-K is dropped, never written), refuses a save
+    directory or stream directory that vanished while the ledger records
+    committed checkpoints in it, creates the directories the payloads go into
+    (durably), and inserts one ``pending`` row per admitted stream with its
+    metrics, its final name and its temporary name. A final name in ckptdb's naming
+    (``<stream>/step-000000100.pt``) that a live row or a file already holds
+    gets a versioned one (``step-000000100.v42.pt``); a store without rename
+    (object storage) gets a name unique to the row, the temporary name equal
+    to the final one; an ``External`` payload keeps the framework's name,
+    refused if anything exists there, and gets a hidden temporary name beside
+    it (``.<name>.ckptdb-tmp-<row id>``). Every rank learns the plan
+    (``plan``). When no stream is admitted, the boundary ends here and
+    returns no checkpoint.
+
+    *A crash here* leaves ``pending`` rows (and possibly empty temporary
+    directories). The next open's reconcile removes whatever they name and
+    marks them ``aborted``. The intent commits without an fsync of the ledger
+    (SQLite ``synchronous=NORMAL``): a power cut may lose it, and then any
+    file it named has no row: a temporary of ckptdb's is removed, a file in
+    ckptdb's naming is moved into the quarantine (never deleted), a file
+    under a framework's name is left alone.
+
+    *Why before any byte is written*: every payload the boundary writes is
+    named by a row first, so a crash at any later point leaves a row that
+    says what to remove, and reconcile never guesses. Admission is decided
+    here, against the committed members, so a rejected candidate costs no
+    write.
+
+3. **Write** (payloads written by every rank, then the chief's). Each payload
+    goes to its temporary name through the payload store and its kind: a
+    ``Sharded`` payload by every rank inside ``torch.distributed.checkpoint``,
+    an ``External`` one by its writer on every rank, then, on the chief, a
+    ``torch.save`` file streamed into the store, hashed (xxh3-128) and counted
+    as it is written. Where a framework's writer may return on one rank while
+    another still writes, the ranks first agree that every part is written
+    (``wrote``). Each payload is then sealed: made durable (``fsync``, every
+    file and directory of a tree included) and measured. The ranks agree on
+    the outcome (``write``). A blocking save with a deadline (a preemption's
+    grace period) that has passed by now is rolled back here (phase
+    ``deadline``) rather than cut short during its commit.
+
+    *A crash here* leaves ``pending`` rows and partial temporaries, which the
+    next reconcile removes. Nothing is visible under a final name. An fsync
+    error fails the boundary; it is never retried into a success.
+
+    *Why before the placing*: only complete, durable bytes get a final name,
+    and the row records the size and hash of what is on disk.
+
+4. **Place** (the chief). Each temporary is moved onto its final name
+    atomically (``os.replace``, never delete-then-rename; a store without
+    rename moves nothing) and the directories are fsynced. Something that
+    appeared at an ``External`` payload's name since the intent is not
+    published over (phase ``replace``).
+
+    *A crash here* leaves ``pending`` rows whose payloads may sit at their
+    final names: reconcile removes them by their rows and marks the rows
+    ``aborted``. Nothing reads them as checkpoints meanwhile, since no row
+    publishes them. A live checkpoint is never overwritten: a step saved
+    again got a versioned name at the intent.
+
+    *Why before the commit*: a committed row always names a payload that is
+    already at its final name, durably.
+
+5. **Commit** (the chief; the single commit point). The writer lock is
+    verified again, and one transaction, fsynced (SQLite
+    ``synchronous=FULL``), checks the fence (the check that counts), turns
+    the rows ``committed`` with their sizes and hashes, applies each stream's
+    retention (evicted rows become ``deleting``; saving a step at or before a
+    ``Keep`` stream's newest evicts its checkpoints from that step on, the
+    timeline rule;
+    a row protected as the one this attempt resumed from becomes ``deleted``
+    at once, its file kept), moves the latest pointers, writes the buffered
+    metrics and wakes followers (PostgreSQL ``NOTIFY``). An evicted row that
+    a reader has pinned, or whose copy to a registered remote tier is not
+    whole yet, stays ``deleting`` with its file until no pin holds it; rows
+    held back this way whose pins are gone are removed with this commit's
+    evictions. The rest is queued
+    behind the COMMIT (``ckptdb.ledger.after_commit``): it runs once COMMIT
+    returned, never after a rollback. The other ranks then learn the
+    outcome (``outcome``).
+
+    *A crash here*, before COMMIT returns, is a crash in phase 4: all of the
+    boundary's rows are committed, or none is. After it, the boundary is
+    published and the evicted rows are ``deleting`` with their files, which
+    reconcile removes. A COMMIT whose answer was lost (the connection
+    dropped after it was sent) raises ``CommitOutcomeUnknownError``: the
+    files are kept, and the boundary is settled by reading its rows back
+    once the ledger answers (the next boundary's intent, the close, or the
+    next open's reconcile): committed, it stands; still pending, it is
+    rolled back.
+
+    *Why one transaction*: every stream of the boundary, its retention, its
+    pointers and its metrics change together, so ``latest``, the top-K and
+    retention always describe payloads that are complete on disk.
+
+6. **Clean up** (the chief, after the commit and after the other ranks were
+    told). Evicted payloads are removed through the store, then their rows
+    marked ``deleted`` (without an fsync of the ledger). An error in an
+    earlier post-commit step does not skip this one; an interrupt (Ctrl-C)
+    does.
+
+    *A crash here*, or a removal that fails, leaves rows ``deleting``: a
+    failure records a ``cleanup_failed`` event and emits a ``CleanupWarning``
+    naming the file, and the next reconcile retries. It never fails the
+    save, and never undoes the commit.
+
+    *Why last*: a payload is removed only once the commit that evicted it is
+    durable, so a crash never leaves a run without the checkpoints its
+    ledger publishes.
+
+**A failure in phases 2 to 5** rolls the boundary back
+(``ckptdb.protocol.disposal``): the temporaries are removed, and a final name
+only if this boundary placed it (before that, whatever is there is not
+ckptdb's); the rows become ``aborted`` with the error, and a
+``publish_failed`` event is recorded; pointers, the top-K and committed rows
+are exactly as before. The error is a ``PublishError`` naming the phase, the
+path and the stream (``LedgerUnavailableError``, a ``PublishError`` too, when
+the ledger could not be reached: training can go on, the next boundary tries
+again). A payload the intent refuses (a framework's name already taken, a
+kind the store cannot hold) is bad input (``InvalidArgumentError``): nothing
+is recorded, not even the metrics. If a removal fails too, the error lists
+it in ``cleanup_failures``, a ``CleanupWarning`` is emitted and the row stays
+``pending`` for the next reconcile. An interrupt is rolled back the same way
+and then propagates as itself. Under ``torch.distributed`` a broken group
+(``RankAgreementError``) propagates as itself, and the chief rolls back what
+the boundary recorded. Nothing that fails
+after COMMIT returned undoes it.
 """
 
 from __future__ import annotations

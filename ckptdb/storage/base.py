@@ -2,30 +2,35 @@
 
 A :class:`PayloadStore` holds one run's payloads under names relative to the
 run's save directory (``<stream>/<name>``). The protocol never touches a file
-itself: every step it needs goes through these methods, in this order for a
-boundary (mirroring the numbered phases of :mod:`ckptdb.protocol.boundary`):
+itself: every step it needs goes through these methods. A save reaches the
+store in four of its six phases (the save phases: ckptdb/protocol/boundary.py,
+rendered in docs/reference/protocol.md), calling, in this order:
 
-1. :meth:`~PayloadStore.prepare_stream` (at the intent) and, for a payload
-   kind written by every rank, :meth:`~PayloadStore.make_temp_dir`;
-2. write a temporary object: :meth:`~PayloadStore.write_object` (a byte
-   stream, hashed as it is written, made durable) or, for a sharded payload,
-   :meth:`~PayloadStore.dcp_writer` then :meth:`~PayloadStore.seal`;
-3. make it durable and place it: :meth:`~PayloadStore.place`, then
-   :meth:`~PayloadStore.sync_placed`;
-4. after the commit: :meth:`~PayloadStore.remove` what retention evicted.
+- intent: :meth:`~PayloadStore.absent` (the save directory and the streams'
+  directories still there), :meth:`~PayloadStore.prepare_stream` (or
+  :meth:`~PayloadStore.prepare_parent` for a framework's name, whose leftover
+  temporary it may :meth:`~PayloadStore.remove`), :meth:`~PayloadStore.exists`
+  (a name already taken) and, for a payload kind written by every rank,
+  :meth:`~PayloadStore.make_temp_dir`;
+- write: :meth:`~PayloadStore.write_object` (a byte stream, hashed as it is
+  written, made durable) or, for a sharded payload,
+  :meth:`~PayloadStore.dcp_writer` then :meth:`~PayloadStore.seal`
+  (:meth:`~PayloadStore.seal_written` for what a framework's writer created);
+- place: :meth:`~PayloadStore.place`, then :meth:`~PayloadStore.sync_placed`;
+- clean-up, after the commit: :meth:`~PayloadStore.remove` what retention evicted.
 
 Reads go through :meth:`~PayloadStore.verify` (size and hash against the
 ledger, sorted into lost or corrupt in one place) and the kind's loader.
 Reconcile lists what is ours (:meth:`~PayloadStore.list_ours`), removes
 temporaries and quarantines unowned checkpoints.
 
-The local POSIX filesystem (:class:`~ckptdb.storage.local.LocalStore`) is the
-first implementation; object storage (:class:`~ckptdb.storage.s3.S3Store`)
-the second, and a payload kind (:mod:`ckptdb.storage.kinds`) never needs to
-know which one it writes to. A store without rename (``renames`` False) has
-the protocol name the temporary object with its final name, a name unique to
-its row: ``place`` then moves nothing, and the ledger row alone decides
-visibility.
+Two stores implement it: the local POSIX filesystem
+(:class:`~ckptdb.storage.local.LocalStore`) and object storage
+(:class:`~ckptdb.storage.s3.S3Store`); a payload kind
+(:mod:`ckptdb.storage.kinds`) never needs to know which one it writes to. A
+store without rename (``renames`` False) has the protocol name the temporary
+object with its final name, a name unique to its row: ``place`` then moves
+nothing, and the ledger row alone decides visibility.
 """
 
 from __future__ import annotations

@@ -34,8 +34,17 @@ class Sharded:
 
     ``mgr.save(step, model=ckptdb.Sharded(model.state_dict()))``: every rank
     passes its own (possibly sharded, e.g. DTensor/FSDP) state dict and writes
-    its own shards; the boundary commits only when every rank's shards are
-    written. Load it back in place with ``mgr.load(..., into=state_dict)``.
+    its own shards into one directory checkpoint (``.dcp``); the boundary commits
+    only when every rank's shards are written. Load it back in place with
+    ``mgr.load(..., into=state_dict)``, on the same or another number of ranks
+    (see docs/distributed.md). A top-level ``Stateful`` value (DCP's app-state
+    pattern) is replaced by its state dict before the write.
+
+    Attributes:
+        state_dict: This rank's state dict, a dict.
+
+    Raises:
+        ArgumentTypeError: ``state_dict`` is not a dict.
     """
 
     state_dict: dict[str, Any]
@@ -51,7 +60,12 @@ class Sharded:
 
         DCP would call those ``state_dict()`` inside ``save`` before its first
         collective, where a failure on one rank is not agreed on; the manager
-        calls this in its preflight instead.
+        calls this in its preflight instead, so such a failure is bad input that
+        every rank reports.
+
+        Returns:
+            A new :class:`Sharded` whose top-level ``Stateful`` values are their
+                state dicts (other values as they are).
         """
         return Sharded(resolve_stateful(self.state_dict))
 

@@ -39,15 +39,38 @@ class External:
     """A payload written by ``write(path)`` and published as ``name``.
 
     ``mgr.save(step, model=ckptdb.External(lambda p: trainer.save_checkpoint(p),
-    name="epoch=3-step=40.ckpt"))``. ``name`` is relative to the save
-    directory and may contain subdirectories. ``write`` receives a path that
-    does not exist yet and must create a file or a directory there; it runs
-    on every rank (as framework savers with barriers inside need), so a writer
-    that only the chief should run checks its rank itself. ckptdb fsyncs what
-    was written; the writer need not. (A writer that wrote a single file
-    through ckptdb's own durable writer, :func:`ckptdb.storage.files.write_stream`,
-    which fsyncs and hashes as the bytes stream out, returns its ``FileInfo``;
-    ckptdb then skips the second pass.)
+    name="epoch=3-step=40.ckpt"))``. For frameworks that write their checkpoints
+    themselves, under their own names, with the guarantees of ``mgr.save``: the
+    intent row is recorded first, then ``write`` creates the payload under a
+    temporary name (``<dir of name>/.<name>.ckptdb-tmp-<row id>``; a leftover there
+    is removed first, never written through), and ckptdb fsyncs it (every file and
+    directory of a tree), measures its size and hash, renames it to ``name`` and
+    commits the row. The name is the framework's, so the files look as its users
+    expect; the ledger row, not the name, decides visibility.
+
+    A writer that raises, or that created nothing (or a link or special file),
+    fails the boundary with ``PublishError(phase="write")`` and nothing is
+    published. Something that appears at ``name`` while the writer runs is neither
+    replaced (``PublishError(phase="replace")``) nor removed by the rollback. An
+    External payload is written during the call, so ``blocking=False`` is refused,
+    and two streams of one boundary cannot publish the same name. A published file
+    loads with ``mgr.load`` like any ``torch.save`` file; a directory is verified
+    but not unpickled: load it with its framework from ``checkpoint.path``.
+
+    Attributes:
+        write: Called with a path that does not exist yet; must create a file or a
+            directory there. It runs on every rank (as framework savers with
+            barriers inside need), so a writer that only the chief should run
+            checks its rank itself. ckptdb fsyncs what was written; the writer need
+            not. (A writer that wrote a single file through ckptdb's own durable
+            writer, :func:`ckptdb.storage.files.write_stream`, which fsyncs and
+            hashes as the bytes stream out, returns its ``FileInfo``; ckptdb then
+            skips the second pass.)
+        name: Where the payload is published, relative to the save directory; it
+            may contain subdirectories. Checked at ``save`` (see :meth:`checked`).
+
+    Raises:
+        ArgumentTypeError: ``write`` is not callable, or ``name`` is not a str.
     """
 
     write: Callable[[Path], object]
@@ -60,7 +83,22 @@ class External:
             raise ArgumentTypeError(f"External(name=...) must be a str, got {self.name!r}")
 
     def checked(self) -> External:
-        """Itself, once its name is known to be a name ckptdb may publish."""
+        """Itself, once its name is known to be a name ckptdb may publish.
+
+        ``save`` calls it in its preflight, so a bad name is refused before anything
+        is recorded, not even the boundary's metrics.
+
+        Returns:
+            This payload, unchanged.
+
+        Raises:
+            InvalidArgumentError: ``name`` is not a usable file name (empty,
+                surrounding spaces, a backslash or a NUL), escapes the save
+                directory (absolute, or a ``..`` component), has an empty or
+                ``.``-leading component, starts a component with ``ckptdb.``, is
+                in ckptdb's own naming (``step-….pt``, its temporaries), or ends in
+                ``.dcp``.
+        """
         check_name(self.name)
         return self
 

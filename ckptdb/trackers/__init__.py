@@ -22,8 +22,8 @@ it starts again, what the tracker already holds (the sink asks the tracker:
 the points of each metric key, batch after batch until a batch holds none;
 the files of a checkpoint's artifact) and logs only the rest. A tracker
 whose writes are asynchronous (W&B) is asked at the open what it holds, and
-the cursor goes back to that. One follower per run and tracker at a time: a file lock
-beside the ledger.
+the cursor goes back to that. One follower per run and kind of tracker at a time: a
+file lock in the run's root.
 
 A sink (:mod:`.mlflow`, :mod:`.wandb`) is the tracker's side of this: the
 few calls the mirror makes, in the tracker's own API.
@@ -74,52 +74,127 @@ POLL = 2.0
 
 @dataclass(frozen=True)
 class Logged:
-    """Where a checkpoint went in the tracker (``version``: a registered model's)."""
+    """Where a checkpoint went in the tracker, as the ledger keeps it.
+
+    Attributes:
+        where: The copy's address in the tracker (MLflow: its artifact path;
+            W&B: ``<artifact>:ckpt-<id>``).
+        version: The registered model's version it became (MLflow with
+            ``model_name``); None otherwise.
+    """
 
     where: str
     version: str | None = None
 
 
 class Sink(Protocol):
-    """The tracker's side of a mirror."""
+    """The tracker's side of a mirror: the few calls a :class:`Mirror` makes.
+
+    :class:`~ckptdb.trackers.mlflow.MlflowSink` and
+    :class:`~ckptdb.trackers.wandb.WandbSink` implement it, each in its
+    tracker's own API; the mirror keeps the cursor and what was logged in the
+    ledger, so a sink holds no state that must survive a restart.
+    """
 
     kind: str
     #: Identifies the tracker run's home (URI and experiment, a project): the ledger's key.
     target: str
 
     def open(self, token: str, run_name: str, known: str | None, streams: list[str]) -> str:
-        """The tracker run for the ckptdb run ``token`` (``known``: its id from the
-        ledger; else found by tag, or created), whose ``streams`` are followed; its id."""
+        """Open the tracker run for a ckptdb run: found, or created.
+
+        Args:
+            token: The ckptdb run's token, which identifies it in the tracker.
+            run_name: The ckptdb run's name, for a tracker run created here.
+            known: The tracker run's id as the ledger keeps it; None when the
+                ledger has none (then it is found by the token, or created).
+            streams: The streams whose checkpoints are followed.
+
+        Returns:
+            The tracker run's id, for the ledger to keep.
+        """
 
     def holds(self) -> Held | None:
-        """What the tracker run holds, when its writes are asynchronous (else None: what
-        returned is there)."""
+        """What the tracker run holds, when its writes are asynchronous.
+
+        Returns:
+            The last metric point and the checkpoints it holds; None for a
+            tracker whose calls return once the data is stored.
+        """
 
     def already_logged(self, points: list[Point]) -> set[int]:
-        """The ids of ``points`` the tracker holds already (a crash after a log)."""
+        """Which points the tracker holds already (a crash after a log).
 
-    def log_metrics(self, points: list[Point]) -> None: ...
+        Args:
+            points: Metric points of the ledger, oldest first.
+
+        Returns:
+            The ids of those the tracker holds.
+        """
+
+    def log_metrics(self, points: list[Point]) -> None:
+        """Log metric points, each with its step and wall time.
+
+        Args:
+            points: Metric points of the ledger, oldest first.
+        """
 
     def log_checkpoint(self, checkpoint: Checkpoint, local: Path, aliases: list[str]) -> Logged:
-        """Log a verified checkpoint (``local``: its file or directory) with its step
-        and metrics; a copy the tracker holds whole already is not logged again.
-        ``aliases``: those of ``latest``/``best`` it holds now (a hint: the mirror
-        sets them with :meth:`set_aliases` afterwards in any case)."""
+        """Log a verified checkpoint with its step and metrics.
+
+        A copy the tracker holds whole already is not logged again.
+
+        Args:
+            checkpoint: The checkpoint, as the ledger records it.
+            local: Its file or directory on disk, verified against its row.
+            aliases: Those of ``latest``/``best`` it holds in the ledger (a
+                hint: the mirror sets them with :meth:`set_aliases`
+                afterwards in any case).
+
+        Returns:
+            Where it went in the tracker.
+        """
 
     def set_aliases(self, stream: str, wanted: dict[str, Aliased]) -> None:
-        """Point ``latest`` (and ``best``, for a top-K stream) of ``stream`` at these."""
+        """Point ``latest`` (and ``best``, for a top-K stream) of a stream at these.
 
-    def evict(self, checkpoint: Checkpoint, logged: Logged, how: str) -> None: ...
+        Args:
+            stream: The stream.
+            wanted: Alias (``latest``, ``best``) -> the checkpoint it should
+                name.
+        """
+
+    def evict(self, checkpoint: Checkpoint, logged: Logged, how: str) -> None:
+        """Mark or remove the tracker's copy of a checkpoint retention evicted.
+
+        Args:
+            checkpoint: The checkpoint; its ``state`` is not ``committed``.
+            logged: Where it went in the tracker.
+            how: ``"mark"`` or ``"delete"`` (see :data:`ON_EVICT`).
+        """
 
     def check_eviction(self, how: str) -> None:
-        """Refuse (``InvalidArgumentError``) an ``on_evict`` this sink cannot do."""
+        """Refuse an ``on_evict`` this sink cannot do, before anything is mirrored.
 
-    def close(self) -> None: ...
+        Args:
+            how: ``"mark"`` or ``"delete"``.
+
+        Raises:
+            InvalidArgumentError: When this sink cannot evict that way.
+        """
+
+    def close(self) -> None:
+        """Release what the sink holds open (the tracker run)."""
 
 
 @dataclass(frozen=True)
 class Held:
-    """What an asynchronous tracker run holds: the last metric point, the checkpoints."""
+    """What an asynchronous tracker run holds, read back when a follower opens it.
+
+    Attributes:
+        metric_id: The id of the last ledger metric point it holds (0: none).
+        checkpoints: The ledger ids of the checkpoints it holds.
+    """
 
     metric_id: int
     checkpoints: set[int]
@@ -127,8 +202,14 @@ class Held:
 
 @dataclass(frozen=True)
 class Aliased:
-    """A checkpoint an alias should name: how it was logged, and its verified local
-    copy (a callable: only a sink that logs it again needs it)."""
+    """A checkpoint an alias should name.
+
+    Attributes:
+        checkpoint: The checkpoint.
+        logged: How it was logged.
+        local: Returns its verified local copy; a callable, since only a sink
+            that logs it again (W&B) needs it.
+    """
 
     checkpoint: Checkpoint
     logged: Logged
@@ -137,13 +218,28 @@ class Aliased:
 
 @dataclass
 class Pass:
-    """What one pass mirrored."""
+    """What one pass of :meth:`Mirror.sync` mirrored.
+
+    True when the pass mirrored anything (metrics, checkpoints, aliases or
+    evictions; refused checkpoints do not count), so ``if mirror.sync():``
+    tells a busy pass from an idle one.
+
+    Attributes:
+        metrics: How many metric points were logged.
+        checkpoints: The checkpoints logged, by id.
+        aliases: The aliases moved: ``"<alias>:<stream>"`` (``latest:model``)
+            -> the id of the checkpoint it names after the pass.
+        evicted: The ids of the checkpoints whose tracker copies were marked
+            or deleted.
+        refused: Checkpoints that did not match their rows (lost, corrupt):
+            id -> why. Not logged, and tried again at the next pass (the run's
+            writer marks them at its next load or reconcile).
+    """
 
     metrics: int = 0
     checkpoints: list[Checkpoint] = field(default_factory=list)
     aliases: dict[str, int] = field(default_factory=dict)
     evicted: list[int] = field(default_factory=list)
-    #: Checkpoints that did not match their rows (lost, corrupt): not logged, retried later.
     refused: dict[int, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
@@ -151,10 +247,56 @@ class Pass:
 
 
 class Mirror:
-    """Mirrors the run at ``root`` into ``sink`` (see the module doc); use as a context
-    manager. ``streams``: the streams whose checkpoints are logged (default: every
-    stream of the run); ``on_evict``: ``"mark"`` (tag the copy, keep it) or
-    ``"delete"`` (remove it from the tracker)."""
+    """Mirrors one ckptdb run into one tracker run, across every restart of either.
+
+    What ``ckptdb follow ROOT --to mlflow|wandb`` runs. Each pass mirrors the
+    ledger's metric points (each once, with its step and wall time), each
+    committed checkpoint of the followed streams (pinned and verified
+    against its row first), ``latest`` and ``best`` as the ledger has them,
+    and evictions (see the module doc and docs/trackers.md). The cursor and
+    what was logged are kept in the ledger (table ``trackers``) after each
+    step, and a restarted follower asks the tracker what it holds, so
+    nothing is logged twice.
+
+    A follower is a reader of the run: it runs beside the trainer, takes no
+    writer lock and writes only its own row. One follower per run and kind
+    of tracker at a time (a file lock in the run's root). Opening it finds or
+    creates the tracker run; use it as a context manager, or call
+    :meth:`close`.
+
+    Args:
+        root: The run's root directory.
+        sink: The tracker's side: a
+            :class:`~ckptdb.trackers.mlflow.MlflowSink` or
+            :class:`~ckptdb.trackers.wandb.WandbSink`. The mirror closes it.
+        db_url: The ledger's URL when it is not the run's own SQLite file
+            (a PostgreSQL ledger); None (the default) for the run's own.
+        streams: The streams whose checkpoints are logged; None (the
+            default) for every stream of the run.
+        on_evict: What happens to the tracker's copy of a checkpoint that
+            retention evicted (or the writer found lost or corrupt):
+            ``"mark"`` (the default: tag the copy, keep it) or ``"delete"``
+            (remove it from the tracker).
+
+    Attributes:
+        sink: The sink it mirrors into.
+        on_evict: ``"mark"`` or ``"delete"``.
+        streams: The followed streams, sorted.
+
+    Raises:
+        InvalidArgumentError: When ``on_evict`` is neither ``"mark"`` nor
+            ``"delete"`` (or the sink cannot do it: W&B offline cannot
+            delete), ``streams`` is a str, empty or names a stream the run
+            lacks, or the run's checkpoints are on object storage (a follower
+            logs checkpoints from a local disk).
+        LedgerLockedError: When another follower mirrors the run into the
+            same kind of tracker.
+        NetworkFilesystemError: When the run's SQLite ledger is on a network
+            filesystem.
+        LedgerError: When ``root`` holds no ckptdb run, or its ledger cannot
+            be opened.
+        SchemaVersionError: When the ledger is not at this ckptdb's schema.
+    """
 
     def __init__(
         self,
@@ -221,10 +363,28 @@ class Mirror:
 
     @property
     def tracker_run_id(self) -> str | None:
+        """The tracker run's id (MLflow's run id, W&B's ``ckptdb-<token>``)."""
         return self.state.external_id
 
     def sync(self) -> Pass:
-        """One pass: metrics, new checkpoints, aliases, evictions."""
+        """Mirror what is new in the ledger: one pass.
+
+        In order: the metric points after the cursor, the committed
+        checkpoints not yet logged (by id), ``latest`` and ``best`` of each
+        followed stream, then the evictions. Each checkpoint is pinned while
+        it is logged, so retention cannot remove its file mid-upload; one
+        that does not match its row is left out (see :attr:`Pass.refused`)
+        and one evicted before it was pinned is skipped. What is done is
+        written to the ledger step by step, so a pass that fails part way
+        loses nothing: the next pass (or a restarted follower) continues.
+
+        Returns:
+            What the pass mirrored; false when it found nothing new.
+
+        Raises:
+            Exception: What the tracker's client raised (a server that does
+                not answer, say); the pass stops there.
+        """
         done = Pass()
         done.metrics = self._metrics()
         committed = {s: self._reader.checkpoints(s) for s in self.streams}
@@ -250,7 +410,20 @@ class Mirror:
         return done
 
     def follow(self, *, timeout: float | None = None, poll: float = POLL) -> None:
-        """Pass after pass until ``timeout`` seconds pass without news (None: forever)."""
+        """Mirror pass after pass, until the run is quiet for ``timeout`` seconds.
+
+        Sleeps ``poll`` seconds after each :meth:`sync`. A pass that mirrored
+        nothing counts toward the timeout; one that mirrored anything starts it
+        again.
+
+        Args:
+            timeout: Return after that many seconds without news; None (the
+                default): follow until interrupted.
+            poll: Seconds between two passes (default 2).
+
+        Raises:
+            Exception: What a pass raised (see :meth:`sync`).
+        """
         quiet_since = time.monotonic()
         while True:
             if self.sync():
@@ -375,6 +548,11 @@ class Mirror:
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
+        """Close the sink, the ledger connection and the reader, and release the follower lock.
+
+        Leaving the ``with`` block calls it. Everything mirrored is in the
+        ledger already, so closing loses nothing.
+        """
         try:
             self.sink.close()
         finally:
@@ -417,6 +595,16 @@ def _chosen(streams: Iterable[str] | None, known: list[str]) -> list[str]:
 
 
 def missing_extra(package: str, extra: str) -> MissingExtraError:
+    """The error a sink raises when its tracker's package is not installed.
+
+    Args:
+        package: The missing package (``mlflow``, ``wandb``).
+        extra: The ckptdb extra that installs it.
+
+    Returns:
+        A :class:`~ckptdb.errors.MissingExtraError` naming the command to run,
+        for the caller to raise.
+    """
     return MissingExtraError(
         f"following a run into {extra} needs {package}: pip install 'ckptdb[{extra}]'"
     )

@@ -41,9 +41,42 @@ RUN_TAG = "ckptdb.run"
 
 
 class MlflowSink:
-    """Mirrors into the experiment ``experiment`` of the tracking server at ``tracking_uri``
-    (created with ``artifact_location`` if it does not exist: MLflow's default is
-    ``./mlruns`` under the current directory for a database URI)."""
+    """The MLflow side of a :class:`~ckptdb.trackers.Mirror`: one MLflow run per ckptdb run.
+
+    Pass it to a :class:`~ckptdb.trackers.Mirror`, which calls its methods;
+    what goes where in MLflow is described in the module doc and
+    docs/trackers.md. The MLflow run is found by its tag ``ckptdb.run`` (the
+    ckptdb run's token), so every follower of the run, after any restart,
+    writes to the same one. Needs the ``mlflow`` extra
+    (``pip install 'ckptdb[mlflow]'``).
+
+    Args:
+        tracking_uri: The MLflow tracking URI (a server, or a database such
+            as ``sqlite:///mlflow.db``), also used as the model registry's.
+            The ledger keeps it without any user, password or query.
+        experiment: The experiment to log into (default ``"ckptdb"``),
+            created if it does not exist.
+        model_name: A registered model to make each checkpoint a version of,
+            with the aliases ``last`` and ``best``; created if it does not
+            exist. None (the default): artifacts and run tags only.
+        artifact_location: Where a newly created experiment stores its
+            artifacts; None (the default): MLflow's default, ``./mlruns``
+            under the current directory for a database URI. An existing
+            experiment keeps its own.
+
+    Attributes:
+        kind: ``"mlflow"``: the tracker's name in the ledger and in
+            ``ckptdb follow --to``.
+        client: The ``MlflowClient`` every call goes through.
+        target: The tracking URI (without secrets) and experiment: the key of
+            this tracker's row in the ledger.
+        run_id: The MLflow run's id, once :meth:`open` found or created it.
+
+    Raises:
+        MissingExtraError: When ``mlflow`` is not installed.
+        InvalidArgumentError: When ``tracking_uri`` or ``experiment`` is not a
+            non-empty str.
+    """
 
     kind = "mlflow"
 
@@ -71,6 +104,23 @@ class MlflowSink:
         self._artifact_uri = ""
 
     def open(self, token: str, run_name: str, known: str | None, streams: list[str]) -> str:
+        """Find or create the MLflow run of a ckptdb run (and the experiment, and the model).
+
+        The run is created with its tag ``ckptdb.run`` already set, so a
+        follower killed before the ledger kept its id finds it again instead
+        of creating another.
+
+        Args:
+            token: The ckptdb run's token, the value of the tag ``ckptdb.run``.
+            run_name: The MLflow run's name, if it is created.
+            known: The MLflow run's id as the ledger keeps it; None: searched
+                for by the tag in the experiment, else created.
+            streams: The followed streams: with several, the model's aliases
+                are named per stream (``<stream>-last``, ``<stream>-best``).
+
+        Returns:
+            The MLflow run's id.
+        """
         self._several = len(streams) > 1
         found = self.client.get_experiment_by_name(self.experiment)
         experiment = (
@@ -96,9 +146,26 @@ class MlflowSink:
         return known
 
     def holds(self) -> None:
-        """None: MLflow's calls return once the server stored what they sent."""
+        """Nothing to read back: MLflow's calls return once the server stored what they sent.
+
+        So what the ledger says was mirrored is in MLflow, and the mirror
+        keeps its cursor.
+        """
 
     def already_logged(self, points: list[Point]) -> set[int]:
+        """Which points the MLflow run holds already: same key, step and timestamp.
+
+        Reads the metric history of each key among ``points``, so a follower
+        killed between a log and its cursor's write (or a second ledger row
+        for the same MLflow run, its URI written another way) logs nothing
+        twice.
+
+        Args:
+            points: Metric points of the ledger, oldest first.
+
+        Returns:
+            The ids of those MLflow holds.
+        """
         there: dict[str, set[tuple[int, int]]] = {}
         for name in sorted({p.name for p in points}):
             history = self.client.get_metric_history(self.run_id, name)
@@ -106,6 +173,15 @@ class MlflowSink:
         return {p.id for p in points if (p.step, _ms(p.wall_time)) in there[p.name]}
 
     def log_metrics(self, points: list[Point]) -> None:
+        """Log metric points in one ``log_batch``, with the ledger's step and wall time (ms).
+
+        A value the ledger holds as NULL is logged as NaN. MLflow keeps one
+        point per key, step, value and millisecond, so two identical points
+        within one millisecond are one point there.
+
+        Args:
+            points: Metric points of the ledger, oldest first.
+        """
         from mlflow.entities import Metric
 
         metrics = [
@@ -115,6 +191,25 @@ class MlflowSink:
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def log_checkpoint(self, checkpoint: Checkpoint, local: Path, aliases: list[str]) -> Logged:
+        """Log a checkpoint as an artifact, tag the run with it, and register it.
+
+        The artifact goes under ``checkpoints/<stream>/<id>/<file name>``
+        (``id``: its ledger id, so a framework's name reused after a resume
+        never meets the old one); it is not uploaded again when MLflow holds
+        its files whole already (same names and sizes). The run tag
+        ``ckptdb.checkpoint.<stream>.<id>`` gives its id, step and metrics.
+        With ``model_name``, it is also a version of that registered model,
+        tagged the same way; a version of this run tagged with its id is
+        reused.
+
+        Args:
+            checkpoint: The checkpoint, as the ledger records it.
+            local: Its verified file or directory on disk.
+            aliases: Unused: MLflow's aliases are set by :meth:`set_aliases`.
+
+        Returns:
+            The artifact path and, with ``model_name``, the model version.
+        """
         # the ledger id keeps a framework's reused name (checkpoint-12, after a resume) apart
         where = f"{PREFIX}/{checkpoint.stream}/{checkpoint.id}/{local.name}"
         if _listing(self.client, self.run_id, where) != _files(local, where):
@@ -152,6 +247,18 @@ class MlflowSink:
         return str(created.version)
 
     def set_aliases(self, stream: str, wanted: dict[str, Aliased]) -> None:
+        """Point ``latest`` and ``best`` of a stream at these checkpoints.
+
+        Sets the run tags ``ckptdb.latest.<stream>`` and ``ckptdb.best.<stream>``
+        (the step) and, with ``model_name``, the registered model's aliases
+        ``last`` and ``best`` (``<stream>-last``, ``<stream>-best`` when
+        several streams are followed); MLflow reserves the alias ``latest``.
+
+        Args:
+            stream: The stream.
+            wanted: Alias (``latest``, ``best``) -> the checkpoint it should
+                name.
+        """
         for alias, aliased in wanted.items():
             checkpoint, logged = aliased.checkpoint, aliased.logged
             self.client.set_tag(self.run_id, f"ckptdb.{alias}.{stream}", str(checkpoint.step))
@@ -163,9 +270,26 @@ class MlflowSink:
             self.client.set_registered_model_alias(self.model_name, name, logged.version)
 
     def check_eviction(self, how: str) -> None:
-        """Both ways work on every MLflow store (artifacts deleted through its repository)."""
+        """Accept either ``on_evict``: both work on every MLflow store.
+
+        Artifacts are deleted through the store's artifact repository, so
+        nothing is refused here.
+
+        Args:
+            how: ``"mark"`` or ``"delete"``.
+        """
 
     def evict(self, checkpoint: Checkpoint, logged: Logged, how: str) -> None:
+        """Mark or remove the MLflow copy of a checkpoint retention evicted.
+
+        Args:
+            checkpoint: The checkpoint; its ``state`` is what a mark records.
+            logged: Where it went in MLflow.
+            how: ``"mark"``: the run tag ``ckptdb.evicted.<stream>.<id>`` and
+                the model version's tag ``ckptdb.state`` (its state); else
+                ``"delete"``: its artifact's ``<id>/`` directory is removed
+                and its model version deleted.
+        """
         if how == "mark":
             self.client.set_tag(
                 self.run_id, f"ckptdb.evicted.{checkpoint.stream}.{checkpoint.id}", checkpoint.state
@@ -183,11 +307,19 @@ class MlflowSink:
             self.client.delete_model_version(self.model_name, logged.version)
 
     def close(self) -> None:
-        """Nothing held open: each call above is a request of its own."""
+        """Nothing to close: each call is a request of its own, and nothing is held open."""
 
 
 def without_secrets(uri: str) -> str:
-    """``uri`` without a user, a password or a query (tokens): what the ledger may keep."""
+    """``uri`` without a user, a password or a query (tokens): what the ledger may keep.
+
+    Args:
+        uri: A tracking URI.
+
+    Returns:
+        The URI without those parts; unchanged when it has none (a
+        ``sqlite:////abs`` URI keeps its empty host).
+    """
     parts = urlsplit(uri)
     if not parts.scheme or ("@" not in parts.netloc and not parts.query):
         return uri  # nothing to remove (and sqlite:////abs keeps its empty host)

@@ -48,8 +48,44 @@ STEP, WALL_TIME = "ckptdb/step", "ckptdb/wall_time"
 
 
 class WandbSink:
-    """Mirrors into the W&B ``project`` (of ``entity``); ``directory``: where W&B writes
-    its run files (its ``dir``); ``offline``: log offline (``wandb sync`` uploads)."""
+    """The W&B side of a :class:`~ckptdb.trackers.Mirror`: one W&B run per ckptdb run.
+
+    Pass it to a :class:`~ckptdb.trackers.Mirror`, which calls its methods;
+    what goes where in W&B is described in the module doc and
+    docs/trackers.md. The W&B run id ``ckptdb-<token>`` is derived from the
+    ckptdb run and opened with ``resume="allow"``, so every follower of the
+    run, on any machine, online or offline, writes to the same W&B run. W&B
+    writes asynchronously; a follower opening the run reads back what W&B
+    holds and logs the rest again. Needs the ``wandb`` extra
+    (``pip install 'ckptdb[wandb]'``).
+
+    Args:
+        project: The W&B project to log into.
+        entity: The W&B entity (user or team) that owns the project; None
+            (the default): W&B's default entity.
+        directory: Where W&B writes its run files (its ``dir``), created if
+            missing; None (the default): the current directory. An offline
+            follower restarted later must use the same one, since it reads
+            the earlier offline runs' transaction logs there.
+        offline: Log offline (default False); ``wandb sync`` uploads later.
+            Offline, ``on_evict="delete"`` is refused.
+
+    Attributes:
+        kind: ``"wandb"``: the tracker's name in the ledger and in
+            ``ckptdb follow --to``.
+        project: The project.
+        entity: The entity, or None.
+        offline: Whether it logs offline.
+        directory: W&B's ``dir``, absolute.
+        target: ``<entity>/<project>`` (and ``#offline:<directory>`` offline):
+            the key of this tracker's row in the ledger.
+        run: The W&B run, once :meth:`open` started it (None after
+            :meth:`close`).
+
+    Raises:
+        MissingExtraError: When ``wandb`` is not installed.
+        InvalidArgumentError: When ``project`` is not a non-empty str.
+    """
 
     kind = "wandb"
 
@@ -81,6 +117,27 @@ class WandbSink:
         self._held: Held | None = None  # what the run held when this follower opened it
 
     def open(self, token: str, run_name: str, known: str | None, streams: list[str]) -> str:
+        """Start (or resume) the W&B run of a ckptdb run.
+
+        Every metric is plotted against ``ckptdb/step``. Offline, the earlier
+        offline runs of the same id under ``directory`` are read first (what
+        they logged), and a follower restarted within the same second waits
+        for the next one: W&B names an offline run's directory by the second,
+        and a second run in it would replace the first one's log.
+
+        Args:
+            token: The ckptdb run's token: the run id is ``ckptdb-<token>``,
+                and the run's config records it as ``ckptdb/run``.
+            run_name: The W&B run's name; also the start of its artifacts'
+                names (``<run>-<stream>``, other characters than letters,
+                digits, ``_``, ``.`` and ``-`` replaced).
+            known: The W&B run's id as the ledger keeps it; None:
+                ``ckptdb-<token>``.
+            streams: The followed streams (W&B needs no per-stream setup).
+
+        Returns:
+            The W&B run's id.
+        """
         ident = known or f"ckptdb-{token}"
         self.directory.mkdir(parents=True, exist_ok=True)
         if self.offline:  # before this run's own file exists
@@ -103,8 +160,19 @@ class WandbSink:
         return ident
 
     def holds(self) -> Held:
-        """What the W&B run holds: ``run.log`` and ``log_artifact`` return before W&B's
-        own writer has the data, so a follower killed meanwhile may have lost it."""
+        """What the W&B run holds, read back from W&B.
+
+        ``run.log`` and ``log_artifact`` return before W&B's own writer has
+        the data, so a follower killed meanwhile may have lost what the
+        ledger calls mirrored; the mirror goes back to what this returns.
+        Online it asks the W&B API (the run's history and logged artifacts);
+        offline it uses the transaction logs of the earlier offline runs read
+        by :meth:`open`.
+
+        Returns:
+            The largest ``ckptdb/metric_id`` the run holds (0: none), and the
+            ledger ids of the checkpoints logged as artifact versions.
+        """
         if self._logged_offline is not None:
             offline = self._logged_offline
             self._held = Held(offline.last_metric_id, set(offline.checkpoints))
@@ -116,13 +184,35 @@ class WandbSink:
         return self._held
 
     def already_logged(self, points: list[Point]) -> set[int]:
-        """The points up to the largest ``ckptdb/metric_id`` W&B holds (rows are logged in
-        the ledger's order, each whole)."""
+        """Which points W&B holds already: those up to the largest ``ckptdb/metric_id``.
+
+        Rows are logged in the ledger's order, each whole, so every point up
+        to the last one W&B holds is there. Reads :meth:`holds` once, if the
+        mirror has not.
+
+        Args:
+            points: Metric points of the ledger, oldest first.
+
+        Returns:
+            The ids of those W&B holds.
+        """
         if self._held is None:
             self._held = self.holds()
         return {p.id for p in points if p.id <= self._held.metric_id}
 
     def log_metrics(self, points: list[Point]) -> None:
+        """Log metric points as history rows, one per step.
+
+        Each row carries the training step as ``ckptdb/step`` (a step redone
+        after a crash is a row of its own, not one W&B drops for going
+        backwards), the ledger's wall time as ``ckptdb/wall_time`` and the id
+        of its last point as ``ckptdb/metric_id``. A name logged twice at one
+        step starts a second row; a value the ledger holds as NULL is logged
+        as NaN.
+
+        Args:
+            points: Metric points of the ledger, oldest first.
+        """
         row: dict[str, Any] = {}
         for point in points:
             if row and (row[STEP] != point.step or point.name in row):
@@ -134,6 +224,24 @@ class WandbSink:
             self.run.log(row)
 
     def log_checkpoint(self, checkpoint: Checkpoint, local: Path, aliases: list[str]) -> Logged:
+        """Log a checkpoint as a version of the artifact ``<run>-<stream>`` (type ``model``).
+
+        Its metadata are the ledger id, stream, step and metrics; its aliases
+        ``ckpt-<id>`` (its own for good), ``step-<N>`` (which a redone step's
+        new version takes over) and ``aliases``. Online, it waits for the
+        upload, so the ledger never records a checkpoint W&B lacks. A version
+        logged again with the same files is the same version (W&B dedupes by
+        digest), so a restarted follower never makes two.
+
+        Args:
+            checkpoint: The checkpoint, as the ledger records it.
+            local: Its verified file or directory on disk.
+            aliases: Those of ``latest``/``best`` it holds in the ledger, given
+                to the version as it is logged.
+
+        Returns:
+            ``<run>-<stream>:ckpt-<id>``, the version's name.
+        """
         self._log(checkpoint, local, aliases)
         return Logged(f"{self._name}-{checkpoint.stream}:ckpt-{checkpoint.id}")
 
@@ -163,6 +271,18 @@ class WandbSink:
             self._holds[(checkpoint.stream, alias)] = checkpoint.id
 
     def set_aliases(self, stream: str, wanted: dict[str, Aliased]) -> None:
+        """Point ``latest`` and ``best`` of a stream at these checkpoints.
+
+        W&B gives ``latest`` to every version it logs, so moving an alias
+        logs the version that should hold it again (the same digest: no new
+        version, nothing uploaded), ``best`` first and ``latest`` last.
+        Nothing is logged when this process logged them where they belong.
+
+        Args:
+            stream: The stream.
+            wanted: Alias (``latest``, ``best``) -> the checkpoint it should
+                name.
+        """
         if all(self._holds.get((stream, a)) == w.checkpoint.id for a, w in wanted.items()):
             return
         latest, best = wanted.get("latest"), wanted.get("best")
@@ -175,6 +295,18 @@ class WandbSink:
             self._log(latest.checkpoint, latest.local(), ["latest", *(["best"] if same else [])])
 
     def evict(self, checkpoint: Checkpoint, logged: Logged, how: str) -> None:
+        """Record an evicted checkpoint in the run's summary; with ``"delete"``, delete it.
+
+        The summary key ``ckptdb/evicted/<stream>/ckpt-<id>`` holds its state
+        and step, either way.
+
+        Args:
+            checkpoint: The checkpoint; its ``state`` is what is recorded.
+            logged: Its version's name in W&B.
+            how: ``"mark"``: the summary only; ``"delete"``: its artifact
+                version (``ckpt-<id>``) is also deleted, with its aliases,
+                through the W&B API (online only).
+        """
         name = f"ckptdb/evicted/{checkpoint.stream}/ckpt-{checkpoint.id}"
         self.run.summary[name] = f"{checkpoint.state} (step {checkpoint.step})"
         if how == "delete":
@@ -183,6 +315,18 @@ class WandbSink:
             api.artifact(path, type="model").delete(delete_aliases=True)
 
     def check_eviction(self, how: str) -> None:
+        """Refuse ``on_evict="delete"`` offline, before anything is written.
+
+        Deleting an artifact version goes through the W&B API, which needs
+        the run online.
+
+        Args:
+            how: ``"mark"`` or ``"delete"``.
+
+        Raises:
+            InvalidArgumentError: When ``how`` is ``"delete"`` and the sink is
+                offline.
+        """
         if how == "delete" and self.offline:
             raise InvalidArgumentError(
                 "on_evict='delete' removes an artifact version through the W&B API: it needs "
@@ -190,6 +334,7 @@ class WandbSink:
             )
 
     def close(self) -> None:
+        """Finish the W&B run, so W&B's writer flushes what was logged (idempotent)."""
         if self.run is not None:
             self.run.finish()
             self.run = None

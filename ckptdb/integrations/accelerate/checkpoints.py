@@ -45,24 +45,99 @@ log = logging.getLogger("ckptdb.accelerate")
 
 
 class Checkpoints:
-    """Accelerate's checkpoints, published and resumed through a ckptdb ledger.
+    """Accelerate's ``save_state``/``load_state``, published and resumed through a ckptdb ledger.
 
-    ``root`` holds the ledger (``ckptdb.sqlite`` and the writer lock, or the
-    run's rows in ``db_url``) and ``checkpoints/checkpoint_<step>/``.
-    ``keep_last``: how many checkpoints stay (None: all), the newest ones.
-    ``best=(metric, mode)`` makes the best one by ``metrics[metric]``
-    (``mode`` ``"min"`` or ``"max"``) one of them, whatever its age (the
-    newest is always kept too); a save without that metric is allowed and is
-    never the best. ``guard``: ``True`` (a NaN/Inf gradient refuses the
-    next checkpoint: ``save`` returns None), ``"raise"`` (``save`` raises
-    :class:`~ckptdb.errors.NonFiniteGradientError`) or ``False``.
-    ``interval``: seconds between checkpoints, or ``"auto"`` (the Young/Daly
-    interval from this run's save cost and failure rate, within
-    ``min_interval``/``max_interval`` seconds); then ``if checkpoints.due(step):
-    checkpoints.save(step)`` in the loop (see docs/goodput.md).
+    Each checkpoint is what Accelerate users know: a directory written by
+    ``accelerator.save_state`` (``model.safetensors``, ``optimizer.bin``,
+    ``scheduler.bin``, ``random_states_<rank>.pkl``, the
+    ``register_for_checkpointing`` objects), named ``checkpoint_<step>`` as
+    Accelerate's automatic naming names them, read back by
+    ``accelerator.load_state``. What decides changes:
 
-    Construct it after ``accelerator.prepare(...)`` on every rank; a context
-    manager (leaving it by an exception ends the ledger's attempt as failed).
+    - Visibility is the commit: ``save_state`` writes into a temporary
+      directory (``.checkpoint_<step>.ckptdb-tmp-<id>``); once every process
+      has reported its part, ckptdb fsyncs and hashes the tree, renames it to
+      ``checkpoint_<step>`` and commits one ledger row. A crash before the
+      commit leaves a pending row that the next open rolls back with its
+      directory.
+    - ``resume()`` loads the newest committed checkpoint whose size and hash
+      still match its row, never the highest-numbered directory.
+    - Retention is the ledger's: a directory is removed only after the commit
+      that evicted it, and the checkpoint ``resume()`` loaded is never removed
+      while the run is open.
+    - The guard: the gradients of every optimizer step the accelerator
+      applies (not an accumulation micro-step, not a step the GradScaler
+      skipped) are checked on the device; a NaN or Inf since the last
+      checkpoint refuses the next one on every process.
+    - A taken name (a step saved again, a directory ckptdb does not own) gets
+      ``-v1``, ``-v2``...; nothing is written over.
+    - The ``metrics`` of each ``save`` are stored with its row and in the
+      ledger's ``metrics`` table.
+
+    Construct it after ``accelerator.prepare(...)`` (the guard names the
+    prepared models' parameters), on every process: it is collective, and
+    only the main process opens the ledger (the writer lock taken, the ledger
+    reconciled with the disk). Every process must call ``save`` and
+    ``resume`` too, as ``save_state`` itself (never under
+    ``if accelerator.is_main_process``); a process that fails a call makes
+    every process raise (its own error, the others ``RankFailedError``), and
+    ``root`` must be on a filesystem every process sees. It is a context
+    manager: leaving it by an exception ends the ledger's attempt as failed.
+    A run started without ``resume()`` where checkpoints already are never
+    deletes their directories, though they leave the stream. Accelerate's
+    ``ProjectConfiguration(automatic_checkpoint_naming=True)`` is refused here
+    and at every ``save`` and ``resume``: it would name, pick and delete
+    checkpoints behind the ledger (use ``keep_last`` for ``total_limit``).
+    Supported: Accelerate ``>=1.15,<2``; another release is refused at import
+    (``UnsupportedVersionError``).
+
+    Args:
+        accelerator: The ``accelerate.Accelerator`` whose state is saved, after
+            ``prepare``.
+        root: The run root: it holds the ledger (``ckptdb.sqlite`` and the
+            writer lock) and ``checkpoints/checkpoint_<step>/`` (the one ledger
+            stream, ``checkpoints``). A local path; created when missing.
+        keep_last: How many of the newest committed checkpoints stay (None:
+            all). Default 5.
+        best: ``(metric, mode)``, e.g. ``("eval_loss", "min")``: the best
+            checkpoint by ``metrics[metric]`` (``mode`` ``"min"`` or ``"max"``)
+            is kept whatever its age, as one of the ``keep_last`` (the newest is
+            always kept too, so ``keep_last=1`` keeps two while the best is
+            older; with ``keep_last=None`` every checkpoint is kept, ranked). A
+            save without that metric, or with a NaN or infinite value of it
+            (left out of the row, with a warning), is allowed and never the
+            best. None: no best.
+        db_url: The ledger's SQLAlchemy URL, e.g. PostgreSQL (None: SQLite in
+            ``root``).
+        guard: True (a NaN/Inf gradient refuses the next checkpoint: ``save``
+            returns None, logs a warning and records a ``guard_tripped``
+            event), ``"raise"`` (``save`` raises ``NonFiniteGradientError``) or
+            False (no guard).
+        remote: Where a replicator copies the run (``s3://...``), or None: a
+            resume whose newest checkpoint is missing or corrupt here brings
+            back its copy instead of skipping it, and a new machine resumes
+            from the newest copies.
+        remote_options: The ``remote`` object store's options (credentials,
+            endpoint), with ``remote`` only.
+        interval: Seconds between checkpoints, or ``"auto"`` (the Young/Daly
+            interval from this run's save cost and failure rate); then
+            ``if ckpts.due(step): ckpts.save(step)`` in the loop. None: your own
+            schedule decides (report steps with ``heartbeat``).
+        min_interval: The shortest interval, in seconds, ``"auto"`` may choose
+            (None: 60); with ``interval`` only.
+        max_interval: The longest interval, in seconds, ``"auto"`` may choose
+            (None: 1800); with ``interval`` only.
+
+    Raises:
+        ArgumentTypeError: ``accelerator`` is not an ``Accelerator``, ``root`` is
+            not a path, ``best`` is not a ``(metric, mode)`` tuple, or another
+            argument has the wrong type.
+        InvalidArgumentError: A bad value: an ``s3://`` ``root``, a bad
+            ``keep_last``, ``mode``, ``guard``, ``remote`` or interval, or
+            Accelerate's automatic checkpoint naming is on.
+        LedgerLockedError: Another process trains into ``root``.
+        RunDirectoryError: ``root`` cannot hold a run (a file, a read-only
+            place).
     """
 
     def __init__(
@@ -133,7 +208,15 @@ class Checkpoints:
         self.ledger.close(exc if exc is not None else None)
 
     def close(self) -> None:
-        """Release the ledger (end the attempt, drop the writer lock) and the guard's hook."""
+        """Release the ledger (end the attempt, drop the writer lock) and the guard's hook.
+
+        Leaving the ``with`` block calls it (ending the attempt as failed when
+        it is left by an exception). Preemption handlers go with it.
+
+        Raises:
+            PublishError: A save still in flight failed and its error was never
+                raised.
+        """
         self._unhook()
         self.ledger.close()
 
@@ -154,13 +237,32 @@ class Checkpoints:
         grace: float | None = None,
         every: int = 1,
     ) -> Preemption:
-        """Treat ``signals`` (default SIGTERM) as a preemption; collective.
+        """Treat ``signals`` as a preemption: one agreed checkpoint, then exit; collective.
 
-        :meth:`ckptdb.CheckpointManager.preemption` for this run: call
-        ``stop.requested(step)`` once per step on every rank; when it is True,
-        ``save(step)`` is the preemption checkpoint (``save_state`` within the
-        ``grace`` period, its outcome recorded), then exit with
-        ``stop.exit_code``. The handlers go when this object closes.
+        ``CheckpointManager.preemption`` for this run. Call
+        ``stop.requested(step)`` once per step on every process; when it is
+        True (a signal reached any process, and every process agreed on this
+        step), ``save(step)`` is the preemption checkpoint: ``save_state``
+        within the ``grace`` period, rolled back if the period ends before its
+        commit (``save`` then returns None), its outcome recorded in the ledger.
+        Then exit with ``sys.exit(stop.exit_code)`` (143 for SIGTERM). The
+        handlers go when this object closes.
+
+        Args:
+            signals: The signals that mean preemption (default SIGTERM).
+            grace: Seconds, counted from the first signal, within which the
+                preemption checkpoint must commit (None: no limit).
+            every: Under several processes, the agreement runs every this many
+                steps (default 1: a signal is acted on within two steps).
+
+        Returns:
+            The handle to poll: ``stop.requested(step)``, ``stop.exit_code``.
+
+        Raises:
+            InvalidArgumentError: A value that is not a signal, no signal, a
+                ``grace`` that is not a positive number of seconds, an ``every``
+                below 1, or this run already handles preemption.
+            ArgumentTypeError: An argument of the wrong type.
         """
         self._preemption = self.manager.preemption(signals=signals, grace=grace, every=every)
         return self._preemption
@@ -168,31 +270,76 @@ class Checkpoints:
     # ------------------------------------------------------------------- saving
 
     def due(self, step: int) -> bool:
-        """Whether to save at ``step`` (``interval=``): every rank, every step, the same
-        answer at the same call; it reports the step for ``ckptdb goodput`` too.
+        """Whether to save at ``step``, by the ``interval=`` the run was made with.
+
+        Call it on every process at every step: every process gets the same
+        answer at the same call, without a collective per step. It also
+        reports the step, so ``ckptdb goodput`` measures the run.
+
+        Args:
+            step: The training step just done.
+
+        Returns:
+            True when a checkpoint is due: call ``save(step)``.
 
         Raises:
-            InvalidArgumentError: made without ``interval=``.
+            InvalidArgumentError: Made without ``interval=``, or ``step`` is not
+                a valid step.
         """
         return self.ledger.due(step)
 
     def heartbeat(self, step: int) -> None:
-        """Report that ``step`` is done (goodput) when your own schedule decides saves."""
+        """Report that ``step`` is done, where your own schedule decides the saves.
+
+        ``ckptdb goodput`` measures the run from these reports; with
+        ``interval=``, ``due`` reports the steps instead.
+
+        Args:
+            step: The training step just done.
+        """
         self.ledger.heartbeat(step)
 
     def save(
         self, step: int, *, metrics: Mapping[str, float] | None = None, **save_state_kwargs: Any
     ) -> Checkpoint | None:
-        """``accelerator.save_state`` as one boundary; the committed checkpoint, or None.
+        """``accelerator.save_state`` as one ledger boundary.
 
-        Collective: every rank calls it with the same ``step``. Extra keyword
-        arguments go to ``save_state`` (``safe_serialization=False``...). None
-        means the guard refused the step (a warning is logged and a
-        ``guard_tripped`` event recorded; nothing was written). Retention runs
-        in the commit; evicted directories are removed after it. At the step a
-        preemption was agreed on (:meth:`preemption`), it is the preemption
-        checkpoint: rolled back if the grace period ends before its commit
-        (then None; the last good checkpoint stands).
+        Collective: every process calls it with the same ``step``. Each
+        process runs ``save_state`` into the same temporary directory and
+        reports its outcome; the main process then seals, renames and commits
+        it as ``checkpoint_<step>`` (``-v1``... when that name is taken).
+        Retention runs in the commit; evicted directories are removed after
+        it. ``register_save_state_pre_hook`` hooks receive the temporary
+        directory as their ``output_dir``. At the step a preemption was agreed
+        on (``preemption``), it is the preemption checkpoint: rolled back if
+        the grace period ends before its commit.
+
+        Args:
+            step: The training step the checkpoint holds (an int from 0 to
+                2**63 - 2), the same on every process.
+            metrics: Values stored with the row and in the ledger's ``metrics``
+                table; with ``best=``, its metric ranks the checkpoint. None:
+                no metrics.
+            **save_state_kwargs: Passed to ``accelerator.save_state`` (e.g.
+                ``safe_serialization=False``); not ``output_dir``, which ckptdb
+                chooses.
+
+        Returns:
+            The committed checkpoint (its ``path`` is the ``checkpoint_<step>``
+            directory), or None: the guard refused the step (a warning is
+            logged and a ``guard_tripped`` event recorded; nothing was written
+            or recorded, not even the metrics), or the preemption checkpoint
+            missed its grace period (the last good checkpoint stands).
+
+        Raises:
+            InvalidArgumentError: A bad ``step``, ``output_dir=`` among the
+                arguments, or Accelerate's automatic checkpoint naming switched
+                on; on one process only, the others raise ``RankFailedError``.
+            RankFailedError: Another process failed its part of the save.
+            NonFiniteGradientError: With ``guard="raise"``, a NaN or Inf
+                gradient since the previous checkpoint.
+            PublishError: The write or the commit failed; nothing was
+                published.
         """
         local: CkptDBError | None = None
         try:
@@ -248,15 +395,33 @@ class Checkpoints:
     # ------------------------------------------------------------------ resuming
 
     def resume(self, **load_state_kwargs: Any) -> int | None:
-        """``accelerator.load_state`` of the newest committed, whole checkpoint; its step.
+        """``accelerator.load_state`` of the newest committed, whole checkpoint.
 
-        Collective. The candidate is the ledger's latest; the chief checks its
-        size and hash against its row before any rank loads it. One that does
-        not match is marked ``corrupt`` (or ``lost``) and skipped with a
-        warning, and the previous one is tried. None when there is nothing to
-        resume from (nothing is loaded). The loaded checkpoint is protected:
-        retention never removes its directory while this run is open. Extra
-        keyword arguments go to ``load_state`` (``map_location=...``).
+        Collective: every process calls it. The candidate is the ledger's
+        latest; the main process checks its size and hash against its row
+        before any process loads it. One that does not match is marked
+        ``corrupt`` (or ``lost``) and skipped with a warning (logger
+        ``ckptdb.accelerate``), and the previous one is tried. A directory with
+        no ledger row (a partial save, a copy) is never resumed from. The
+        loaded checkpoint is protected: retention never removes its directory
+        while this run is open; the resume is recorded (a ``resumed`` event)
+        and ``resumed`` names it. With a prepared ``DataLoader``, skip the
+        batches the checkpoint already saw, as in any Accelerate resume.
+
+        Args:
+            **load_state_kwargs: Passed to ``accelerator.load_state`` (e.g.
+                ``map_location=...``); not ``input_dir``, which the ledger
+                chooses.
+
+        Returns:
+            The step of the checkpoint loaded, or None when there is nothing to
+            resume from (nothing is loaded).
+
+        Raises:
+            InvalidArgumentError: ``input_dir=`` among the arguments, or
+                Accelerate's automatic checkpoint naming switched on.
+            RankFailedError: Another process failed its part (its arguments, or
+                its ``load_state``); the failing process raises its own error.
         """
         local: CkptDBError | None = None
         try:
@@ -279,12 +444,20 @@ class Checkpoints:
         return chosen.step
 
     def latest(self) -> Checkpoint | None:
-        """The newest committed checkpoint (collective)."""
+        """The newest committed checkpoint of the run; collective.
+
+        Returns:
+            The checkpoint, or None before the first commit.
+        """
         return self.manager.latest(STREAM)
 
     def best(self) -> Checkpoint | None:
-        """The best committed checkpoint by ``best=``'s metric; None without ``best=``
-        or before a save carried the metric (collective)."""
+        """The best committed checkpoint by ``best=``'s metric; collective.
+
+        Returns:
+            The checkpoint, or None without ``best=`` or before a committed save
+            carried the metric.
+        """
         if not isinstance(self.manager.policies.get(STREAM), TopK):
             return None
         scored = [c for c in self.manager.best(STREAM) if c.metric is not None]

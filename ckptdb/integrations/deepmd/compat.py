@@ -80,11 +80,23 @@ CHECKED_WITH = "3.2.0"
 
 
 def check_version(version: str | None = None) -> str:
-    """DeePMD-kit's version, or :class:`UnsupportedVersionError` outside 3.2.x.
+    """DeePMD-kit's version, checked against the one series the integration supports.
 
-    The integration overrides private parts of DeePMD's ``Trainer`` (everything
-    below); in another series they may mean something else, and a checkpoint
-    could be written or deleted unguarded.
+    The integration overrides private parts of DeePMD-kit's ``Trainer``; in
+    another series they may mean something else, and a checkpoint could be
+    written or deleted unguarded. So only ``deepmd-kit>=3.2,<3.3`` (checked
+    against 3.2.0) is accepted. Importing the integration calls it before
+    any of DeePMD's internals is imported, and ``main`` again.
+
+    Args:
+        version: The version to check (None: the installed ``deepmd.__version__``).
+
+    Returns:
+        The version checked, as a string.
+
+    Raises:
+        UnsupportedVersionError: The version is outside 3.2.x (one line, naming
+            the supported range and ``pip install 'ckptdb[deepmd]'``).
     """
     found = str(deepmd.__version__ if version is None else version)
     match = re.match(r"(\d+)\.(\d+)", found)

@@ -673,16 +673,44 @@ def resolve_restart(
 ) -> Checkpoint:
     """The committed, verified checkpoint ``--restart spec`` names, in this run's ledger.
 
-    ``latest``; this run's directory (the run root, the save directory or the
-    periodic checkpoints' directory): the newest committed checkpoint whose
-    size and hash match its row; a prefix or alias (``model.ckpt``,
-    ``model.ckpt.pt``, ``model_ema.ckpt``): the newest whole checkpoint of its
-    stream, whatever the alias names; a path (``.pt`` added when missing, as
-    DeePMD does): that checkpoint, if the ledger has a committed row for it
-    and it is whole. A path with no committed row is refused
-    (:class:`CheckpointNotFoundError`) instead of loaded. ``aliases`` maps alias
-    file names (relative to ``root``) to their streams; ``directories`` are the
-    streams' directories (:func:`.config.stream_directories`).
+    A restart resolves through the ledger, never through the aliases or file
+    names, so DeePMD never loads a partial, evicted or refused checkpoint. A
+    candidate whose size or hash no longer matches its row is marked
+    ``corrupt`` (or ``lost``) and, where the newest is asked for, skipped with
+    a warning for the previous one. Collective: every rank gets the chief's
+    answer.
+
+    Args:
+        ledger: The run, open for training.
+        spec: ``--restart`` as typed: ``latest``, or this run's directory (the
+            run root, the save directory or a stream's directory), for the
+            newest committed checkpoint of ``model`` whose size and hash match
+            its row; a prefix or alias (``model.ckpt``, ``model.ckpt.pt``,
+            ``model_ema.ckpt``) for the newest whole checkpoint of its stream,
+            whatever the alias names; a path (``.pt`` added when it has none of
+            ``.pt``, ``.pte``, ``.pt2``, as DeePMD does) for that checkpoint, if
+            the ledger has a committed row for it and it is whole. Relative to
+            ``root``.
+        root: The run root (the working directory DeePMD trains in).
+        aliases: Alias file names, relative to ``root``, mapped to their
+            streams.
+        directories: The streams' directories (the periodic and the best
+            checkpoints'); each counts as this run's directory.
+
+    Returns:
+        The checkpoint to load.
+
+    Raises:
+        InvalidArgumentError: ``spec`` is a directory that is not this run's.
+        NoCheckpointToResumeError: ``spec`` names a stream (``latest``, a
+            directory, an alias) that has no committed, whole checkpoint.
+        CheckpointNotFoundError: ``spec`` is a path with no committed row in
+            this run's ledger (a file an earlier run left, an evicted
+            checkpoint, one the guard refused): refused instead of loaded.
+        CheckpointLostError: The checkpoint at that path is gone (now marked
+            ``lost``).
+        CorruptCheckpointError: The checkpoint at that path no longer matches
+            its row (now marked ``corrupt``).
     """
     manager = ledger.manager
     if spec == "latest" and not os.path.lexists(root / spec):

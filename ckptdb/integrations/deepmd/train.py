@@ -72,23 +72,56 @@ DB_URL_ENV = "CKPTDB_DB_URL"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``dp`` with ``train`` through the ledger; every other command is DeePMD's own.
+    """``dp`` with ``train`` through the ledger; every other command is DeePMD-kit's own.
 
-    ``argv`` are ``dp``'s arguments (default ``sys.argv[1:]``), plus
-    ``--ckptdb-guard warn|raise|off`` (default ``warn``),
-    ``--ckptdb-preemption SIGNALS`` (``TERM``, ``TERM,USR1``: a preemption
-    signal on any rank becomes one agreed checkpoint, then the job exits with
-    the signal's status), ``--ckptdb-grace SECONDS``, ``--ckptdb-remote URL``
-    (where a replicator copies the run: a restart whose checkpoint is missing
-    or corrupt here, or a lost machine's run on an empty directory, brings back
-    its copies), ``--ckptdb-db-url URL`` (the ledger; default the run's own
-    SQLite file, or ``CKPTDB_DB_URL``) and ``--ckptdb-interval auto|SECONDS``
-    (a periodic checkpoint also whenever the ledger says one is due: the
-    Young/Daly interval from the run's save cost and failure rate, within
-    ``--ckptdb-min-interval``/``--ckptdb-max-interval`` seconds; see
-    docs/goodput.md), which are taken out before DeePMD parses them.
-    ``train`` needs one of the PyTorch backends (``--pt``, ``--pt-expt``):
-    another backend would train unguarded, so it is refused.
+    The entry point of ``python -m ckptdb.integrations.deepmd``: use it in
+    place of ``dp``, with ``dp``'s own arguments. ``train`` runs DeePMD-kit's
+    own entry point with its ``Trainer`` replaced by ``LedgerTrainer``
+    (``--pt``) or ``ExptLedgerTrainer`` (``--pt-expt``); ``freeze``, ``test``,
+    ``compress`` and the rest are DeePMD-kit's, unchanged. The run root is the
+    working directory (where DeePMD writes its ``checkpoint`` file): the
+    ledger is ``ckptdb.sqlite`` there, and the checkpoints stay where DeePMD
+    puts them. ``train`` needs one of the PyTorch backends: another would
+    train unguarded, so it is refused.
+
+    Args:
+        argv: ``dp``'s arguments (None: ``sys.argv[1:]``), plus ckptdb's own
+            options, taken out before DeePMD parses the rest:
+            ``--ckptdb-guard warn|raise|off`` (default ``warn``: a step with a
+            non-finite gradient is not checkpointed and training goes on;
+            ``raise`` stops the run with ``NonFiniteGradientError``; ``off``
+            leaves DeePMD's own guard as it is);
+            ``--ckptdb-preemption SIGNALS`` (``TERM``, ``TERM,USR1``: a
+            preemption signal on any rank becomes one agreed checkpoint, then
+            every rank exits with the signal's status) and
+            ``--ckptdb-grace SECONDS``;
+            ``--ckptdb-interval auto|SECONDS`` (a periodic checkpoint also
+            whenever the ledger says one is due: the Young/Daly interval from
+            the run's save cost and failure rate, within
+            ``--ckptdb-min-interval``/``--ckptdb-max-interval`` seconds,
+            defaults 60 and 1800);
+            ``--ckptdb-db-url URL`` (the ledger; default ``CKPTDB_DB_URL``, else
+            the run's own SQLite file);
+            ``--ckptdb-remote URL`` (where a replicator copies the run: a
+            restart whose checkpoint is missing or corrupt here, or a lost
+            machine's run on an empty directory, brings back its copies).
+            Each takes ``--option VALUE`` or ``--option=VALUE``.
+
+    Raises:
+        UnsupportedVersionError: The installed DeePMD-kit is not a 3.2 release.
+        InvalidArgumentError: A bad ckptdb option (a missing value, an unknown
+            guard setting or signal name, seconds that are not a number,
+            ``--ckptdb-grace`` without ``--ckptdb-preemption``, interval bounds
+            without ``--ckptdb-interval``), ``train`` with a backend other than
+            PyTorch, or what ``LedgerTrainer`` refuses.
+        CheckpointNotFoundError: ``--restart`` names a file with no committed
+            row in the run's ledger (``NoCheckpointToResumeError``: nothing
+            committed to resume from).
+        LedgerLockedError: Another process trains in this run.
+        NonFiniteGradientError: With ``--ckptdb-guard raise``, a non-finite
+            gradient before a checkpoint.
+        Preempted: A preemption signal ended training after its checkpoint (a
+            ``SystemExit`` with the signal's exit status).
     """
     check_version()
     args, guard = _take_guard(list(sys.argv[1:] if argv is None else argv))
@@ -249,12 +282,75 @@ def _seconds(text: str, option: str) -> float:
 class LedgerTrainer(LedgerTraining, compat.HookedTrainer):
     """DeePMD-kit's ``--pt`` ``Trainer`` whose checkpoints are ledger boundaries.
 
-    Constructed by DeePMD's own ``get_trainer`` (``main`` substitutes it for
-    DeePMD's ``Trainer``: :func:`.compat.trainer_replaced_by`). The ledger is
-    opened before DeePMD's constructor runs, so that ``--restart`` is resolved
-    through it and DeePMD loads only a committed, verified checkpoint. It
-    overrides none of DeePMD's private methods: :class:`.compat.HookedTrainer`
-    forwards them to the ``ckptdb_*`` methods here.
+    You do not construct it: ``main`` has DeePMD-kit's own ``get_trainer``
+    build it in place of ``deepmd.pt.train.training.Trainer`` while ``dp
+    train`` runs. The ledger is opened first (in the working directory, the
+    run root), so that ``--restart`` resolves through it and DeePMD loads only
+    a committed, verified checkpoint (see ``resolve_restart``); the checkpoint
+    resumed from is protected while the run is open, and the resume recorded.
+
+    Once DeePMD's constructor has run, the ledger takes over its checkpoints:
+
+    - ``model.ckpt-<N>.pt`` (stream ``model``, ``Keep(last=max_ckpt_keep)``)
+      and its EMA twin ``model_ema.ckpt-<N>.pt`` (stream ``model_ema``) are
+      written by DeePMD's own ``torch.save`` into a temporary name, then
+      fsynced, hashed, renamed and committed as one boundary: both or neither.
+    - Validation-best checkpoints go to the top-K streams ``best`` and
+      ``best_ema`` as ``best.ckpt-<N>.pt`` (no rank in the name: the ledger
+      ranks, and a name never changes).
+    - DeePMD's pruning and its renaming and deleting of best files never run:
+      a file goes after the commit that evicted it, and a name that is taken
+      gets ``-v1``...
+    - ``model.ckpt.pt``, ``model_ema.ckpt.pt`` and ``checkpoint`` are aliases
+      re-pointed after each commit at the ledger's latest; ckptdb never reads
+      them.
+    - ckptdb's guard sees every optimizer step's gradients (after DeePMD's
+      clipping) and refuses every checkpoint of a step after a non-finite
+      one; training goes on (``--ckptdb-guard raise`` stops it). DeePMD's own
+      guard is not fed while ckptdb's is on.
+    - ``lcurve.out`` and ``val.log`` rows become the run's metrics, committed
+      with the next checkpoint.
+
+    On several ranks (``torchrun``, ``training.zero_stage`` 0) DeePMD saves
+    from rank 0 alone; every rank joins each boundary, and rank 0's plan of
+    it (step, names, metrics) is broadcast first. The attempt ends with
+    DeePMD's training loop (failed if it raised).
+
+    Args:
+        config: DeePMD's training configuration (``input.json``, as DeePMD
+            normalized it); its ``training`` and ``validating`` sections decide
+            the streams and where the checkpoints go.
+        training_data: DeePMD's training data, as ``get_trainer`` passes it.
+        *args: DeePMD's other positional arguments of its ``Trainer``
+            (``stat_file_spec``, ``validation_data``...), passed on.
+        ckptdb: ckptdb's options from the command line: the ledger options
+            (guard, preemption, interval, remote, db_url) and ``--restart`` as
+            typed.
+        restart_model: DeePMD's ``--restart`` checkpoint (None: no restart).
+            Resolved through the ledger; DeePMD is given the committed,
+            verified checkpoint it names.
+        **kwargs: DeePMD's other keyword arguments of its ``Trainer``
+            (``init_model``, ``finetune_model``, ``init_frz_model``...), passed
+            on unchecked: they start a new trajectory, not a resume.
+
+    Raises:
+        InvalidArgumentError: A configuration ckptdb does not support
+            (``zero_stage`` above 0 on several ranks, checkpoint directories that
+            share no directory of the run or leave the run's recorded save
+            directory, ``save_ckpt`` outside the working directory,
+            ``ckpt_keep_ratio`` without ``numb_steps``), ``--restart`` naming
+            another run's directory, or ``--ckptdb-preemption`` or
+            ``--ckptdb-interval`` with the LKF optimizer.
+        CheckpointNotFoundError: ``--restart`` names a file with no committed
+            row in this run's ledger.
+        NoCheckpointToResumeError: ``--restart`` names a stream with no
+            committed checkpoint.
+        CheckpointLostError: The checkpoint ``--restart`` names is gone (marked
+            ``lost``).
+        CorruptCheckpointError: The checkpoint ``--restart`` names no longer
+            matches its row (marked ``corrupt``).
+        LedgerLockedError: Another process trains in this run.
+        RunDirectoryError: The working directory cannot hold a run.
     """
 
     def __init__(
@@ -278,10 +374,30 @@ class LedgerTrainer(LedgerTraining, compat.HookedTrainer):
     def ckptdb_write_checkpoint(
         self, path: Path, checkpoint_data: dict[str, Any], *, store: Any
     ) -> None:
-        """Every checkpoint DeePMD writes comes here (rank 0): a regular one is held until
-        its EMA twin arrives (DeePMD writes them one after the other, nothing trains
-        in between), then both are one ledger boundary; without EMA the regular one
-        is a boundary by itself."""
+        """Every checkpoint file DeePMD writes comes here, as a ledger boundary.
+
+        DeePMD's private ``Trainer._write_checkpoint`` is forwarded here. A
+        regular checkpoint (rank 0) is held until its EMA twin arrives
+        (DeePMD writes them one after the other, nothing trains in between),
+        then both are one boundary; without EMA the regular one is a boundary
+        by itself. A validation-best checkpoint is one boundary of its top-K
+        stream, which every rank joins. DeePMD's own write fills the path
+        ckptdb chooses; its store prunes nothing.
+
+        Args:
+            path: DeePMD's path of the checkpoint (its name decides the stream).
+            checkpoint_data: The checkpoint DeePMD serializes.
+            store: DeePMD's store of the checkpoint's names (regular, EMA), or
+                another for a best checkpoint.
+
+        Raises:
+            InvalidArgumentError: ``path`` is neither a periodic nor a
+                validation-best checkpoint of this run.
+            NonFiniteGradientError: With ``--ckptdb-guard raise``, a non-finite
+                gradient since the previous checkpoint.
+            PublishError: The write or the commit failed; nothing was published.
+            Preempted: This was the preemption checkpoint of the agreed step.
+        """
         if store is self.ckpt_store and store.holds(path):
             self._ckptdb_pending = (int(store.step_of(path)), path, checkpoint_data)
             if self.model_ema is None:

@@ -61,11 +61,25 @@ log = logging.getLogger("ckptdb.lightning")
 
 
 def default_ledger(dirpath: str | os.PathLike[str]) -> Path:
-    """Where a callback's ledger lives unless ``ledger=`` says otherwise.
+    """Where a ``ModelCheckpoint`` keeps its ledger unless ``ledger=`` says otherwise.
 
-    ``<parent>/.<name>.ckptdb`` for ``dirpath`` ``<parent>/<name>``: outside
-    ``dirpath`` (so it holds checkpoints only) and unique to it (two sibling
-    directories have different names; a shared parent would mix up runs).
+    For ``dirpath`` ``<parent>/<name>`` it is ``<parent>/.<name>.ckptdb``:
+    outside ``dirpath``, so that ``dirpath`` holds checkpoints only, and
+    unique to it, so that two sibling checkpoint directories never share a
+    run (their common parent would mix unrelated runs up). Pass the result
+    to ``ckptdb status``, ``ckptdb best`` or a ``RunReader`` to read the run
+    a callback trains into. Nothing is created or opened.
+
+    Args:
+        dirpath: The callback's checkpoint directory (Lightning's ``dirpath``),
+            relative to the working directory or absolute.
+
+    Returns:
+        The absolute path of the run root that holds the ledger.
+
+    Raises:
+        RunDirectoryError: ``dirpath`` is a filesystem root, which has no parent
+            to hold the ledger; pass ``ledger=`` to the callback instead.
     """
     path = Path(dirpath).resolve()
     if path.parent == path:
@@ -78,8 +92,23 @@ def newest_committed(
 ) -> Checkpoint | None:
     """The newest committed checkpoint of any stream whose file is whole (size and hash).
 
-    What ``fit(ckpt_path="last")`` resumes from. Read-only: it never takes
-    the writer lock, so every rank may ask before the process group exists.
+    This is what ``fit(ckpt_path="last")`` resumes from: the newest committed
+    row of the ledger, across the callback's top-k and ``last`` streams,
+    never a file chosen by its modification time. A checkpoint whose size or
+    hash no longer matches its row is skipped with a warning (logger
+    ``ckptdb.lightning``) and the previous one is tried. Read-only: it never
+    takes the writer lock and marks nothing, so every rank may ask before a
+    process group exists, and it works while another process trains.
+
+    Args:
+        ledger: The run root holding the ledger (the callback's ``ledger=``, or
+            ``default_ledger(dirpath)``).
+        db_url: The ledger's SQLAlchemy URL when it is not the run root's
+            SQLite file (the callback's ``db_url=``); None for SQLite.
+
+    Returns:
+        The checkpoint, or None when the run does not exist yet or has no
+        committed checkpoint that is still whole.
     """
     return common.newest_whole_read_only(ledger, db_url=db_url, log=log)
 
@@ -102,19 +131,143 @@ _SESSIONS: dict[tuple[str, str | None, int], _Session] = {}
 
 
 class ModelCheckpoint(LightningHooks):
-    """Lightning's ``ModelCheckpoint``, backed by a ckptdb ledger (see the module docstring).
+    """Lightning's ``ModelCheckpoint``, with its checkpoints committed through a ckptdb ledger.
 
-    Extra arguments: ``ledger`` (the run root holding ``ckptdb.sqlite`` and
-    the writer lock; default :func:`default_ledger` of ``dirpath``),
-    ``db_url`` (e.g. PostgreSQL), ``guard`` (``True``, ``False`` or
-    ``"raise"``), ``stream`` (the ledger stream's name; default the
-    monitor's name, or ``checkpoints`` without one) and ``preemption``
-    (``True`` or an :class:`~ckptdb.OnPreemption`: a preemption signal on
-    any rank makes every rank checkpoint the same step and end ``fit`` with
-    :class:`~ckptdb.Preempted`; see :meth:`on_train_batch_end`), ``remote`` and
-    ``remote_options`` (where a replicator copies the run: ``fit(ckpt_path=
-    "last")`` in one process brings the newest checkpoint back from its copy
-    when it is missing or corrupt here; see :meth:`_find_last_checkpoints`).
+    A drop-in replacement for ``lightning.pytorch.callbacks.ModelCheckpoint``:
+    a subclass with the same name, the same arguments in the same order, the
+    same state key and the same attributes (``best_model_path``,
+    ``best_k_models``, ``kth_best_model_path``, ``last_model_path``), and
+    Lightning's file names (``filename=``, ``auto_insert_metric_name``,
+    ``-v1`` suffixes). What decides changes, so that a crash can never leave
+    a half-written checkpoint that a resume or an attribute names:
+
+    - Visibility is the commit. Each save is written by Lightning into a
+      temporary path (``.<name>.ckptdb-tmp-<id>``), fsynced, measured,
+      renamed to Lightning's name and committed as one ledger row; only then
+      does it count for ``best_model_path``, ``best_k_models``,
+      ``last_model_path`` and ``fit(ckpt_path="last")``. A crash mid-save
+      leaves a pending row that the next start rolls back with its file.
+    - Retention is the ledger's: the top-k is the stream
+      ``TopK(save_top_k, monitor, mode)`` (``Keep`` without a monitor), and a
+      file is removed only after the commit that evicted it. The checkpoint a
+      run resumed from, and an earlier run's files in the same ``dirpath``,
+      stay on disk.
+    - ``last.ckpt`` is an alias derived from the ledger: a hard link (a copy
+      where links are impossible) to the newest committed checkpoint, swapped
+      in after the commit. With ``save_last=True`` a step whose top-k
+      checkpoint committed is not written twice; otherwise it is written once
+      as ``last-step=<step>.ckpt`` in the ``<stream>.last`` stream.
+    - ``fit(ckpt_path="last")`` resumes from the newest committed checkpoint
+      whose size and hash match its row (``newest_committed``), and the state
+      Lightning restores into the callback is replaced by the ledger's.
+    - A name is never written over: a name taken on disk or by a ledger row
+      gets ``-vN``, even with ``enable_version_counter=False``.
+    - The guard: with ``guard=True`` the gradients of each optimizer step
+      feed a ``NonFiniteGradGuard`` (on the device, no host sync); a NaN or
+      Inf gradient since the previous checkpoint refuses the next one (every
+      save of that step, ``last`` included) on every rank, records a
+      ``guard_tripped`` event and logs a warning (logger
+      ``ckptdb.lightning``); training goes on. A step the GradScaler skipped
+      does not count.
+    - The scalar ``trainer.callback_metrics`` of each checkpoint are stored
+      with its row and in the ledger's ``metrics`` table.
+
+    The ledger opens when the Trainer sets the callback up for ``fit`` (the
+    writer lock is taken and the run reconciled then) and is released at
+    teardown or on an exception; ``validate``, ``test`` and ``predict`` never
+    take the lock. Nothing is created in the constructor, and the callback
+    pickles. Several ckptdb callbacks of one Trainer with the same ``dirpath``
+    share one ledger, each with its own streams (the top-k stream is named
+    after the monitor, ``checkpoints`` without one; ``last`` checkpoints go to
+    ``<stream>.last``); they must agree on ``guard``, ``remote`` and
+    ``remote_options``, and only one may ask for ``preemption`` or
+    ``train_time_interval="auto"``. ``AsyncCheckpointIO`` is refused at setup:
+    it writes after ``save_checkpoint`` returns, so there would be nothing to
+    commit. The supported Lightning releases are ``>=2.4,<2.7``; another is
+    refused when the module is imported (``UnsupportedVersionError``).
+
+    Args:
+        dirpath: Lightning's: the directory of the checkpoints (None: the one
+            Lightning derives from the logger and ``default_root_dir``). A
+            filesystem path; a URL (``s3://...``, ``file://...``) is refused.
+        filename: Lightning's: the checkpoint name template (None: Lightning's
+            ``{epoch}-{step}``).
+        monitor: Lightning's: the logged metric that ranks the top-k (None:
+            keep the newest ``save_top_k`` instead of the best). Also names
+            the ledger stream unless ``stream`` is given.
+        verbose: Lightning's: log each save decision.
+        save_last: Lightning's: True or ``"link"`` keeps ``last.ckpt`` pointing
+            at the newest committed checkpoint (a hard link in both cases, not
+            a symlink); False or None: no ``last`` alias.
+        save_top_k: Lightning's: how many checkpoints the top-k stream keeps
+            (-1: all; 0: none, only ``last`` checkpoints).
+        save_on_exception: Lightning's (from 2.5.3; ckptdb takes it on every
+            supported release, with 2.5.3's rule): checkpoint when training
+            raises, into the ``<stream>.last`` stream under a free name. If that
+            save fails, the training's own exception is still the one raised.
+            On a Lightning before 2.5.3 it must be passed by keyword.
+        save_weights_only: Lightning's: save the model's weights only.
+        mode: Lightning's: ``"min"`` or ``"max"``, how ``monitor`` ranks.
+        auto_insert_metric_name: Lightning's: put ``name=`` before each metric
+            of ``filename``.
+        every_n_train_steps: Lightning's: save every this many training steps.
+        train_time_interval: Lightning's ``timedelta`` between saves, or
+            ckptdb's ``"auto"``: save on the interval the ledger chooses (the
+            Young/Daly interval from this run's measured save cost and failure
+            rate, within ``min_interval`` and ``max_interval``). Like
+            Lightning's timed save it excludes ``every_n_train_steps`` and
+            ``every_n_epochs``, and ``"auto"`` needs automatic optimization.
+        every_n_epochs: Lightning's: save every this many epochs.
+        save_on_train_epoch_end: Lightning's: save at the end of the training
+            epoch rather than after validation (None: Lightning decides).
+        enable_version_counter: Lightning's: version a taken ``last`` name. A
+            taken checkpoint name always gets ``-vN`` with ckptdb, whatever
+            this says: nothing is ever written over.
+        ledger: ckptdb's: the run root that holds ``ckptdb.sqlite`` and the
+            writer lock (None: ``default_ledger(dirpath)``). A local path; an
+            ``s3://`` URL is refused.
+        db_url: ckptdb's: the ledger's SQLAlchemy URL, e.g. PostgreSQL (None:
+            SQLite in the run root).
+        guard: ckptdb's: True (a non-finite gradient refuses the next
+            checkpoint, training goes on), ``"raise"`` (``fit`` raises
+            ``NonFiniteGradientError`` instead) or False (no guard).
+        stream: ckptdb's: the name of the top-k stream (None: the monitor's
+            name, or ``checkpoints`` without a monitor); its ``last``
+            checkpoints go to ``<stream>.last``, so it must leave room for that
+            suffix within 64 characters.
+        preemption: ckptdb's: True (``OnPreemption()``: SIGTERM, no grace
+            period, the agreement at every step) or an
+            ``OnPreemption(signals=..., grace=..., every=...)``: a preemption
+            signal on any rank makes every rank checkpoint the same step into
+            the ``last`` stream at a batch end, re-points ``last.ckpt`` at it
+            and ends ``fit`` with ``ckptdb.Preempted``. While ``fit`` runs,
+            ckptdb's handler replaces Lightning's SIGTERM (and SLURM SIGUSR1)
+            handling. False or None: off.
+        remote: ckptdb's: where a replicator copies the run (``s3://...``), or
+            None. ``fit(ckpt_path="last")`` in one process then brings the
+            newest checkpoint back from its copy when it is missing or corrupt
+            here; on several processes nothing is restored at resolution (a
+            warning says so: run ``ckptdb restore`` before the job).
+        remote_options: ckptdb's: options of the ``remote`` object store
+            (credentials, endpoint), with ``remote`` only.
+        min_interval: ckptdb's: the shortest interval in seconds
+            ``train_time_interval="auto"`` may choose (None: 60).
+        max_interval: ckptdb's: the longest interval in seconds
+            ``train_time_interval="auto"`` may choose (None: 1800).
+
+    Raises:
+        InvalidArgumentError: A URL ``dirpath`` or ``ledger``, a
+            ``train_time_interval`` string other than ``"auto"`` or one with
+            ``every_n_train_steps``/``every_n_epochs``, a bad ``guard``, a bad
+            or too long ``stream``, a ``remote`` that is not an object-storage
+            URL, interval bounds without ``"auto"`` or out of order, or
+            ``remote_options`` without ``remote``.
+        ArgumentTypeError: An argument of the wrong type (a ``ledger`` that is
+            not a path, a ``db_url`` or ``stream`` that is not a string,
+            ``remote_options`` that is not a mapping, a ``preemption`` that is
+            neither a bool nor an ``OnPreemption``), or, on a Lightning
+            before 2.5.3, a seventh positional argument (pass the arguments
+            after ``save_top_k`` by keyword).
     """
 
     @positional_like_this_release
@@ -202,23 +355,27 @@ class ModelCheckpoint(LightningHooks):
 
     @property
     def guard(self) -> common.GuardSetting:
+        """The ``guard=`` setting: True, ``"raise"`` or False."""
         return self.ledger_options.guard
 
     @property
     def db_url(self) -> str | None:
+        """The ledger's SQLAlchemy URL (None: SQLite in the run root)."""
         return self.ledger_options.db_url
 
     @property
     def preemption(self) -> OnPreemption | None:
+        """The preemption settings ``preemption=`` asked for (None: off)."""
         return self.ledger_options.preemption
 
     @property
     def remote(self) -> str | None:
-        """Where a replicator copies the run: see :meth:`_find_last_checkpoints`."""
+        """Where a replicator copies the run, which a resume may restore from (or None)."""
         return self.ledger_options.remote
 
     @property
     def remote_options(self) -> Mapping[str, object] | None:
+        """The ``remote`` object store's options, read-only (None without them)."""
         return self.ledger_options.remote_options
 
     @property
@@ -232,7 +389,16 @@ class ModelCheckpoint(LightningHooks):
         return f"{self.main_stream}{LAST_SUFFIX}"
 
     def streams(self) -> dict[str, Policy]:
-        """This callback's ledger streams and their policies."""
+        """This callback's ledger streams and their retention policies.
+
+        The top-k stream (``main_stream``) is ``TopK(save_top_k, monitor, mode)``
+        with a monitor, ``Keep(last=save_top_k)`` without one (-1: keep all),
+        and absent when ``save_top_k`` is 0; the ``last`` stream
+        (``last_stream``) keeps one checkpoint.
+
+        Returns:
+            The policy of each stream, by stream name.
+        """
         found: dict[str, Policy] = {}
         if self.save_top_k != 0:
             k = None if self.save_top_k == -1 else self.save_top_k
@@ -342,23 +508,66 @@ class ModelCheckpoint(LightningHooks):
     # ------------------------------------------------------------ Lightning hooks
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Open the ledger for ``fit`` (validate/test/predict save nothing and must not
-        take the writer lock of a run another process may be training)."""
+        """Lightning's ``setup`` hook: for ``fit``, open the ledger.
+
+        Lightning's own ``setup`` runs first. For ``fit`` the run is opened (or
+        shared with the Trainer's other ckptdb callbacks of the same ledger):
+        the writer lock is taken, the ledger reconciled with the disk, and
+        Lightning's top-k attributes are set from the committed checkpoints.
+        ``validate``, ``test`` and ``predict`` save nothing and open nothing,
+        so they work while another process trains into the same ``dirpath``.
+
+        Args:
+            trainer: The Trainer being set up.
+            pl_module: The LightningModule being trained.
+            stage: ``"fit"``, ``"validate"``, ``"test"`` or ``"predict"``.
+
+        Raises:
+            LedgerLockedError: Another process trains into this ledger (the error
+                names the holder).
+            RunDirectoryError: The ledger's run root cannot hold a run (a file, a
+                read-only place).
+            InvalidArgumentError: The callbacks sharing this ledger disagree
+                (``dirpath``, a stream name, ``guard``, ``remote``, more than one
+                asking for ``preemption`` or ``train_time_interval="auto"``), the
+                resolved ``dirpath`` is a URL, or the strategy's
+                ``CheckpointIO`` is an ``AsyncCheckpointIO``.
+        """
         super().setup(trainer, pl_module, stage)
         self._ckptdb_published = set()
         if stage == "fit":
             self._ckptdb_sync(self._ckptdb_session(trainer))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Lightning's ``teardown`` hook: release the ledger.
+
+        The last ckptdb callback of the Trainer to leave ends the attempt and
+        drops the writer lock, so another process may train into the run.
+
+        Args:
+            trainer: The Trainer being torn down.
+            pl_module: The LightningModule that was run.
+            stage: ``"fit"``, ``"validate"``, ``"test"`` or ``"predict"``.
+        """
         self._ckptdb_release()
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        """Lightning's ``save_on_exception``, which never replaces the training's own error.
+        """Lightning's ``on_exception`` hook: ``save_on_exception``, then release the ledger.
 
-        A save that fails here is logged and noted on ``exception`` (which
-        Lightning re-raises), then the ledger is released as failed.
+        With ``save_on_exception=True`` (and not during the sanity check or
+        ``fast_dev_run``, nor at a step already saved) the checkpoint goes to
+        the ``<stream>.last`` stream under a free name, and ``last`` is
+        re-pointed at it. It never replaces the training's own error: a save
+        that fails here is logged and added as a note to ``exception``, which
+        Lightning re-raises. Then the ledger is released and the attempt ends
+        as failed. A ``Preempted`` exception's checkpoint is already saved.
+
+        Args:
+            trainer: The Trainer that was running.
+            pl_module: The LightningModule that was trained.
+            exception: What training raised.
         """
         try:
             if (
@@ -377,15 +586,25 @@ class ModelCheckpoint(LightningHooks):
             self._ckptdb_release(exception)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Protect the files this run must not delete; re-point ``last`` after a resume.
+        """Lightning's ``on_train_start`` hook: record the resume and protect what must stay.
 
-        Like Lightning, a run never deletes the checkpoint it resumed from. A
-        run that starts afresh in a ``dirpath`` with earlier checkpoints (a
-        rerun: Lightning gives its files ``-v1`` names) never deletes those
-        either, though they leave its streams when its retention says so.
+        Like Lightning, a run never deletes the checkpoint it resumed from: its
+        resume is recorded (a ``resumed`` event) and the file protected while
+        the run is open. A run that starts afresh in a ``dirpath`` with earlier
+        checkpoints (a rerun: Lightning gives its files ``-v1`` names) never
+        deletes those either, though they leave its streams when its retention
+        says so. After a resume ``last`` is re-pointed at the newest committed
+        checkpoint. With ``preemption=``, ckptdb's signal handlers are
+        installed here, after Lightning's own, so that they are the ones that
+        run.
 
-        ``train_time_interval="auto"`` needs automatic optimization: with manual
-        optimization Lightning's timed save never runs.
+        Args:
+            trainer: The Trainer starting to train.
+            pl_module: The LightningModule being trained.
+
+        Raises:
+            InvalidArgumentError: ``train_time_interval="auto"`` with manual
+                optimization, where Lightning's timed save never runs.
         """
         if self.ledger_options.interval is not None and not pl_module.automatic_optimization:
             raise InvalidArgumentError(
@@ -413,7 +632,18 @@ class ModelCheckpoint(LightningHooks):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        """Feed the guard the gradients this step applies (once per step and optimizer)."""
+        """Lightning's ``on_before_optimizer_step`` hook: feed the guard this step's gradients.
+
+        With ``guard`` on, the gradients the optimizer is about to apply are
+        checked for NaN and Inf on the device (no host sync), once per step and
+        optimizer; a step the GradScaler skipped changed no weights and does
+        not count. The verdict is read at the next checkpoint.
+
+        Args:
+            trainer: The Trainer that is training.
+            pl_module: The LightningModule being trained.
+            optimizer: The optimizer about to step.
+        """
         key = self._ckptdb_session_key
         session = _SESSIONS.get(key) if key is not None else None
         if session is None or session.guard is None:
@@ -435,15 +665,34 @@ class ModelCheckpoint(LightningHooks):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """Lightning's every-n saves, then, with ``preemption=``, the agreed check.
+        """Lightning's ``on_train_batch_end`` hook: the step's saves, then the preemption check.
 
-        Every rank asks at every batch end whether a preemption signal reached
-        any rank. When it did, every rank checkpoints this step into the
-        ``last`` stream (a checkpoint of this step already committed here
+        The step is reported to the ledger (so ``ckptdb goodput`` measures the
+        run); with ``train_time_interval="auto"`` the ledger says whether a
+        checkpoint is due, the same answer on every rank. Then Lightning's own
+        every-n and timed saves run, each one ledger boundary.
+
+        With ``preemption=``, every rank then asks whether a preemption signal
+        reached any rank. When it did, every rank checkpoints this step into
+        the ``last`` stream (a checkpoint of this step already committed here
         counts), ``last`` is re-pointed at it, and ``fit`` ends with
-        :class:`~ckptdb.Preempted` (a ``SystemExit`` with the signal's exit
-        status, as Lightning ends on SIGTERM): ``fit(ckpt_path="last")``
-        resumes from it.
+        ``ckptdb.Preempted`` (a ``SystemExit`` with the signal's exit status,
+        as Lightning ends on SIGTERM); ``fit(ckpt_path="last")`` resumes from
+        it.
+
+        Args:
+            trainer: The Trainer that is training.
+            pl_module: The LightningModule being trained.
+            outputs: What ``training_step`` returned.
+            batch: The batch of this step.
+            batch_idx: The batch's index in the epoch.
+
+        Raises:
+            Preempted: A preemption signal reached a rank (after the agreed
+                checkpoint was dealt with).
+            NonFiniteGradientError: With ``guard="raise"``, a non-finite
+                gradient since the previous checkpoint, at a save.
+            PublishError: A save failed on some rank; nothing was published.
         """
         key = self._ckptdb_session_key
         session = _SESSIONS.get(key) if key is not None else None
@@ -458,10 +707,12 @@ class ModelCheckpoint(LightningHooks):
 
     @property
     def state_key(self) -> str:
-        """Lightning's key of this callback's state in a checkpoint, the same on every
-        batch: with ``train_time_interval="auto"`` the interval it holds changes for a
-        due batch (whose checkpoint stores the state), and a resume must find it under
-        the key it computes then."""
+        """Lightning's key of this callback's state in a checkpoint, the same on every batch.
+
+        With ``train_time_interval="auto"`` the interval the callback holds
+        changes for a due batch (whose checkpoint stores the state), and a
+        resume must find the state under the key it computes then.
+        """
         if self.ledger_options.interval is None:
             return super().state_key
         held, self._train_time_interval = self._train_time_interval, None
@@ -511,7 +762,17 @@ class ModelCheckpoint(LightningHooks):
         return [record]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Lightning's restore, then the ledger's word: no path it no longer has survives."""
+        """Lightning's ``load_state_dict``: its restore, then the ledger's word.
+
+        The state inside a checkpoint is one checkpoint stale; once the
+        callback is set up, ``best_k_models``, ``best_model_path`` and the
+        other top-k attributes are replaced by the ledger's committed top-k,
+        so none names a checkpoint the ledger no longer has. Outside a
+        Trainer (no ledger open) it restores exactly what Lightning would.
+
+        Args:
+            state_dict: The callback's state, as ``state_dict`` saved it.
+        """
         super().load_state_dict(state_dict)
         key = self._ckptdb_session_key
         session = _SESSIONS.get(key) if key is not None else None
@@ -521,8 +782,26 @@ class ModelCheckpoint(LightningHooks):
                 self.last_model_path = ""
 
     def ckptdb_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
-        """``fit(ckpt_path="last")``: the newest committed, whole checkpoint, never an mtime;
-        with ``remote=``, brought back from its copy first where it is missing or corrupt."""
+        """What ``ckpt_path="last"`` resolves to: the newest committed, whole checkpoint.
+
+        Called by Lightning (its private ``_find_last_checkpoints``) before any
+        process group exists, on every rank. Never a file chosen by its
+        modification time, and read-only (see ``newest_committed``). With
+        ``remote=``, in ``fit`` on one process, the run is first opened once
+        with its copy: a newest checkpoint missing or corrupt here is brought
+        back from it (that open is one more attempt in the ledger).
+
+        Args:
+            trainer: The Trainer resolving ``ckpt_path``.
+
+        Returns:
+            The path of that checkpoint, or an empty set when there is none.
+
+        Raises:
+            InvalidArgumentError: The resolved ``dirpath`` is a URL.
+            LedgerLockedError: With ``remote=``, another process trains into the
+                run.
+        """
         root, db_url = self._ckptdb_key(trainer)
         if self.remote is not None and trainer.state.fn == TrainerFn.FITTING:
             # validate/test/predict read only: they never take the writer lock
@@ -575,11 +854,27 @@ class ModelCheckpoint(LightningHooks):
     def ckptdb_save_monitored(
         self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
     ) -> None:
-        """The ledger decides admission to the top-k (agreed by every rank).
+        """A save of a monitored callback: the ledger decides admission to the top-k.
 
-        ``current_score`` is the score of the last checkpoint saved, as in
-        Lightning: set before the write (the state inside the file holds it),
-        put back when the candidate was not admitted.
+        Lightning's private ``_save_monitor_checkpoint`` and
+        ``_update_best_and_save`` come here (collective: every rank). The
+        checkpoint is one boundary of the top-k stream, ranked by the monitor
+        (a NaN score ranks worst); the ledger's answer is shared with every
+        rank and sets the top-k attributes. ``current_score`` is the score of
+        the last checkpoint saved, as in Lightning: set before the write (the
+        state inside the file holds it), put back when the candidate was not
+        admitted. Nothing is saved when the monitor is not among the metrics.
+
+        Args:
+            trainer: The Trainer that is saving.
+            monitor_candidates: The metrics Lightning has at this point (the
+                monitor's value among them).
+
+        Raises:
+            NonFiniteGradientError: With ``guard="raise"``, a non-finite
+                gradient since the previous checkpoint.
+            PublishError: The save failed on some rank; nothing was published
+                and the attributes are as they were.
         """
         assert self.monitor is not None
         current = monitor_candidates.get(self.monitor)
@@ -610,6 +905,23 @@ class ModelCheckpoint(LightningHooks):
     def ckptdb_save_unmonitored(
         self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
     ) -> None:
+        """A save of a callback without a monitor: one boundary of its ``Keep`` stream.
+
+        Lightning's private ``_save_none_monitor_checkpoint`` comes here
+        (collective). The newest ``save_top_k`` checkpoints stay; the ledger
+        evicts older ones after the commit. ``best_model_path`` names the
+        newest committed checkpoint, as in Lightning.
+
+        Args:
+            trainer: The Trainer that is saving.
+            monitor_candidates: The metrics Lightning has at this point (for the
+                file name and the row).
+
+        Raises:
+            NonFiniteGradientError: With ``guard="raise"``, a non-finite
+                gradient since the previous checkpoint.
+            PublishError: The save failed on some rank; nothing was published.
+        """
         filepath = self.ckptdb_free_filepath(monitor_candidates, trainer)
         # the state saved inside the checkpoint names the checkpoint itself, as in Lightning
         previous, self.best_model_path = self.best_model_path, filepath
@@ -624,7 +936,22 @@ class ModelCheckpoint(LightningHooks):
             self.best_model_path = previous
 
     def ckptdb_save_other(self, trainer: pl.Trainer, filepath: str) -> None:
-        """Any other save Lightning asks for: the ``last`` stream's, under a free name."""
+        """Any other save Lightning asks for: one boundary of the ``last`` stream.
+
+        Lightning's private ``_save_checkpoint`` comes here (collective). The
+        checkpoint is published under ``filepath``, or a ``-vN`` version of it
+        when that name is taken.
+
+        Args:
+            trainer: The Trainer that is saving.
+            filepath: The path Lightning chose, inside ``dirpath``.
+
+        Raises:
+            InvalidArgumentError: ``filepath`` is outside ``dirpath``.
+            NonFiniteGradientError: With ``guard="raise"``, a non-finite
+                gradient since the previous checkpoint.
+            PublishError: The save failed on some rank; nothing was published.
+        """
         candidates = self.monitor_candidates(trainer)
         if self.file_exists(filepath, trainer):
             filepath = self.ckptdb_free_filepath(candidates, trainer)
@@ -636,8 +963,28 @@ class ModelCheckpoint(LightningHooks):
         monitor_candidates: dict[str, Tensor],
         target: Checkpoint | None = None,
     ) -> None:
-        """Point the ``last`` alias at the newest committed checkpoint, writing one if needed
-        (``target``: at that one, whatever ``save_last`` prefers: the preemption's)."""
+        """Point the ``last`` alias at the newest committed checkpoint, writing one if needed.
+
+        Lightning's private ``_save_last_checkpoint`` comes here (collective).
+        With ``save_last="link"`` the alias names the newest top-k checkpoint;
+        otherwise the checkpoint committed at this step, and when none was (for
+        instance ``save_top_k=0``) one is written as ``last-step=<step>.ckpt``
+        into the ``<stream>.last`` stream. Rank 0 then makes ``last.ckpt`` a
+        hard link to it, under a temporary name renamed over the old one.
+        Nothing happens without ``save_last`` or at a step the guard refused.
+
+        Args:
+            trainer: The Trainer that is saving.
+            monitor_candidates: The metrics Lightning has at this point (for the
+                alias's file name and the row).
+            target: The checkpoint to point at, whatever ``save_last`` prefers
+                (the preemption checkpoint); None: decide as above.
+
+        Raises:
+            NonFiniteGradientError: With ``guard="raise"``, a non-finite
+                gradient since the previous checkpoint, when one is written.
+            PublishError: Writing the ``last`` checkpoint failed on some rank.
+        """
         if not self.save_last:
             return
         session = self._ckptdb_session(trainer)
@@ -694,13 +1041,22 @@ class ModelCheckpoint(LightningHooks):
     def ckptdb_free_filepath(
         self, monitor_candidates: dict[str, Tensor], trainer: pl.Trainer
     ) -> str:
-        """Lightning's name, with a ``-vN`` suffix whenever it is taken.
+        """Lightning's name for the next checkpoint, with a ``-vN`` suffix whenever it is taken.
 
-        Lightning may reuse the name of the file it is about to delete (or,
-        with ``enable_version_counter=False``, overwrite any); ckptdb never
+        Lightning's private ``_get_metric_interpolated_filepath_name`` comes
+        here. Lightning may reuse the name of the file it is about to delete
+        (or, with ``enable_version_counter=False``, overwrite any); ckptdb never
         publishes over a checkpoint, so a taken name always gets a version:
         taken on disk, or by a live row of the ledger (a lost checkpoint's
         name stays its own).
+
+        Args:
+            monitor_candidates: The metrics the ``filename`` template is
+                formatted from.
+            trainer: The Trainer that is saving.
+
+        Returns:
+            The path to save to, inside ``dirpath``.
         """
         filepath = self.format_checkpoint_name(monitor_candidates)
         version = self.STARTING_VERSION

@@ -64,12 +64,33 @@ def best_metric_name(args: Any) -> str | None:
 
 
 def streams_for(args: Any) -> dict[str, Policy]:
-    """The ledger policy for a Trainer's arguments.
+    """The ledger stream and retention policy the ledger ``Trainer`` uses for these arguments.
 
-    ``save_total_limit=N`` keeps the ``N`` newest; with ``metric_for_best_model``
-    the best is kept as well, whatever its age, and counts towards ``N`` as in
-    the Trainer (the best and the ``N-1`` newest when the best is older; with
-    ``N=1`` the best and the newest). No limit keeps everything.
+    The Trainer's rotation never runs beside the ledger; its arguments become
+    the policy of the one stream, ``checkpoints``, so that a directory is
+    removed only after the commit that evicted it:
+
+    - no ``save_total_limit``, no ``metric_for_best_model``: ``Keep(last=None)``,
+      everything;
+    - ``save_total_limit=N``: ``Keep(last=N)``, the ``N`` newest;
+    - ``metric_for_best_model=m`` with ``save_total_limit=N``:
+      ``TopK(1, "eval_m", mode, last=N)``: the best, whatever its age, counts
+      towards ``N`` as in the Trainer (the best and the ``N-1`` newest when the
+      best is older; with ``N=1`` the best and the newest);
+    - ``metric_for_best_model=m`` without a limit: ``TopK(None, "eval_m", mode,
+      last=1)``, everything, ranked.
+
+    The mode follows ``greater_is_better``, and the metric name is the
+    Trainer's (``"accuracy"`` ranks by ``eval_accuracy``). A save without the
+    metric, or with a NaN or infinite value of it, is allowed and is never the
+    best.
+
+    Args:
+        args: The Trainer's ``TrainingArguments`` (``save_total_limit``,
+            ``metric_for_best_model`` and ``greater_is_better`` are read).
+
+    Returns:
+        The policy by stream name: one entry, ``checkpoints``.
     """
     limit = args.save_total_limit
     last = limit if isinstance(limit, int) and limit > 0 else None
@@ -163,16 +184,28 @@ class _LedgerCallback(TrainerCallback):
 
 
 def ledger_trainer(cls: T) -> T:
-    """A subclass of ``cls`` (``transformers.Trainer`` or any subclass of it) whose
-    checkpoints go through the ledger. Extra keyword arguments: ``ledger=``
-    (the run root; default ``args.output_dir``), ``db_url=``, ``guard=`` and
-    ``preemption=`` (``True`` or an :class:`~ckptdb.OnPreemption`; the
-    Trainer's ``enable_jit_checkpoint=True`` means ``True``; with
-    ``preemption=False`` it is refused), and ``checkpoint_interval=`` (seconds,
-    or ``"auto"``: the Young/Daly interval from the run's save cost and failure
-    rate, within ``min_interval=``/``max_interval=`` seconds), which saves
-    when due on top of ``save_strategy`` (use ``save_strategy="no"`` for the
-    interval alone; see docs/goodput.md)."""
+    """A subclass of ``cls`` whose checkpoints commit through a ckptdb ledger.
+
+    For any ``transformers.Trainer`` subclass (TRL's trainers, your own):
+    ``LedgerSFTTrainer = ledger_trainer(SFTTrainer)`` behaves as the ledger
+    ``Trainer`` of this module does for ``transformers.Trainer`` itself, and
+    takes the same extra keyword arguments (``ledger``, ``db_url``, ``guard``,
+    ``preemption``, ``remote``, ``remote_options``, ``checkpoint_interval``,
+    ``min_interval``, ``max_interval``: see ``Trainer``). The new class is
+    named ``Ledger<cls name>``. A class that is already a ledger Trainer is
+    returned as it is.
+
+    Args:
+        cls: ``transformers.Trainer`` or a subclass of it.
+
+    Returns:
+        The ledger-backed subclass of ``cls``.
+
+    Raises:
+        ArgumentTypeError: ``cls`` is not a ``transformers.Trainer`` subclass,
+            or it lacks a Trainer method ckptdb overrides or calls (a
+            transformers release ckptdb does not support).
+    """
     if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
         raise ArgumentTypeError(
             f"ledger_trainer() takes transformers.Trainer or a subclass, got {cls!r}"
@@ -323,9 +356,33 @@ class _LedgerTrainerMixin(compat.TrainerHooks):
     def train(
         self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
     ) -> Any:
-        """The Trainer's ``train``, holding the ledger: it opens (reconciling what a
-        crash left), ``resume_from_checkpoint`` resolves through it, and it closes
-        when training ends (as failed if training raised)."""
+        """The Trainer's ``train``, holding the ledger for its duration.
+
+        The run opens (the writer lock taken, what a crash left reconciled),
+        ``resume_from_checkpoint`` resolves through the ledger, and the run
+        closes when training ends (as failed if training raised).
+
+        Args:
+            resume_from_checkpoint: True: the newest committed checkpoint whose
+                size and hash match its row (a mismatched one is marked and the
+                previous one taken); a path inside ``output_dir``: that committed
+                checkpoint, verified; a path outside it: passed to the Trainer
+                as given (a warm start); None or False: start afresh.
+            *args: The Trainer's other positional arguments of ``train``.
+            **kwargs: The Trainer's other keyword arguments of ``train``.
+
+        Returns:
+            What the Trainer's ``train`` returns (a ``TrainOutput``).
+
+        Raises:
+            InvalidArgumentError: ``train`` is already running on this Trainer.
+            ArgumentTypeError: ``resume_from_checkpoint`` is not a path, a bool
+                or None.
+            NoCheckpointToResumeError: True with nothing committed, or a path
+                inside ``output_dir`` that is not a committed checkpoint.
+            LedgerLockedError: Another process trains into this run.
+            Preempted: A preemption signal ended training after its checkpoint.
+        """
         if self._ckptdb_run is not None:
             raise InvalidArgumentError("train() is already running on this Trainer")
         if not isinstance(resume_from_checkpoint, (str, os.PathLike, bool, type(None))):
@@ -647,3 +704,77 @@ def _restore_best_fields(state: Any, values: tuple[Any, ...]) -> None:
 
 
 Trainer = ledger_trainer(transformers.Trainer)
+"""``transformers.Trainer``, with its checkpoints committed through a ckptdb ledger.
+
+Use it instead of ``transformers.Trainer``: it takes the Trainer's own
+arguments, writes the same ``checkpoint-N/`` directories with the Trainer's
+own savers (model, optimizer, scheduler, GradScaler, every rank's RNG state,
+``trainer_state.json``), and keeps ``push_to_hub`` and the callbacks. What
+decides changes:
+
+- A checkpoint becomes visible only when its ledger row commits: the savers
+  write into a hidden ``.checkpoint-N.ckptdb-tmp-<id>`` on every rank; ckptdb
+  waits for every rank, fsyncs and hashes the tree, renames it to
+  ``checkpoint-N`` and commits. A partial directory left by a crash is
+  rolled back when the ledger next opens.
+- Retention is the ledger's: ``save_total_limit`` and
+  ``metric_for_best_model`` become the policy of the stream ``checkpoints``
+  (see ``streams_for``), and a directory is removed only after the commit
+  that evicted it. The Trainer's rotation and its end-of-training clean-up
+  for ``save_total_limit=1`` never run, so the newest checkpoint stays
+  beside the best.
+- ``state.best_metric`` and ``state.best_global_step`` stay the Trainer's,
+  unless the ledger knows better (a resume from an older checkpoint, a best
+  checkpoint lost or corrupt); ``state.best_model_checkpoint`` only ever
+  names a committed checkpoint, and ``load_best_model_at_end`` verifies it
+  before loading.
+- A name is never reused: a rerun in the same ``output_dir`` writes
+  ``checkpoint-N-v1`` beside an existing ``checkpoint-N``, and never deletes
+  the earlier run's directories.
+- Every value the Trainer logs goes into the ledger's ``metrics`` table;
+  a step's evaluation metrics are stored with its checkpoint row.
+
+Resume: ``train(resume_from_checkpoint=True)`` takes the newest committed
+checkpoint whose size and hash still match its row; one that does not is
+marked ``corrupt`` (or ``lost``) and the previous one is taken. With nothing
+committed it raises ``NoCheckpointToResumeError`` (a ``ValueError``, like the
+Trainer's own error). A path inside ``output_dir`` must be a committed
+checkpoint (else ``NoCheckpointToResumeError``, saying what the ledger knows
+of it); a path outside it is a warm start, passed to the Trainer as given.
+The checkpoint resumed from stays on disk while the run trains, and the
+resume is recorded. The ledger is open only while ``train`` runs.
+
+Extra keyword arguments, all optional:
+
+- ``ledger``: the run root that holds the ledger (``ckptdb.sqlite``,
+  ``ckptdb.lock``); default ``args.output_dir``. A local path. With
+  ``push_to_hub``, pass it (outside ``output_dir``) or ``db_url``.
+- ``db_url``: the ledger's SQLAlchemy URL, e.g. PostgreSQL; default SQLite in
+  the run root.
+- ``guard``: True (default: a NaN or Inf gradient refuses the next
+  checkpoint, a warning is logged, training goes on and ``on_save``
+  callbacks hear nothing), ``"raise"`` (training stops with
+  ``NonFiniteGradientError``) or False (no guard).
+- ``preemption``: True or an ``OnPreemption(...)``: a SIGTERM on any rank
+  becomes the agreed step's ``checkpoint-<step>``, then ``train`` ends with
+  ``ckptdb.Preempted`` (exit status 143). The Trainer's
+  ``enable_jit_checkpoint=True`` means the same (its own JIT checkpoint is
+  taken out); ``preemption=False`` with it is refused.
+- ``remote``, ``remote_options``: where a replicator copies the run
+  (``s3://...``) and its store's options: a resume whose newest checkpoint is
+  missing or corrupt here brings back its copy instead of skipping it.
+- ``checkpoint_interval``: seconds, or ``"auto"`` (the Young/Daly interval
+  from this run's save cost and failure rate, within ``min_interval`` and
+  ``max_interval`` seconds, defaults 60 and 1800): a ``checkpoint-N`` also
+  whenever the ledger says one is due, on top of ``save_strategy`` (use
+  ``save_strategy="no"`` for the interval alone; ``"best"`` is refused).
+
+Bad extra arguments raise ``InvalidArgumentError`` or ``ArgumentTypeError``
+when the Trainer is made, before anything is opened. Every rank constructs
+it and calls ``train``; only rank 0 opens the ledger, and a write that fails
+on any rank makes every rank raise ``PublishError``, with nothing published.
+Hyperparameter-search trials are saved the stock way, outside the ledger.
+Supported: transformers ``>=4.57,<6``; another release is refused at import
+(``UnsupportedVersionError``). Any other ``Trainer`` subclass gets the same
+through ``ledger_trainer``.
+"""
