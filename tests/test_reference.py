@@ -126,7 +126,8 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
     """A broken link or anchor, a page missing from the navigation, a reference to a
     name that does not exist, or a docstring gap: each is a warning, and strict fails."""
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        # never -q: it hides the warnings that --strict counts, and the build passes
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
         cwd=REPO,
         capture_output=True,
         text=True,
