@@ -136,6 +136,7 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     api = (tmp_path / "site" / "reference" / "manager" / "index.html").read_text("utf-8")
     assert "CheckpointManager" in api and "PublishError" in api
+    assert re.findall(r":(?:class|meth|func|attr|mod):", api) == []  # roles shown as code
     changelog = tmp_path / "site" / "changelog" / "index.html"
     assert "Unreleased" in changelog.read_text("utf-8")
 
