@@ -692,6 +692,9 @@ class CheckpointManager:
         if self._closed:
             return
         handle = self._inflight.handle
+        # decided before a preemption renames the end: an exception leaving the block
+        # (``Preempted`` itself, typically) must never be masked by the unfetched error
+        raise_unfetched = end_state == "closed"
         preemption, self._preemption = self._preemption, None
         if preemption is not None and preemption.agreed_step is not None:
             end_state = "preempted"
@@ -713,7 +716,7 @@ class CheckpointManager:
             if preemption is not None:
                 preemption.close()
         error = handle.unfetched_error if handle is not None else None
-        if error is not None and end_state in ("closed", "preempted"):
+        if error is not None and raise_unfetched:
             assert handle is not None
             handle.mark_fetched()
             raise error

@@ -35,6 +35,7 @@ EVENT_KINDS = (
     "resumed",
     "guard_tripped",
     "publish_failed",
+    "foreign",
     "cleanup_failed",
     "commit_settled",
     # what reconcile did, one event per action (also a load finding a bad payload)

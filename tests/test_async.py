@@ -24,6 +24,7 @@ import copy
 import errno
 import logging
 import os
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,7 +37,7 @@ from helpers import files, rows, state
 
 import ckptdb.storage.dcp
 import ckptdb.storage.files
-from ckptdb import CheckpointManager, Keep, NonFiniteGradGuard, Sharded, TopK, faults
+from ckptdb import CheckpointManager, Keep, NonFiniteGradGuard, Preempted, Sharded, TopK, faults
 from ckptdb.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -542,6 +543,25 @@ def test_leaving_the_with_block_raises_an_unfetched_error(
         handle = mgr.save(1, model=state(1.0), blocking=False)
     assert info.value is handle.exception()
     assert rows(root, "SELECT end_state FROM attempts") == [("closed",)]
+
+
+def test_preempted_leaving_the_with_block_is_not_masked_by_an_unfetched_error(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks agreed on a preemption, so the attempt ends ``preempted`` rather than
+    ``failed``; the job's own way out (``Preempted``, exit status 128 + signal) still
+    wins over an asynchronous boundary's error nobody fetched."""
+    with pytest.raises(Preempted) as info, CheckpointManager(root) as mgr:
+        stop = mgr.preemption(signals=[signal.SIGUSR1])
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.requested(1)
+        fail_writes(monkeypatch, enospc())
+        handle = mgr.save(1, model=state(1.0), blocking=False)
+        handle.wait()  # failed, its error not fetched
+        raise stop.stop(1)
+    assert info.value.code == 128 + signal.SIGUSR1
+    assert isinstance(handle.exception(), PublishError)
+    assert rows(root, "SELECT end_state FROM attempts") == [("preempted",)]
 
 
 def test_another_exception_leaving_the_with_block_is_not_masked(

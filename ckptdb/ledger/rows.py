@@ -29,7 +29,7 @@ from .progress import Heartbeat, beat_values
 
 LIVE_STATES = (m.PENDING, m.COMMITTED, m.DELETING, m.LOST, m.CORRUPT)
 #: The event kind that records a name another writer took first (see disowned_paths).
-FOREIGN = "foreign"
+FOREIGN = "foreign"  # one of record.EVENT_KINDS
 
 log = logging.getLogger(__name__)
 
