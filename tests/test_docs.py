@@ -307,7 +307,9 @@ def test_every_event_kind_the_code_names_is_in_the_vocabulary() -> None:
     kinds = re.compile(rf'(?:{calls})("\w+"|[\w.]+)')
     sources = {p: p.read_text(encoding="utf-8") for p in (REPO / "ckptdb").rglob("*.py")}
     constants = dict(
-        pair for text in sources.values() for pair in re.findall(r'^(\w+) = "(\w+)"$', text, re.M)
+        pair
+        for text in sources.values()
+        for pair in re.findall(r'^(\w+) = "(\w+)"(?:\s*#.*)?$', text, re.M)
     )
     carried = {
         "kind",  # reconcile's _act and the chief's _record_preemption: literals at their callers
