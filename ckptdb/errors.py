@@ -284,8 +284,9 @@ class PublishError(CkptDBError, RuntimeError):
     Args:
         message: What failed.
         phase: The protocol phase that failed: ``intent``, ``snapshot``,
-            ``write``, ``fsync``, ``complete`` and ``verify`` (object
-            storage), ``replace``, ``fsync_dir`` or ``commit``.
+            ``mkdir``, ``write``, ``fsync``, ``complete`` and ``verify`` (object
+            storage), ``deadline`` (a preemption's grace period ran out before
+            the commit), ``replace``, ``fsync_dir`` or ``commit``.
         step: The step of the boundary.
         path: The file it was working on; None for a phase without one.
         stream: The stream of that file; None when the failure is not one

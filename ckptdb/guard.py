@@ -45,7 +45,8 @@ class NonFiniteGradGuard:
         """Record ``total_norm``; a tensor stays on its device (no host sync).
 
         For a loop that computes its gradient norm itself (e.g. the return value of
-        ``torch.nn.utils.clip_grad_norm_``); :meth:`clip_grad_norm_` calls it.
+        ``torch.nn.utils.clip_grad_norm_``); :meth:`observe` calls it, while
+        :meth:`clip_grad_norm_` records each parameter's flag itself.
 
         Args:
             total_norm: A gradient norm: a tensor (any shape; a non-finite element

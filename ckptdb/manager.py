@@ -841,7 +841,7 @@ class CheckpointManager:
                 stream's.
             states: The row states wanted (default: ``committed`` only), among
                 ``pending``, ``committed``, ``deleting``, ``deleted``, ``aborted``,
-                ``lost`` and ``corrupt`` (see docs/guarantees.md).
+                ``lost`` and ``corrupt`` (see docs/ledger.md, "Checkpoint states").
 
         Returns:
             The matching checkpoints, ordered by stream, then by step.
@@ -1366,7 +1366,9 @@ class CheckpointManager:
 
         Returns:
             An action per alias changed on disk, a :class:`~ckptdb.Action` of kind
-                ``aliased``.
+                ``aliased`` (re-pointed), ``alias_left`` (its stream has no committed
+                checkpoint, so an existing file there was left as it is) or
+                ``failed``.
 
         Raises:
             InvalidArgumentError: a path that leaves the root (absolute, ``..``, a

@@ -434,7 +434,8 @@ class TopK:
 
     The policy is stored in the ledger: a lower ``k`` applies at the stream's next
     save, or at once with ``mgr.gc()``; a new ``metric`` re-ranks the stream's
-    checkpoints by their saved metrics, and is refused if one was saved without it.
+    checkpoints by their saved metrics, and is refused if one was saved without it
+    (unless ``last`` is set: such a checkpoint is then kept by recency only).
 
     Attributes:
         k: How many of the best checkpoints are kept, at least 1 (at most
@@ -445,7 +446,8 @@ class TopK:
             (higher is better, an accuracy).
         last: The number of checkpoints the stream holds in all, best and newest
             (at least 1, at most 2**63 - 1); None (the default): only the ``k``
-            best.
+            best. With ``k=None`` every checkpoint is kept and ``last`` changes
+            nothing.
 
     Raises:
         ArgumentTypeError: ``k`` or ``last`` is not an int, or ``metric`` is not a

@@ -942,10 +942,11 @@ class RunReader:
         docs/goodput.md).
 
         Returns:
-            A report: ``total`` and each of ``attempts`` with
-            ``productive_s``, ``saving_s``, ``lost_s``, ``restart_s``,
-            ``idle_s``, ``total_s`` and ``goodput``, and ``interval``, the
-            :class:`~ckptdb.interval.IntervalChoice` ``"auto"`` would make.
+            A report: ``total`` and each attempt's ``breakdown`` (in
+            ``attempts``) with ``productive_s``, ``saving_s``, ``lost_s``,
+            ``restart_s``, ``idle_s``, ``total_s`` and ``goodput`` (``as_json()``
+            flattens them), and ``interval``, the
+            :class:`~ckptdb.goodput.IntervalChoice` ``"auto"`` would make.
 
         Raises:
             LedgerError: When the reader is closed.

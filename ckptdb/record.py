@@ -2,7 +2,7 @@
 and of one derived alias (a row of ``aliases``).
 
 Also the record's vocabulary: the states a :attr:`Checkpoint.state` takes (the
-``checkpoints.state`` column's values, see docs/guarantees.md) and the clock its
+``checkpoints.state`` column's values, see docs/ledger.md) and the clock its
 timestamps are read against. They are defined here, not in the ledger, so that
 code above the ledger (the CLI, integrations) names them without importing
 :mod:`ckptdb.ledger`; :mod:`ckptdb.ledger.models` imports them from here.
@@ -14,7 +14,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Publication states of a checkpoint row (see docs/guarantees.md).
+# Publication states of a checkpoint row (see docs/ledger.md, "Checkpoint states").
 PENDING = "pending"
 COMMITTED = "committed"
 DELETING = "deleting"
@@ -92,7 +92,7 @@ class Checkpoint:
             stream's), None for an unranked stream or a save without it.
         state: Its row's state: ``pending``, ``committed``, ``deleting``,
             ``deleted``, ``aborted``, ``lost`` or ``corrupt`` (see
-            docs/guarantees.md).
+            docs/ledger.md, "Checkpoint states").
         committed_at: When it was committed (timezone-aware UTC); None if it never
             was.
         id: Its row's id in the ledger.

@@ -1019,7 +1019,7 @@ def demo_hint(directory: Path) -> str:
         return f"ckptdb history {directory} --metric loss --plot loss.png"
     return (
         f"ckptdb history {directory} --metric loss"
-        "   (pip install 'ckptdb[plot]' to add --plot loss.png)"
+        "   (pip install -e '.[plot]' in a checkout, or 'ckptdb[plot]', to add --plot loss.png)"
     )
 
 

@@ -327,9 +327,10 @@ class Checkpoints:
         Returns:
             The committed checkpoint (its ``path`` is the ``checkpoint_<step>``
             directory), or None: the guard refused the step (a warning is
-            logged and a ``guard_tripped`` event recorded; nothing was written
-            or recorded, not even the metrics), or the preemption checkpoint
-            missed its grace period (the last good checkpoint stands).
+            logged and a ``guard_tripped`` event recorded; nothing was written,
+            and the step's metrics are kept, written with the next commit), or
+            the preemption checkpoint missed its grace period (the last good
+            checkpoint stands).
 
         Raises:
             InvalidArgumentError: A bad ``step``, ``output_dir=`` among the
