@@ -51,7 +51,16 @@ DEFAULT_MAX_INTERVAL = 1800.0
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Seconds in each bucket; ``total_s`` is their sum."""
+    """Where the seconds went, in five buckets (docs/goodput.md defines each).
+
+    Attributes:
+        productive_s: Training whose steps survive in the final timeline.
+        saving_s: The training loop blocked in saves.
+        lost_s: Training redone after a crash or preemption (steps past the
+            checkpoint the next attempt resumed from).
+        restart_s: From a process's start to its first step.
+        idle_s: Gaps in which no attempt ran.
+    """
 
     productive_s: float
     saving_s: float
@@ -61,6 +70,7 @@ class Breakdown:
 
     @property
     def total_s(self) -> float:
+        """The sum of the five buckets: the wall-clock time accounted for."""
         return self.productive_s + self.saving_s + self.lost_s + self.restart_s + self.idle_s
 
     @property
@@ -70,12 +80,29 @@ class Breakdown:
         return self.productive_s / total if total > 0 else 0.0
 
     def figures(self) -> dict[str, float]:
+        """The buckets, ``total_s`` and ``goodput``, by name (what ``--json`` prints).
+
+        Returns:
+            A dict of the seven figures.
+        """
         return {**asdict(self), "total_s": self.total_s, "goodput": self.goodput}
 
 
 @dataclass(frozen=True)
 class AttemptGoodput:
-    """One attempt's share: its breakdown (``idle_s`` is the gap before it)."""
+    """One attempt's share of the run's time.
+
+    Attributes:
+        attempt_id: The attempt's id in the ledger (``attempts.id``).
+        end_state: How it ended: ``closed``, ``failed``, ``crashed``,
+            ``preempted`` or ``running``.
+        started_at: Its start (its process's start where that was recorded).
+        ended_at: Its end, or its last sign of life for one that crashed.
+        measured: False for an attempt that never reported a step (no
+            heartbeat): counted from its open to its last sign of life, all of
+            it training.
+        breakdown: Its seconds by bucket; its ``idle_s`` is the gap before it.
+    """
 
     attempt_id: int
     end_state: str
@@ -85,6 +112,11 @@ class AttemptGoodput:
     breakdown: Breakdown
 
     def as_dict(self) -> dict[str, Any]:
+        """The attempt as ``ckptdb goodput --json`` prints it.
+
+        Returns:
+            Its id, end state, times (ISO 8601), ``measured`` and its figures.
+        """
         return {
             "attempt": self.attempt_id,
             "end_state": self.end_state,
@@ -98,22 +130,45 @@ class AttemptGoodput:
 @dataclass(frozen=True)
 class IntervalChoice:
     """The checkpoint interval Young/Daly gives for a measured save cost and failure
-    rate, within the bounds, and why (``why`` says which rule decided)."""
+    rate, within the bounds, and why.
+
+    Attributes:
+        seconds: The interval ``due()`` uses, in seconds.
+        cost_s: C, the mean seconds the loop blocked per save; None before any
+            save was measured.
+        mtbf_s: M, training seconds per crash or preemption; None when no
+            failure was seen.
+        failures: The crashes and preemptions counted.
+        training_s: The training seconds they were counted over.
+        why: Which rule decided (Young/Daly, a bound, no save measured yet...).
+    """
 
     seconds: float
-    cost_s: float | None  # C: mean seconds blocked per save
-    mtbf_s: float | None  # M: training seconds per failure (None: no failure seen)
+    cost_s: float | None
+    mtbf_s: float | None
     failures: int
     training_s: float
     why: str
 
     def as_dict(self) -> dict[str, Any]:
+        """The choice by field name (what the ``interval`` event records).
+
+        Returns:
+            A dict of the six fields.
+        """
         return asdict(self)
 
 
 @dataclass(frozen=True)
 class GoodputReport:
-    """A run's goodput: the totals, each attempt's, and the interval ``auto`` would pick."""
+    """A run's goodput: the totals, each attempt's, and the interval ``auto`` would pick.
+
+    Attributes:
+        run: The run's name.
+        total: The run's seconds by bucket, over every attempt.
+        attempts: Each attempt's share, oldest first.
+        interval: The interval ``interval="auto"`` would choose now.
+    """
 
     run: str
     total: Breakdown
@@ -121,6 +176,11 @@ class GoodputReport:
     interval: IntervalChoice
 
     def as_json(self) -> dict[str, Any]:
+        """The report as ``ckptdb goodput --json`` prints it.
+
+        Returns:
+            The total figures, ``run``, ``attempts`` and ``interval``.
+        """
         return {
             **self.total.figures(),
             "run": self.run,

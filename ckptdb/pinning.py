@@ -27,7 +27,23 @@ RENEW_FRACTION = 1 / 3
 
 
 class Pin:
-    """A lease on one checkpoint; release it (or leave the ``with`` block) when done."""
+    """A lease on one checkpoint; release it (or leave the ``with`` block) when done.
+
+    Made by :meth:`ckptdb.RunReader.pin`, not directly. While it is live,
+    retention may evict the checkpoint but its file stays; a background thread
+    renews the lease well before it expires. ``lost`` turns True if the lease
+    ran out anyway (the ledger was unreachable for longer than ``ttl``): the
+    file may then be gone.
+
+    Args:
+        checkpoint: The pinned checkpoint (also ``pin.checkpoint``; pass the pin
+            to ``reader.load`` to load it).
+        pin_id: The lease's row in the ledger's ``pins`` table (``pin.id``).
+        expires_at: When the lease runs out unless renewed.
+        ttl: The lease's length in seconds, renewed by that much each time.
+        renew: Extends the lease in the ledger (the reader's).
+        release: Ends the lease in the ledger (the reader's).
+    """
 
     def __init__(
         self,
@@ -63,6 +79,7 @@ class Pin:
 
     @property
     def released(self) -> bool:
+        """Whether :meth:`release` was called."""
         return self._stop.is_set()
 
     def release(self) -> None:

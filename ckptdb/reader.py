@@ -47,6 +47,7 @@ from .ledger.follow import Follower
 from .ledger.netfs import check_ledger_location
 from .ledger.queries import run_sql
 from .ledger.runs import ledger_beside, ledger_url, open_as_reader, run_exists
+from .ledger.tiers import Registration
 from .location import is_object_url, relative_within
 from .pinning import Pin
 from .policies import Policy
@@ -478,7 +479,7 @@ class RunReader:
             found = replicas.of_run(session, self.run_id, tier)
             return [replicas.to_record(session, row) for row in found]
 
-    def tiers(self) -> list[tiers.Registration]:
+    def tiers(self) -> list[Registration]:
         """The run's registered tiers: where copies go, which streams, and their retention.
 
         A :class:`~ckptdb.replication.Replicator` registers its tier when it

@@ -24,8 +24,10 @@ import griffe
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "docs" / "reference"
 TARGET = re.compile(r"^::: ([\w.]+)\s*$", re.M)
-#: A target rendered without its members (``members: false`` in its options).
-ALONE = re.compile(r"^::: ([\w.]+)\s*\n(?:[ \t]+.*\n)*?[ \t]+members: false\s*$", re.M)
+#: A target's ``members:`` option: ``false`` (none rendered) or ``[a, b]`` (only those).
+MEMBERS = re.compile(
+    r"^::: ([\w.]+)\s*\n(?:[ \t]+.*\n)*?[ \t]+members: (false|\[[^\]]*\])\s*$", re.M
+)
 
 #: Packages whose ``__all__`` is the public surface the reference must cover.
 PUBLIC_PACKAGES = (
@@ -76,19 +78,35 @@ def final(obj: griffe.Object | griffe.Alias) -> griffe.Object:
     return obj.final_target if isinstance(obj, griffe.Alias) else obj
 
 
-def documented(package: griffe.Module, paths: list[str]) -> set[str]:
-    """Every dotted path the reference shows: each target and its public members."""
-    shown: set[str] = set()
+def selections(reference: Path = REFERENCE) -> dict[str, list[str]]:
+    """The targets rendered with only some members: path -> the member names shown."""
+    text = "".join(page.read_text(encoding="utf-8") for page in sorted(reference.glob("*.md")))
+    chosen: dict[str, list[str]] = {}
+    for path, option in MEMBERS.findall(text):
+        chosen[path] = [] if option == "false" else re.findall(r"\w+", option)
+    return chosen
+
+
+def rendered(package: griffe.Module, paths: list[str]) -> Iterator[griffe.Object]:
+    """Every object the reference renders: each target and the public members shown."""
+    chosen = selections()
     for path in paths:
-        for obj in public_objects(final(package[path.removeprefix(package.path + ".")])):
-            shown.add(obj.path)
-    return shown
+        target = final(package[path.removeprefix(package.path + ".")])
+        yield from public_objects(target, chosen.get(path))
 
 
-def public_objects(obj: griffe.Object) -> Iterator[griffe.Object]:
-    """``obj`` and the public names it declares (a module's ``__all__`` if it has one)."""
+def documented(package: griffe.Module, paths: list[str]) -> set[str]:
+    """Every dotted path the reference shows."""
+    return {obj.path for obj in rendered(package, paths)}
+
+
+def public_objects(obj: griffe.Object, only: list[str] | None = None) -> Iterator[griffe.Object]:
+    """``obj`` and the public names it declares (a module's ``__all__`` if it has one;
+    ``only`` those named, when the page renders a selection)."""
     yield obj
-    if obj.is_module and obj.exports is not None:
+    if only is not None:
+        members = [obj.members[name] for name in only if name in obj.members]
+    elif obj.is_module and obj.exports is not None:
         names = [str(name) for name in obj.exports]
         members = [obj.members[name] for name in names if name in obj.members]
     else:
@@ -101,21 +119,40 @@ def public_objects(obj: griffe.Object) -> Iterator[griffe.Object]:
 
 
 def problems(package: griffe.Module | None = None, paths: list[str] | None = None) -> list[Problem]:
-    """Every gap in the docstrings of what the reference renders, and every public
-    name of :data:`PUBLIC_PACKAGES` it does not render."""
+    """Every gap in the docstrings of what the reference renders, every public name
+    of :data:`PUBLIC_PACKAGES` it does not render, and every ckptdb class a rendered
+    function returns that it does not render (what users hold, they look up)."""
     package = package or load()
     paths = targets() if paths is None else paths
-    found: list[Problem] = []
-    alone = set(ALONE.findall("".join(p.read_text() for p in REFERENCE.glob("*.md"))))
-    for path in paths:
-        if path in alone:
-            found += check(final(package[path.removeprefix(package.path + ".")]))
-            continue
-        for obj in public_objects(final(package[path.removeprefix(package.path + ".")])):
-            found += check(obj)
+    objects = list(rendered(package, paths))
+    found = [problem for obj in objects for problem in check(obj)]
+    shown = {obj.path for obj in objects}
+    found += unrendered_returns(package, objects, shown)
     if package.path == "ckptdb":
-        found += uncovered(package, documented(package, paths))
+        found += uncovered(package, shown)
     return sorted(set(found), key=str)
+
+
+def unrendered_returns(
+    package: griffe.Module, objects: list[griffe.Object], shown: set[str]
+) -> list[Problem]:
+    """A ckptdb class named in a rendered function's return annotation, not rendered."""
+    missing: list[Problem] = []
+    for func in objects:
+        if not isinstance(func, griffe.Function) or not isinstance(func.returns, griffe.Expr):
+            continue
+        for part in func.returns.iterate(flat=True):
+            path = part.canonical_path if isinstance(part, griffe.ExprName) else ""
+            if not path.startswith(package.path + "."):
+                continue
+            try:
+                target = final(package[path.removeprefix(package.path + ".")])
+            except (KeyError, griffe.AliasResolutionError):
+                missing.append(Problem(func.path, f"returns {path}, which griffe cannot find"))
+                continue
+            if target.is_class and target.path not in shown:
+                missing.append(Problem(func.path, f"returns {target.path}, not in docs/reference/"))
+    return missing
 
 
 def uncovered(package: griffe.Module, shown: set[str]) -> list[Problem]:
@@ -138,12 +175,38 @@ def check(obj: griffe.Object) -> list[Problem]:
         return [Problem(obj.path, "no docstring")]
     if isinstance(obj, griffe.Function):
         return check_function(obj, obj.docstring)
-    if isinstance(obj, griffe.Class) and "__init__" in obj.members:
-        init = final(obj.members["__init__"])
-        if isinstance(init, griffe.Function) and not dataclass_like(obj):
-            merged = obj.docstring if init.docstring is None else init.docstring
-            return check_arguments(obj.path, init, sections(merged))
+    if isinstance(obj, griffe.Class):
+        return check_class(obj, obj.docstring)
     return []
+
+
+def check_class(cls: griffe.Class, docstring: griffe.Docstring) -> list[Problem]:
+    """A dataclass's fields under ``Attributes:``; any other class's constructor
+    arguments under ``Args:`` and what the constructor raises under ``Raises:``
+    (of the class docstring, which the reference merges ``__init__`` into)."""
+    public = {n: m for n, m in cls.members.items() if not n.startswith("_") and not m.is_alias}
+    found = [
+        Problem(f"{cls.path}.{name}", "no docstring")
+        for name, member in public.items()
+        if "property" in member.labels and member.docstring is None
+    ]
+    if dataclass_like(cls):
+        fields = [n for n, m in public.items() if "instance-attribute" in m.labels]
+        listed = sections(docstring).get("attributes", set())
+        if missing := [name for name in fields if name not in listed]:
+            found.append(Problem(cls.path, f"Attributes: does not describe {', '.join(missing)}"))
+        return found
+    init = cls.members.get("__init__")
+    if init is None or not isinstance(final(init), griffe.Function):
+        return found
+    init = final(init)
+    assert isinstance(init, griffe.Function)
+    parsed = sections(docstring if init.docstring is None else init.docstring)
+    found += check_arguments(cls.path, init, parsed)
+    unlisted = sorted(set(raised_classes(init)) - parsed.get("raises", set()))
+    if unlisted:
+        found.append(Problem(cls.path, f"Raises: does not name {', '.join(unlisted)}"))
+    return found
 
 
 def dataclass_like(cls: griffe.Class) -> bool:
@@ -189,6 +252,8 @@ def sections(docstring: griffe.Docstring) -> dict[str, set[str]]:
                 names.add(item.name.lstrip("*"))
             elif kind == "raises":
                 names.add(str(item.annotation).rsplit(".", 1)[-1])
+            elif kind == "attributes":
+                names.add(item.name)
     if "parameters" in parsed:
         parsed["args"] = parsed.pop("parameters")
     return parsed

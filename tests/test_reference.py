@@ -37,7 +37,13 @@ class Thing:
     """
 
     def __init__(self, size: int, colour: str) -> None:
+        if size < 0:
+            raise ValueError(size)
         self.size = size
+
+    @property
+    def area(self) -> int:
+        return self.size**2
 
     def grow(self, by: int) -> int:
         """Grows.
@@ -86,15 +92,32 @@ class Thing:
     def undocumented(self) -> None:
         pass
 
+    def hidden(self) -> Hidden:
+        """A value of a class the reference does not show.
+
+        Returns:
+            One.
+        """
+        return Hidden()
+
     def _private(self) -> None:
         pass
 
 
+class Hidden:
+    """Returned, but not rendered."""
+
+
 @dataclass
 class Record:
-    """Fields are attributes, not constructor Args."""
+    """Fields are attributes, not constructor Args.
+
+    Attributes:
+        name: its name.
+    """
 
     name: str
+    size: int = 0
 '''
 
 
@@ -106,11 +129,15 @@ def test_the_checker_finds_each_kind_of_gap(tmp_path: Path) -> None:
     package = docstrings.load(tmp_path, "pkg")
     found = [str(p) for p in docstrings.problems(package, ["pkg.mod.Thing", "pkg.mod.Record"])]
     assert found == [
+        "pkg.mod.Record: Attributes: does not describe size",
+        "pkg.mod.Thing.area: no docstring",
         "pkg.mod.Thing.grow: no Raises: section (raises ValueError)",
         "pkg.mod.Thing.grow: no Returns: section",
+        "pkg.mod.Thing.hidden: returns pkg.mod.Hidden, not in docs/reference/",
         "pkg.mod.Thing.shrink: Raises: does not name OverflowError",
         "pkg.mod.Thing.undocumented: no docstring",
         "pkg.mod.Thing: Args: does not describe colour",
+        "pkg.mod.Thing: Raises: does not name ValueError",
     ]
 
 

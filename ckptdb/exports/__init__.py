@@ -50,9 +50,15 @@ class Written:
 
 @dataclass(frozen=True)
 class ExportResult:
-    """What :meth:`~ckptdb.RunReader.export` did: the recorded export, the entries
-    that are not tensors (left out) and the names that alias a tensor already
-    written (tied weights: ``{left out: kept}``)."""
+    """What :meth:`~ckptdb.RunReader.export` did.
+
+    Attributes:
+        export: The export as the ledger recorded it (its path, files, size, hash
+            and number of tensors).
+        skipped: The checkpoint's entries that are not tensors, left out.
+        aliases: Names that alias a tensor already written (tied weights), each
+            written once: ``{name left out: name kept}``.
+    """
 
     export: Export
     skipped: tuple[str, ...]

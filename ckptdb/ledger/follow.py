@@ -166,11 +166,31 @@ class Waiter:
 
 
 class Follower:
-    """The iterator ``RunReader.follow`` returns (see there).
+    """The iterator ``RunReader.follow`` returns: each checkpoint of one stream
+    published after its cursor, once, in commit order.
 
-    Everything that can fail, and the cursor, is settled when it is made,
-    not at the first ``next()``: a follower made before a commit sees it.
-    Close it (or leave its ``with`` block) to release its connection.
+    Made by :meth:`ckptdb.RunReader.follow`, not directly. Everything that can
+    fail, and the cursor, is settled when it is made, not at the first
+    ``next()``: a follower made before a commit sees it. Iteration stops after
+    ``timeout`` idle seconds; ``cursor`` is the id of the last checkpoint
+    handed out, what a restarted follower passes as ``since``. Close it (or
+    leave its ``with`` block) to release its connection.
+
+    Args:
+        db: The reader's ledger.
+        run_id: The run's id in that ledger.
+        stream: The stream followed.
+        save_dir: The run's save directory (records carry absolute paths).
+        since: Start after this checkpoint id; None: after the stream's newest
+            committed checkpoint now.
+        timeout: Idle seconds before iteration stops; None: never.
+        poll: Seconds between two looks at a SQLite ledger (PostgreSQL is told
+            of each commit by NOTIFY).
+        is_open: Whether the reader is still open.
+
+    Raises:
+        LedgerError: the ledger could not be read (from ``next()`` as well, and
+            when the follower or its reader is closed).
     """
 
     def __init__(
@@ -228,6 +248,7 @@ class Follower:
         return moved and not self._ready
 
     def close(self) -> None:
+        """Release the follower's connection (idempotent); iteration then raises."""
         waiter, self._waiter = self._waiter, None  # type: ignore[assignment]
         if waiter is not None:
             waiter.close()

@@ -100,6 +100,9 @@ class Run(Base):
 
 
 class Attempt(Base):
+    """One process's life on a run: a row of ``attempts`` (columns and end states in
+    docs/ledger.md). ``RunReader.attempts()`` returns them, oldest first."""
+
     __tablename__ = "attempts"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -205,6 +208,10 @@ class Metric(Base):
 
 
 class Event(Base):
+    """Something that happened to a run: a row of ``events`` (``kind``, ``time``,
+    ``step``, ``checkpoint_id``, ``detail`` as JSON; every kind is listed in
+    docs/ledger.md). ``RunReader.events()`` returns the newest."""
+
     __tablename__ = "events"
     __table_args__ = (Index("ix_events_run_kind", "run_id", "kind"),)
 

@@ -46,15 +46,31 @@ def holder(tier: str) -> str:
 
 @dataclass(frozen=True)
 class Registration:
-    """A tier as registered for a run (see :class:`~ckptdb.ledger.models.Tier`)."""
+    """A tier as registered for a run (a row of the ledger's ``tiers`` table).
+
+    Attributes:
+        tier: The tier's name (``remote``).
+        location: Where its copies go (the replicator's URL).
+        streams: The streams it copies; None: every stream.
+        policies: Each stream's retention on that tier, as stored.
+        registered_at: When the replicator registered it (timezone-aware UTC).
+    """
 
     tier: str
     location: str
-    streams: tuple[str, ...] | None  # None: every stream
+    streams: tuple[str, ...] | None
     policies: dict[str, PolicyRecord] = field(default_factory=dict)
     registered_at: dt.datetime | None = None
 
     def covers(self, stream: str) -> bool:
+        """Whether the tier copies ``stream``.
+
+        Args:
+            stream: A stream name.
+
+        Returns:
+            True when it copies every stream or names this one.
+        """
         return self.streams is None or stream in self.streams
 
 

@@ -106,9 +106,17 @@ class Candidate:
 class Outcome:
     """What happened to one candidate (in a preview: what would happen).
 
-    ``name`` is its name in the save directory (None for a checkpoint outside
-    it that is not moved); ``checkpoint`` is the committed record (adopted,
-    not in a preview).
+    Attributes:
+        candidate: The checkpoint the layout found (its ``source`` path, and the
+            ``stream``, ``step`` and ``metrics`` read from it, or the
+            ``problem`` that made the layout refuse it).
+        status: ``adopted`` (committed now), ``already`` (a live row owns its
+            name already) or ``skipped`` (refused; ``detail`` says why).
+        detail: Why it was skipped, or what was done.
+        name: Its name in the save directory; None for a checkpoint outside it
+            that is not moved.
+        checkpoint: The committed record (adopted, not in a preview); None
+            otherwise.
     """
 
     candidate: Candidate

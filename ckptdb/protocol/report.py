@@ -14,17 +14,31 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Action:
-    """One repair (or, in a dry run, one repair that would be made)."""
+    """One repair (or, in a dry run, one repair that would be made).
 
-    # rolled_back | deleted | lost | corrupt | restored | repointed | removed_temp |
-    # quarantined | aliased | alias_left | failed
+    Each action a reconcile makes is also recorded as an event of the same kind
+    (docs/ledger.md, "Event kinds").
+
+    Attributes:
+        kind: What was done: ``rolled_back``, ``deleted``, ``lost``, ``corrupt``,
+            ``restored``, ``repointed``, ``removed_temp``, ``quarantined``,
+            ``aliased``, ``alias_left`` or ``failed``.
+        path: The file or directory acted on, relative to the save directory
+            (the run root for an alias; ``latest:<stream>`` for a re-pointed
+            pointer).
+        detail: Why, or what failed (empty when the kind says it all).
+        checkpoint_id: The ledger row concerned; None for a file no row owns.
+        step: That row's step; None without a row.
+        in_place: A quarantined payload left where it is (a store without
+            rename): remembered in its event, so the next reconcile does not
+            report it again.
+    """
+
     kind: str
     path: str
     detail: str = ""
     checkpoint_id: int | None = None
     step: int | None = None
-    #: A quarantined payload left where it is (a store without rename): remembered
-    #: in its event, so the next reconcile does not report it again.
     in_place: bool = False
 
     def __str__(self) -> str:
@@ -33,17 +47,28 @@ class Action:
 
 @dataclass
 class ReconcileReport:
-    """Every action of one reconcile, in the order they were made."""
+    """Every action of one reconcile, in the order they were made.
+
+    ``str()`` gives one line of counts and a line per action, what
+    ``ckptdb reconcile`` prints.
+
+    Attributes:
+        dry_run: True when nothing was changed: the actions are what a
+            reconcile would do (``ckptdb reconcile --dry-run``).
+        actions: Each :class:`Action`, in order.
+    """
 
     dry_run: bool = False
     actions: list[Action] = field(default_factory=list)
 
     @property
     def counts(self) -> dict[str, int]:
+        """The number of actions of each kind, e.g. ``{"rolled_back": 3}``."""
         return dict(Counter(a.kind for a in self.actions))
 
     @property
     def failures(self) -> list[Action]:
+        """The actions that failed (kind ``failed``): what a reconcile could not repair."""
         return [a for a in self.actions if a.kind == "failed"]
 
     def __str__(self) -> str:
