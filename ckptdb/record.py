@@ -24,6 +24,10 @@ LOST = "lost"
 CORRUPT = "corrupt"
 STATES = (PENDING, COMMITTED, DELETING, DELETED, ABORTED, LOST, CORRUPT)
 
+#: The ledger's schema revision this ckptdb writes and reads: the newest migration
+#: (``ckptdb.ledger.engine.HEAD_REVISION``; a new migration moves it).
+LEDGER_REVISION = "0010"
+
 #: How an attempt (one process's life on a run, ``attempts.end_state``) ended:
 #: ``running`` until it ends; ``crashed`` is written by the next attempt's start.
 END_STATES = ("running", "closed", "failed", "crashed", "preempted")

@@ -51,6 +51,7 @@ from ..errors import (
     WriterLockLostError,
     note_on,
 )
+from ..record import LEDGER_REVISION
 from . import driver
 from .held import CONNECTION, WriterConnection
 
@@ -238,10 +239,11 @@ def migrations_dir() -> Path:
         return Path(__file__).resolve().parent.parent.parent / "migrations"
 
 
-#: The newest revision in migrations/ (tests/test_migration.py compares it with
+#: The newest revision in migrations/ (tests/test_cold_start.py compares it with
 #: Alembic's head). A ledger already at it opens without importing Alembic, whose
-#: import is most of what a cold ``ckptdb latest`` would otherwise spend.
-HEAD_REVISION = "0010"
+#: import is most of what a cold ``ckptdb latest`` would otherwise spend. Kept in
+#: :mod:`ckptdb.record` so that :mod:`ckptdb.quickread` reads it without SQLAlchemy.
+HEAD_REVISION = LEDGER_REVISION
 
 #: Alembic's own table and column, read with plain SQL on the fast path.
 VERSION_TABLE = "alembic_version"

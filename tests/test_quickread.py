@@ -1,0 +1,196 @@
+"""``ckptdb latest`` from the standard library: the same line as the full command, or none.
+
+:mod:`ckptdb.quickread` answers ``ckptdb latest ROOT [--stream S]`` with
+``sqlite3`` alone and declines everything else. What it must never do is print
+a line the full command would not: each test here builds a run in some state,
+asks both, and requires the quick answer to be either the full command's own
+line or None (the full command then answers, its errors included). The plain
+cases must be answered quickly, or the shortcut would be dead code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptdb import CheckpointManager, Keep, TopK
+from ckptdb.cli import main as full_command
+from ckptdb.ledger import engine
+from ckptdb.quickread import LEDGER_FILE, latest_path
+
+pytestmark = pytest.mark.usefixtures("no_db_url_from_environment")
+
+REPO = Path(__file__).resolve().parents[1]
+STREAMS = {"model": Keep(last=2), "best": TopK(2, "val_loss"), "ema": Keep(last=1)}
+
+
+def make_run(root: Path, save_dir: Path | None = None, steps: int = 3) -> Path:
+    """model and best saved at each step; ema configured but never saved."""
+    with CheckpointManager(root, streams=STREAMS, save_dir=save_dir) as mgr:
+        for step in range(steps):
+            tensor = {"w": torch.full((2,), float(step))}
+            mgr.save(step, metrics={"val_loss": 5.0 - step}, model=tensor, best=tensor)
+    return root
+
+
+def full(argv: list[str]) -> tuple[int, str]:
+    """The full command's exit code and output (stdout, or its one-line error)."""
+    result = CliRunner().invoke(full_command, argv)
+    return result.exit_code, result.output.strip()
+
+
+def agree(argv: list[str], *, answered: bool) -> None:
+    """The quick answer is the full command's line (``answered``) or None."""
+    quick = latest_path(argv, {})
+    code, out = full(argv)
+    if answered:
+        assert (code, quick) == (0, out), (argv, out)
+    else:
+        assert quick is None, (argv, quick, out)
+
+
+def sql(root: Path, statement: str) -> None:
+    with sqlite3.connect(root / LEDGER_FILE) as db:
+        db.execute(statement)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ROOT"],
+        ["ROOT", "--stream", "best"],
+        ["--stream", "best", "ROOT"],
+        ["ROOT", "--stream=model"],
+    ],
+    ids=["default", "stream", "stream-first", "stream-equals"],
+)
+def test_the_plain_question_gets_the_full_commands_line(tmp_path: Path, args: list[str]) -> None:
+    root = make_run(tmp_path / "run")
+    agree(["latest", *[str(root) if a == "ROOT" else a for a in args]], answered=True)
+
+
+def test_a_relative_root_and_a_moved_run_answer_as_the_full_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_run(tmp_path / "run")
+    moved = tmp_path / "elsewhere"
+    (tmp_path / "run").rename(moved)  # the stored root and save dir are the old ones
+    monkeypatch.chdir(tmp_path)
+    agree(["latest", "elsewhere"], answered=True)
+    assert str(latest_path(["latest", "elsewhere"], {})).startswith(str(moved / "checkpoints"))
+
+
+def test_a_save_directory_outside_the_root_is_the_stored_one(tmp_path: Path) -> None:
+    root = make_run(tmp_path / "run", save_dir=tmp_path / "fast-disk")
+    agree(["latest", str(root)], answered=True)
+    assert str(latest_path(["latest", str(root)], {})).startswith(str(tmp_path / "fast-disk"))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ROOT", "--stream", "nope"],  # no such stream: the full command names the streams
+        ["ROOT", "--stream", "ema"],  # configured, nothing saved yet
+        ["ROOT", "--tier", "remote"],
+        ["ROOT", "--tier", "local"],
+        ["ROOT", "--db-url", "sqlite:///elsewhere.sqlite"],
+        ["ROOT", "--help"],
+        ["ROOT", "ROOT"],
+        ["ROOT", "--stream"],
+        ["ROOT", "--stream="],
+    ],
+    ids=lambda args: " ".join(args),
+)
+def test_anything_but_the_plain_question_is_declined(tmp_path: Path, args: list[str]) -> None:
+    root = make_run(tmp_path / "run")
+    agree(["latest", *[str(root) if a == "ROOT" else a for a in args]], answered=False)
+
+
+def test_other_commands_and_global_options_are_declined(tmp_path: Path) -> None:
+    root = str(make_run(tmp_path / "run"))
+    for argv in (["best", root], ["--debug", "latest", root], ["latest"], [], ["status", root]):
+        assert latest_path(argv, {}) is None, argv
+    assert latest_path(["latest", root], {"CKPTDB_DB_URL": "postgresql://h/db"}) is None
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "UPDATE checkpoints SET state = 'lost' WHERE id = (SELECT checkpoint_id FROM pointers"
+        " WHERE name = 'latest:model')",
+        "UPDATE alembic_version SET version_num = '0009'",
+        "UPDATE runs SET save_dir = 's3://bucket/run'",
+        "INSERT INTO runs (name, root, save_dir, created_at)"
+        " VALUES ('b', '/b', '/b/c', '2026-01-01')",
+        "DELETE FROM pointers",
+    ],
+    ids=["latest-lost", "older-schema", "object-storage", "two-runs-root-moved", "no-pointer"],
+)
+def test_a_ledger_the_quick_read_cannot_vouch_for_is_declined(tmp_path: Path, damage: str) -> None:
+    root = make_run(tmp_path / "run")
+    sql(root, damage)
+    moved = tmp_path / "moved"
+    root.rename(moved)  # with two runs, neither is rooted here: no run to adopt
+    agree(["latest", str(moved)], answered=False)
+
+
+def test_no_ledger_and_an_unreadable_one_are_declined(tmp_path: Path) -> None:
+    assert latest_path(["latest", str(tmp_path)], {}) is None
+    (tmp_path / LEDGER_FILE).write_bytes(b"not a database, but a file of that name" * 100)
+    assert latest_path(["latest", str(tmp_path)], {}) is None
+
+
+def test_the_quick_read_knows_the_ledgers_revision() -> None:
+    """A new migration moves the revision in one place; both readers see it."""
+    from ckptdb import record
+
+    assert engine.HEAD_REVISION == record.LEDGER_REVISION
+
+
+ENTRY = """
+import sys
+sys.argv = ["ckptdb", *sys.argv[1:]]
+from ckptdb.__main__ import main
+try:
+    main()
+finally:
+    loaded = sorted({m.split(".")[0] for m in sys.modules} & {"sqlalchemy", "click", "torch"})
+    print("LOADED", *loaded, flush=True)
+"""
+
+
+def entry(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("CKPTDB_DB_URL", None)
+    return subprocess.run(
+        [sys.executable, "-c", ENTRY, *args], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+def test_the_command_answers_latest_without_sqlalchemy_or_click(tmp_path: Path) -> None:
+    root = make_run(tmp_path / "run")
+    done = entry("latest", str(root))
+    assert done.returncode == 0, done.stderr
+    path, loaded = done.stdout.splitlines()
+    assert path == full(["latest", str(root)])[1]
+    assert loaded == "LOADED", "the quick read imported the full command's libraries"
+
+
+def test_a_declined_question_is_the_full_commands(tmp_path: Path) -> None:
+    root = make_run(tmp_path / "run")
+    done = entry("latest", str(root), "--stream", "nope")
+    assert done.returncode == 1
+    assert "no stream 'nope' is configured" in done.stderr
+    assert "click" in done.stdout.splitlines()[-1]
+    listed = entry("list", str(root), "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads("\n".join(listed.stdout.splitlines()[:-1]))
+    assert len(rows) == 4  # the full command ran: model and best, two each
