@@ -1,9 +1,10 @@
 """The ``ckptdb`` command's entry point (also ``python -m ckptdb``).
 
-``ckptdb latest ROOT`` is answered by :mod:`ckptdb.quickread` from the standard
-library when it can be: a shell script's ``$(ckptdb latest runs/exp1)`` then
-costs a Python start and one SQLite read. Everything else, and that command
-whenever the quick read declines, is the full command (:mod:`ckptdb.cli`).
+``ckptdb latest ROOT`` and ``ckptdb best ROOT`` are answered by
+:mod:`ckptdb.quickread` from the standard library when they can be: a shell
+script's ``$(ckptdb latest runs/exp1)`` then costs a Python start and a couple
+of SQLite reads. Everything else, and those commands whenever the quick read
+declines, is the full command (:mod:`ckptdb.cli`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import sys
 
 def main() -> None:
     """Run the ``ckptdb`` command on ``sys.argv``."""
-    from .quickread import latest_path
+    from .quickread import answer
 
-    answer = latest_path(sys.argv[1:], os.environ)
-    if answer is not None:
-        print(answer)
+    lines = answer(sys.argv[1:], os.environ)
+    if lines is not None:
+        print(lines)
         return
     from .cli import main as command
 

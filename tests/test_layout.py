@@ -29,8 +29,8 @@ ALLOWED = {
     "trace": set(),
     "guard": set(),
     "lazy": set(),  # a package's names imported on first use (no torch on a read)
-    # `ckptdb latest` from the standard library: no SQLAlchemy, so not the ledger
-    "quickread": {"location", "record"},
+    # `ckptdb latest`/`best` from the standard library: no SQLAlchemy, so not the ledger
+    "quickread": {"location", "policies", "record"},
     "storage": {"errors", "faults", "lazy", "location", "policies", "trace"},
     "ledger": {"errors", "faults", "location", "policies", "record", "trace"},
     "coord": {"errors"},

@@ -1,6 +1,6 @@
-"""``ckptdb latest`` from the standard library: the same line as the full command, or none.
+"""``ckptdb latest``/``best`` from the standard library: the full command's lines, or none.
 
-:mod:`ckptdb.quickread` answers ``ckptdb latest ROOT [--stream S]`` with
+:mod:`ckptdb.quickread` answers ``ckptdb latest|best ROOT [--stream S]`` with
 ``sqlite3`` alone and declines everything else. What it must never do is print
 a line the full command would not: each test here builds a run in some state,
 asks both, and requires the quick answer to be either the full command's own
@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from ckptdb import CheckpointManager, Keep, TopK
 from ckptdb.cli import main as full_command
 from ckptdb.ledger import engine
-from ckptdb.quickread import LEDGER_FILE, latest_path
+from ckptdb.quickread import LEDGER_FILE, answer
 
 pytestmark = pytest.mark.usefixtures("no_db_url_from_environment")
 
@@ -49,7 +49,7 @@ def full(argv: list[str]) -> tuple[int, str]:
 
 def agree(argv: list[str], *, answered: bool) -> None:
     """The quick answer is the full command's line (``answered``) or None."""
-    quick = latest_path(argv, {})
+    quick = answer(argv, {})
     code, out = full(argv)
     if answered:
         assert (code, quick) == (0, out), (argv, out)
@@ -85,13 +85,55 @@ def test_a_relative_root_and_a_moved_run_answer_as_the_full_command(
     (tmp_path / "run").rename(moved)  # the stored root and save dir are the old ones
     monkeypatch.chdir(tmp_path)
     agree(["latest", "elsewhere"], answered=True)
-    assert str(latest_path(["latest", "elsewhere"], {})).startswith(str(moved / "checkpoints"))
+    assert str(answer(["latest", "elsewhere"], {})).startswith(str(moved / "checkpoints"))
 
 
 def test_a_save_directory_outside_the_root_is_the_stored_one(tmp_path: Path) -> None:
     root = make_run(tmp_path / "run", save_dir=tmp_path / "fast-disk")
     agree(["latest", str(root)], answered=True)
-    assert str(latest_path(["latest", str(root)], {})).startswith(str(tmp_path / "fast-disk"))
+    assert str(answer(["latest", str(root)], {})).startswith(str(tmp_path / "fast-disk"))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["ROOT"], ["ROOT", "--stream", "best"], ["--stream=best", "ROOT"]],
+    ids=["default", "stream", "stream-equals-first"],
+)
+def test_best_gets_the_full_commands_lines(tmp_path: Path, args: list[str]) -> None:
+    root = make_run(tmp_path / "run", steps=4)
+    argv = ["best", *[str(root) if a == "ROOT" else a for a in args]]
+    agree(argv, answered=True)
+    assert len(str(answer(argv, {})).splitlines()) == 2  # TopK(2): two lines, best first
+
+
+def test_best_ranks_ties_and_a_missing_metric_as_the_policy_does(tmp_path: Path) -> None:
+    """Equal metrics (the earlier step wins), a save without the metric (kept by
+    ``last``, never ranked), a stream not named ``best`` chosen as the only top-K one."""
+    streams = {"model": Keep(last=1), "val": TopK(2, "acc", mode="max", last=4)}
+    root = tmp_path / "run"
+    with CheckpointManager(root, streams=streams) as mgr:
+        for step, acc in enumerate([0.5, 0.9, 0.9, None, 0.7]):
+            metrics = {} if acc is None else {"acc": acc}
+            mgr.save(step, metrics=metrics, model={"w": torch.ones(1)}, val={"w": torch.ones(1)})
+    agree(["best", str(root)], answered=True)
+    agree(["best", str(root), "--stream", "val"], answered=True)
+    lines = str(answer(["best", str(root)], {})).splitlines()
+    assert [Path(line).name for line in lines][:2] == [
+        "step-000000001.pt",
+        "step-000000002.pt",
+    ]
+
+
+def test_best_declines_what_the_full_command_refuses(tmp_path: Path) -> None:
+    streams = {"model": Keep(last=1), "a": TopK(1, "x"), "b": TopK(1, "x")}
+    root = tmp_path / "run"
+    with CheckpointManager(root, streams=streams) as mgr:
+        mgr.save(0, metrics={"x": 1.0}, model={"w": torch.ones(1)}, a={"w": 1}, b={"w": 2})
+    agree(["best", str(root)], answered=False)  # two top-K streams, none named best
+    agree(["best", str(root), "--stream", "model"], answered=False)  # not a top-K stream
+    agree(["best", str(root), "--stream", "a"], answered=True)
+    for extra in (["--by", "eval/acc"], ["--mode", "min"], ["--evaluator", "e"], ["--json"]):
+        agree(["best", str(root), "--stream", "a", *extra], answered=False)
 
 
 @pytest.mark.parametrize(
@@ -116,9 +158,9 @@ def test_anything_but_the_plain_question_is_declined(tmp_path: Path, args: list[
 
 def test_other_commands_and_global_options_are_declined(tmp_path: Path) -> None:
     root = str(make_run(tmp_path / "run"))
-    for argv in (["best", root], ["--debug", "latest", root], ["latest"], [], ["status", root]):
-        assert latest_path(argv, {}) is None, argv
-    assert latest_path(["latest", root], {"CKPTDB_DB_URL": "postgresql://h/db"}) is None
+    for argv in (["--debug", "latest", root], ["latest"], ["best"], [], ["status", root]):
+        assert answer(argv, {}) is None, argv
+    assert answer(["latest", root], {"CKPTDB_DB_URL": "postgresql://h/db"}) is None
 
 
 @pytest.mark.parametrize(
@@ -143,9 +185,9 @@ def test_a_ledger_the_quick_read_cannot_vouch_for_is_declined(tmp_path: Path, da
 
 
 def test_no_ledger_and_an_unreadable_one_are_declined(tmp_path: Path) -> None:
-    assert latest_path(["latest", str(tmp_path)], {}) is None
+    assert answer(["latest", str(tmp_path)], {}) is None
     (tmp_path / LEDGER_FILE).write_bytes(b"not a database, but a file of that name" * 100)
-    assert latest_path(["latest", str(tmp_path)], {}) is None
+    assert answer(["latest", str(tmp_path)], {}) is None
 
 
 def test_the_quick_read_knows_the_ledgers_revision() -> None:
