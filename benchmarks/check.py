@@ -58,7 +58,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     # torch.load's own two runs differ by 0.7-1.4x here (allocating 100 MB dominates):
     # this threshold only catches a gross regression until the case is steadier
     Threshold("load", "load 100 MB", "ckptdb load (verified)", 3.50, 1.10),
-    # answered from the standard library (ckptdb/quickread.py): 54-56 ms; a latest that
+    # answered from the standard library (ckptdb/quickread.py): 64-66 ms; a latest that
     # fell back to the full command (0.45 s) is the regression this catches
     Threshold(
         "cold",
