@@ -156,6 +156,17 @@ def location_of(text: str) -> Path:
     return object_path(text) if is_object_url(text) else Path(text)
 
 
+def rebased(stored: str, old_root: str, root: Path) -> Path:
+    """A run's stored save directory, following its root to ``root`` when it was inside
+    the old one (a moved run); an object-store location stays what it is."""
+    where, before = location_of(stored), Path(old_root)
+    if is_object_url(where):
+        return where
+    if where == before or before in where.parents:
+        return root / where.relative_to(before)
+    return where
+
+
 def relative_within(path: Any, base: Path) -> str | None:
     """``path`` relative to ``base`` (posix), or None when it is not inside it.
 

@@ -674,6 +674,22 @@ def policy_from_record(record: PolicyRecord) -> Policy:
     return policy
 
 
+def default_ranked_stream(policies: Mapping[str, Policy]) -> str | None:
+    """The stream ``ckptdb best`` reports when none is named: the top-K stream called
+    ``best``, else the run's only top-K stream; None when it has none, or several.
+
+    Args:
+        policies: A run's streams and their policies.
+
+    Returns:
+        The stream's name, or None (the caller says why).
+    """
+    ranked = [name for name, policy in policies.items() if policy.ranking_metric is not None]
+    if "best" in ranked:
+        return "best"
+    return ranked[0] if len(ranked) == 1 else None
+
+
 def policy_of(policies: Mapping[str, Policy], stream: str) -> Policy:
     """The policy of ``stream``; an unknown stream is an error naming the known ones."""
     policy = policies.get(stream)

@@ -15,8 +15,9 @@ Anything else (another ledger URL, an older schema, an unknown or ambiguous
 stream, no checkpoint yet, a locked or unreadable file, any other option)
 returns None, and the full command answers, with its errors. The statements
 mirror :func:`ckptdb.ledger.rows.find_run`,
-:func:`~ckptdb.ledger.rows.rebased_save_dir`, :func:`ckptdb.ledger.lookup.latest`
-and ``RunQueries.best``; ``best`` ranks with the stream's own policy object
+:func:`ckptdb.ledger.lookup.latest` and ``RunQueries.best``, and share with the
+ledger and the full command what is not SQL (:func:`ckptdb.location.rebased`, the
+default stream of ``best``); ``best`` ranks with the stream's own policy object
 (:mod:`ckptdb.policies`, pure Python), so ties and ``TopK(last=...)`` rank as
 they do everywhere else. tests/test_quickread.py compares the two answers.
 """
@@ -29,12 +30,10 @@ from contextlib import closing
 from pathlib import Path
 from urllib.parse import quote
 
-from .location import is_object_url
-from .policies import Entry, Policy, PolicyRecord, policy_from_record
-from .record import COMMITTED, LEDGER_REVISION
+from .location import is_object_url, rebased
+from .policies import Entry, Policy, PolicyRecord, default_ranked_stream, policy_from_record
+from .record import COMMITTED, LEDGER_FILE, LEDGER_REVISION
 
-#: The ledger file of a run root (``ckptdb.ledger.engine.LEDGER_FILE``).
-LEDGER_FILE = "ckptdb.sqlite"
 #: The environment variable the command reads a ledger URL from (``--db-url``).
 DB_URL_VARIABLE = "CKPTDB_DB_URL"
 #: The commands answered here, and the stream each reads when none is given
@@ -67,6 +66,7 @@ def answer(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
         with closing(sqlite3.connect(uri, uri=True, timeout=1.0)) as db:
             paths = _answer(db, command, root, stream)
     except (sqlite3.Error, OSError, ValueError):
+        # declined, not hidden: the full command meets the same file and reports it
         return None
     return "\n".join(str(path) for path in paths) if paths else None
 
@@ -100,7 +100,7 @@ def _answer(db: sqlite3.Connection, command: str, root: Path, stream: str | None
         return []
     run_id, stored_root, stored_save_dir = run
     policies = _policies(db, run_id)
-    stream = _topk_stream(policies) if stream is None else stream
+    stream = default_ranked_stream(policies) if stream is None else stream
     if stream is None or stream not in policies:
         return []
     if command == "latest":
@@ -112,7 +112,7 @@ def _answer(db: sqlite3.Connection, command: str, root: Path, stream: str | None
         names = [str(row[0]) for row in found]
     else:
         names = _best(db, run_id, stream, policies[stream])
-    save_dir = _save_dir(Path(stored_save_dir), Path(stored_root), root)
+    save_dir = rebased(stored_save_dir, stored_root, root)
     return [save_dir / name for name in names]
 
 
@@ -139,25 +139,9 @@ def _policies(db: sqlite3.Connection, run_id: int) -> dict[str, Policy]:
     return {str(row[0]): policy_from_record(PolicyRecord(*row[1:])) for row in found}
 
 
-def _topk_stream(policies: Mapping[str, Policy]) -> str | None:
-    """``best``'s default: the stream named ``best`` among the top-K ones, else the
-    only top-K stream; None where the full command refuses (none, or several)."""
-    topk = [name for name, policy in policies.items() if policy.ranking_metric is not None]
-    if "best" in topk:
-        return "best"
-    return topk[0] if len(topk) == 1 else None
-
-
 def _run(db: sqlite3.Connection, root: Path) -> tuple[int, str, str] | None:
     """The run rooted at ``root``, else the ledger's only run (a moved run's own file)."""
     rows = db.execute("SELECT id, root, save_dir FROM runs WHERE root = ?", (str(root),)).fetchall()
     if not rows:
         rows = db.execute("SELECT id, root, save_dir FROM runs LIMIT 2").fetchall()
     return (int(rows[0][0]), str(rows[0][1]), str(rows[0][2])) if len(rows) == 1 else None
-
-
-def _save_dir(stored: Path, old_root: Path, root: Path) -> Path:
-    """The stored save directory, following the root when it was inside it."""
-    if stored == old_root or old_root in stored.parents:
-        return root / stored.relative_to(old_root)
-    return stored

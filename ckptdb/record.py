@@ -24,6 +24,9 @@ LOST = "lost"
 CORRUPT = "corrupt"
 STATES = (PENDING, COMMITTED, DELETING, DELETED, ABORTED, LOST, CORRUPT)
 
+#: The file name of a run's own SQLite ledger, in its root.
+LEDGER_FILE = "ckptdb.sqlite"
+
 #: The ledger's schema revision this ckptdb writes and reads: the newest migration
 #: (``ckptdb.ledger.engine.HEAD_REVISION``; a new migration moves it).
 LEDGER_REVISION = "0010"

@@ -17,6 +17,7 @@ import pytest
 
 from ckptdb import record
 from ckptdb.cli import reference
+from ckptdb.errors import InvalidArgumentError
 from ckptdb.ledger import rows as ledger_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -292,9 +293,9 @@ def test_the_ledger_page_lists_every_state_and_event_the_code_writes(
 
 def test_the_ledger_refuses_an_event_or_end_state_outside_the_vocabulary() -> None:
     """What keeps the lists complete: a kind the code invents fails at once, in every test."""
-    with pytest.raises(ValueError, match="unknown event kind 'renamed'"):
+    with pytest.raises(InvalidArgumentError, match="unknown event kind 'renamed'"):
         ledger_rows.add_event(None, 1, None, "renamed")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="unknown attempt end state 'vanished'"):
+    with pytest.raises(InvalidArgumentError, match="unknown attempt end state 'vanished'"):
         ledger_rows.end_attempt(None, 1, "vanished")  # type: ignore[arg-type]
 
 

@@ -169,3 +169,19 @@ def test_installed_wheel_opens_a_ledger_outside_the_checkout(wheel, tmp_path):
     assert "smoke ok" in result.stdout
     assert REPO not in Path(result.stdout.split()[-1]).parents
     assert (root / "ckptdb.sqlite").is_file()
+
+    # the wheel's console script: the quick read answers, and declines to the full command
+    ckptdb = venv / "bin" / "ckptdb"
+    latest = run([str(ckptdb), "latest", str(root)], cwd=elsewhere, env=env)
+    assert latest.stdout.strip().endswith("step-000000003.pt"), latest.stdout
+    refused = subprocess.run(
+        [str(ckptdb), "latest", str(root), "--stream", "nope"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 1 and "no stream 'nope'" in refused.stderr, refused.stderr
+    usage = run([str(python), "-m", "ckptdb", "--help"], cwd=elsewhere, env=env)
+    assert usage.stdout.startswith("Usage: ckptdb "), usage.stdout

@@ -18,13 +18,14 @@ from typing import Any
 import click
 
 from ..errors import CkptDBError, InvalidArgumentError
-from ..policies import policy_from_record
+from ..policies import default_ranked_stream, policy_from_record
+from ..quickread import DB_URL_VARIABLE
 from ..reader import RunReader
 from . import fmt as clifmt
 
 DB_URL = click.option(
     "--db-url",
-    envvar="CKPTDB_DB_URL",
+    envvar=DB_URL_VARIABLE,
     default=None,
     metavar="URL",
     help=(
@@ -80,10 +81,11 @@ def topk_stream(reader: RunReader, stream: str | None) -> str:
     """The stream `best` reports: the one asked for, else 'best', else the only TopK one."""
     if stream is not None:
         return stream
+    chosen = default_ranked_stream(reader.policies)
+    if chosen is not None:
+        return chosen
     topk = [name for name, p in reader.policies.items() if p.ranking_metric is not None]
-    if "best" in topk or len(topk) != 1:
-        return "best" if "best" in topk or not topk else _ambiguous(topk)
-    return topk[0]
+    return _ambiguous(topk) if topk else "best"  # none: the error names the streams
 
 
 def _ambiguous(names: list[str]) -> str:

@@ -38,6 +38,10 @@ edit the docstrings and options in `ckptdb/cli/__init__.py`, then run:
 `tests/test_docs.py` fails when this file differs from what that command writes.
 An overview of the commands, with example output, is on the
 [home page](index.md#the-ckptdb-command).
+`python -m ckptdb` runs the same command as the `ckptdb` script. `ckptdb latest
+ROOT` and `ckptdb best ROOT` (with `--stream` at most) answer from the run's
+SQLite file without loading the rest of the command; their output and errors
+are the same.
 """
 
 

@@ -51,6 +51,7 @@ from ..errors import (
     WriterLockLostError,
     note_on,
 )
+from ..record import LEDGER_FILE as RUN_LEDGER_FILE
 from ..record import LEDGER_REVISION
 from . import driver
 from .held import CONNECTION, WriterConnection
@@ -75,8 +76,9 @@ def advisory_key(name: str) -> int:
 MIGRATION_LOCK_KEY = advisory_key("ckptdb:migrations")
 
 
-#: The file name of a run's own SQLite ledger, in its root.
-LEDGER_FILE = "ckptdb.sqlite"
+#: The file name of a run's own SQLite ledger, in its root (defined in ckptdb.record,
+#: which the standard-library read of ckptdb.quickread shares).
+LEDGER_FILE = RUN_LEDGER_FILE
 
 
 def default_sqlite_url(root: Path) -> str:

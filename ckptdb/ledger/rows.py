@@ -19,7 +19,7 @@ from sqlalchemy import delete, func, insert, literal, select, text, update
 from sqlalchemy.orm import Session
 
 from ..errors import InvalidArgumentError
-from ..location import is_object_url, location_of
+from ..location import rebased
 from ..policies import Entry, Policy, PolicyRecord, Reads, policy_from_record
 from ..record import END_STATES, EVENT_KINDS, Checkpoint
 from . import driver
@@ -55,12 +55,7 @@ def find_run(session: Session, root: str, *, adopt_single: bool) -> m.Run | None
 def rebased_save_dir(run: m.Run, root: Path) -> Path:
     """The run's stored save dir, following the root if it was inside the root
     (an object-store location stays what it is)."""
-    stored, old_root = location_of(run.save_dir), Path(run.root)
-    if is_object_url(stored):
-        return stored
-    if stored == old_root or old_root in stored.parents:
-        return root / stored.relative_to(old_root)
-    return stored
+    return rebased(run.save_dir, run.root, root)
 
 
 def open_run(session: Session, root: Path, save_dir: Path | None, *, adopt_single: bool) -> m.Run:
@@ -188,7 +183,9 @@ def end_attempt(
 ) -> None:
     """End the attempt as ``state``; ``beat`` is its last heartbeat (its end, for goodput)."""
     if state not in END_STATES:
-        raise ValueError(f"unknown attempt end state {state!r} (ckptdb.record.END_STATES)")
+        raise InvalidArgumentError(
+            f"unknown attempt end state {state!r} (ckptdb.record.END_STATES)"
+        )
     now = m.utcnow()
     values: dict[str, Any] = {"end_state": state, "ended_at": now}
     if beat is not None:
@@ -220,7 +217,7 @@ def add_event(
     """One event row. ``kind`` must be one of ``EVENT_KINDS``: docs/ledger.md lists
     them for the users who query ``events``, and a kind missing there is a bug."""
     if kind not in EVENT_KINDS:
-        raise ValueError(f"unknown event kind {kind!r} (ckptdb.record.EVENT_KINDS)")
+        raise InvalidArgumentError(f"unknown event kind {kind!r} (ckptdb.record.EVENT_KINDS)")
     session.add(
         m.Event(
             run_id=run_id,
