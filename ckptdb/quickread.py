@@ -1,119 +1,258 @@
-"""``ckptdb latest ROOT`` and ``ckptdb best ROOT`` answered from the standard library.
+"""The ckptdb command's read-only questions scripts ask most, answered from the standard library.
 
 "What is my latest (or best) checkpoint" is the question scripts ask most
-(``--resume "$(ckptdb latest runs/exp1)"``), and on the default SQLite ledger
-its answer is a couple of indexed reads of one file. The full command imports
-click, SQLAlchemy and the ledger's models first, which costs a cold process
-most of half a second; ``sqlite3`` answers in milliseconds.
+(``--resume "$(ckptdb latest runs/exp1)"``), followed by a query over the
+ledger (``ckptdb sql``) or a metric's curve (``ckptdb history``). On the
+default SQLite ledger each answer is a few indexed reads of one file. The full
+command imports click, SQLAlchemy and the ledger's models first, which costs a
+cold process most of half a second; ``sqlite3`` answers in milliseconds.
 
 So the command's entry point (:mod:`ckptdb.__main__`) asks :func:`answer`
-first. It answers only the plain forms (``latest ROOT [--stream S]``,
-``best ROOT [--stream S]``), and only where the full command would print the
-same lines: a run's own SQLite ledger at this ckptdb's schema, a stream the run
-has, a local save directory and at least one committed checkpoint to name.
-Anything else (another ledger URL, an older schema, an unknown or ambiguous
-stream, no checkpoint yet, a locked or unreadable file, any other option)
-returns None, and the full command answers, with its errors. The statements
-mirror :func:`ckptdb.ledger.rows.find_run`,
-:func:`ckptdb.ledger.lookup.latest` and ``RunQueries.best``, and share with the
-ledger and the full command what is not SQL (:func:`ckptdb.location.rebased`, the
-default stream of ``best``); ``best`` ranks with the stream's own policy object
-(:mod:`ckptdb.policies`, pure Python), so ties and ``TopK(last=...)`` rank as
-they do everywhere else. tests/test_quickread.py compares the two answers.
+first. It answers only the plain forms (:data:`COMMANDS`: ``latest ROOT
+[--stream S]``, ``best ROOT [--stream S]``, ``sql ROOT STATEMENT [--format
+F]``, ``history ROOT --metric M [--json]``), and only where the full command
+would print the same lines: a run's own SQLite ledger at this ckptdb's
+schema, a stream the run has, a local save directory, and something to print
+(a committed checkpoint, rows, points). Anything else (another ledger URL, an
+older schema, an unknown or ambiguous stream, no checkpoint yet, a statement
+that fails or returns no rows, an unknown metric, a locked or unreadable file,
+any other option) returns None, and the full command answers, with its errors.
+The statements mirror :func:`ckptdb.ledger.rows.find_run`,
+:func:`ckptdb.ledger.lookup.latest`, ``RunQueries.best`` and
+``RunQueries.metric_history``; what is not SQL is shared with the ledger and
+the full command: :func:`ckptdb.location.rebased`, the default stream of
+``best``, the policies (``best`` ranks with the stream's own policy object, so
+ties and ``TopK(last=...)`` rank as they do everywhere else) and the output's
+format (:mod:`ckptdb.textout`). A statement of ``sql`` meets the restrictions
+of the full command's reader: a read-only file, ``query_only``, no ``ATTACH``.
+tests/test_quickread.py compares the two answers.
 """
 
 from __future__ import annotations
 
+import math
 import sqlite3
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import closing
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
+from . import textout
 from .location import is_object_url, rebased
 from .policies import Entry, Policy, PolicyRecord, default_ranked_stream, policy_from_record
 from .record import COMMITTED, LEDGER_FILE, LEDGER_REVISION
 
 #: The environment variable the command reads a ledger URL from (``--db-url``).
 DB_URL_VARIABLE = "CKPTDB_DB_URL"
-#: The commands answered here, and the stream each reads when none is given
-#: (None: ``best``'s rule, the stream named ``best`` or the run's only top-K one).
-COMMANDS: dict[str, str | None] = {"latest": "model", "best": None}
+
+
+@dataclass(frozen=True)
+class Form:
+    """The plain form of one command: what the quick read parses, and nothing else.
+
+    Attributes:
+        arguments: How many positional arguments (the root first).
+        options: The options that take a value (given twice: the last counts,
+            as with click).
+        choices: The values accepted, for an option limited to some.
+        required: The options that must be given.
+        flags: The options that take no value.
+    """
+
+    arguments: int
+    options: tuple[str, ...] = ()
+    choices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    required: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()
+
+
+#: The commands answered here, in their plain forms.
+COMMANDS: dict[str, Form] = {
+    "latest": Form(1, ("--stream",)),
+    "best": Form(1, ("--stream",)),
+    "sql": Form(2, ("--format",), {"--format": ("table", "csv", "json")}),
+    "history": Form(1, ("--metric",), required=("--metric",), flags=("--json",)),
+}
+
+
+@dataclass(frozen=True)
+class Question:
+    """A command line in its plain form.
+
+    Attributes:
+        command: The command's name, a key of :data:`COMMANDS`.
+        arguments: Its positional arguments, the root first.
+        options: The options given, with their values.
+        flags: The flags given.
+    """
+
+    command: str
+    arguments: tuple[str, ...]
+    options: Mapping[str, str]
+    flags: frozenset[str]
+
+
+@dataclass(frozen=True)
+class _Run:
+    id: int
+    root: str
+    save_dir: str
 
 
 def answer(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
-    """What ``ckptdb latest`` or ``ckptdb best`` would print for ``argv``, or None.
+    """What the full command would print for ``argv``, or None where it must answer.
 
     Args:
         argv: The command's arguments (``sys.argv[1:]``).
         environ: The process environment (a ledger URL there is not ours to read).
 
     Returns:
-        The output's lines (without the final newline): the latest committed
-        checkpoint's absolute path, or the top-K's paths best first; None
-        whenever the full command must answer (see the module docstring).
+        The output's lines (without the final newline); None whenever the full
+        command must answer (see the module docstring).
     """
-    asked = _parse(argv)
-    if asked is None or environ.get(DB_URL_VARIABLE):
+    question = parse(argv)
+    if question is None or environ.get(DB_URL_VARIABLE):
         return None
-    command, root_arg, stream = asked
-    root = Path(root_arg).resolve()
+    root = Path(question.arguments[0]).resolve()
     ledger = root / LEDGER_FILE
     if not ledger.is_file():
         return None
     try:
         uri = f"file:{quote(str(ledger))}?mode=ro"
         with closing(sqlite3.connect(uri, uri=True, timeout=1.0)) as db:
-            paths = _answer(db, command, root, stream)
+            db.execute("PRAGMA query_only = ON")
+            db.set_authorizer(_deny_attach)  # query_only does not cover ATTACH
+            return _answer(db, question, root)
     except (sqlite3.Error, OSError, ValueError):
         # declined, not hidden: the full command meets the same file and reports it
         return None
-    return "\n".join(str(path) for path in paths) if paths else None
 
 
-def _parse(argv: Sequence[str]) -> tuple[str, str, str | None] | None:
-    """(command, root, stream) of ``latest|best ROOT [--stream S]``; None otherwise."""
+def parse(argv: Sequence[str]) -> Question | None:
+    """The plain form of a command of :data:`COMMANDS` in ``argv``.
+
+    Args:
+        argv: The command's arguments (``sys.argv[1:]``).
+
+    Returns:
+        The question; None for anything else: another command or option, an
+        empty value or one outside its choices, a required option missing, too
+        few or too many arguments.
+    """
     if not argv or argv[0] not in COMMANDS:
         return None
-    root: str | None = None
-    stream = COMMANDS[argv[0]]
+    form = COMMANDS[argv[0]]
+    arguments: list[str] = []
+    options: dict[str, str] = {}
+    flags: set[str] = set()
     rest = list(argv[1:])
     while rest:
         word = rest.pop(0)
-        if word == "--stream" and rest:
-            stream = rest.pop(0)
-        elif word.startswith("--stream="):
-            stream = word.partition("=")[2]
-        elif word.startswith("-") or root is not None:
-            return None  # an option of the full command, or a second argument
+        name, equals, value = word.partition("=")
+        if word in form.flags:
+            flags.add(word)
+        elif name in form.options and (equals or rest):
+            options[name] = value if equals else rest.pop(0)
+        elif word.startswith("-"):
+            return None  # an option of the full command only, or one without its value
         else:
-            root = word
-    return None if root is None or stream == "" else (argv[0], root, stream)
+            arguments.append(word)
+    plain = (
+        len(arguments) == form.arguments
+        and all(name in options for name in form.required)
+        and all(value != "" for value in options.values())
+        and all(options.get(name, allowed[0]) in allowed for name, allowed in form.choices.items())
+    )
+    return Question(argv[0], tuple(arguments), options, frozenset(flags)) if plain else None
 
 
-def _answer(db: sqlite3.Connection, command: str, root: Path, stream: str | None) -> list[Path]:
-    """The paths the command prints; empty where the full command must answer."""
+def _deny_attach(action: int, *_: Any) -> int:
+    return sqlite3.SQLITE_DENY if action == sqlite3.SQLITE_ATTACH else sqlite3.SQLITE_OK
+
+
+def _answer(db: sqlite3.Connection, question: Question, root: Path) -> str | None:
+    """The command's output; None where the full command must answer."""
     if db.execute("SELECT version_num FROM alembic_version").fetchall() != [(LEDGER_REVISION,)]:
-        return []
+        return None
     run = _run(db, root)
-    if run is None or is_object_url(run[2]):
-        return []
-    run_id, stored_root, stored_save_dir = run
-    policies = _policies(db, run_id)
-    stream = default_ranked_stream(policies) if stream is None else stream
+    if run is None:
+        return None
+    return _ANSWERS[question.command](db, question, run, root)
+
+
+def _checkpoint_paths(
+    db: sqlite3.Connection, question: Question, run: _Run, root: Path
+) -> str | None:
+    """``latest`` and ``best``: the paths they print, one per line."""
+    if is_object_url(run.save_dir):
+        return None
+    policies = _policies(db, run.id)
+    given = question.options.get("--stream")
+    if question.command == "latest":
+        stream: str | None = given or "model"
+    else:
+        stream = given or default_ranked_stream(policies)
     if stream is None or stream not in policies:
-        return []
-    if command == "latest":
+        return None
+    if question.command == "latest":
         found = db.execute(
             "SELECT c.path FROM checkpoints c JOIN pointers p ON p.checkpoint_id = c.id"
             " WHERE p.run_id = ? AND p.name = ? AND c.state = ?",
-            (run_id, f"latest:{stream}", COMMITTED),
+            (run.id, f"latest:{stream}", COMMITTED),
         ).fetchall()
         names = [str(row[0]) for row in found]
     else:
-        names = _best(db, run_id, stream, policies[stream])
-    save_dir = rebased(stored_save_dir, stored_root, root)
-    return [save_dir / name for name in names]
+        names = _best(db, run.id, stream, policies[stream])
+    save_dir = rebased(run.save_dir, run.root, root)
+    return "\n".join(str(save_dir / name) for name in names) or None
+
+
+def _sql(db: sqlite3.Connection, question: Question, run: _Run, root: Path) -> str | None:
+    """``sql``: the rows of one query, formatted as the full command formats them.
+
+    A PRAGMA is left to the full command: its answer depends on the
+    connection's own settings (``busy_timeout``, ``foreign_keys``), which differ.
+    """
+    statement = question.arguments[1]
+    if statement.lstrip().lower().startswith("pragma"):
+        return None
+    cursor = db.execute(statement)
+    if cursor.description is None:
+        return None  # not a query: the full command says so
+    headers = [str(column[0]) for column in cursor.description]
+    rows = [tuple(row) for row in cursor.fetchall()]
+    fmt = question.options.get("--format", "table")
+    if fmt == "json":
+        return textout.to_json([dict(zip(headers, row, strict=True)) for row in rows])
+    if fmt == "csv":
+        return textout.to_csv(headers, rows)
+    return textout.table(headers, rows)
+
+
+def _history(db: sqlite3.Connection, question: Question, run: _Run, root: Path) -> str | None:
+    """``history``: one metric's points by step then attempt (``RunQueries.metric_history``)."""
+    metric = question.options["--metric"]
+    found = db.execute(
+        "SELECT step, value, attempt_id FROM metrics WHERE run_id = ? AND name = ?"
+        " ORDER BY step, attempt_id, id",
+        (run.id, metric),
+    ).fetchall()
+    if not found:
+        return None  # an unknown metric: the full command names the known ones
+    points = [(s, math.nan if v is None else v, a) for s, v, a in found]
+    if "--json" in question.flags:
+        return textout.to_json([{"step": s, "value": v, "attempt": a} for s, v, a in points])
+    return textout.table(["step", metric, "attempt"], points)
+
+
+_ANSWERS: dict[str, Callable[[sqlite3.Connection, Question, _Run, Path], str | None]] = {
+    "latest": _checkpoint_paths,
+    "best": _checkpoint_paths,
+    "sql": _sql,
+    "history": _history,
+}
 
 
 def _best(db: sqlite3.Connection, run_id: int, stream: str, policy: Policy) -> list[str]:
@@ -139,9 +278,9 @@ def _policies(db: sqlite3.Connection, run_id: int) -> dict[str, Policy]:
     return {str(row[0]): policy_from_record(PolicyRecord(*row[1:])) for row in found}
 
 
-def _run(db: sqlite3.Connection, root: Path) -> tuple[int, str, str] | None:
+def _run(db: sqlite3.Connection, root: Path) -> _Run | None:
     """The run rooted at ``root``, else the ledger's only run (a moved run's own file)."""
     rows = db.execute("SELECT id, root, save_dir FROM runs WHERE root = ?", (str(root),)).fetchall()
     if not rows:
         rows = db.execute("SELECT id, root, save_dir FROM runs LIMIT 2").fetchall()
-    return (int(rows[0][0]), str(rows[0][1]), str(rows[0][2])) if len(rows) == 1 else None
+    return _Run(int(rows[0][0]), str(rows[0][1]), str(rows[0][2])) if len(rows) == 1 else None

@@ -30,7 +30,8 @@ ALLOWED = {
     "guard": set(),
     "lazy": set(),  # a package's names imported on first use (no torch on a read)
     # `ckptdb latest`/`best` from the standard library: no SQLAlchemy, so not the ledger
-    "quickread": {"location", "policies", "record"},
+    "quickread": {"location", "policies", "record", "textout"},
+    "textout": {"record"},  # the command's tables, CSV and JSON (the quick read prints them too)
     "storage": {"errors", "faults", "lazy", "location", "policies", "trace"},
     "ledger": {"errors", "faults", "location", "policies", "record", "trace"},
     "coord": {"errors"},

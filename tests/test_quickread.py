@@ -1,16 +1,20 @@
-"""``ckptdb latest``/``best`` from the standard library: the full command's lines, or none.
+"""``ckptdb latest``/``best``/``sql``/``history`` from the standard library: the full
+command's output, or none.
 
-:mod:`ckptdb.quickread` answers ``ckptdb latest|best ROOT [--stream S]`` with
-``sqlite3`` alone and declines everything else. What it must never do is print
-a line the full command would not: each test here builds a run in some state,
-asks both, and requires the quick answer to be either the full command's own
-line or None (the full command then answers, its errors included). The plain
-cases must be answered quickly, or the shortcut would be dead code.
+:mod:`ckptdb.quickread` answers the plain forms of ``ckptdb latest|best ROOT
+[--stream S]``, ``ckptdb sql ROOT STATEMENT [--format F]`` and ``ckptdb history
+ROOT --metric M [--json]`` with ``sqlite3`` alone and declines everything else.
+What it must never do is print a line the full command would not: each test
+here builds a run in some state, asks both, and requires the quick answer to be
+either the full command's own output or None (the full command then answers,
+its errors included). The plain cases must be answered quickly, or the
+shortcut would be dead code.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
 import subprocess
@@ -217,12 +221,24 @@ def entry(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_command_answers_latest_without_sqlalchemy_or_click(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["latest", "ROOT"],
+        ["best", "ROOT"],
+        ["sql", "ROOT", "SELECT stream, step FROM latest_checkpoints", "--format", "json"],
+        ["history", "ROOT", "--metric", "val_loss"],
+    ],
+    ids=lambda args: args[0],
+)
+def test_the_command_answers_without_sqlalchemy_or_click(tmp_path: Path, args: list[str]) -> None:
     root = make_run(tmp_path / "run")
-    done = entry("latest", str(root))
+    argv = [str(root) if a == "ROOT" else a for a in args]
+    done = entry(*argv)
     assert done.returncode == 0, done.stderr
-    path, loaded = done.stdout.splitlines()
-    assert path == full(["latest", str(root)])[1]
+    *printed, loaded = done.stdout.splitlines()
+    code, out = full(argv)
+    assert (code, "\n".join(printed)) == (0, out)
     assert loaded == "LOADED", "the quick read imported the full command's libraries"
 
 
@@ -236,3 +252,137 @@ def test_a_declined_question_is_the_full_commands(tmp_path: Path) -> None:
     assert listed.returncode == 0, listed.stderr
     rows = json.loads("\n".join(listed.stdout.splitlines()[:-1]))
     assert len(rows) == 4  # the full command ran: model and best, two each
+
+
+def exactly(argv: list[str]) -> str:
+    """The quick answer, required to be the full command's output to the byte (a table's
+    right-aligned header starts with spaces, which ``full`` would strip)."""
+    quick = answer(argv, {})
+    result = CliRunner().invoke(full_command, argv)
+    assert result.exit_code == 0, result.output
+    assert quick is not None, (argv, result.output)
+    assert quick + "\n" == result.output, argv
+    return quick
+
+
+QUERIES = {
+    "view": "SELECT stream, step, rank, metric FROM best_checkpoints",
+    "literal-percent": "SELECT name, checkpoint_id FROM pointers WHERE name LIKE 'latest:%'",
+    "null-blob-float": "SELECT NULL AS missing, x'00ff' AS raw, 1.0 / 3 AS third, 10000 AS big",
+    "no-rows": "SELECT * FROM runs WHERE id = -1",
+    "same-name-twice": "SELECT 1 AS a, 2 AS a",
+}
+
+
+@pytest.mark.parametrize("query", QUERIES.values(), ids=QUERIES.keys())
+@pytest.mark.parametrize(
+    "form",
+    [[], ["--format", "csv"], ["--format=json"], ["--format", "json", "--format", "table"]],
+    ids=["table", "csv", "json", "last-format-counts"],
+)
+def test_sql_gets_the_full_commands_output(tmp_path: Path, query: str, form: list[str]) -> None:
+    root = make_run(tmp_path / "run")
+    exactly(["sql", str(root), query, *form])
+
+
+def test_sql_takes_its_options_before_the_arguments_too(tmp_path: Path) -> None:
+    root = make_run(tmp_path / "run")
+    printed = exactly(["sql", "--format", "csv", str(root), QUERIES["view"]])
+    assert printed.splitlines()[0] == "stream,step,rank,metric"
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "DELETE FROM checkpoints",
+        "UPDATE runs SET name = 'x'",
+        "CREATE TABLE t (a)",
+        "ATTACH DATABASE 'ATTACHED' AS other",
+        "PRAGMA query_only = OFF",
+        "PRAGMA foreign_keys",  # answers, but from the connection's own settings
+        "SELECT * FROM nope",
+        "SELECT 1; SELECT 2",
+        "SELECT ?",
+        "",
+        "VACUUM INTO 'ATTACHED'",
+    ],
+)
+def test_sql_declines_what_it_cannot_answer_as_the_full_command_and_changes_nothing(
+    tmp_path: Path, statement: str
+) -> None:
+    root = make_run(tmp_path / "run")
+    attached = tmp_path / "attached.sqlite"
+    statement = statement.replace("ATTACHED", str(attached))
+    before = (root / LEDGER_FILE).read_bytes()
+    assert answer(["sql", str(root), statement], {}) is None
+    assert (root / LEDGER_FILE).read_bytes() == before
+    assert not attached.exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ROOT", "SELECT 1", "--format", "xml"],
+        ["ROOT", "SELECT 1", "--format="],
+        ["ROOT", "SELECT 1", "--db-url", "sqlite:///elsewhere.sqlite"],
+        ["ROOT"],
+        ["ROOT", "SELECT 1", "SELECT 2"],
+        ["ROOT", "--", "SELECT 1"],
+    ],
+    ids=lambda args: " ".join(args),
+)
+def test_sql_declines_any_other_form(tmp_path: Path, args: list[str]) -> None:
+    root = make_run(tmp_path / "run")
+    agree(["sql", *[str(root) if a == "ROOT" else a for a in args]], answered=False)
+
+
+def make_history(root: Path) -> Path:
+    """A metric over two attempts: the second redoes step 2 after a crash, and logs a NaN."""
+    make_run(root)
+    with CheckpointManager(root, streams=STREAMS) as mgr:
+        mgr.log_metrics(2, {"val_loss": 2.5})
+        mgr.log_metrics(3, {"val_loss": float("nan"), "lr": 1e-4})
+        mgr.log_metrics(10_000, {"val_loss": 1.25})
+    return root
+
+
+@pytest.mark.parametrize(
+    "form",
+    [["--metric", "val_loss"], ["--metric=val_loss", "--json"], ["--json", "--metric", "lr"]],
+    ids=["table", "json", "flag-first"],
+)
+def test_history_gets_the_full_commands_output(tmp_path: Path, form: list[str]) -> None:
+    root = make_history(tmp_path / "run")
+    printed = exactly(["history", str(root), *form])
+    assert str(10_000) in printed or "lr" in form
+
+
+def test_history_shows_each_attempts_redone_step_and_a_nan(tmp_path: Path) -> None:
+    root = make_history(tmp_path / "run")
+    points = json.loads(exactly(["history", str(root), "--metric", "val_loss", "--json"]))
+    redone = [p for p in points if p["step"] == 2]
+    assert [p["value"] for p in redone] == [3.0, 2.5]
+    assert redone[0]["attempt"] < redone[1]["attempt"]
+    assert [math.isnan(p["value"]) for p in points if p["step"] == 3] == [True]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ROOT", "--metric", "nope"],  # the full command names the metrics there are
+        ["ROOT"],
+        ["ROOT", "--metric", "val_loss", "--plot", "PLOT"],
+        ["ROOT", "--metric", "val_loss", "--json=yes"],
+        ["ROOT", "--metric", ""],
+    ],
+    ids=lambda args: " ".join(args),
+)
+def test_history_declines_any_other_form(tmp_path: Path, args: list[str]) -> None:
+    root = make_history(tmp_path / "run")
+    plot = tmp_path / "curve.png"
+    argv = [
+        "history",
+        *[str(root) if a == "ROOT" else str(plot) if a == "PLOT" else a for a in args],
+    ]
+    assert answer(argv, {}) is None
+    assert not plot.exists()

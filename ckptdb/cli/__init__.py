@@ -21,7 +21,7 @@ from ..errors import CkptDBError, InvalidArgumentError
 from ..policies import default_ranked_stream, policy_from_record
 from ..quickread import DB_URL_VARIABLE
 from ..reader import RunReader
-from . import fmt as clifmt
+from .. import textout as clifmt
 
 DB_URL = click.option(
     "--db-url",

@@ -15,7 +15,7 @@ from ..exports import FORMATS, ExportResult
 from ..exports.writing import DEFAULT_MAX_SHARD_SIZE
 from ..reader import RunReader
 from . import DB_URL, JSON, ROOT, main
-from . import fmt as clifmt
+from .. import textout as clifmt
 
 
 @main.command()

@@ -21,7 +21,7 @@ from ..location import is_object_url
 from ..policies import Keep, Policy, TopK
 from ..record import Checkpoint, Replica
 from . import DB_URL, JSON, ROOT, _writer, main
-from . import fmt as clifmt
+from .. import textout as clifmt
 
 FAILED = "failed"
 

@@ -1,4 +1,8 @@
-"""Output formatting for the ckptdb command: aligned tables, CSV, JSON."""
+"""Output formatting for the ckptdb command: aligned tables, CSV, JSON.
+
+Outside the CLI package so that the quick read (:mod:`ckptdb.quickread`) prints
+with the very functions the full command uses, without importing click.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..record import Checkpoint
+from .record import Checkpoint
 
 
 def cell(value: Any) -> str:
