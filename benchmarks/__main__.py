@@ -34,6 +34,7 @@ from . import (
     ledgercopy_case,
     lightning_case,
     preemption_case,
+    profile_case,
     s3_case,
     transformers_case,
 )
@@ -117,6 +118,7 @@ def suite(profile: dict[str, Any], work: Path) -> dict[str, Case]:
         ],
         "overhead": lambda: [cases.ledger_overhead(work / "overhead", max(reps, 30))],
         "floor": lambda: [cases.boundary_floor(work / "floor", max(reps, 30))],
+        "profile": lambda: profile_case.profile(work / "profile", reps),
         "restart": lambda: [cases.restart(work / "restart", profile["restart"], reps)],
         "growth": lambda: cases.growth(work / "growth", profile["growth"], reps),
         "history": lambda: cases.history(work / "history", profile["points"], min(reps, 3)),

@@ -109,7 +109,7 @@ def cold(work: Path, count: int, reps: int) -> Comparison:
     make_run(root, count)
     ledger = str(root / "ckptdb.sqlite")
     script = Path(sys.executable).with_name("ckptdb")
-    ckptdb = [str(script)] if script.exists() else [sys.executable, "-m", "ckptdb.cli"]
+    ckptdb = [str(script)] if script.exists() else [sys.executable, "-m", "ckptdb"]
     contenders = {BASELINE: _process([*SQLITE, ledger, COMMANDS["latest"][1]])}
     for name, (args, query) in COMMANDS.items():
         contenders[f"ckptdb {name}"] = _process([*ckptdb, args[0], str(root), *args[1:]])

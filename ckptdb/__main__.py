@@ -1,10 +1,10 @@
 """The ``ckptdb`` command's entry point (also ``python -m ckptdb``).
 
-``ckptdb latest ROOT`` and ``ckptdb best ROOT`` are answered by
-:mod:`ckptdb.quickread` from the standard library when they can be: a shell
-script's ``$(ckptdb latest runs/exp1)`` then costs a Python start and a couple
-of SQLite reads. Everything else, and those commands whenever the quick read
-declines, is the full command (:mod:`ckptdb.cli`).
+The plain forms of ``ckptdb latest``, ``best``, ``sql`` and ``history`` are
+answered by :mod:`ckptdb.quickread` from the standard library when they can
+be: a shell script's ``$(ckptdb latest runs/exp1)`` then costs a Python start
+and a couple of SQLite reads. Everything else, and those commands whenever the
+quick read declines, is the full command (:mod:`ckptdb.cli`).
 """
 
 from __future__ import annotations

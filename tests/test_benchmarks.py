@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 from test_boundary_sql import STEADY_STATEMENTS
 
 from benchmarks import check as bench_check
-from benchmarks import deepmd_case, s3_case, s3server
+from benchmarks import deepmd_case, profile_case, s3_case, s3server
 from benchmarks.__main__ import CASES, PROFILES, main
 from benchmarks.harness import AGAIN, Comparison, compare
 
@@ -68,6 +69,7 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
         "checkpoint interval",
         "export 16 MB DCP to safetensors",
         "cold read-only command, 200 checkpoints",
+        "where a 3-stream boundary's time goes (SQLite)",
     ):
         assert any(n.startswith(expected) for n in names), (expected, names)
     for result in report["results"]:
@@ -339,3 +341,39 @@ def test_check_of_the_floor_prints_a_verdict_per_figure_and_exits_by_them(
     assert len(verdicts) == 2, out  # the floor's ratio and its statements per boundary
     assert any("statements_per_boundary" in line for line in verdicts)
     assert code == (1 if any(not line.startswith("ok") for line in verdicts) else 0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "ledger", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+)
+def test_the_profile_splits_a_boundary_into_its_io_and_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, ledger: str
+) -> None:
+    """Every fsync, unlink, rename and statement the boundary makes is seen by the meter
+    (the counts are the boundary's own, the statements those test_boundary_sql.py pins,
+    plus a commit per transaction), and the meter leaves ``os`` as it found it."""
+    monkeypatch.delenv(profile_case.POSTGRES_VARIABLE, raising=False)
+    if ledger == "postgresql":
+        monkeypatch.setenv(profile_case.POSTGRES_VARIABLE, request.getfixturevalue("postgres_url"))
+    originals = {name: getattr(os, name) for name in ("fsync", "unlink", "replace", "rename")}
+    results = profile_case.profile(tmp_path / "work", reps=1)
+    assert {name: getattr(os, name) for name in originals} == originals
+    result = results[-1]
+    assert len(results) == (2 if ledger == "postgresql" else 1)
+    assert result.name.endswith("(PostgreSQL)" if ledger == "postgresql" else "(SQLite)")
+    boundary, minimum = result.notes["ckptdb save"], result.notes["physical minimum"]
+    streams = len(profile_case.FLOOR_STREAMS)
+    assert boundary["calls"] == {
+        "sql": STEADY_STATEMENTS[ledger] + 3,  # intent, commit, clean-up
+        "fsync": 2 * streams,  # each file, then its directory
+        "unlink": streams,  # every stream evicts one file
+        "rename": streams,
+    }
+    assert minimum["calls"] == {"sql": 1, "fsync": 2 * streams, "unlink": 0, "rename": streams}
+    for figures in (boundary, minimum):
+        parts = {k: v for k, v in figures["ms"].items() if k != "wall"}
+        assert all(v >= 0 for k, v in parts.items() if not k.startswith("rest")), parts
+        assert sum(parts.values()) == pytest.approx(figures["ms"]["wall"], abs=0.01)
+        assert figures["ms"]["sql"] > 0 and figures["ms"]["fsync"] > 0
+    assert not any((tmp_path / "work").iterdir())  # each ledger's run and files removed
