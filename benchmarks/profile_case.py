@@ -95,7 +95,7 @@ class Meter:
         event.listen(engine, "before_cursor_execute", before)
         event.listen(engine, "after_cursor_execute", after)
         dialect: Any = engine.dialect
-        pass
+        dialect.do_commit = self.timed("sql", dialect.do_commit)
 
     def snapshot(self) -> tuple[Counter[str], Counter[str]]:
         return Counter(self.seconds), Counter(self.calls)
