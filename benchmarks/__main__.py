@@ -130,7 +130,8 @@ def suite(profile: dict[str, Any], work: Path) -> dict[str, Case]:
             goodput_case.heartbeat(work / "goodput", profile["goodput"]["steps"], reps),
             *goodput_case.intervals(profile["goodput"]["reps"], profile["goodput"]["work_h"]),
         ],
-        "load": lambda: [cases.load(work / "load", profile["load_mb"], reps)],
+        # a load takes ~20 ms and its page faults vary: many samples steady the median
+        "load": lambda: [cases.load(work / "load", profile["load_mb"], max(reps, 30))],
         "cold": lambda: [cold_case.cold(work / "cold", profile["cold"], reps)],
         "export": lambda: [
             export_case.export(
