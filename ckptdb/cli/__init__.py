@@ -17,11 +17,11 @@ from typing import Any
 
 import click
 
+from .. import textout as clifmt
 from ..errors import CkptDBError, InvalidArgumentError
 from ..policies import default_ranked_stream, policy_from_record
 from ..quickread import DB_URL_VARIABLE
 from ..reader import RunReader
-from .. import textout as clifmt
 
 DB_URL = click.option(
     "--db-url",

@@ -11,11 +11,11 @@ from typing import Any
 
 import click
 
+from .. import textout as clifmt
 from ..exports import FORMATS, ExportResult
 from ..exports.writing import DEFAULT_MAX_SHARD_SIZE
 from ..reader import RunReader
 from . import DB_URL, JSON, ROOT, main
-from .. import textout as clifmt
 
 
 @main.command()

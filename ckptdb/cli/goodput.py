@@ -10,11 +10,11 @@ from pathlib import Path
 
 import click
 
+from .. import textout as clifmt
 from ..errors import InvalidArgumentError
 from ..goodput import GoodputReport, every_run
 from ..reader import RunReader
 from . import DB_URL, JSON, main, plot_option
-from .. import textout as clifmt
 
 FIGURES = ("productive_s", "saving_s", "lost_s", "restart_s", "idle_s", "total_s")
 

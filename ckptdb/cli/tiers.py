@@ -16,12 +16,12 @@ from typing import Any, Literal
 
 import click
 
+from .. import textout as clifmt
 from ..errors import InvalidArgumentError
 from ..location import is_object_url
 from ..policies import Keep, Policy, TopK
 from ..record import Checkpoint, Replica
 from . import DB_URL, JSON, ROOT, _writer, main
-from .. import textout as clifmt
 
 FAILED = "failed"
 
