@@ -182,6 +182,9 @@ def test_ckptdb_follow_evaluates_every_checkpoint_of_a_running_trainer(
         [sys.executable, str(trainer_py), str(root), "6", "0.3"], stdout=subprocess.PIPE, text=True
     )
     try:
+        # the follower's idle clock starts once the trainer saves: its import (3 s of torch
+        # on a slow machine) would otherwise use up the follower's 3 idle seconds
+        assert trainer.stdout is not None and trainer.stdout.readline().split() == ["saved", "1"]
         follower = subprocess.run(
             follow_cmd(root, evaluator_py, "--timeout", "3"),
             capture_output=True,
