@@ -39,6 +39,7 @@ from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.pool import NullPool
 
 from ckptdb import CheckpointManager
+from ckptdb.errors import note_on
 
 from .cases import FLOOR_STREAMS, SyncedSqliteCommit, durable_publish
 from .harness import Comparison, compare
@@ -222,7 +223,18 @@ def _schema(url: str) -> Iterator[str]:
             conn.exec_driver_sql(f"CREATE SCHEMA {name}")
         options = {"options": f"-csearch_path={name}"}
         yield make_url(url).update_query_dict(options).render_as_string(hide_password=False)
+    except BaseException as primary:
+        try:
+            _drop_schema(admin, name)
+        except Exception as dropping:  # the profile's own error stays the one raised
+            note_on(primary, f"dropping the profile's schema {name} failed too: {dropping!r}")
+        raise
+    else:
+        _drop_schema(admin, name)
     finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f"DROP SCHEMA IF EXISTS {name} CASCADE")
         admin.dispose()
+
+
+def _drop_schema(admin: Engine, name: str) -> None:
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"DROP SCHEMA IF EXISTS {name} CASCADE")

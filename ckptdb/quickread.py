@@ -36,13 +36,13 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote
 
 from . import textout
 from .location import is_object_url, rebased
 from .policies import Entry, Policy, PolicyRecord, default_ranked_stream, policy_from_record
 from .record import COMMITTED, LEDGER_FILE, LEDGER_REVISION
+from .sqliteread import lock_read_only
 
 #: The environment variable the command reads a ledger URL from (``--db-url``).
 DB_URL_VARIABLE = "CKPTDB_DB_URL"
@@ -122,8 +122,7 @@ def answer(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
     try:
         uri = f"file:{quote(str(ledger))}?mode=ro"
         with closing(sqlite3.connect(uri, uri=True, timeout=1.0)) as db:
-            db.execute("PRAGMA query_only = ON")
-            db.set_authorizer(_deny_attach)  # query_only does not cover ATTACH
+            lock_read_only(db)
             return _answer(db, question, root)
     except (sqlite3.Error, OSError, ValueError):
         # declined, not hidden: the full command meets the same file and reports it
@@ -166,10 +165,6 @@ def parse(argv: Sequence[str]) -> Question | None:
         and all(options.get(name, allowed[0]) in allowed for name, allowed in form.choices.items())
     )
     return Question(argv[0], tuple(arguments), options, frozenset(flags)) if plain else None
-
-
-def _deny_attach(action: int, *_: Any) -> int:
-    return sqlite3.SQLITE_DENY if action == sqlite3.SQLITE_ATTACH else sqlite3.SQLITE_OK
 
 
 def _answer(db: sqlite3.Connection, question: Question, root: Path) -> str | None:

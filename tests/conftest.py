@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import headroom
 import pytest
 import s3lib
 from click.testing import CliRunner
@@ -135,6 +136,14 @@ def backend(request: pytest.FixtureRequest) -> str | None:
         return None
     url: str = request.getfixturevalue("pg_url")
     return url
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """With ``CKPTDB_TEST_TIMINGS=DIR``, each test's seconds and timeout go to DIR as it
+    ends (tests/headroom.py reads them: which tests are short of 3x headroom)."""
+    directory = os.environ.get(headroom.TIMINGS_VARIABLE)
+    if directory:
+        config.pluginmanager.register(headroom.Recorder(Path(directory)), "ckptdb-headroom")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -377,3 +377,59 @@ def test_the_profile_splits_a_boundary_into_its_io_and_the_rest(
         assert sum(parts.values()) == pytest.approx(figures["ms"]["wall"], abs=0.01)
         assert figures["ms"]["sql"] > 0 and figures["ms"]["fsync"] > 0
     assert not any((tmp_path / "work").iterdir())  # each ledger's run and files removed
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(60)
+def test_the_profiles_postgresql_schema_is_dropped_and_a_failed_drop_never_hides_the_error(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The schema the profile writes in goes away after it, even when the profile fails;
+    a drop that fails then goes on the profile's error as a note, not in its place."""
+    from sqlalchemy import create_engine, inspect, make_url
+
+    admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+
+    def exists(name: str) -> bool:
+        return name in inspect(admin).get_schema_names()
+
+    made: list[str] = []
+
+    def schema_of(url: str) -> str:
+        made.append(str(make_url(url).query["options"]).removeprefix("-csearch_path="))
+        return made[-1]
+
+    try:
+        with (
+            pytest.raises(RuntimeError, match="the profile failed") as failed,
+            profile_case._schema(postgres_url) as url,
+        ):
+            name = schema_of(url)
+            assert exists(name)
+            raise RuntimeError("the profile failed")
+        assert not exists(name) and not getattr(failed.value, "__notes__", [])
+
+        def broken_drop(engine: object, name: str) -> None:
+            raise ConnectionError(f"lost the server while dropping {name}")
+
+        monkeypatch.setattr(profile_case, "_drop_schema", broken_drop)
+        with (
+            pytest.raises(RuntimeError, match="the profile failed") as failed,
+            profile_case._schema(postgres_url) as url,
+        ):
+            name = schema_of(url)
+            raise RuntimeError("the profile failed")
+        (note,) = failed.value.__notes__
+        assert f"dropping the profile's schema {name} failed too" in note
+        assert "lost the server" in note and exists(name)
+        with (
+            pytest.raises(ConnectionError, match="lost the server"),  # alone: its own error
+            profile_case._schema(postgres_url) as url,
+        ):
+            second = schema_of(url)
+        assert exists(second)
+    finally:
+        with admin.connect() as conn:  # what the broken drop left behind
+            for leftover in made:
+                conn.exec_driver_sql(f"DROP SCHEMA IF EXISTS {leftover} CASCADE")
+        admin.dispose()

@@ -30,10 +30,11 @@ ALLOWED = {
     "guard": set(),
     "lazy": set(),  # a package's names imported on first use (no torch on a read)
     # `ckptdb latest`/`best` from the standard library: no SQLAlchemy, so not the ledger
-    "quickread": {"location", "policies", "record", "textout"},
+    "quickread": {"location", "policies", "record", "sqliteread", "textout"},
     "textout": {"record"},  # the command's tables, CSV and JSON (the quick read prints them too)
     "storage": {"errors", "faults", "lazy", "location", "policies", "trace"},
-    "ledger": {"errors", "faults", "location", "policies", "record", "trace"},
+    "sqliteread": set(),  # a read-only SQLite connection's locks (both readers use them)
+    "ledger": {"errors", "faults", "location", "policies", "record", "sqliteread", "trace"},
     "coord": {"errors"},
     "preemption": {"errors", "record"},
     "protocol": {

@@ -53,6 +53,7 @@ from ..errors import (
 )
 from ..record import LEDGER_FILE as RUN_LEDGER_FILE
 from ..record import LEDGER_REVISION
+from ..sqliteread import lock_read_only
 from . import driver
 from .held import CONNECTION, WriterConnection
 
@@ -190,9 +191,7 @@ def _configure_sqlite(engine: Engine, *, readonly: bool) -> None:
             cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
             cursor.execute("PRAGMA foreign_keys = ON")
             if readonly:
-                cursor.execute("PRAGMA query_only = ON")
-                # query_only does not cover ATTACH, which would create a file
-                dbapi_connection.set_authorizer(_deny_attach)
+                lock_read_only(dbapi_connection)
             else:
                 cursor.execute("PRAGMA journal_mode = WAL")
                 # metric batches update three B-trees; a larger page cache (allocated
@@ -225,12 +224,6 @@ def _configure_sqlite(engine: Engine, *, readonly: bool) -> None:
             driver.execute(connection, f"PRAGMA synchronous = {level}")
             info[_SYNC_LEVEL] = level
         driver.execute(connection, "BEGIN IMMEDIATE")
-
-
-def _deny_attach(action: int, *_: object) -> int:
-    if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH):
-        return sqlite3.SQLITE_DENY
-    return sqlite3.SQLITE_OK
 
 
 def migrations_dir() -> Path:
