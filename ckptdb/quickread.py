@@ -2,7 +2,8 @@
 
 "What is my latest (or best) checkpoint" is the question scripts ask most
 (``--resume "$(ckptdb latest runs/exp1)"``), followed by a query over the
-ledger (``ckptdb sql``) or a metric's curve (``ckptdb history``). On the
+ledger (``ckptdb sql``), a metric's curve (``ckptdb history``) or the list of
+checkpoints (``ckptdb list``). On the
 default SQLite ledger each answer is a few indexed reads of one file. The full
 command imports click, SQLAlchemy and the ledger's models first, which costs a
 cold process most of half a second; ``sqlite3`` answers in milliseconds.
@@ -10,16 +11,18 @@ cold process most of half a second; ``sqlite3`` answers in milliseconds.
 So the command's entry point (:mod:`ckptdb.__main__`) asks :func:`answer`
 first. It answers only the plain forms (:data:`COMMANDS`: ``latest ROOT
 [--stream S]``, ``best ROOT [--stream S]``, ``sql ROOT STATEMENT [--format
-F]``, ``history ROOT --metric M [--json]``), and only where the full command
-would print the same lines: a run's own SQLite ledger at this ckptdb's
-schema, a stream the run has, a local save directory, and something to print
-(a committed checkpoint, rows, points). Anything else (another ledger URL, an
-older schema, an unknown or ambiguous stream, no checkpoint yet, a statement
-that fails or returns no rows, an unknown metric, a locked or unreadable file,
-any other option) returns None, and the full command answers, with its errors.
-The statements mirror :func:`ckptdb.ledger.rows.find_run`,
-:func:`ckptdb.ledger.lookup.latest`, ``RunQueries.best`` and
-``RunQueries.metric_history``; what is not SQL is shared with the ledger and
+F]``, ``history ROOT --metric M [--json]``, ``list ROOT [--stream S] [--all]
+[--json]``), and only where the full command would print the same lines: a
+run's own SQLite ledger at this ckptdb's schema, a stream the run has, a local
+save directory, and something to print (a committed checkpoint, rows, points).
+Anything else (another ledger URL, an older schema, an unknown or ambiguous
+stream, no checkpoint yet, a statement that fails or returns no rows, an
+unknown metric, a run with copies on a remote tier or exports for ``list``, a
+locked or unreadable file, any other option) returns None, and the full command
+answers, with its errors. The statements mirror
+:func:`ckptdb.ledger.rows.find_run`, :func:`ckptdb.ledger.lookup.latest`,
+``RunQueries.best``, ``RunQueries.metric_history`` and
+``RunQueries.checkpoints`` (with ``rows.to_record``); what is not SQL is shared with the ledger and
 the full command: :func:`ckptdb.location.rebased`, the default stream of
 ``best``, the policies (``best`` ranks with the stream's own policy object, so
 ties and ``TopK(last=...)`` rank as they do everywhere else) and the output's
@@ -30,18 +33,21 @@ tests/test_quickread.py compares the two answers.
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import math
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from . import textout
 from .location import is_object_url, rebased
 from .policies import Entry, Policy, PolicyRecord, default_ranked_stream, policy_from_record
-from .record import COMMITTED, LEDGER_FILE, LEDGER_REVISION
+from .record import COMMITTED, LEDGER_FILE, LEDGER_REVISION, STATES, Checkpoint
 from .sqliteread import lock_read_only
 
 #: The environment variable the command reads a ledger URL from (``--db-url``).
@@ -74,6 +80,7 @@ COMMANDS: dict[str, Form] = {
     "best": Form(1, ("--stream",)),
     "sql": Form(2, ("--format",), {"--format": ("table", "csv", "json")}),
     "history": Form(1, ("--metric",), required=("--metric",), flags=("--json",)),
+    "list": Form(1, ("--stream",), flags=("--all", "--json")),
 }
 
 
@@ -242,11 +249,85 @@ def _history(db: sqlite3.Connection, question: Question, run: _Run, root: Path) 
     return textout.table(["step", metric, "attempt"], points)
 
 
+def _list(db: sqlite3.Connection, question: Question, run: _Run, root: Path) -> str | None:
+    """``list``: the run's checkpoints by stream then step (``RunQueries.checkpoints``).
+
+    A run with copies on a remote tier or exports is left to the full command,
+    which adds a column for each.
+    """
+    stream = question.options.get("--stream")
+    if is_object_url(run.save_dir) or (stream is not None and stream not in _policies(db, run.id)):
+        return None
+    for table in ("replicas", "exports"):
+        if db.execute(f"SELECT 1 FROM {table} WHERE run_id = ? LIMIT 1", (run.id,)).fetchall():
+            return None
+    states = STATES if "--all" in question.flags else (COMMITTED,)
+    query = (
+        f"SELECT {', '.join(_CHECKPOINT_FIELDS)} FROM checkpoints WHERE run_id = ?"
+        f" AND state IN ({', '.join('?' * len(states))})"
+    )
+    parameters: list[object] = [run.id, *states]
+    if stream is not None:
+        query, parameters = query + " AND stream = ?", [*parameters, stream]
+    save_dir = rebased(run.save_dir, run.root, root)
+    found = [
+        _checkpoint(row, save_dir)
+        for row in db.execute(query + " ORDER BY stream, step, id", parameters)
+    ]
+    if "--json" in question.flags:
+        listed = [{**textout.checkpoint_dict(c), "remote": None, "exports": []} for c in found]
+        return textout.to_json(listed)
+    rows = [textout.checkpoint_row(c) for c in found]
+    return textout.table(list(textout.CHECKPOINT_COLUMNS), rows)
+
+
+#: The columns of a checkpoint row, in the order of :class:`ckptdb.record.Checkpoint`'s fields.
+_CHECKPOINT_FIELDS = (
+    "stream",
+    "step",
+    "path",
+    "size",
+    "hash",
+    "metric",
+    "state",
+    "committed_at",
+    "id",
+    "attempt_id",
+    "metrics",
+    "world_size",
+)
+
+
+def _checkpoint(row: Sequence[Any], save_dir: Path) -> Checkpoint:
+    """A checkpoint row as the ledger's ``to_record`` reads it: the path under the save
+    directory, the naive UTC timestamp made aware, the metrics' JSON parsed."""
+    stream, step, path, size, hash_, metric, state, committed, id_, attempt, metrics, ranks = row
+    return Checkpoint(
+        stream,
+        step,
+        save_dir / path,
+        size,
+        hash_,
+        metric,
+        state,
+        None if committed is None else _utc(committed),
+        id_,
+        attempt,
+        json.loads(metrics) if metrics else {},
+        ranks,
+    )
+
+
+def _utc(stored: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(stored).replace(tzinfo=dt.timezone.utc)
+
+
 _ANSWERS: dict[str, Callable[[sqlite3.Connection, Question, _Run, Path], str | None]] = {
     "latest": _checkpoint_paths,
     "best": _checkpoint_paths,
     "sql": _sql,
     "history": _history,
+    "list": _list,
 }
 
 

@@ -1,9 +1,10 @@
-"""``ckptdb latest``/``best``/``sql``/``history`` from the standard library: the full
-command's output, or none.
+"""``ckptdb latest``/``best``/``sql``/``history``/``list`` from the standard library:
+the full command's output, or none.
 
 :mod:`ckptdb.quickread` answers the plain forms of ``ckptdb latest|best ROOT
-[--stream S]``, ``ckptdb sql ROOT STATEMENT [--format F]`` and ``ckptdb history
-ROOT --metric M [--json]`` with ``sqlite3`` alone and declines everything else.
+[--stream S]``, ``ckptdb sql ROOT STATEMENT [--format F]``, ``ckptdb history
+ROOT --metric M [--json]`` and ``ckptdb list ROOT [--stream S] [--all] [--json]``
+with ``sqlite3`` alone and declines everything else.
 What it must never do is print a line the full command would not: each test
 here builds a run in some state, asks both, and requires the quick answer to be
 either the full command's own output or None (the full command then answers,
@@ -228,6 +229,7 @@ def entry(*args: str) -> subprocess.CompletedProcess[str]:
         ["best", "ROOT"],
         ["sql", "ROOT", "SELECT stream, step FROM latest_checkpoints", "--format", "json"],
         ["history", "ROOT", "--metric", "val_loss"],
+        ["list", "ROOT", "--all"],
     ],
     ids=lambda args: args[0],
 )
@@ -248,10 +250,10 @@ def test_a_declined_question_is_the_full_commands(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "no stream 'nope' is configured" in done.stderr
     assert "click" in done.stdout.splitlines()[-1]
-    listed = entry("list", str(root), "--json")
-    assert listed.returncode == 0, listed.stderr
-    rows = json.loads("\n".join(listed.stdout.splitlines()[:-1]))
-    assert len(rows) == 4  # the full command ran: model and best, two each
+    status = entry("status", str(root), "--json")
+    assert status.returncode == 0, status.stderr
+    data = json.loads("\n".join(status.stdout.splitlines()[:-1]))
+    assert sorted(s["name"] for s in data["streams"]) == sorted(STREAMS)  # the full command ran
 
 
 def exactly(argv: list[str]) -> str:
@@ -386,3 +388,117 @@ def test_history_declines_any_other_form(tmp_path: Path, args: list[str]) -> Non
     ]
     assert answer(argv, {}) is None
     assert not plot.exists()
+
+
+def make_listing(root: Path) -> Path:
+    """Checkpoints in every state a listing shows: evicted (deleted), lost, one without
+    its metric or timestamp (aborted), one saved by 2 ranks; metrics on each."""
+    make_run(root, steps=4)
+    with CheckpointManager(root, streams=STREAMS) as mgr:
+        mgr.save(4, model={"w": torch.zeros(1)})  # no val_loss: best is not saved
+    sql(root, "UPDATE checkpoints SET world_size = 2 WHERE stream = 'model' AND step = 4")
+    sql(root, "UPDATE checkpoints SET state = 'lost' WHERE stream = 'best' AND step = 3")
+    sql(
+        root,
+        "UPDATE checkpoints SET state = 'aborted', committed_at = NULL, metric = NULL"
+        " WHERE stream = 'model' AND step = 0",
+    )
+    return root
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        [],
+        ["--all"],
+        ["--stream", "best", "--all"],
+        ["--stream=model"],
+        ["--json"],
+        ["--all", "--json"],
+        ["--stream", "ema"],  # configured, nothing saved: the table's header alone
+        ["--stream", "ema", "--json"],
+    ],
+    ids=lambda form: " ".join(form) or "plain",
+)
+def test_list_gets_the_full_commands_output(tmp_path: Path, form: list[str]) -> None:
+    root = make_listing(tmp_path / "run")
+    exactly(["list", str(root), *form])
+    exactly(["list", *form, str(root)])  # options first
+
+
+def test_list_shows_every_state_and_what_each_row_holds(tmp_path: Path) -> None:
+    root = make_listing(tmp_path / "run")
+    listed = json.loads(exactly(["list", str(root), "--all", "--json"]))
+    by_key = {(c["stream"], c["step"]): c for c in listed}
+    assert [(c["stream"], c["step"]) for c in listed] == sorted(by_key)
+    states = {key: c["state"] for key, c in by_key.items()}
+    assert states[("model", 0)] == "aborted" and states[("best", 3)] == "lost"
+    assert {states[("model", 1)], states[("best", 0)]} == {"deleted"}  # evicted
+    assert by_key[("model", 0)]["committed_at"] is None
+    assert by_key[("model", 4)]["world_size"] == 2 and by_key[("model", 4)]["metric"] is None
+    assert by_key[("best", 2)]["metrics"] == {"val_loss": 3.0}
+    assert by_key[("model", 4)]["committed_at"].endswith("+00:00")  # aware, UTC
+    assert all(c["remote"] is None and c["exports"] == [] for c in listed)
+    shown = exactly(["list", str(root)]).splitlines()
+    assert len(shown) == 1 + sum(s == "committed" for s in states.values())
+
+
+def test_list_of_a_moved_run_shows_its_files_where_they_are_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = make_listing(tmp_path / "run")
+    moved = tmp_path / "moved"
+    root.rename(moved)
+    monkeypatch.chdir(tmp_path)
+    listed = json.loads(exactly(["list", "moved", "--json"]))
+    assert listed and all(Path(c["path"]).is_relative_to(moved) for c in listed)
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        ["ROOT", "--stream", "nope"],  # the full command names the streams
+        ["ROOT", "--stream"],
+        ["ROOT", "--db-url", "sqlite:///elsewhere.sqlite"],
+        ["ROOT", "--all=yes"],
+        ["ROOT", "ROOT"],
+        ["ROOT", "--tier", "remote"],
+    ],
+    ids=lambda args: " ".join(args),
+)
+def test_list_declines_any_other_form(tmp_path: Path, form: list[str]) -> None:
+    root = make_run(tmp_path / "run")
+    agree(["list", *[str(root) if a == "ROOT" else a for a in form]], answered=False)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "INSERT INTO replicas (run_id, checkpoint_id, tier, location, state, started_at)"
+        " SELECT run_id, id, 'remote', 's3://b/x', 'replicated', '2026-01-01 00:00:00.000000'"
+        " FROM checkpoints LIMIT 1",
+        "INSERT INTO exports (run_id, checkpoint_id, format, path, size, hash, manifest, tensors,"
+        " created_at) SELECT run_id, id, 'safetensors', '/x', 1, 'h', '[]', 1,"
+        " '2026-01-01 00:00:00.000000' FROM checkpoints LIMIT 1",
+        "UPDATE runs SET save_dir = 's3://bucket/run'",
+    ],
+    ids=["a-copy-on-a-tier", "an-export", "object-storage"],
+)
+def test_list_leaves_the_columns_it_does_not_draw_to_the_full_command(
+    tmp_path: Path, change: str
+) -> None:
+    root = make_run(tmp_path / "run")
+    sql(root, change)
+    assert answer(["list", str(root)], {}) is None
+
+
+def test_the_listings_columns_are_the_checkpoint_records_fields_in_order() -> None:
+    """The quick read builds each record from its row by position: a field added to
+    ``Checkpoint`` or moved must be mirrored there, or rows would fill the wrong fields."""
+    import dataclasses
+
+    from ckptdb import quickread
+    from ckptdb.record import Checkpoint
+
+    fields = tuple(f.name for f in dataclasses.fields(Checkpoint))
+    assert fields == quickread._CHECKPOINT_FIELDS

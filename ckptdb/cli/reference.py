@@ -39,9 +39,10 @@ edit the docstrings and options in `ckptdb/cli/__init__.py`, then run:
 An overview of the commands, with example output, is on the
 [home page](index.md#the-ckptdb-command).
 `python -m ckptdb` runs the same command as the `ckptdb` script. The plain
-forms of four read-only commands, `ckptdb latest ROOT` and `ckptdb best ROOT`
+forms of five read-only commands, `ckptdb latest ROOT` and `ckptdb best ROOT`
 (with `--stream` at most), `ckptdb sql ROOT STATEMENT` (with `--format` at
-most) and `ckptdb history ROOT --metric M` (with `--json` at most), answer from
+most), `ckptdb history ROOT --metric M` (with `--json` at most) and
+`ckptdb list ROOT` (with `--stream`, `--all` and `--json` at most), answer from
 the run's SQLite file without loading the rest of the command; their output
 and errors are the same.
 """
