@@ -141,9 +141,7 @@ def backend(request: pytest.FixtureRequest) -> str | None:
 def pytest_configure(config: pytest.Config) -> None:
     """With ``CKPTDB_TEST_TIMINGS=DIR``, each test's seconds and timeout go to DIR as it
     ends (tests/headroom.py reads them: which tests are short of 3x headroom)."""
-    directory = os.environ.get(headroom.TIMINGS_VARIABLE)
-    if directory:
-        config.pluginmanager.register(headroom.Recorder(Path(directory)), "ckptdb-headroom")
+    headroom.register(config)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -6,8 +6,8 @@ itself). The record is one JSON line per test, appended the moment the test ends
 to a file per xdist worker, so a run cut short keeps everything it measured (a
 JUnit report is written only at the end).
 
-Set ``CKPTDB_TEST_TIMINGS`` to a directory to record (tests/conftest.py registers
-:class:`Recorder` then); ``python tests/headroom.py DIR [DIR ...]`` reads the
+Set ``CKPTDB_TEST_TIMINGS`` to a directory to record (tests/conftest.py calls
+:func:`register`); ``python tests/headroom.py DIR [DIR ...]`` reads the
 records of one or more runs and lists the tests with less than 3x headroom.
 """
 
@@ -25,6 +25,18 @@ import pytest
 TIMINGS_VARIABLE = "CKPTDB_TEST_TIMINGS"
 #: The headroom every test needs under its timeout on a loaded machine.
 REQUIRED = 3.0
+
+
+def register(config: pytest.Config) -> None:
+    """Record this process's tests when ``CKPTDB_TEST_TIMINGS`` names a directory.
+
+    Not on xdist's controller, which only relays its workers' reports (and never
+    sees a test's setup, so it would write each test again without its timeout).
+    """
+    directory = os.environ.get(TIMINGS_VARIABLE)
+    runs_tests = hasattr(config, "workerinput") or not config.getoption("numprocesses", None)
+    if directory and runs_tests:
+        config.pluginmanager.register(Recorder(Path(directory)), "ckptdb-headroom")
 
 
 class Recorder:
