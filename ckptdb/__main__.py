@@ -1,6 +1,6 @@
 """The ``ckptdb`` command's entry point (also ``python -m ckptdb``).
 
-The plain forms of ``ckptdb latest``, ``best``, ``sql``, ``history`` and ``list`` are
+The plain forms of ``ckptdb latest``, ``best``, ``sql``, ``history``, ``list`` and ``status`` are
 answered by :mod:`ckptdb.quickread` from the standard library when they can
 be: a shell script's ``$(ckptdb latest runs/exp1)`` then costs a Python start
 and a couple of SQLite reads. Everything else, and those commands whenever the

@@ -2,8 +2,8 @@
 
 "What is my latest (or best) checkpoint" is the question scripts ask most
 (``--resume "$(ckptdb latest runs/exp1)"``), followed by a query over the
-ledger (``ckptdb sql``), a metric's curve (``ckptdb history``) or the list of
-checkpoints (``ckptdb list``). On the
+ledger (``ckptdb sql``), a metric's curve (``ckptdb history``), the list of
+checkpoints (``ckptdb list``) or the run's summary (``ckptdb status``). On the
 default SQLite ledger each answer is a few indexed reads of one file. The full
 command imports click, SQLAlchemy and the ledger's models first, which costs a
 cold process most of half a second; ``sqlite3`` answers in milliseconds.
@@ -12,21 +12,23 @@ So the command's entry point (:mod:`ckptdb.__main__`) asks :func:`answer`
 first. It answers only the plain forms (:data:`COMMANDS`: ``latest ROOT
 [--stream S]``, ``best ROOT [--stream S]``, ``sql ROOT STATEMENT [--format
 F]``, ``history ROOT --metric M [--json]``, ``list ROOT [--stream S] [--all]
-[--json]``), and only where the full command would print the same lines: a
+[--json]``, ``status ROOT [--json]``), and only where the full command would print the same lines: a
 run's own SQLite ledger at this ckptdb's schema, a stream the run has, a local
 save directory, and something to print (a committed checkpoint, rows, points).
 Anything else (another ledger URL, an older schema, an unknown or ambiguous
 stream, no checkpoint yet, a statement that fails or returns no rows, an
-unknown metric, a run with copies on a remote tier or exports for ``list``, a
+unknown metric, a run with copies on a remote tier (or exports, for ``list``), a
 locked or unreadable file, any other option) returns None, and the full command
 answers, with its errors. The statements mirror
 :func:`ckptdb.ledger.rows.find_run`, :func:`ckptdb.ledger.lookup.latest`,
-``RunQueries.best``, ``RunQueries.metric_history`` and
-``RunQueries.checkpoints`` (with ``rows.to_record``); what is not SQL is shared with the ledger and
+``RunQueries.best``, ``RunQueries.metric_history``,
+``RunQueries.checkpoints`` (with ``rows.to_record``) and the reader's counts,
+attempts and events; what is not SQL is shared with the ledger and
 the full command: :func:`ckptdb.location.rebased`, the default stream of
 ``best``, the policies (``best`` ranks with the stream's own policy object, so
-ties and ``TopK(last=...)`` rank as they do everywhere else) and the output's
-format (:mod:`ckptdb.textout`). A statement of ``sql`` meets the restrictions
+ties and ``TopK(last=...)`` rank as they do everywhere else), the output's
+format (:mod:`ckptdb.textout`) and the status's parts and text
+(:mod:`ckptdb.statusout`). A statement of ``sql`` meets the restrictions
 of the full command's reader: a read-only file, ``query_only``, no ``ATTACH``.
 tests/test_quickread.py compares the two answers.
 """
@@ -37,6 +39,7 @@ import datetime as dt
 import json
 import math
 import sqlite3
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -44,7 +47,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from . import textout
+from . import statusout, textout
 from .location import is_object_url, rebased
 from .policies import Entry, Policy, PolicyRecord, default_ranked_stream, policy_from_record
 from .record import COMMITTED, LEDGER_FILE, LEDGER_REVISION, STATES, Checkpoint
@@ -81,6 +84,7 @@ COMMANDS: dict[str, Form] = {
     "sql": Form(2, ("--format",), {"--format": ("table", "csv", "json")}),
     "history": Form(1, ("--metric",), required=("--metric",), flags=("--json",)),
     "list": Form(1, ("--stream",), flags=("--all", "--json")),
+    "status": Form(1, flags=("--json",)),
 }
 
 
@@ -258,27 +262,32 @@ def _list(db: sqlite3.Connection, question: Question, run: _Run, root: Path) -> 
     stream = question.options.get("--stream")
     if is_object_url(run.save_dir) or (stream is not None and stream not in _policies(db, run.id)):
         return None
-    for table in ("replicas", "exports"):
-        if db.execute(f"SELECT 1 FROM {table} WHERE run_id = ? LIMIT 1", (run.id,)).fetchall():
-            return None
+    if _has_rows(db, run.id, "replicas", "exports"):
+        return None
     states = STATES if "--all" in question.flags else (COMMITTED,)
-    query = (
-        f"SELECT {', '.join(_CHECKPOINT_FIELDS)} FROM checkpoints WHERE run_id = ?"
-        f" AND state IN ({', '.join('?' * len(states))})"
-    )
-    parameters: list[object] = [run.id, *states]
-    if stream is not None:
-        query, parameters = query + " AND stream = ?", [*parameters, stream]
     save_dir = rebased(run.save_dir, run.root, root)
-    found = [
-        _checkpoint(row, save_dir)
-        for row in db.execute(query + " ORDER BY stream, step, id", parameters)
-    ]
+    found = _checkpoints(db, run.id, states, stream, save_dir)
     if "--json" in question.flags:
         listed = [{**textout.checkpoint_dict(c), "remote": None, "exports": []} for c in found]
         return textout.to_json(listed)
     rows = [textout.checkpoint_row(c) for c in found]
     return textout.table(list(textout.CHECKPOINT_COLUMNS), rows)
+
+
+def _checkpoints(
+    db: sqlite3.Connection, run_id: int, states: Sequence[str], stream: str | None, save_dir: Path
+) -> list[Checkpoint]:
+    """The run's checkpoints in ``states`` (of ``stream`` only if given), by stream then step
+    (``rows.rows_in_state``)."""
+    query = (
+        f"SELECT {', '.join(_CHECKPOINT_FIELDS)} FROM checkpoints WHERE run_id = ?"
+        f" AND state IN ({', '.join('?' * len(states))})"
+    )
+    parameters: list[object] = [run_id, *states]
+    if stream is not None:
+        query, parameters = query + " AND stream = ?", [*parameters, stream]
+    rows = db.execute(query + " ORDER BY stream, step, id", parameters)
+    return [_checkpoint(row, save_dir) for row in rows]
 
 
 #: The columns of a checkpoint row, in the order of :class:`ckptdb.record.Checkpoint`'s fields.
@@ -322,12 +331,138 @@ def _utc(stored: str) -> dt.datetime:
     return dt.datetime.fromisoformat(stored).replace(tzinfo=dt.timezone.utc)
 
 
+def _status(db: sqlite3.Connection, question: Question, run: _Run, root: Path) -> str | None:
+    """``status``: the data ``ckptdb status --json`` gathers, printed by :mod:`ckptdb.statusout`.
+
+    A run with a registered tier or copies on one is left to the full command:
+    its lines there read the replicator's own state file and the copies.
+    """
+    if is_object_url(run.save_dir) or _has_rows(db, run.id, "tiers", "replicas"):
+        return None
+    save_dir = rebased(run.save_dir, run.root, root)
+    data = {
+        "run": db.execute("SELECT name FROM runs WHERE id = ?", (run.id,)).fetchone()[0],
+        "root": str(root),
+        **_streams(db, run.id, save_dir),
+        "states": _counts(db, "state", run.id),
+        "attempts": [
+            {
+                "id": ident,
+                "started_at": textout.jsonable(_utc(started)),
+                "end_state": end_state,
+                "kind": kind,
+                "host": host,
+                "pid": pid,
+            }
+            for ident, started, end_state, kind, host, pid in db.execute(
+                "SELECT id, started_at, end_state, kind, host, pid FROM attempts"
+                " WHERE run_id = ? ORDER BY id",
+                (run.id,),
+            )
+        ],
+        "preemptions": statusout.preemption_summary(
+            _events(db, run.id, statusout.PREEMPTION_EVENTS)
+        ),
+        "interval": statusout.interval_now(_newest(_events(db, run.id, ("interval",)))),
+        "tiers": [],
+        "replicas": {},
+        "events": [
+            {"time": textout.cell(e.time), "kind": e.kind, "step": e.step, "detail": e.detail}
+            for e in _events(db, run.id, None, newest=8)
+        ],
+    }
+    if "--json" in question.flags:
+        return textout.to_json(data)
+    return statusout.render(data, bold=_bold if sys.stdout.isatty() else str)
+
+
+def _streams(db: sqlite3.Connection, run_id: int, save_dir: Path) -> dict[str, Any]:
+    """Each stream's policy, latest and count, and each top-K stream's members, ranked."""
+    streams, best = [], {}
+    committed = _counts(db, "stream", run_id, COMMITTED)
+    for name, policy in _policies(db, run_id).items():
+        latest = db.execute(
+            "SELECT c.step, c.path FROM checkpoints c JOIN pointers p ON p.checkpoint_id = c.id"
+            " WHERE p.run_id = ? AND p.name = ? AND c.state = ?",
+            (run_id, f"latest:{name}", COMMITTED),
+        ).fetchone()
+        streams.append(
+            {
+                "name": name,
+                "policy": policy.describe(),
+                "latest_step": latest[0] if latest else None,
+                "latest_path": str(save_dir / latest[1]) if latest else None,
+                "committed": committed.get(name, 0),
+            }
+        )
+        if policy.ranking_metric is not None:
+            members = _checkpoints(db, run_id, (COMMITTED,), name, save_dir)
+            by_id = {c.id: c for c in members}
+            ranked = policy.ranked([Entry(id=c.id, step=c.step, metric=c.metric) for c in members])
+            best[name] = [textout.checkpoint_dict(by_id[e.id]) for e in ranked]
+    return {"streams": streams, "best": best}
+
+
+def _counts(
+    db: sqlite3.Connection, column: str, run_id: int, state: str | None = None
+) -> dict[str, int]:
+    """Rows per value of ``column`` (``state`` or ``stream``), in ``state`` only if given."""
+    where = "run_id = ?" + (" AND state = ?" if state is not None else "")
+    parameters = (run_id, state) if state is not None else (run_id,)
+    found = db.execute(
+        f"SELECT {column}, count(*) FROM checkpoints WHERE {where} GROUP BY {column}", parameters
+    )
+    return {str(value): int(count) for value, count in found}
+
+
+@dataclass(frozen=True)
+class _Event:
+    kind: str
+    time: dt.datetime
+    attempt_id: int | None
+    step: int | None
+    detail: str | None
+
+
+def _events(
+    db: sqlite3.Connection, run_id: int, kinds: Sequence[str] | None, newest: int | None = None
+) -> list[_Event]:
+    """The run's events of ``kinds`` (None: any), oldest first; only the ``newest`` if given."""
+    where, parameters = "run_id = ?", list[object]([run_id])
+    if kinds is not None:
+        where += f" AND kind IN ({', '.join('?' * len(kinds))})"
+        parameters += list(kinds)
+    order = f"ORDER BY id DESC LIMIT {int(newest)}" if newest is not None else "ORDER BY id"
+    found = db.execute(
+        f"SELECT kind, time, attempt_id, step, detail FROM events WHERE {where} {order}", parameters
+    ).fetchall()
+    events = [_Event(kind, _utc(at), a, s, text) for kind, at, a, s, text in found]
+    return events[::-1] if newest is not None else events
+
+
+def _newest(events: list[_Event]) -> _Event | None:
+    return events[-1] if events else None
+
+
+def _has_rows(db: sqlite3.Connection, run_id: int, *tables: str) -> bool:
+    return any(
+        db.execute(f"SELECT 1 FROM {table} WHERE run_id = ? LIMIT 1", (run_id,)).fetchall()
+        for table in tables
+    )
+
+
+def _bold(text: str) -> str:
+    """``click.style(text, bold=True)``: what the full command prints on a terminal."""
+    return f"\x1b[1m{text}\x1b[0m"
+
+
 _ANSWERS: dict[str, Callable[[sqlite3.Connection, Question, _Run, Path], str | None]] = {
     "latest": _checkpoint_paths,
     "best": _checkpoint_paths,
     "sql": _sql,
     "history": _history,
     "list": _list,
+    "status": _status,
 }
 
 

@@ -16,7 +16,6 @@ READ ONLY``: one snapshot of committed data, and the server refuses writes.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import socket
 import weakref
@@ -52,6 +51,7 @@ from .location import is_object_url, relative_within
 from .pinning import Pin
 from .policies import Policy
 from .record import Checkpoint, Export, Replica
+from .statusout import PREEMPTION_EVENTS, preemption_summary
 from .storage.opening import open_verified_payload
 
 __all__ = ["RunReader", "ledger_url", "resolve", "run_exists"]
@@ -1022,7 +1022,7 @@ class RunReader:
         Raises:
             LedgerError: When the reader is closed.
         """
-        return preemption_summary(self.events_of("preempted", "preemption_saved", "resumed"))
+        return preemption_summary(self.events_of(*PREEMPTION_EVENTS))
 
     def metric_history(self, name: str) -> list[tuple[int, float, int]]:
         """Every recorded value of one metric, across the run's attempts.
@@ -1271,42 +1271,3 @@ def _owner_of(
     raise CheckpointNotFoundError(
         f"{path} is in no ckptdb run (no ledger above it); pass root= to name the run"
     )
-
-
-def preemption_summary(events: Iterable[Any]) -> list[dict[str, Any]]:
-    """Per ``preempted`` event (oldest first, with the ``preemption_saved`` and
-    ``resumed`` events of the run): what the preemption cost.
-
-    ``resumed_from`` is the step the next attempt resumed from (its ``resumed``
-    event), else the preemption checkpoint's step when it was saved, else None
-    (nothing known yet); ``lost`` is the agreed step minus that.
-    """
-    events = list(events)
-    summary = []
-    for told in (e for e in events if e.kind == "preempted"):
-        detail = json.loads(told.detail or "{}")
-        saved = [
-            json.loads(e.detail or "{}")
-            for e in events
-            if e.kind == "preemption_saved" and e.attempt_id == told.attempt_id
-        ]
-        later = [
-            e.step
-            for e in events
-            if e.kind == "resumed" and (e.attempt_id or 0) > (told.attempt_id or 0)
-        ]
-        was_saved = bool(saved and saved[-1].get("saved"))
-        resumed_from = later[0] if later else (told.step if was_saved else None)
-        summary.append(
-            {
-                "attempt": told.attempt_id,
-                "step": told.step,
-                "signal": detail.get("signal"),
-                "ranks": detail.get("ranks"),
-                "saved": was_saved if saved else None,
-                "why": saved[-1].get("why") if saved and not was_saved else None,
-                "resumed_from": resumed_from,
-                "lost": told.step - resumed_from if resumed_from is not None else None,
-            }
-        )
-    return summary

@@ -30,8 +30,10 @@ ALLOWED = {
     "guard": set(),
     "lazy": set(),  # a package's names imported on first use (no torch on a read)
     # `ckptdb latest`/`best` from the standard library: no SQLAlchemy, so not the ledger
-    "quickread": {"location", "policies", "record", "sqliteread", "textout"},
-    "textout": {"record"},  # the command's tables, CSV and JSON (the quick read prints them too)
+    "quickread": {"location", "policies", "record", "sqliteread", "statusout", "textout"},
+    "textout": {"record"},
+    # ckptdb status's text and its parts read from events (both readers print it)
+    "statusout": {"textout"},  # the command's tables, CSV and JSON (the quick read prints them too)
     "storage": {"errors", "faults", "lazy", "location", "policies", "trace"},
     "sqliteread": set(),  # a read-only SQLite connection's locks (both readers use them)
     "ledger": {"errors", "faults", "location", "policies", "record", "sqliteread", "trace"},
@@ -98,6 +100,7 @@ ALLOWED = {
         "storage",
         "pinning",
         "protocol",  # check(): the invariants, as the manager checks them
+        "statusout",  # preemptions(): what each cost, as ckptdb status shows it
     },
     # each integration is an addition on top of the public parts
     "integrations": {

@@ -1,10 +1,11 @@
-"""``ckptdb latest``/``best``/``sql``/``history``/``list`` from the standard library:
-the full command's output, or none.
+"""``ckptdb latest``/``best``/``sql``/``history``/``list``/``status`` from the standard
+library: the full command's output, or none.
 
 :mod:`ckptdb.quickread` answers the plain forms of ``ckptdb latest|best ROOT
 [--stream S]``, ``ckptdb sql ROOT STATEMENT [--format F]``, ``ckptdb history
-ROOT --metric M [--json]`` and ``ckptdb list ROOT [--stream S] [--all] [--json]``
-with ``sqlite3`` alone and declines everything else.
+ROOT --metric M [--json]``, ``ckptdb list ROOT [--stream S] [--all] [--json]``
+and ``ckptdb status ROOT [--json]`` with ``sqlite3`` alone and declines
+everything else.
 What it must never do is print a line the full command would not: each test
 here builds a run in some state, asks both, and requires the quick answer to be
 either the full command's own output or None (the full command then answers,
@@ -163,7 +164,7 @@ def test_anything_but_the_plain_question_is_declined(tmp_path: Path, args: list[
 
 def test_other_commands_and_global_options_are_declined(tmp_path: Path) -> None:
     root = str(make_run(tmp_path / "run"))
-    for argv in (["--debug", "latest", root], ["latest"], ["best"], [], ["status", root]):
+    for argv in (["--debug", "latest", root], ["latest"], ["best"], [], ["pins", root]):
         assert answer(argv, {}) is None, argv
     assert answer(["latest", root], {"CKPTDB_DB_URL": "postgresql://h/db"}) is None
 
@@ -230,6 +231,7 @@ def entry(*args: str) -> subprocess.CompletedProcess[str]:
         ["sql", "ROOT", "SELECT stream, step FROM latest_checkpoints", "--format", "json"],
         ["history", "ROOT", "--metric", "val_loss"],
         ["list", "ROOT", "--all"],
+        ["status", "ROOT"],
     ],
     ids=lambda args: args[0],
 )
@@ -250,10 +252,10 @@ def test_a_declined_question_is_the_full_commands(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "no stream 'nope' is configured" in done.stderr
     assert "click" in done.stdout.splitlines()[-1]
-    status = entry("status", str(root), "--json")
-    assert status.returncode == 0, status.stderr
-    data = json.loads("\n".join(status.stdout.splitlines()[:-1]))
-    assert sorted(s["name"] for s in data["streams"]) == sorted(STREAMS)  # the full command ran
+    goodput = entry("goodput", str(root), "--json")
+    assert goodput.returncode == 0, goodput.stderr
+    assert "click" in goodput.stdout.splitlines()[-1]  # the full command ran
+    assert json.loads("\n".join(goodput.stdout.splitlines()[:-1]))["run"] == "run"
 
 
 def exactly(argv: list[str]) -> str:
@@ -502,3 +504,110 @@ def test_the_listings_columns_are_the_checkpoint_records_fields_in_order() -> No
 
     fields = tuple(f.name for f in dataclasses.fields(Checkpoint))
     assert fields == quickread._CHECKPOINT_FIELDS
+
+
+def event(root: Path, kind: str, step: int | None, detail: object, attempt: int = 1) -> None:
+    sql(
+        root,
+        "INSERT INTO events (run_id, attempt_id, kind, time, step, detail) VALUES"
+        f" (1, {attempt}, '{kind}', '2026-12-07 10:00:0{attempt}.250000',"
+        f" {'NULL' if step is None else step}, '{json.dumps(detail)}')",
+    )
+
+
+def make_status(root: Path) -> Path:
+    """Three attempts (the second preempted, saved, then resumed; the third crashed),
+    an interval chosen, ten events more than status shows, a lost checkpoint."""
+    make_listing(root)
+    with CheckpointManager(root, streams=STREAMS) as mgr:
+        mgr.save(
+            5, metrics={"val_loss": 0.5}, model={"w": torch.ones(1)}, best={"w": torch.ones(1)}
+        )
+    sql(root, "UPDATE attempts SET end_state = 'preempted' WHERE id = 2")
+    sql(root, "UPDATE attempts SET end_state = 'crashed' WHERE id = 3")
+    event(root, "preempted", 4, {"signal": "SIGTERM", "ranks": [0, 1]}, attempt=2)
+    event(root, "preemption_saved", 4, {"saved": True}, attempt=2)
+    event(root, "resumed", 3, {}, attempt=3)
+    choice = {"seconds": 120.5, "cost_s": 0.25, "mtbf_s": 3600.0, "failures": 2}
+    event(root, "interval", 5, {**choice, "training_s": 7200.0, "why": "Young/Daly"}, attempt=3)
+    for n in range(10):
+        event(root, "foreign", n, {"n": n}, attempt=3)
+    return root
+
+
+@pytest.mark.parametrize("form", [[], ["--json"]], ids=["table", "json"])
+@pytest.mark.parametrize("shape", ["plain", "preempted"])
+def test_status_gets_the_full_commands_output(tmp_path: Path, form: list[str], shape: str) -> None:
+    root = make_run(tmp_path / "run") if shape == "plain" else make_status(tmp_path / "run")
+    exactly(["status", str(root), *form])
+    exactly(["status", *form, str(root)])
+
+
+def test_status_shows_what_each_part_of_the_run_holds(tmp_path: Path) -> None:
+    root = make_status(tmp_path / "run")
+    data = json.loads(exactly(["status", str(root), "--json"]))
+    assert [(a["id"], a["end_state"]) for a in data["attempts"]] == [
+        (1, "closed"),
+        (2, "preempted"),
+        (3, "crashed"),
+    ]
+    assert data["attempts"][0]["started_at"].endswith("+00:00")
+    (preempted,) = data["preemptions"]
+    assert (preempted["saved"], preempted["resumed_from"], preempted["lost"]) == (True, 3, 1)
+    assert data["interval"]["seconds"] == 120.5 and data["interval"]["since_step"] == 5
+    assert [e["step"] for e in data["events"]] == list(range(2, 10))  # the newest 8
+    assert data["events"][-1]["time"] == "2026-12-07 10:00:03"
+    by_name = {s["name"]: s for s in data["streams"]}
+    assert by_name["model"]["latest_step"] == 5 and by_name["ema"]["latest_step"] is None
+    best = data["best"]["best"]
+    assert best[0]["step"] == 5 and [c["metric"] for c in best] == sorted(c["metric"] for c in best)
+    assert sum(data["states"].values()) == len(
+        json.loads(exactly(["list", str(root), "--all", "--json"]))
+    )
+    text = exactly(["status", str(root)])
+    assert "interval: 120.5 s (Young/Daly; C 0.25 s, M 3600 s, 2 failure(s)) since step 5" in text
+
+
+def test_status_on_a_terminal_emboldens_the_run_as_click_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import click
+
+    root = make_run(tmp_path / "run")
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    first = answer(["status", str(root)], {})
+    assert first is not None
+    assert first.splitlines()[0] == click.style("run run", bold=True) + f"  ({root})"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "INSERT INTO tiers (run_id, tier, location, streams, policies, registered_at)"
+        " VALUES (1, 'remote', 's3://b/run', NULL, '{}', '2026-01-01 00:00:00.000000')",
+        "INSERT INTO replicas (run_id, checkpoint_id, tier, location, state, started_at)"
+        " SELECT run_id, id, 'remote', 's3://b/x', 'replicated', '2026-01-01 00:00:00.000000'"
+        " FROM checkpoints LIMIT 1",
+        "UPDATE runs SET save_dir = 's3://bucket/run'",
+    ],
+    ids=["a-tier", "a-copy", "object-storage"],
+)
+def test_status_leaves_a_replicated_run_to_the_full_command(tmp_path: Path, change: str) -> None:
+    root = make_run(tmp_path / "run")
+    sql(root, change)
+    assert answer(["status", str(root)], {}) is None
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        ["ROOT", "--db-url", "sqlite:///elsewhere.sqlite"],
+        ["ROOT", "--json=yes"],
+        ["ROOT", "ROOT"],
+        ["ROOT", "--stream", "model"],
+    ],
+    ids=lambda args: " ".join(args),
+)
+def test_status_declines_any_other_form(tmp_path: Path, form: list[str]) -> None:
+    root = make_run(tmp_path / "run")
+    agree(["status", *[str(root) if a == "ROOT" else a for a in form]], answered=False)

@@ -8,7 +8,6 @@ stderr and exit 1 (``--debug`` shows the traceback); usage errors exit 2.
 from __future__ import annotations
 
 import importlib.util
-import json
 import signal
 import sys
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from typing import Any
 
 import click
 
+from .. import statusout
 from .. import textout as clifmt
 from ..errors import CkptDBError, InvalidArgumentError
 from ..policies import default_ranked_stream, policy_from_record
@@ -108,59 +108,7 @@ def status(root: Path, db_url: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(clifmt.to_json(data))
         return
-    click.echo(click.style(f"run {data['run']}", bold=True) + f"  ({data['root']})")
-    click.echo(
-        "\n"
-        + clifmt.table(
-            ["stream", "policy", "latest step", "committed"],
-            [[s["name"], s["policy"], s["latest_step"], s["committed"]] for s in data["streams"]],
-        )
-    )
-    for name, members in data["best"].items():
-        click.echo(f"\ntop-K of {name}:")
-        click.echo(
-            clifmt.table(
-                ["rank", "step", "metric", "path"],
-                [[i, c["step"], c["metric"], c["path"]] for i, c in enumerate(members, 1)],
-            )
-        )
-    counts = ", ".join(f"{n} {s}" for s, n in sorted(data["states"].items())) or "none"
-    click.echo(f"\ncheckpoints by state: {counts}")
-    ends = ", ".join(f"{a['id']}:{a['end_state']}" for a in data["attempts"])
-    click.echo(f"attempts: {len(data['attempts'])} ({ends})")
-    if data["interval"] is not None:
-        click.echo(_interval_line(data["interval"]))
-    for tier in data["tiers"]:
-        copied = ", ".join(tier["streams"]) if tier["streams"] is not None else "every stream"
-        kept = "; ".join(f"{s}: {p}" for s, p in tier["keep"].items()) or "every copy"
-        click.echo(f"tier {tier['tier']}: {tier['location']} ({copied}; keeps {kept})")
-        if tier["waiting"]:
-            size = clifmt.human_size(tier["waiting_bytes"])
-            click.echo(f"  {tier['waiting']} evicted local file(s), {size}, wait for their copy")
-        click.echo(f"  {tier['uncopied']} committed checkpoint(s) have no whole copy yet")
-        if tier["ledger_copy"] is not None:
-            ledger = tier["ledger_copy"]
-            click.echo(f"  ledger last copied at {ledger['copied_at']} ({ledger['location']})")
-    for tier, copies in data["replicas"].items():
-        states = ", ".join(f"{n} {s}" for s, n in sorted(copies["states"].items()))
-        newest = ", ".join(f"{s} {step}" for s, step in sorted(copies["newest"].items()))
-        click.echo(f"copies on {tier}: {states}; newest whole copy by stream: {newest or '-'}")
-    if data["preemptions"]:
-        click.echo("\npreemptions:")
-        click.echo(
-            clifmt.table(
-                ["attempt", "step", "signal", "ranks", "saved", "resumed from", "steps lost"],
-                [_preemption_row(p) for p in data["preemptions"]],
-            )
-        )
-    if data["events"]:
-        click.echo("\nlast events:")
-        click.echo(
-            clifmt.table(
-                ["time", "kind", "step", "detail"],
-                [[e["time"], e["kind"], e["step"], e["detail"]] for e in data["events"]],
-            )
-        )
+    click.echo(statusout.render(data, bold=lambda text: click.style(text, bold=True)))
 
 
 def _replica_summary(reader: RunReader) -> dict[str, Any]:
@@ -213,32 +161,6 @@ def _ledger_copy(reader: RunReader) -> dict[str, Any] | None:
     return {k: last.get(k) for k in ("copied_at", "location", "epoch", "seq", "size")}
 
 
-def _preemption_row(p: dict[str, Any]) -> list[Any]:
-    saved = {True: "yes", False: f"no ({p['why']})", None: "-"}[p["saved"]]
-    ranks = ",".join(map(str, p["ranks"] or [])) or "-"
-    return [p["attempt"], p["step"], p["signal"], ranks, saved, p["resumed_from"], p["lost"]]
-
-
-def _interval_now(reader: RunReader) -> dict[str, Any] | None:
-    """The interval ``due`` uses, as its newest ``interval`` event recorded it."""
-    found = reader.events_of("interval")
-    if not found:
-        return None
-    newest = found[-1]
-    detail = newest.detail or "{}"
-    return {**json.loads(detail), "since_step": newest.step, "attempt": newest.attempt_id}
-
-
-def _interval_line(chosen: dict[str, Any]) -> str:
-    cost, mtbf = chosen.get("cost_s"), chosen.get("mtbf_s")
-    why = chosen["why"]
-    if cost is not None or mtbf is not None:
-        c = f"{cost:.3g} s" if cost is not None else "-"
-        m = f"{mtbf:.4g} s" if mtbf is not None else "-"
-        why = f"{why}; C {c}, M {m}, {chosen['failures']} failure(s)"
-    return f"interval: {chosen['seconds']:.4g} s ({why}) since step {chosen['since_step']}"
-
-
 def _status_data(reader: RunReader) -> dict[str, Any]:
     streams, best = [], {}
     counts = reader.committed_counts()
@@ -273,7 +195,7 @@ def _status_data(reader: RunReader) -> dict[str, Any]:
             for a in reader.attempts()
         ],
         "preemptions": reader.preemptions(),
-        "interval": _interval_now(reader),
+        "interval": statusout.interval_now(next(reversed(reader.events_of("interval")), None)),
         "tiers": _tier_summary(reader),
         "replicas": _replica_summary(reader),
         "events": [

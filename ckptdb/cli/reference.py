@@ -39,12 +39,13 @@ edit the docstrings and options in `ckptdb/cli/__init__.py`, then run:
 An overview of the commands, with example output, is on the
 [home page](index.md#the-ckptdb-command).
 `python -m ckptdb` runs the same command as the `ckptdb` script. The plain
-forms of five read-only commands, `ckptdb latest ROOT` and `ckptdb best ROOT`
+forms of six read-only commands, `ckptdb latest ROOT` and `ckptdb best ROOT`
 (with `--stream` at most), `ckptdb sql ROOT STATEMENT` (with `--format` at
-most), `ckptdb history ROOT --metric M` (with `--json` at most) and
-`ckptdb list ROOT` (with `--stream`, `--all` and `--json` at most), answer from
-the run's SQLite file without loading the rest of the command; their output
-and errors are the same.
+most), `ckptdb history ROOT --metric M` (with `--json` at most),
+`ckptdb list ROOT` (with `--stream`, `--all` and `--json` at most) and
+`ckptdb status ROOT` (with `--json` at most), answer from the run's SQLite
+file without loading the rest of the command; their output and errors are the
+same.
 """
 
 
