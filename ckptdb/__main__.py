@@ -14,7 +14,22 @@ import sys
 
 
 def main() -> None:
-    """Run the ``ckptdb`` command on ``sys.argv``."""
+    """Run the ``ckptdb`` command on ``sys.argv``.
+
+    A reader that stops early (``ckptdb list ROOT | head``) closes the pipe:
+    the command then stops quietly, as ``git log | head`` does, instead of
+    printing a traceback of the write that failed.
+    """
+    try:
+        _run()
+        sys.stdout.flush()  # a failed write of the last buffered lines surfaces here
+    except BrokenPipeError:
+        # Python would fail again flushing stdout at exit: point it at /dev/null first
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+
+
+def _run() -> None:
     from .quickread import answer
 
     lines = answer(sys.argv[1:], os.environ)

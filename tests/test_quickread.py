@@ -611,3 +611,22 @@ def test_status_leaves_a_replicated_run_to_the_full_command(tmp_path: Path, chan
 def test_status_declines_any_other_form(tmp_path: Path, form: list[str]) -> None:
     root = make_run(tmp_path / "run")
     agree(["status", *[str(root) if a == "ROOT" else a for a in form]], answered=False)
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path: Path) -> None:
+    """``ckptdb sql ROOT ... | head -1``: the pipe closes while the command writes."""
+    root = make_run(tmp_path / "run")
+    rows = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 200000)"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("CKPTDB_DB_URL", None)
+    command = [sys.executable, "-c", ENTRY, "sql", str(root), rows + " SELECT x FROM c"]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as process:
+        assert process.stdout is not None and process.stderr is not None
+        assert process.stdout.readline().strip() == "x"
+        process.stdout.close()  # what head does after its line
+        errors = process.stderr.read()
+        code = process.wait(timeout=60)
+    assert "Traceback" not in errors and "BrokenPipeError" not in errors, errors
+    assert code == 1  # as click's own commands end on a closed pipe
