@@ -58,6 +58,10 @@ class Recorder:
         entry["seconds"] += report.duration
         if report.failed or (report.when == "call" and report.skipped):
             entry["outcome"] = "failed" if report.failed else "skipped"
+        if report.failed:  # what failed, in a line: a cut-off run has no summary to read
+            crash = getattr(report.longrepr, "reprcrash", None)
+            message = crash.message if crash is not None else report.longreprtext
+            entry.setdefault("error", f"{report.when}: " + " ".join(message.split())[:500])
         if report.when != "teardown":
             return
         self.running.pop(report.nodeid)
@@ -111,7 +115,8 @@ def main(argv: list[str]) -> int:
     slowest = sorted(((max(r["seconds"] for r in runs), t) for t, runs in records.items()))
     print(f"{len(records)} tests, {sum(len(r) for r in records.values())} runs")
     for test in failed:
-        print(f"FAILED {test}")
+        errors = {r["error"] for r in records[test] if r.get("error")}
+        print(f"FAILED {test}", *(f"\n  {e}" for e in sorted(errors)))
     print("slowest:")
     for seconds, test in slowest[-15:][::-1]:
         print(f"  {seconds:8.1f} s  {test}")

@@ -64,6 +64,8 @@ def test_a_cut_short_run_keeps_each_finished_tests_record(tmp_path: Path) -> Non
     assert [by_name[n]["timeout"] for n in sorted(by_name)] == [2.0, 60.0, 30.0]
     assert [by_name[n]["outcome"] for n in sorted(by_name)] == ["passed", "passed", "failed"]
     assert by_name["test_a_near_its_timeout"]["seconds"] >= 0.9
+    assert by_name["test_c_fails"]["error"] == "call: assert False"
+    assert "error" not in by_name["test_b_quick"]
 
     short = headroom.short_of_headroom(headroom.read([records]))
     assert [s[0].split("::")[1] for s in short] == ["test_a_near_its_timeout"]
