@@ -547,7 +547,7 @@ def test_adopt_a_stock_run_train_on_with_ckptdb_then_restart_it_stock(
     assert saved["model"]["_extra_state"]["train_infos"]["step"] in (79, 80)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)  # 133 s beside a second copy of the suite (2026-12-07)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_stock_layout_trains_reconciles_and_resumes(tmp_path: Path, backend: str) -> None:
     """``training.save_dir: ckpts`` with full validation and ``save_best``, no
@@ -819,7 +819,7 @@ def test_a_ckptdb_error_is_one_line_on_stderr(
     assert err == "Error: ckptdb trains DeePMD-kit's PyTorch backend only, not 'tf'\n"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)  # 83 s beside a second copy of the suite (2026-12-07)
 @pytest.mark.parametrize(("stream", "visit"), [("best", 5), ("best_ema", 6)])
 def test_sigkill_in_a_best_save_then_restart_latest(
     tmp_path: Path, stream: str, visit: int

@@ -14,7 +14,7 @@ pytest.importorskip("deepmd")
 
 from test_deepmd_examples import MULTI_TASK, cases, train_freeze_and_restart
 
-pytestmark = [pytest.mark.timeout(1200), pytest.mark.usefixtures("no_db_url_from_environment")]
+pytestmark = [pytest.mark.timeout(3600), pytest.mark.usefixtures("no_db_url_from_environment")]
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from ckptdb.reader import RunReader
@@ -53,6 +54,7 @@ def _lightning_example(run: Path, *args: str) -> subprocess.CompletedProcess[str
     )
 
 
+@pytest.mark.timeout(240)  # 72 s beside a second copy of the suite (2026-12-07)
 def test_lightning_example_resumed_after_preemption_ends_where_an_uninterrupted_run_ends(
     tmp_path: Path,
 ) -> None:

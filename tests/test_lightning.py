@@ -926,6 +926,7 @@ t.fit(FullyShardedTiny(), ckpt_path=sys.argv[3] if len(sys.argv) > 3 else None)
 """
 
 
+@pytest.mark.timeout(300)  # 86 s beside a second copy of the suite (2026-12-07)
 def test_model_parallel_directory_checkpoints_commit_as_one_row_and_resume(
     tmp_path: Path,
 ) -> None:

@@ -565,7 +565,7 @@ def test_restore_tries_every_checkpoint_and_raises_the_first_failure(
     assert into["n"] == 30
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)  # 80 s beside a second copy of the suite (2026-12-07)
 def test_deepmd_restarts_from_the_copy_of_a_corrupt_newest_checkpoint(
     tmp_path: Path, s3_url: str
 ) -> None:
