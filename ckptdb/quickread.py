@@ -50,7 +50,7 @@ from urllib.parse import quote
 from . import statusout, textout
 from .location import is_object_url, rebased
 from .policies import Entry, Policy, PolicyRecord, default_ranked_stream, policy_from_record
-from .record import COMMITTED, LEDGER_FILE, LEDGER_REVISION, STATES, Checkpoint
+from .record import CHECKPOINT_FIELDS, COMMITTED, LEDGER_FILE, LEDGER_REVISION, STATES, Checkpoint
 from .sqliteread import lock_read_only
 
 #: The environment variable the command reads a ledger URL from (``--db-url``).
@@ -280,7 +280,7 @@ def _checkpoints(
     """The run's checkpoints in ``states`` (of ``stream`` only if given), by stream then step
     (``rows.rows_in_state``)."""
     query = (
-        f"SELECT {', '.join(_CHECKPOINT_FIELDS)} FROM checkpoints WHERE run_id = ?"
+        f"SELECT {', '.join(CHECKPOINT_FIELDS)} FROM checkpoints WHERE run_id = ?"
         f" AND state IN ({', '.join('?' * len(states))})"
     )
     parameters: list[object] = [run_id, *states]
@@ -288,23 +288,6 @@ def _checkpoints(
         query, parameters = query + " AND stream = ?", [*parameters, stream]
     rows = db.execute(query + " ORDER BY stream, step, id", parameters)
     return [_checkpoint(row, save_dir) for row in rows]
-
-
-#: The columns of a checkpoint row, in the order of :class:`ckptdb.record.Checkpoint`'s fields.
-_CHECKPOINT_FIELDS = (
-    "stream",
-    "step",
-    "path",
-    "size",
-    "hash",
-    "metric",
-    "state",
-    "committed_at",
-    "id",
-    "attempt_id",
-    "metrics",
-    "world_size",
-)
 
 
 def _checkpoint(row: Sequence[Any], save_dir: Path) -> Checkpoint:

@@ -11,7 +11,7 @@ code above the ledger (the CLI, integrations) names them without importing
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 # Publication states of a checkpoint row (see docs/ledger.md, "Checkpoint states").
@@ -122,6 +122,11 @@ class Checkpoint:
     metrics: dict[str, float] = field(default_factory=dict, compare=False)
     #: The number of ranks that saved it (None: unknown, saved before ckptdb recorded it).
     world_size: int | None = field(default=None, compare=False)
+
+
+#: The columns of a checkpoint row that make a :class:`Checkpoint`, in its fields'
+#: order: what each reader selects (the ledger's fast lookups, the quick read).
+CHECKPOINT_FIELDS = tuple(f.name for f in fields(Checkpoint))
 
 
 @dataclass(frozen=True)

@@ -22,26 +22,12 @@ from typing import Any
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session
 
-from ..record import Checkpoint
+from ..record import CHECKPOINT_FIELDS, Checkpoint
 from . import models as m
 from .boundary_rows import run
 from .rows import latest_pointer
 
-#: The columns a :class:`~ckptdb.record.Checkpoint` is made of, in the order selected.
-_COLUMNS = (
-    "id",
-    "stream",
-    "step",
-    "path",
-    "size",
-    "hash",
-    "metric",
-    "state",
-    "committed_at",
-    "attempt_id",
-    "metrics",
-    "world_size",
-)
+_COLUMNS = CHECKPOINT_FIELDS
 _SELECT = "SELECT " + ", ".join(f"c.{name}" for name in _COLUMNS) + " FROM checkpoints c"
 _NEWEST = " ORDER BY c.id DESC LIMIT 1"
 _BY_STEP = _SELECT + " WHERE c.run_id = ? AND c.state = ? AND c.stream = ? AND c.step = ?" + _NEWEST
