@@ -89,6 +89,26 @@ def test_a_restarted_follower_continues_from_its_cursor(tmp_path: Path) -> None:
     assert [c.step for c in first + rest] == list(range(6))
 
 
+def test_the_time_spent_on_a_backlog_is_not_idle(tmp_path: Path) -> None:
+    """An evaluator slower than ``timeout`` on each checkpoint of a backlog: the follow
+    still waits ``timeout`` seconds for the next one once the backlog is done (ckptdb
+    follow --timeout ends a follow that waited that long with nothing new, not one that
+    was busy)."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, streams=STREAMS) as mgr:
+        mgr.save(0, model=state(0.0))
+        seen = []
+        with RunReader(root) as reader:
+            for checkpoint in reader.follow(since=0, timeout=3.0, poll=0.05):
+                seen.append(checkpoint.step)
+                if len(seen) == 1:
+                    time.sleep(3.5)  # an evaluation longer than the timeout
+                    later = threading.Timer(0.3, lambda: mgr.save(1, model=state(1.0)))
+                    later.start()  # committed while the follower waits for the next
+        later.join()
+    assert seen == [0, 1]
+
+
 def test_checkpoints_evicted_before_the_follower_read_them_are_reported(tmp_path: Path) -> None:
     root = tmp_path / "run"
     with CheckpointManager(root, streams={"model": Keep(last=1)}) as mgr:

@@ -172,7 +172,8 @@ class Follower:
     Made by :meth:`ckptdb.RunReader.follow`, not directly. Everything that can
     fail, and the cursor, is settled when it is made, not at the first
     ``next()``: a follower made before a commit sees it. Iteration stops after
-    ``timeout`` idle seconds; ``cursor`` is the id of the last checkpoint
+    ``timeout`` idle seconds (one ``next()`` waiting with nothing new; the time
+    the caller spends between two is not idle); ``cursor`` is the id of the last checkpoint
     handed out, what a restarted follower passes as ``since``. Close it (or
     leave its ``with`` block) to release its connection.
 
@@ -222,13 +223,15 @@ class Follower:
         return self
 
     def __next__(self) -> Checkpoint:
+        # idle is the time this call waits: what the caller spent on the last checkpoint
+        # (an evaluation of a backlog) is not idle, or a backlog would end the follow
+        self._idle_since = time.monotonic()
         while not self._ready:
             if not self._is_open() or self._waiter is None:
                 raise LedgerError("this follower (or its reader) is closed")
             full = self._fetch()
             now = time.monotonic()
             if self._ready:
-                self._idle_since = now
                 break
             if full:
                 continue  # catching up: the next batch at once
