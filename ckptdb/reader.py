@@ -407,9 +407,10 @@ class RunReader:
                 yielded. ``0``: the stream's whole history; None (the
                 default): those published after this call, including a
                 boundary already in flight.
-            timeout: Stop (end the iteration) after that many seconds
-                without a new checkpoint; None (the default): until the
-                caller stops.
+            timeout: Stop (end the iteration) after one ``next()`` has
+                waited that many seconds without a new checkpoint (the time
+                the caller spends on each checkpoint does not count); None
+                (the default): until the caller stops.
             poll: Seconds between two queries on SQLite (default 0.5); must
                 be positive.
 

@@ -465,7 +465,15 @@ def tracker_options(command: Callable[..., Any]) -> Callable[..., Any]:
     help="Name the results are recorded under (default: the command's name).",
 )
 @click.option("--ttl", type=float, default=600.0, show_default=True, help="Pin lease, seconds.")
-@click.option("--timeout", type=float, default=None, help="Stop after this many idle seconds.")
+@click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    help=(
+        "Stop after waiting this many seconds with no new checkpoint"
+        " (time spent running the command does not count)."
+    ),
+)
 @click.option(
     "--command-timeout",
     type=float,
