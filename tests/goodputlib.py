@@ -81,6 +81,7 @@ class Attempt:
 
     launched: float
     log: Path
+    forked: float = 0.0  # the parent's clock just before the fork: the start's lower bound
     ended: float | None = None  # the kill (SIGKILL) as the parent timed it
     how: str = "closed"
     lines: list[dict[str, Any]] = field(default_factory=list)
@@ -106,7 +107,7 @@ def start(
     proc = ctx.Process(target=_child, args=(str(root), str(log), startup, final_step, options))
     launched = time.time()
     proc.start()
-    return proc, Attempt(launched, log)
+    return proc, Attempt(launched, log, forked=launched)
 
 
 def _child(root: str, log: str, startup: float, final_step: int, options: dict[str, Any]) -> None:
@@ -188,3 +189,23 @@ def truth(attempts: list[Attempt]) -> dict[str, float]:
             figures["idle_s"] += a.launched - gone
     figures["total_s"] = sum(figures.values())
     return figures
+
+
+def bounds(attempts: list[Attempt]) -> dict[str, tuple[float, float]]:
+    """Each figure's range: the truth, widened where the test cannot know the start.
+
+    The ledger counts an attempt from its process's start as the kernel keeps it
+    (``/proc``, in clock ticks, truncated). The test knows only that the start
+    lies between the parent's clock before the fork and the child's first line:
+    about 10 ms apart when quiet, more when the child waits to be scheduled. A
+    start anywhere in that window (less one clock tick) moves time from the
+    previous idle gap into the restart, and widens the total by the first's.
+    """
+    figures = truth(attempts)
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    early = [a.launched - a.forked + tick for a in attempts]
+    found = {name: (value, value) for name, value in figures.items()}
+    found["restart_s"] = (figures["restart_s"], figures["restart_s"] + sum(early))
+    found["idle_s"] = (figures["idle_s"] - sum(early[1:]), figures["idle_s"])
+    found["total_s"] = (figures["total_s"], figures["total_s"] + early[0])
+    return found

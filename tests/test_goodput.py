@@ -74,17 +74,16 @@ def test_every_figure_matches_the_wall_clock_of_a_killed_preempted_and_finished_
         ("closed",),
     ]
     truth = gp.truth(attempts)
+    ranges = gp.bounds(attempts)
     found = goodput_json(root)
-    # within 3% of the truth; a figure so small that 3% of it is below what the ledger can
-    # know (a kill lands up to one step and one heartbeat after the last heartbeat) within
-    # that resolution (the seed, for a rerun, is in the message)
+    # within 3% of the truth's range (a point, but for the process's start, which the test
+    # knows only to within the fork); a figure so small that 3% of it is below what the
+    # ledger can know (a kill lands up to one step and one heartbeat after the last
+    # heartbeat) within that resolution (the seed, for a rerun, is in the message)
     for figure in FIGURES:
-        assert found[figure] == pytest.approx(truth[figure], rel=0.03, abs=RESOLUTION), (
-            figure,
-            seed,
-            found,
-            truth,
-        )
+        low, high = ranges[figure]
+        short, excess = max(0.03 * low, RESOLUTION), max(0.03 * high, RESOLUTION)
+        assert low - short <= found[figure] <= high + excess, (figure, seed, found, ranges)
     assert found["goodput"] == pytest.approx(truth["productive_s"] / truth["total_s"], rel=0.03)
     assert [a["end_state"] for a in found["attempts"]] == ["crashed", "preempted", "closed"]
     assert all(a["measured"] for a in found["attempts"])
