@@ -205,6 +205,34 @@ def test_damaged_committed_file_is_one_line_naming_it(
         assert problems == mine
 
 
+@pytest.mark.parametrize("where", ["dotdot", "through_a_linked_directory"])
+@pytest.mark.parametrize("load", [False, True])
+def test_a_committed_row_leading_outside_is_never_hashed_there(
+    mgr: CheckpointManager, tmp_path: Path, where: str, load: bool
+) -> None:
+    """The check hashes every committed file by its text (one confinement per stream
+    directory): a row whose name leads out of the save directory is unreadable, even
+    where a file with exactly its size and hash waits out there."""
+    target = rel("model", NOT_LATEST["model"])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "step-000000077.pt").write_bytes((mgr.save_dir / target).read_bytes())
+    (mgr.save_dir / "linked").symlink_to(outside, target_is_directory=True)
+    stored = {
+        "dotdot": os.path.relpath(outside / "step-000000077.pt", mgr.save_dir),
+        "through_a_linked_directory": "linked/step-000000077.pt",
+    }[where]
+    execute(
+        mgr.root,
+        "UPDATE checkpoints SET path = ? WHERE id = ?",
+        stored,
+        row_id(mgr.root, "model", NOT_LATEST["model"]),
+    )
+    mine = own_lines(mgr.check(load=load), stored)
+    assert len(mine) == 1 and "committed but unreadable" in mine[0], mine
+    assert "outside" in mine[0], mine
+
+
 def test_damaged_latest_also_names_the_pointer(mgr: CheckpointManager) -> None:
     target = rel("model", LATEST["model"])
     damage(mgr.save_dir / target, "deleted")

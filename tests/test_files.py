@@ -458,3 +458,37 @@ def test_a_relative_save_dir_gives_absolute_paths(
     store = LocalStore(Path("save"))
     expected = tmp_path.resolve() / "save/model/step-000000001.pt"
     assert store.path("model/step-000000001.pt") == expected
+
+
+@pytest.mark.parametrize(
+    "size", [0, 1, files.MMAP_FROM - 1, files.MMAP_FROM, files.MMAP_FROM + 1, 3 * files.MMAP_FROM]
+)
+def test_a_file_hashes_to_its_bytes_whether_read_or_mapped(tmp_path: Path, size: int) -> None:
+    data = os.urandom(size)
+    path = tmp_path / "step.pt"
+    path.write_bytes(data)
+    expected = files.FileInfo(size, xxhash.xxh3_128_hexdigest(data))
+    assert files.hash_file(path) == expected
+    assert files.hash_checkpoint(str(path)) == expected  # a pass over many rows gives text
+    with open(path, "rb", buffering=0) as f:  # from an offset: the rest, streamed
+        f.seek(size // 2)
+        rest = data[size // 2 :]
+        assert files.hash_open_file(f) == files.FileInfo(len(rest), xxhash.xxh3_128_hexdigest(rest))
+
+
+def test_a_link_is_hashed_as_what_it_leads_to_and_never_as_a_sharded_directory(
+    tmp_path: Path,
+) -> None:
+    target = tmp_path / "elsewhere.pt"
+    target.write_bytes(b"weights")
+    (tmp_path / "file-link.pt").symlink_to(target)
+    assert files.hash_checkpoint(tmp_path / "file-link.pt") == files.hash_file(target)
+    sharded = tmp_path / "step.dcp"
+    sharded.mkdir()
+    (sharded / "0.distcp").write_bytes(b"shard")
+    (tmp_path / "dir-link.dcp").symlink_to(sharded)
+    assert files.hash_checkpoint(str(sharded)).size == len(b"shard")
+    with pytest.raises(IsADirectoryError):  # a link to a directory is not a checkpoint
+        files.hash_checkpoint(tmp_path / "dir-link.dcp")
+    with pytest.raises(FileNotFoundError):
+        files.hash_checkpoint(str(tmp_path / "gone.pt"))

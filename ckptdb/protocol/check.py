@@ -54,8 +54,9 @@ class Checker:
                 kept |= ledger_rows.disowned_paths(session, self.run_id)
         problems = [f"integrity_check: {integrity}"] if integrity != "ok" else []
         committed = [r for r in rows if r.state == m.COMMITTED]
-        for row in committed:
-            problems.extend(self._check_file(row, load))
+        with self.store.memoized():  # each stream directory is confined once for the pass
+            for row in committed:
+                problems.extend(self._check_file(row, load))
         live = {r.path for r in rows if r.state in ledger_rows.LIVE_STATES} | kept
         problems.extend(self._check_disk(live))
         for stream in self.policies:

@@ -273,7 +273,13 @@ def seal_directory(directory: Path) -> FileInfo:
         raise PhaseError("write", directory, exc) from exc
 
 
-def hash_file(path: Path) -> FileInfo:
+#: From this size a whole file is hashed through a memory map; below it one read is
+#: faster (a map and an unmap cost more than copying a small file: 12 against 25
+#: microseconds at 1.5 KB, even at 1 MiB, 3.7x faster for the map at 16 MiB).
+MMAP_FROM = 1 << 20
+
+
+def hash_file(path: Path | str) -> FileInfo:
     with open(path, "rb", buffering=0) as f:
         return hash_open_file(f)
 
@@ -281,16 +287,20 @@ def hash_file(path: Path) -> FileInfo:
 def hash_open_file(f: Any) -> FileInfo:
     """Hash an open binary file from its current position to the end.
 
-    A whole regular file is hashed through a read-only memory map (no copy
-    into Python buffers: about 3x faster on a checkpoint in the page cache).
+    A whole regular file of :data:`MMAP_FROM` bytes or more is hashed through
+    a read-only memory map (no copy into Python buffers: about 3x faster on a
+    checkpoint in the page cache); a smaller one is read at once.
     """
     if f.tell() == 0:
         size = os.fstat(f.fileno()).st_size
-        if size > 0:
+        if size >= MMAP_FROM:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 digest = xxhash.xxh3_128(mapped)
                 f.seek(size)
                 return FileInfo(size, digest.hexdigest())
+        if size > 0:
+            data = f.read()  # to the end, even if the file grew since the fstat
+            return FileInfo(len(data), xxhash.xxh3_128(data).hexdigest())
     digest = xxhash.xxh3_128()
     buffer = bytearray(READ_CHUNK)
     view = memoryview(buffer)
@@ -457,11 +467,15 @@ def checkpoint_size(path: Path | str) -> int:
     return info.st_size
 
 
-def hash_checkpoint(path: Path) -> FileInfo:
-    """Size and hash of a checkpoint file or sharded directory (see the module doc)."""
-    if not (path.is_dir() and not path.is_symlink()):
+def hash_checkpoint(path: Path | str) -> FileInfo:
+    """Size and hash of a checkpoint file or sharded directory (see the module doc).
+
+    A real directory (``lstat``: never a link to one) is a sharded checkpoint;
+    anything else is opened as a file, a link followed as a read would follow it.
+    """
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
         return hash_file(path)
-    return combine((name, hash_file(file)) for name, file in tree_files(path))
+    return combine((name, hash_file(file)) for name, file in tree_files(Path(path)))
 
 
 def combine(files: Iterable[tuple[str, FileInfo]]) -> FileInfo:

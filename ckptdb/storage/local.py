@@ -196,16 +196,19 @@ class LocalStore:
 
     def _measure(self, rel: str, *, full: bool, keep: bool) -> tuple[FileInfo, HeldFile | None]:
         """Size (and with ``full`` hash) of ``rel``; with ``keep`` a file's bytes, held."""
-        if not full:  # by the path's text: reconcile measures every committed file
-            name = files.confined_name(self.save_dir, rel, self._resolved)
-            return FileInfo(files.checkpoint_size(name), ""), None
-        path = self.path(rel)
-        if keep and not path.is_dir():
-            from . import heldfile  # torch's reader: only for a load
+        if keep and full:
+            path = self.path(rel)
+            if not path.is_dir():
+                from . import heldfile  # torch's reader: only for a load
 
-            held = heldfile.read_held(path)
-            return held.info, held
-        return files.hash_checkpoint(path), None
+                held = heldfile.read_held(path)
+                return held.info, held
+            return files.hash_checkpoint(path), None
+        # by the path's text: reconcile measures, and check hashes, every committed file
+        name = files.confined_name(self.save_dir, rel, self._resolved)
+        if not full:
+            return FileInfo(files.checkpoint_size(name), ""), None
+        return files.hash_checkpoint(name), None
 
     def list_ours(self) -> Iterator[Found]:
         """Every entry named like ours, by stream then name.
