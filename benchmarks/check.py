@@ -95,6 +95,16 @@ THRESHOLDS: tuple[Threshold, ...] = (
         0.30,
         " s",
     ),
+    # ``check`` hashes the 10k files (0.97 s, 2026-12-07 22:30 UTC, quiet; its floor is in
+    # docs/performance.md); torch imported on its path (1.4 s more) is what this catches
+    Threshold(
+        "cold",
+        "cold read-only command, 10000 checkpoints",
+        NOTE + "ckptdb check (s)",
+        1.80,
+        0.30,
+        " s",
+    ),
 )
 
 

@@ -12,7 +12,7 @@ import pytest
 from test_boundary_sql import STEADY_STATEMENTS
 
 from benchmarks import check as bench_check
-from benchmarks import deepmd_case, profile_case, s3_case, s3server
+from benchmarks import cold_case, deepmd_case, profile_case, s3_case, s3server
 from benchmarks.__main__ import CASES, PROFILES, main
 from benchmarks.harness import AGAIN, Comparison, compare
 
@@ -85,6 +85,12 @@ def test_quick_benchmark_run_writes_every_case(tmp_path: Path, capsys) -> None:
     assert floor["notes"]["transactions_per_boundary"] == 3
     assert floor["notes"]["statements_per_boundary"] == STEADY_STATEMENTS["sqlite"]
     assert report["machine"]["torch"]
+    cold = next(r for r in report["results"] if r["name"].startswith("cold read-only"))
+    timed = {f"ckptdb {name} (s)" for name in [*cold_case.COMMANDS, "check"]}
+    assert timed <= set(cold["notes"]) and all(cold["notes"][n] > 0 for n in timed)
+    assert cold["notes"]["slowest command (s)"] == max(
+        cold["notes"][f"ckptdb {name} (s)"] for name in cold_case.COMMANDS
+    )  # check has its own threshold: its floor is hashing the files
     ledger = next(r for r in report["results"] if r["name"].startswith("ledger copy"))
     assert len(ledger["median_s"]) == 3  # the byte upload, the copy, the restore
     assert 0 < ledger["notes"]["snapshot_mb"] <= ledger["notes"]["ledger_mb"]
