@@ -96,7 +96,9 @@ THRESHOLDS: tuple[Threshold, ...] = (
         " s",
     ),
     # ``check`` hashes the 10k files (0.97 s, 2026-12-07 22:30 UTC, quiet; its floor is in
-    # docs/performance.md); torch imported on its path (1.4 s more) is what this catches
+    # docs/performance.md); torch imported on its path (1.4 s more) is what this catches.
+    # On the machine's slow afternoons (2.2-2.7x) it reads REGRESSED, as latest's does:
+    # rerun it quiet before believing it
     Threshold(
         "cold",
         "cold read-only command, 10000 checkpoints",

@@ -109,7 +109,8 @@ def _process(command: list[str]) -> Any:
 
 
 def cold(work: Path, count: int, reps: int) -> Comparison:
-    """Every command of :data:`COMMANDS` and ``sqlite3`` running its SQL, as processes."""
+    """Every command of :data:`COMMANDS` and :data:`CHECK`, and ``sqlite3`` running its
+    SQL, as processes."""
     root = work / "run"
     make_run(root, count)
     ledger = str(root / "ckptdb.sqlite")

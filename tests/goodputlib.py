@@ -81,7 +81,7 @@ class Attempt:
 
     launched: float
     log: Path
-    forked: float = 0.0  # the parent's clock just before the fork: the start's lower bound
+    forked: float  # the parent's clock just before the fork: the start's lower bound
     ended: float | None = None  # the kill (SIGKILL) as the parent timed it
     how: str = "closed"
     lines: list[dict[str, Any]] = field(default_factory=list)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -343,6 +344,34 @@ def test_a_stream_file_is_confined_without_resolving_paths(
     assert store.path("model/step-000000001.pt") == store.save_dir / "model/step-000000001.pt"
     assert store.remove("model/step-000000001.pt")
     assert resolved == []
+
+
+def test_a_pass_memoizes_for_its_own_thread_only(store: LocalStore, outside: Path) -> None:
+    """A check's pass confines each stream directory once; a save in another thread
+    meanwhile confines afresh and refuses the directory swapped for a link."""
+    model = store.save_dir / "model"
+    (model / "step-000000001.pt").write_bytes(b"ours")
+    seen: list[object] = []
+    with store.memoized():
+        assert store.path("model/step-000000001.pt") == model / "step-000000001.pt"
+        model.rename(store.save_dir / "gone")
+        model.symlink_to(outside, target_is_directory=True)
+
+        def other_thread() -> None:
+            try:
+                seen.append(store.path("model/step-000000002.pt"))
+            except InvalidArgumentError as refused:
+                seen.append(refused)
+
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join(10)
+        # the pass's own thread goes on with what it confined (as reconcile always has)
+        assert store.path("model/step-000000003.pt") == model / "step-000000003.pt"
+    assert len(seen) == 1 and isinstance(seen[0], InvalidArgumentError), seen
+    assert "outside" in str(seen[0])
+    with pytest.raises(InvalidArgumentError, match="outside"):  # the pass is over
+        store.path("model/step-000000003.pt")
 
 
 def test_a_stream_directory_swapped_for_a_link_is_never_followed(

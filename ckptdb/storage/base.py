@@ -190,7 +190,7 @@ class PayloadStore(Protocol):
         being guessed either way. An object store's prefixes always exist."""
 
     def memoized(self) -> AbstractContextManager[Any]:
-        """One pass over many names (reconcile): lookups may be cached until it ends."""
+        """One pass over many names (reconcile, check): lookups may be cached until it ends."""
 
     def list_ours(self) -> Iterator[Found]:
         """Every entry in our naming, temporaries included (never links, never foreign kinds)."""

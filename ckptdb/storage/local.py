@@ -45,8 +45,7 @@ class LocalStore:
 
     def __init__(self, save_dir: Path) -> None:
         self.save_dir = save_dir
-        # Directory resolutions, memoized while one pass walks many rows (reconcile).
-        self._resolved: dict[Any, Path] | None = None
+        self._pass = threading.local()  # directory resolutions, per thread in a pass
         self._loading = threading.local()  # a verify's held bytes, per loading thread
 
     @property
@@ -63,6 +62,19 @@ class LocalStore:
     def disowned(self, rel: str) -> bool:
         """Never: a local file is published by rename, so a write never meets another's."""
         return False
+
+    @property
+    def _resolved(self) -> dict[Any, Path] | None:
+        """Directory resolutions memoized while this thread's pass walks many rows
+        (reconcile, check); None outside one. Per thread: a save in another thread
+        during a long check confines each of its names afresh, so a stream directory
+        swapped for a link meanwhile is still refused."""
+        resolved: dict[Any, Path] | None = getattr(self._pass, "resolved", None)
+        return resolved
+
+    @_resolved.setter
+    def _resolved(self, value: dict[Any, Path] | None) -> None:
+        self._pass.resolved = value
 
     @property
     def _held(self) -> tuple[str, HeldFile] | None:
@@ -89,7 +101,8 @@ class LocalStore:
         raise InvalidArgumentError(f"{rel} was not verified just before it was read")
 
     def memoized(self) -> AbstractContextManager[Any]:
-        """A pass over many rows: directory resolutions are cached until it ends."""
+        """A pass over many rows: directory resolutions are cached until it ends, for the
+        thread that runs it (see :attr:`_resolved`)."""
         return _Memo(self)
 
     # ------------------------------------------------------------------ writing
