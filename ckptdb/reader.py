@@ -19,7 +19,7 @@ import datetime as dt
 import os
 import socket
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -383,6 +383,7 @@ class RunReader:
         since: int | None = None,
         timeout: float | None = None,
         poll: float = POLL_INTERVAL,
+        stop: Callable[[], bool] | None = None,
     ) -> Follower:
         """Each checkpoint of a stream published after a cursor, in commit order, once.
 
@@ -413,6 +414,10 @@ class RunReader:
                 (the default): until the caller stops.
             poll: Seconds between two queries on SQLite (default 0.5); must
                 be positive.
+            stop: Asked at each ``next()`` and after each wait (at most
+                ``poll`` seconds apart): True ends the iteration as a timeout
+                does. A signal handler or another thread ends a follow this
+                way without raising into it (``stop=event.is_set``).
 
         Returns:
             An iterator of :class:`~ckptdb.Checkpoint` (and a context
@@ -421,7 +426,8 @@ class RunReader:
         Raises:
             UnknownStreamError: When the run has no such stream.
             InvalidArgumentError: When ``poll`` is not a positive number.
-            ArgumentTypeError: When ``since`` is not an int.
+            ArgumentTypeError: When ``since`` is not an int or ``stop`` is not
+                callable.
             DatabaseError: When the follower cannot listen on a PostgreSQL
                 ledger.
             LedgerError: When the reader is closed (also from the iterator,
@@ -432,6 +438,8 @@ class RunReader:
             raise InvalidArgumentError(f"poll must be a positive number of seconds, got {poll!r}")
         if since is not None and (isinstance(since, bool) or not isinstance(since, int)):
             raise ArgumentTypeError(f"since must be a checkpoint id (an int), got {since!r}")
+        if stop is not None and not callable(stop):
+            raise ArgumentTypeError(f"stop must be a callable returning a bool, got {stop!r}")
         follower = Follower(
             self._db,
             self.run_id,
@@ -441,6 +449,7 @@ class RunReader:
             timeout,
             float(poll),
             lambda: not self._closed,
+            stop,
         )
         self._followers.add(follower)
         return follower

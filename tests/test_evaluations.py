@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +254,43 @@ def test_ctrl_c_stops_the_follower_and_the_next_run_continues(tmp_path: Path) ->
     assert second.returncode == 0, second.stderr
     statuses = [s for s, _, name, _ in evaluation_rows(root) if name == "exit_status"]
     assert statuses == [1, 2, 3, 4]  # each once: nothing repeated, nothing missed
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_the_interpreter_drops_still_stops_the_follower(
+    tmp_path: Path, runner: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python drops an exception raised in a weakref callback ("Exception ignored in"):
+    a Ctrl-C landing while the evaluation's pin and its thread are freed was lost, and
+    the follower went on. Here the signal comes from inside such a callback, right after
+    the first evaluation: the follower stops before the second, exit status 130."""
+    from ckptdb.cli import following
+
+    root = tmp_path / "run"
+    _, evaluator_py = scripts(tmp_path)
+    with CheckpointManager(root, streams={"model": Keep(last=None)}) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, model=state(float(step)))
+    real_one = following._one
+
+    class Freed:
+        pass
+
+    def one_then_dropped_interrupt(*args: Any) -> int:
+        handled = real_one(*args)
+        freed = Freed()
+        ref = weakref.ref(freed, lambda _: signal.raise_signal(signal.SIGINT))
+        del freed  # the callback runs now; its KeyboardInterrupt is dropped
+        assert ref() is None
+        return handled
+
+    monkeypatch.setattr(following, "_one", one_then_dropped_interrupt)
+    result = invoke(runner, *follow_cmd(root, evaluator_py, "--timeout", "2")[3:])
+    assert result.exit_code == 130, (result.exit_code, result.output)
+    assert "continues where this one left off" in result.output
+    statuses = [s for s, _, name, _ in evaluation_rows(root) if name == "exit_status"]
+    assert statuses == [1]  # stopped before the second checkpoint
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
 
 
 def test_a_failing_evaluation_records_its_exit_status_only(tmp_path: Path) -> None:

@@ -109,6 +109,32 @@ def test_the_time_spent_on_a_backlog_is_not_idle(tmp_path: Path) -> None:
     assert seen == [0, 1]
 
 
+def test_stop_ends_a_follow_that_waits_and_one_with_a_backlog(tmp_path: Path) -> None:
+    """``stop`` is asked while the follower waits (a follow without a timeout ends within
+    a poll of it) and before each checkpoint (a backlog is not handed out after it)."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, streams=STREAMS) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, model=state(float(step)))
+    stopped = threading.Event()
+    with RunReader(root) as reader:
+        waiting = reader.follow(poll=0.05, stop=stopped.is_set)  # nothing new: it waits
+        threading.Timer(0.3, stopped.set).start()
+        began = time.monotonic()
+        assert list(waiting) == []
+        assert time.monotonic() - began < 30  # ended by stop, not by a timeout (none)
+        backlog = reader.follow(since=0, poll=0.05, stop=stopped.is_set)
+        assert list(backlog) == [] and backlog.cursor == 0  # nothing handed out
+        with pytest.raises(StopIteration):  # and stays ended
+            next(backlog)
+        given = []
+        go_on = threading.Event()
+        for checkpoint in reader.follow(since=0, poll=0.05, stop=go_on.is_set):
+            given.append(checkpoint.step)
+            go_on.set()  # asked before the next one: the rest of the backlog stays
+        assert given == [1]
+
+
 def test_checkpoints_evicted_before_the_follower_read_them_are_reported(tmp_path: Path) -> None:
     root = tmp_path / "run"
     with CheckpointManager(root, streams={"model": Keep(last=1)}) as mgr:
@@ -238,12 +264,15 @@ def test_closing_the_reader_stops_its_followers(tmp_path: Path) -> None:
         next(follower)
 
 
-@pytest.mark.parametrize("poll, since", [(0, None), (-1, None), (0.1, "3"), (0.1, True)])
-def test_bad_follow_arguments_are_refused(tmp_path: Path, poll: Any, since: Any) -> None:
+@pytest.mark.parametrize(
+    "poll, since, stop",
+    [(0, None, None), (-1, None, None), (0.1, "3", None), (0.1, True, None), (0.1, None, True)],
+)
+def test_bad_follow_arguments_are_refused(tmp_path: Path, poll: Any, since: Any, stop: Any) -> None:
     root = tmp_path / "run"
     CheckpointManager(root, streams=STREAMS).close()
     with RunReader(root) as reader, pytest.raises((InvalidArgumentError, ArgumentTypeError)):
-        reader.follow(poll=poll, since=since)
+        reader.follow(poll=poll, since=since, stop=stop)
 
 
 @pytest.mark.postgres

@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -376,6 +377,40 @@ def test_the_command_mirrors_once_and_refuses_mixed_options(
 
 
 # ------------------------------------------------------------------ real kills
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_the_interpreter_drops_still_stops_the_mirror(
+    tmp_path: Path, tracking_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C raised inside a weakref callback is dropped by Python ("Exception
+    ignored in"); the mirror without --timeout stops after the pass it came in, 130."""
+    from ckptdb.trackers import Mirror
+
+    root = tmp_path / "run"
+    train(root, range(1, 5))
+    real_sync, passes = Mirror.sync, []
+
+    class Freed:
+        pass
+
+    def sync_then_dropped_interrupt(self: Mirror) -> Any:
+        done = real_sync(self)
+        passes.append(done)
+        freed = Freed()
+        ref = weakref.ref(freed, lambda _: signal.raise_signal(signal.SIGINT))
+        del freed  # the callback runs now; its KeyboardInterrupt is dropped
+        assert ref() is None
+        return done
+
+    monkeypatch.setattr(Mirror, "sync", sync_then_dropped_interrupt)
+    args = ["follow", str(root), "--to", "mlflow", "--tracking-uri", tracking_uri]
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 130, (done.exit_code, done.output)
+    assert "continues where this one left off" in done.output
+    assert len(passes) == 1  # no second pass after the interrupt
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
 
 TRAINING = """
 import sys, time, torch

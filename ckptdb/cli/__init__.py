@@ -8,7 +8,6 @@ stderr and exit 1 (``--debug`` shows the traceback); usage errors exit 2.
 from __future__ import annotations
 
 import importlib.util
-import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -538,30 +537,30 @@ def follow(
     stream = streams[0] if streams else "model"
     template = list(command)
     name = evaluator or following.default_evaluator(template)
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # stop as Ctrl-C does: cleanly
-    try:
-        with RunReader(root, db_url=db_url) as reader:
-            following.follow(
-                reader,
-                template,
-                stream=stream,
-                since=since,
-                evaluator=name,
-                ttl=ttl,
-                timeout=timeout,
-                poll=poll,
-                echo=click.echo,
-                command_timeout=command_timeout,
+    from .interrupts import Interrupts
+
+    with Interrupts() as interrupts:  # SIGTERM stops as Ctrl-C does: cleanly
+        try:
+            with RunReader(root, db_url=db_url) as reader:
+                following.follow(
+                    reader,
+                    template,
+                    stream=stream,
+                    since=since,
+                    evaluator=name,
+                    ttl=ttl,
+                    timeout=timeout,
+                    poll=poll,
+                    echo=click.echo,
+                    command_timeout=command_timeout,
+                    stop=interrupts.is_set,
+                )
+            interrupts.raise_if_set()  # one the interpreter dropped ended the follow
+        except KeyboardInterrupt:
+            click.echo(
+                "stopped; the next `ckptdb follow` continues where this one left off", err=True
             )
-    except KeyboardInterrupt:
-        click.echo("stopped; the next `ckptdb follow` continues where this one left off", err=True)
-        sys.exit(130)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+            sys.exit(130)
 
 
 @main.command()

@@ -83,13 +83,15 @@ def follow(
     poll: float,
     echo: Callable[[str], None],
     command_timeout: float | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> int:
-    """Run ``template`` for each new checkpoint; the number of checkpoints handled."""
+    """Run ``template`` for each new checkpoint; the number of checkpoints handled.
+    ``stop`` (asked before each checkpoint and between waits) ends the follow."""
     if not template:
         raise InvalidArgumentError("ckptdb follow needs a command after --, e.g. -- eval.sh {path}")
     cursor = resume_cursor(reader, evaluator, stream) if since is None else since
     handled = 0
-    with reader.follow(stream, since=cursor, timeout=timeout, poll=poll) as followed:
+    with reader.follow(stream, since=cursor, timeout=timeout, poll=poll, stop=stop) as followed:
         for ckpt in followed:
             handled += _one(reader, template, ckpt, evaluator, ttl, echo, command_timeout)
     return handled

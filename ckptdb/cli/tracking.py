@@ -6,7 +6,6 @@ command's options into a sink and reports each pass in one line.
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import click
 
 from ..trackers import POLL, Mirror, Pass, Sink
+from .interrupts import Interrupts
 
 MLFLOW_ONLY = ("tracking_uri", "experiment", "model_name", "artifact_location")
 WANDB_ONLY = ("project", "entity", "wandb_dir", "offline")
@@ -30,30 +30,32 @@ def mirror(
     to = options.pop("to")
     on_evict, once = options.pop("on_evict"), options.pop("once")
     sink = _sink(to, options)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        with Mirror(
-            root, sink, db_url=db_url, streams=streams or None, on_evict=on_evict
-        ) as mirrored:
-            click.echo(f"mirroring {root} into {to} run {mirrored.tracker_run_id}")
-            if once:
-                _report(mirrored.sync())
-                return
-            while True:
-                done = mirrored.sync()
-                _report(done)
-                if not done and timeout is not None and _idle(mirrored, timeout, poll):
+    with Interrupts() as interrupts:  # SIGTERM stops as Ctrl-C does: cleanly
+        try:
+            with Mirror(
+                root, sink, db_url=db_url, streams=streams or None, on_evict=on_evict
+            ) as mirrored:
+                click.echo(f"mirroring {root} into {to} run {mirrored.tracker_run_id}")
+                if once:
+                    _report(mirrored.sync())
                     return
-    except KeyboardInterrupt:
-        click.echo(
-            "stopped; the next `ckptdb follow --to` continues where this one left off", err=True
-        )
-        sys.exit(130)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+                while True:
+                    done = mirrored.sync()
+                    _report(done)
+                    interrupts.raise_if_set()  # one the interpreter dropped
+                    if done or timeout is None:
+                        continue
+                    if _idle(mirrored, timeout, poll, interrupts):
+                        return
+        except KeyboardInterrupt:
+            click.echo(
+                "stopped; the next `ckptdb follow --to` continues where this one left off",
+                err=True,
+            )
+            sys.exit(130)
 
 
-def _idle(mirrored: Mirror, timeout: float, poll: float | None) -> bool:
+def _idle(mirrored: Mirror, timeout: float, poll: float | None, interrupts: Interrupts) -> bool:
     """Wait up to ``timeout`` for news, a pass every ``poll`` seconds; True: none came."""
     import time
 
@@ -61,6 +63,7 @@ def _idle(mirrored: Mirror, timeout: float, poll: float | None) -> bool:
     while time.monotonic() < deadline:
         time.sleep(min(poll or POLL, max(deadline - time.monotonic(), 0)))
         done = mirrored.sync()
+        interrupts.raise_if_set()
         if done:
             _report(done)
             return False
@@ -111,7 +114,3 @@ def _report(done: Pass) -> None:
     if done.evicted:
         parts.append(f"{len(done.evicted)} evicted")
     click.echo("mirrored " + "; ".join(parts))
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt

@@ -188,6 +188,8 @@ class Follower:
         poll: Seconds between two looks at a SQLite ledger (PostgreSQL is told
             of each commit by NOTIFY).
         is_open: Whether the reader is still open.
+        stop: Asked at each ``next()`` and after each wait: True ends the
+            iteration (and closes the follower) as a timeout does.
 
     Raises:
         LedgerError: the ledger could not be read (from ``next()`` as well, and
@@ -204,9 +206,10 @@ class Follower:
         timeout: float | None,
         poll: float,
         is_open: Callable[[], bool],
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         self.db, self.run_id, self.stream, self.save_dir = db, run_id, stream, save_dir
-        self.timeout, self.poll, self._is_open = timeout, poll, is_open
+        self.timeout, self.poll, self._is_open, self._stop = timeout, poll, is_open, stop
         self._waiter = Waiter(db, run_id)  # listening before the cursor is read
         try:
             if since is None:
@@ -226,13 +229,18 @@ class Follower:
         # idle is the time this call waits: what the caller spent on the last checkpoint
         # (an evaluation of a backlog) is not idle, or a backlog would end the follow
         self._idle_since = time.monotonic()
-        while not self._ready:
+        while True:
+            if self._stop is not None and self._stop():
+                self.close()
+                raise StopIteration
+            if self._ready:
+                return self._ready.pop(0)
             if not self._is_open() or self._waiter is None:
                 raise LedgerError("this follower (or its reader) is closed")
             full = self._fetch()
             now = time.monotonic()
             if self._ready:
-                break
+                continue
             if full:
                 continue  # catching up: the next batch at once
             left = None if self.timeout is None else self.timeout - (now - self._idle_since)
@@ -241,7 +249,6 @@ class Follower:
                 raise StopIteration
             nap = NOTIFIED_RECHECK if self._waiter.notified else self.poll
             self._waiter.wait(nap if left is None else min(nap, left))
-        return self._ready.pop(0)
 
     def _fetch(self) -> bool:
         with self.db.transaction(read=True) as session:
