@@ -7,11 +7,13 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -438,3 +440,17 @@ def remove_copy_while_downloaded(
         raise ckptdb.errors.ObjectStoreError(f"GetObject {rel}: NoSuchKey")
 
     monkeypatch.setattr(ckptdb.storage.s3.S3Store, "download", removed_meanwhile)
+
+
+class _Freed:
+    pass
+
+
+def raise_a_dropped_interrupt() -> None:
+    """SIGINT from inside a weakref callback: Python drops the KeyboardInterrupt it
+    raises there ("Exception ignored in ..."), as it does with a Ctrl-C that lands while
+    an object (an evaluation's pin, its thread) is freed."""
+    freed = _Freed()
+    ref = weakref.ref(freed, lambda _: signal.raise_signal(signal.SIGINT))
+    del freed  # the callback runs now
+    assert ref() is None

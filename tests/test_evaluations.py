@@ -15,13 +15,12 @@ import subprocess
 import sys
 import textwrap
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from helpers import LedgerClient, invoke, state
+from helpers import LedgerClient, invoke, raise_a_dropped_interrupt, state
 
 from ckptdb import CheckpointManager, Keep, RunReader
 from ckptdb.errors import (
@@ -273,15 +272,9 @@ def test_a_ctrl_c_the_interpreter_drops_still_stops_the_follower(
             mgr.save(step, model=state(float(step)))
     real_one = following._one
 
-    class Freed:
-        pass
-
     def one_then_dropped_interrupt(*args: Any) -> int:
         handled = real_one(*args)
-        freed = Freed()
-        ref = weakref.ref(freed, lambda _: signal.raise_signal(signal.SIGINT))
-        del freed  # the callback runs now; its KeyboardInterrupt is dropped
-        assert ref() is None
+        raise_a_dropped_interrupt()
         return handled
 
     monkeypatch.setattr(following, "_one", one_then_dropped_interrupt)

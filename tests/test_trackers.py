@@ -16,7 +16,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import raise_a_dropped_interrupt
 
 from ckptdb import CheckpointManager, Keep, RunReader, TopK
 from ckptdb.cli import main
@@ -385,22 +385,15 @@ def test_a_ctrl_c_the_interpreter_drops_still_stops_the_mirror(
 ) -> None:
     """A Ctrl-C raised inside a weakref callback is dropped by Python ("Exception
     ignored in"); the mirror without --timeout stops after the pass it came in, 130."""
-    from ckptdb.trackers import Mirror
 
     root = tmp_path / "run"
     train(root, range(1, 5))
     real_sync, passes = Mirror.sync, []
 
-    class Freed:
-        pass
-
     def sync_then_dropped_interrupt(self: Mirror) -> Any:
         done = real_sync(self)
         passes.append(done)
-        freed = Freed()
-        ref = weakref.ref(freed, lambda _: signal.raise_signal(signal.SIGINT))
-        del freed  # the callback runs now; its KeyboardInterrupt is dropped
-        assert ref() is None
+        raise_a_dropped_interrupt()
         return done
 
     monkeypatch.setattr(Mirror, "sync", sync_then_dropped_interrupt)
